@@ -1,0 +1,70 @@
+"""fastft: fast, exact LoRA/QLoRA fine-tuning from a notebook.
+
+The five steps of a run, as plain calls::
+
+    import fastft
+    model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=256)   # 1. pick a model
+    model = fastft.add_lora(model, r=16, alpha=16)
+    data = fastft.pack(fastft.load_dataset("bundled:skills"), tokenizer)    # 2. pack a dataset
+    result = fastft.train(model, tokenizer, data, max_steps=100)            # 4. run
+    fastft.save_adapter(model, "runs/adapter", tokenizer)                   # 5. keep the result
+
+Names are imported on first use, so ``import fastft`` is quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    # models
+    "load_model": "fastft.models.loading",
+    "ModelLoadError": "fastft.models.loading",
+    "add_lora": "fastft.models.lora",
+    "LoraTargetError": "fastft.models.lora",
+    "linear_layer_names": "fastft.models.lora",
+    "save_adapter": "fastft.models.export",
+    "save_merged": "fastft.models.export",
+    "PRESETS": "fastft.models.presets",
+    "CATALOG": "fastft.models.catalog",
+    "find_model": "fastft.models.catalog",
+    "FastLanguageModel": "fastft.facade",
+    # data
+    "load_dataset": "fastft.data.loading",
+    "list_bundled": "fastft.data.loading",
+    "MalformedRowError": "fastft.data.errors",
+    "pack": "fastft.data.packing",
+    "PackedDataset": "fastft.data.packing",
+    "PackedBatch": "fastft.data.batch",
+    # engine
+    "train": "fastft.engine.trainer",
+    "Trainer": "fastft.engine.trainer",
+    "TrainConfig": "fastft.engine.trainer",
+    "TrainResult": "fastft.engine.trainer",
+    "NonFiniteLossError": "fastft.engine.trainer",
+    "StepEvent": "fastft.engine.events",
+    "EvalEvent": "fastft.engine.events",
+    "evaluate_accuracy": "fastft.engine.evaluate",
+    "generate_answers": "fastft.engine.evaluate",
+    # faces
+    "RunReport": "fastft.report",
+    "write_report": "fastft.report",
+    "run_demo": "fastft.demo",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastft' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,5 @@
+import sys
+
+from fastft.cli import main
+
+sys.exit(main())

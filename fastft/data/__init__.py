@@ -1,0 +1,1 @@
+"""Datasets: formats, loading, tokenisation with response-only labels, packing, `PackedBatch`."""

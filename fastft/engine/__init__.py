@@ -1,0 +1,1 @@
+"""The training engine: loss, the trainer and its events, checkpoints, evaluation."""

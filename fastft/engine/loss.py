@@ -1,0 +1,26 @@
+"""The training loss of a packed batch: summed next-token cross-entropy over trained tokens.
+
+Only the positions whose next token is trained reach the output head (``logits_to_keep`` with
+the batch's precomputed `target_positions`), so prompt tokens cost no vocabulary matmul. The
+sum is divided by the step's trained-token count by the caller, which makes gradient
+accumulation token-weighted: a step's loss does not depend on how its tokens were split.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastft.data.batch import PackedBatch
+
+
+def causal_lm_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Sum of cross-entropy (fp32) over the batch's trained tokens; a scalar on the model's device."""
+    output = model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        logits_to_keep=batch.target_positions,
+    )
+    logits = output.logits[0]
+    return F.cross_entropy(logits.float(), batch.target_ids, reduction="sum")

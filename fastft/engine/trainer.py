@@ -1,0 +1,443 @@
+"""The SFT trainer: an explicit loop over packed batches that emits one `StepEvent` per step.
+
+One step = `grad_accum_steps` micro-batches, each `micro_batch_bins` packed bins concatenated
+into one padding-free row. The loss is summed per micro-batch and divided by the step's trained
+token count, known on the host when the batch is built, so accumulation is token-weighted.
+
+Host–device syncs: none inside a step. On CUDA the step's loss and gradient norm are copied to
+pinned memory without blocking and read one step later, when their event has completed; the
+`StepEvent` of step s is emitted during step s+1 (and all are flushed at the end, before each
+checkpoint and on stop). A non-finite loss stops the run with `NonFiniteLossError`; checkpoints
+are written only after every earlier step was read back finite, so the last one is always good.
+
+Data order is a pure function of (seed, epoch): bins are shuffled per epoch with a seeded
+generator, and step s always reads the same bins. Resume restores adapters, optimizer, scheduler
+and RNG, so a resumed run's losses equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import resource
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastft.data.packing import PackedDataset, pack
+from fastft.engine.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from fastft.engine.events import EvalEvent, Event, StepEvent, Subscriber
+from fastft.engine.loss import causal_lm_loss_sum
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; training stopped and the last good checkpoint is kept."""
+
+
+@dataclass
+class TrainConfig:
+    """Hyperparameters of a supervised fine-tuning run (defaults suit LoRA on a small dataset).
+
+    `max_steps` wins over `epochs` when set. `warmup` is a step count (int) or a fraction of
+    `max_steps` (float below 1). `eval_every` / `save_every` are in optimizer steps (None: only
+    at the end / never). `resume_from` is a checkpoint folder or "latest" (in `output_dir`).
+    """
+
+    max_steps: int | None = None
+    epochs: float = 1.0
+    learning_rate: float = 2e-4
+    min_learning_rate_ratio: float = 0.1
+    warmup: int | float = 0.05
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    micro_batch_bins: int = 1
+    grad_accum_steps: int = 1
+    seed: int = 3407
+    eval_every: int | None = None
+    save_every: int | None = None
+    save_total_limit: int = 2
+    output_dir: str | None = None
+    resume_from: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_bins", "grad_accum_steps", "save_total_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1, got {self.max_steps}.")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}.")
+        if (self.save_every or self.resume_from == "latest") and not self.output_dir:
+            raise ValueError("save_every and resume_from='latest' need output_dir=... (where checkpoints live).")
+
+
+@dataclass
+class TrainResult:
+    steps: list[StepEvent] = field(default_factory=list)
+    evals: list[EvalEvent] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    stopped_early: bool = False
+    seconds: float = 0.0
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.steps[-1].loss if self.steps else None
+
+
+def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """LR multiplier: linear warmup from 0 to 1, then cosine decay from 1 to `min_ratio`."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+class _PendingReadout:
+    """A step's device scalars on their way to the host, read once their copy has completed."""
+
+    def __init__(self, values: torch.Tensor, info: dict):
+        self.info = info
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host, self.done = values, None
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def read(self) -> list[float]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+class Trainer:
+    """Supervised fine-tuning of a (PEFT) model on packed data.
+
+    `train_data` is a `PackedDataset` or anything `pack` accepts (then packed to the tokenizer's
+    `model_max_length`). Subscribers receive every `StepEvent` / `EvalEvent`; `stop()` and
+    `pause()` / `unpause()` are honoured between steps (safe to call from another thread).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        train_data,
+        eval_data=None,
+        config: TrainConfig | None = None,
+        subscribers: Iterable[Subscriber] = (),
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or TrainConfig()
+        self.train_data = train_data if isinstance(train_data, PackedDataset) else pack(train_data, tokenizer)
+        self.eval_data = (
+            None
+            if eval_data is None
+            else eval_data
+            if isinstance(eval_data, PackedDataset)
+            else pack(eval_data, tokenizer, self.train_data.max_seq_length)
+        )
+        self.subscribers: list[Subscriber] = list(subscribers)
+        self.device = next(model.parameters()).device
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if not self.parameters:
+            raise ValueError("The model has no trainable parameters: call fastft.add_lora(model, ...) first.")
+        self.bins_per_step = self.config.micro_batch_bins * self.config.grad_accum_steps
+        self.max_steps = self.config.max_steps or max(
+            1, math.ceil(self.config.epochs * len(self.train_data) / self.bins_per_step)
+        )
+        warmup = self.config.warmup
+        self.warmup_steps = int(warmup * self.max_steps) if isinstance(warmup, float) else int(warmup)
+        self.optimizer = torch.optim.AdamW(
+            self.parameters,
+            lr=self.config.learning_rate,
+            betas=self.config.adam_betas,
+            eps=self.config.adam_eps,
+            weight_decay=self.config.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            cosine_with_warmup(self.warmup_steps, self.max_steps, self.config.min_learning_rate_ratio),
+        )
+        self.autocast_dtype = self._autocast_dtype()
+        self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
+        self.step = 0
+        self.result = TrainResult()
+        self._stop = threading.Event()
+        self._running = threading.Event()
+        self._running.set()
+        self._pending: list[_PendingReadout] = []
+        self._epoch_orders: dict[int, np.ndarray] = {}
+
+    # -- control -----------------------------------------------------------------------------
+    def subscribe(self, subscriber: Subscriber) -> None:
+        self.subscribers.append(subscriber)
+
+    def stop(self) -> None:
+        """Finish the current step, then stop (a checkpoint is written if `output_dir` is set)."""
+        self._stop.set()
+        self._running.set()
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def unpause(self) -> None:
+        self._running.set()
+
+    # -- data order ----------------------------------------------------------------------------
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._epoch_orders:
+            generator = np.random.default_rng([self.config.seed, epoch])
+            self._epoch_orders = {epoch: generator.permutation(len(self.train_data))}
+        return self._epoch_orders[epoch]
+
+    def bins_for_step(self, step: int) -> list[list[int]]:
+        """The bins of each micro-batch of optimizer step `step` (0-based); a pure function."""
+        n = len(self.train_data)
+        positions = range(step * self.bins_per_step, (step + 1) * self.bins_per_step)
+        bins = [int(self._epoch_order(p // n)[p % n]) for p in positions]
+        size = self.config.micro_batch_bins
+        return [bins[i : i + size] for i in range(0, len(bins), size)]
+
+    # -- the loop ------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        """Run until `max_steps` (or `stop()`); returns every event of the run."""
+        config = self.config
+        if self.step == 0:  # seed dropout & co. like any trainer; a resume restores the RNG instead
+            torch.manual_seed(config.seed)
+            np.random.seed(config.seed % 2**32)
+            random.seed(config.seed)
+        if config.resume_from and self.step == 0:
+            self._resume(config.resume_from)
+        started = time.perf_counter()
+        self.model.train()
+        try:
+            while self.step < self.max_steps:
+                self._running.wait()
+                if self._stop.is_set():
+                    self.result.stopped_early = True
+                    break
+                self._train_step()
+                self.step += 1
+                self._emit_ready()
+                if config.eval_every and self.step % config.eval_every == 0 and self.step < self.max_steps:
+                    self.evaluate()
+                if config.save_every and self.step % config.save_every == 0:
+                    self.save_checkpoint()
+            self._flush()
+            if self.eval_data is not None and (not self.result.evals or self.result.evals[-1].step != self.step):
+                self.evaluate()
+            if config.output_dir and (config.save_every or self.result.stopped_early):
+                if not self.result.checkpoints or not self.result.checkpoints[-1].endswith(f"-{self.step}"):
+                    self.save_checkpoint()
+        finally:
+            self.result.seconds += time.perf_counter() - started
+        return self.result
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        if self.device.type != "cuda":
+            return None
+        dtype = getattr(getattr(self.model, "fastft_info", None), "dtype", None)
+        return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+    def _train_step(self) -> None:
+        micro_batches = [self.train_data.batch(bins).to(self.device) for bins in self.bins_for_step(self.step)]
+        trained = sum(b.num_trained_tokens for b in micro_batches)
+        tokens = sum(b.num_tokens for b in micro_batches)
+        timer = _StepTimer(self.device)
+        loss_total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                loss = causal_lm_loss_sum(self.model, batch) / trained
+            (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+            loss_total += loss.detach()
+        if self.grad_scaler:
+            self.grad_scaler.unscale_(self.optimizer)
+        if self.config.max_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.config.max_grad_norm, foreach=True)
+        else:
+            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters]))
+        learning_rate = self.scheduler.get_last_lr()[0]
+        if self.grad_scaler:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        timer.stop()
+        values = torch.stack([loss_total.float(), grad_norm.detach().float().to(self.device)])
+        info = dict(step=self.step + 1, lr=learning_rate, trained=trained, tokens=tokens, timer=timer)
+        self._pending.append(_PendingReadout(values, info))
+
+    def _emit_ready(self, wait: bool = False) -> None:
+        while self._pending and (wait or self._pending[0].ready()):
+            readout = self._pending.pop(0)
+            loss, grad_norm = readout.read()
+            info = readout.info
+            seconds = info["timer"].seconds()
+            event = StepEvent(
+                step=info["step"],
+                max_steps=self.max_steps,
+                epoch=info["step"] * self.bins_per_step / len(self.train_data),
+                loss=loss,
+                learning_rate=info["lr"],
+                grad_norm=grad_norm,
+                trained_tokens=info["trained"],
+                tokens=info["tokens"],
+                step_seconds=seconds,
+                trained_tokens_per_second=info["trained"] / seconds if seconds > 0 else 0.0,
+                peak_memory_bytes=_peak_memory(self.device),
+                memory_kind="cuda" if self.device.type == "cuda" else "cpu-rss",
+            )
+            self.result.steps.append(event)
+            self._publish(event)
+            if not math.isfinite(loss):
+                self._pending.clear()
+                last = self.result.checkpoints[-1] if self.result.checkpoints else None
+                keep = f"The last good checkpoint is {last}." if last else "No checkpoint was written yet."
+                raise NonFiniteLossError(
+                    f"The loss became {loss} at step {event.step} (learning rate {event.learning_rate:.3g}, "
+                    f"gradient norm {grad_norm:.3g}). Training stopped. {keep} Fix: lower the learning "
+                    "rate, keep max_grad_norm on, or check the data of this step; resume with "
+                    "resume_from=<checkpoint>."
+                )
+
+    def _flush(self) -> None:
+        self._emit_ready(wait=True)
+
+    def _publish(self, event: Event) -> None:
+        for subscriber in self.subscribers:
+            subscriber(event)
+
+    # -- evaluation and checkpoints ----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> EvalEvent:
+        """Token-weighted loss over the whole eval set (a sync point; not part of a step)."""
+        if self.eval_data is None:
+            raise ValueError("No eval data: pass eval_data=... to the Trainer.")
+        self._flush()
+        self.model.eval()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        trained = 0
+        size = self.config.micro_batch_bins
+        try:
+            for start in range(0, len(self.eval_data), size):
+                batch = self.eval_data.batch(range(start, min(start + size, len(self.eval_data)))).to(self.device)
+                with torch.autocast(
+                    self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+                ):
+                    total += causal_lm_loss_sum(self.model, batch).double()
+                trained += batch.num_trained_tokens
+        finally:
+            self.model.train()
+        event = EvalEvent(step=self.step, eval_loss=float(total / trained), eval_trained_tokens=trained)
+        self.result.evals.append(event)
+        self._publish(event)
+        return event
+
+    def save_checkpoint(self) -> Path:
+        if not self.config.output_dir:
+            raise ValueError("Set TrainConfig(output_dir=...) to save checkpoints.")
+        self._flush()  # raises before writing if any step so far was not finite
+        state = {
+            "step": self.step,
+            "max_steps": self.max_steps,
+            "config": asdict(self.config),
+            "steps": [event.as_dict() for event in self.result.steps],
+            "evals": [event.as_dict() for event in self.result.evals],
+        }
+        folder = Path(self.config.output_dir) / f"checkpoint-{self.step}"
+        save_checkpoint(folder, self.model, self.optimizer, self.scheduler, state)
+        self.result.checkpoints.append(str(folder))
+        prune_checkpoints(self.config.output_dir, self.config.save_total_limit)
+        return folder
+
+    def _resume(self, source: str) -> None:
+        folder = latest_checkpoint(self.config.output_dir) if source == "latest" else Path(source)
+        if folder is None:
+            return  # nothing to resume from yet: start fresh
+        state = load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+        if state["max_steps"] != self.max_steps:
+            raise ValueError(
+                f"{folder} was written by a run of {state['max_steps']} steps, this one has {self.max_steps}: "
+                "resume with the same data and TrainConfig so the schedule and data order match."
+            )
+        self.step = state["step"]
+        self.result.steps = [StepEvent(**event) for event in state["steps"]]
+        self.result.evals = [EvalEvent(**event) for event in state["evals"]]
+        self.result.checkpoints.append(str(folder))
+
+
+class _StepTimer:
+    """Step wall time: CUDA events on a GPU (read later, never stalling), perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.begin, self.finish = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.finish = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return self.start.elapsed_time(self.end) / 1000.0
+        return self.finish - self.begin
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def train(
+    model: torch.nn.Module,
+    tokenizer,
+    dataset,
+    eval_dataset=None,
+    *,
+    progress: bool = True,
+    subscribers: Iterable[Subscriber] = (),
+    **config,
+) -> TrainResult:
+    """Fine-tune `model` on `dataset` (a `PackedDataset`, or rows/`datasets.Dataset` to pack).
+
+    Keyword arguments are `TrainConfig` fields (max_steps, learning_rate, …). With `progress`, a
+    tqdm bar shows loss, tokens/s and memory. Returns every `StepEvent` and `EvalEvent`.
+    """
+    from fastft.engine.progress import ProgressBar
+
+    trainer = Trainer(model, tokenizer, dataset, eval_dataset, TrainConfig(**config), subscribers)
+    bar = ProgressBar(trainer.max_steps, initial=0) if progress else None
+    if bar is not None:
+        trainer.subscribe(bar)
+    try:
+        return trainer.train()
+    finally:
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,1 @@
+"""Loading and patching Hugging Face models: presets, the catalog, LoRA, export."""

@@ -1,0 +1,274 @@
+"""`load_model`: an embedded preset, a local folder or a hub id → (model, tokenizer).
+
+Presets are built from their config with seeded weights. Folders and hub ids go through the
+real ``from_pretrained`` path (safetensors only, no remote code unless asked). 4-bit loading is
+NF4 with double quantisation through bitsandbytes and needs CUDA; a preset asked for in 4/8-bit
+is saved to a temporary folder and loaded back through that same path, so there is one
+quantisation code path.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from fastft.models.presets import PRESETS, build_preset_model, load_preset_tokenizer
+
+
+class ModelLoadError(ValueError):
+    """A model could not be loaded; the message names the input and the fix."""
+
+
+class UnknownModelError(ModelLoadError):
+    pass
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    pass
+
+
+class QuantizationError(ModelLoadError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What fastft knows about a loaded model; attached to the instance as ``model.fastft_info``."""
+
+    name: str
+    source: str  # "preset", "local" or "hub"
+    model_type: str
+    dtype: torch.dtype
+    quantization: str | None  # None, "nf4" or "int8"
+    max_seq_length: int
+
+
+def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
+    """bf16 on a GPU that supports it, fp16 on an older GPU, fp32 on the CPU."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _check_architecture(model_type: str, name: str, config) -> None:
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    hint = ""
+    if getattr(config, "auto_map", None):
+        hint = " It ships its own modelling code: pass trust_remote_code=True if you trust its author."
+    raise UnsupportedArchitectureError(
+        f"'{name}' has model_type '{model_type}', which is not a causal language model transformers "
+        f"{_transformers_version()} can load.{hint} Supported model types include: "
+        + ", ".join(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)[:40])
+        + ", …"
+    )
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: torch.dtype):
+    if not (load_in_4bit or load_in_8bit):
+        return None
+    if load_in_4bit and load_in_8bit:
+        raise QuantizationError("Choose one of load_in_4bit=True or load_in_8bit=True, not both.")
+    bits = "4-bit (NF4)" if load_in_4bit else "8-bit"
+    if not torch.cuda.is_available():
+        raise QuantizationError(
+            f"{bits} loading needs a CUDA GPU (bitsandbytes); none was found. On the CPU load the model "
+            "in 16/32-bit: load_model(..., load_in_4bit=False, load_in_8bit=False)."
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise QuantizationError(
+            f"{bits} loading needs bitsandbytes: pip install 'fastft[gpu]' (or pip install bitsandbytes)."
+        ) from error
+    from transformers import BitsAndBytesConfig
+
+    if load_in_4bit:
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    max_seq_length: int = 2048,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    trust_remote_code: bool = False,
+    token: str | None = None,
+):
+    """Load a causal LM and its tokenizer, ready for `add_lora`.
+
+    `name_or_path` is an embedded preset (`fastft.PRESETS`: "tiny-llama", "tiny-qwen3", …),
+    a local folder written by ``save_pretrained``, or a Hugging Face hub id.
+    `dtype=None` picks bf16 on a GPU that has it (fp16 on older GPUs) and fp32 on the CPU.
+    `max_seq_length` is the longest sequence the model will be trained on; it becomes the
+    tokenizer's ``model_max_length``.
+    Returns ``(model, tokenizer)``; ``model.fastft_info`` records how it was loaded.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    dtype = _resolve_dtype(dtype, device)
+    quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype)
+    name = os.fspath(name_or_path)
+
+    if name in PRESETS:
+        tokenizer = load_preset_tokenizer()
+        model = build_preset_model(PRESETS[name], len(tokenizer), dtype)
+        source = "preset"
+        if quantization is not None:
+            with tempfile.TemporaryDirectory(prefix="fastft-preset-") as folder:
+                model.save_pretrained(folder)
+                model = _from_pretrained(folder, name, dtype, quantization, device, False, None)
+        else:
+            model.to(device)
+    elif Path(name).expanduser().is_dir():
+        folder = str(Path(name).expanduser())
+        source = "local"
+        model = _from_pretrained(folder, name, dtype, quantization, device, trust_remote_code, None)
+        tokenizer = _load_tokenizer(folder, name, trust_remote_code, None)
+    elif _looks_like_hub_id(name):
+        source = "hub"
+        model = _from_pretrained(name, name, dtype, quantization, device, trust_remote_code, token)
+        tokenizer = _load_tokenizer(name, name, trust_remote_code, token)
+    else:
+        raise UnknownModelError(_unknown_model_message(name))
+
+    _prepare_tokenizer(tokenizer, model, max_seq_length)
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    if max_positions and max_seq_length > max_positions:
+        warnings.warn(
+            f"max_seq_length={max_seq_length} is longer than the {max_positions} positions "
+            f"'{name}' was trained on; quality beyond that length is not guaranteed.",
+            stacklevel=2,
+        )
+    model.fastft_info = ModelInfo(
+        name=name,
+        source=source,
+        model_type=model.config.model_type,
+        dtype=dtype,
+        quantization="nf4" if load_in_4bit else "int8" if load_in_8bit else None,
+        max_seq_length=max_seq_length,
+    )
+    return model, tokenizer
+
+
+def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, str):
+        aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
+        resolved = getattr(torch, aliases.get(dtype, dtype), None)
+        if not isinstance(resolved, torch.dtype):
+            raise ModelLoadError(f"Unknown dtype '{dtype}': use 'bfloat16', 'float16' or 'float32'.")
+        return resolved
+    return dtype
+
+
+def _unknown_model_message(name: str) -> str:
+    from fastft.models.catalog import CATALOG
+
+    candidates = list(PRESETS) + list(CATALOG)
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.4)
+    suggestion = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return (
+        f"'{name}' is not an embedded preset, an existing folder, or a hub id of the form 'org/name'."
+        f"{suggestion} Presets: {', '.join(PRESETS)}."
+    )
+
+
+def _from_pretrained(source, name, dtype, quantization, device, trust_remote_code, token):
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, token=token)
+    except ValueError as error:
+        raw = _raw_config(source, token)
+        if raw.get("auto_map") and not trust_remote_code:
+            raise UnsupportedArchitectureError(
+                f"'{name}' needs its own modelling code (model_type '{raw.get('model_type')}'). Pass "
+                "trust_remote_code=True only if you trust its author; fastft never runs remote code by default."
+            ) from error
+        if "model_type" in raw:
+            raise UnsupportedArchitectureError(
+                f"'{name}' has model_type '{raw['model_type']}', which transformers {_transformers_version()} "
+                "does not know. Fix: upgrade transformers (pip install -U transformers)."
+            ) from error
+        raise ModelLoadError(f"Could not read the config of '{name}': {error}") from error
+    except OSError as error:
+        raise ModelLoadError(
+            f"Could not load '{name}': {error}\nFix: check the id or path; for a gated hub model accept its "
+            "licence and log in (hf auth login); offline, download it first and pass the local folder."
+        ) from error
+    if not trust_remote_code:
+        _check_architecture(config.model_type, name, config)
+    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, token=token, use_safetensors=True)
+    if quantization is not None:
+        kwargs.update(quantization_config=quantization, device_map={"": torch.cuda.current_device()})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as error:
+        raise ModelLoadError(
+            f"Could not load the weights of '{name}': {error}\nFix: fastft loads safetensors weights only "
+            "(never pickled .bin files); convert the checkpoint with save_pretrained(safe_serialization=True)."
+        ) from error
+    if quantization is None:
+        model.to(device)
+    return model
+
+
+def _raw_config(source, token) -> dict:
+    from transformers import PretrainedConfig
+
+    try:
+        return PretrainedConfig.get_config_dict(source, token=token)[0]
+    except (OSError, ValueError):
+        return {}
+
+
+def _load_tokenizer(source, name, trust_remote_code, token):
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, token=token)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"Could not load a tokenizer for '{name}': {error}\nFix: save the tokenizer beside the weights "
+            "(tokenizer.save_pretrained(folder))."
+        ) from error
+
+
+def _prepare_tokenizer(tokenizer, model, max_seq_length: int) -> None:
+    """Give the tokenizer a pad token and the run's length; never resize the model's embeddings."""
+    tokenizer.model_max_length = max_seq_length
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -1,0 +1,182 @@
+"""`add_lora`: PEFT LoRA adapters on a loaded model, with checked target names.
+
+The result is a plain `peft.PeftModel`, so `save_pretrained`, `generate`, HF `Trainer` and TRL all
+accept it. Re-running the same `add_lora` call on the returned model is a no-op, so a notebook
+cell can be run twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+GRADIENT_CHECKPOINTING_MODES = (True, False, "unsloth")
+
+
+class LoraTargetError(ValueError):
+    """Asked-for LoRA targets do not exist in the model; the message lists the ones that do."""
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+    bias: str
+    use_rslora: bool
+    gradient_checkpointing: bool | str
+
+
+def linear_layer_names(model: torch.nn.Module) -> list[str]:
+    """Short names (e.g. ``q_proj``) of the model's linear layers that LoRA can target.
+
+    The output head is left out (it is never a LoRA target here), as are MoE routers, which
+    are not `nn.Linear` in transformers' MoE blocks or are named ``gate``/``router`` beside experts.
+    bitsandbytes' 4/8-bit layers subclass `nn.Linear`, so quantised models list the same names.
+    """
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names: list[str] = []
+    for full_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is output:
+            continue
+        parts = full_name.split(".")
+        if any(part.startswith("lora_") for part in parts):  # adapters of an already wrapped model
+            continue
+        short = parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
+        if short in ("lm_head", "router") or (short == "gate" and _is_router(full_name, model)):
+            continue
+        if short not in names:
+            names.append(short)
+    return names
+
+
+def _is_router(full_name: str, model: torch.nn.Module) -> bool:
+    full_name = full_name.removesuffix(".base_layer")
+    parent = model.get_submodule(full_name.rsplit(".", 1)[0]) if "." in full_name else model
+    return hasattr(parent, "experts")
+
+
+def resolve_targets(model: torch.nn.Module, target_modules: str | list[str] | tuple[str, ...]) -> list[str]:
+    available = linear_layer_names(model)
+    if target_modules == "all-linear":
+        return available
+    if isinstance(target_modules, str):
+        target_modules = [target_modules]
+    unknown = [name for name in target_modules if name not in available]
+    if unknown:
+        raise LoraTargetError(
+            f"LoRA target(s) {unknown} are not linear layers of this model. "
+            f"Its linear layers are: {available}. Use some of these, or target_modules='all-linear'."
+        )
+    return list(target_modules)
+
+
+def add_lora(
+    model: torch.nn.Module,
+    r: int = 16,
+    alpha: float = 16,
+    dropout: float = 0.0,
+    target_modules: str | list[str] = "all-linear",
+    gradient_checkpointing: bool | str = True,
+    bias: str = "none",
+    use_rslora: bool = False,
+    seed: int | None = 3407,
+) -> PeftModel:
+    """Wrap `model` with LoRA adapters of rank `r` and scale `alpha / r` and freeze the rest.
+
+    `target_modules` is "all-linear" (every linear layer but the output head and MoE routers) or a
+    list of short layer names such as ``["q_proj", "v_proj"]``. `gradient_checkpointing` is True
+    (recompute each layer in backward), False, or "unsloth" (fastft's best available mode).
+    `seed` makes the adapters' initialisation reproducible without touching the global RNG.
+    """
+    if gradient_checkpointing not in GRADIENT_CHECKPOINTING_MODES:
+        raise ValueError(
+            f"gradient_checkpointing={gradient_checkpointing!r} is not a mode; use one of "
+            f"{GRADIENT_CHECKPOINTING_MODES}."
+        )
+    if r <= 0:
+        raise ValueError(f"LoRA rank r must be a positive integer, got {r}.")
+    if bias not in ("none", "all", "lora_only"):
+        raise ValueError(f"bias={bias!r}: use 'none', 'all' or 'lora_only'.")
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    targets = resolve_targets(base, target_modules)
+    settings = LoraSettings(r, float(alpha), float(dropout), tuple(targets), bias, use_rslora, gradient_checkpointing)
+
+    if isinstance(model, PeftModel):
+        existing = getattr(model, "fastft_lora", None)
+        if existing == settings:
+            return model
+        raise ValueError(
+            "This model already has LoRA adapters"
+            + (f" ({_describe(existing)})" if existing else "")
+            + ". Reload the base model with load_model(...) before adding different adapters."
+        )
+
+    quantized = getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False)
+    if quantized:
+        from peft import prepare_model_for_kbit_training
+
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        bias=bias,
+        use_rslora=use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        peft_model = get_peft_model(base, config)
+
+    set_gradient_checkpointing(peft_model, gradient_checkpointing)
+    peft_model.fastft_lora = settings
+    return peft_model
+
+
+def set_gradient_checkpointing(model: torch.nn.Module, mode: bool | str) -> None:
+    """Switch the model's activation recomputation on or off (non-reentrant checkpointing)."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    options = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers ≥ 5.2x renamed the API
+        if mode:
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+        elif is_checkpointing(base):
+            base.activation_checkpointing_disable()
+    elif mode:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    elif is_checkpointing(base):
+        base.gradient_checkpointing_disable()
+    if mode:
+        base.config.use_cache = False
+
+
+def is_checkpointing(model: torch.nn.Module) -> bool:
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    flag = getattr(type(base), "is_activation_checkpointing", None)
+    return bool(base.is_activation_checkpointing if flag is not None else base.is_gradient_checkpointing)
+
+
+def trainable_parameter_count(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit weights count as their unpacked size."""
+    trainable = total = 0
+    for parameter in model.parameters():
+        count = parameter.numel()
+        if hasattr(parameter, "quant_state"):  # bitsandbytes Params4bit stores two values per byte
+            count *= 2
+        total += count
+        if parameter.requires_grad:
+            trainable += count
+    return trainable, total
+
+
+def _describe(settings: LoraSettings) -> str:
+    fields = asdict(settings)
+    return ", ".join(f"{key}={value}" for key, value in fields.items())

@@ -1,0 +1,182 @@
+"""Embedded tiny presets: real `transformers` architectures that need no download.
+
+Each preset is a config of a real architecture (Llama, Qwen3, Mistral, Qwen3-MoE, Mixtral)
+shrunk until it trains on two CPU cores, plus a byte-level BPE tokenizer trained on the bundled
+data (``assets/tokenizer.json``) with a ChatML chat template. Weights are initialised from a
+fixed seed, so ``load_model("tiny-llama")`` gives the same model in every process.
+
+``python -m fastft.models.presets`` retrains the tokenizer from the bundled data.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
+
+ASSETS_DIR = Path(__file__).parent / "assets"
+TOKENIZER_FILE = ASSETS_DIR / "tokenizer.json"
+TOKENIZER_VOCAB_SIZE = 512
+PRESET_SEED = 1234
+
+SPECIAL_TOKENS = {"pad": "<|endoftext|>", "bos": "<|im_start|>", "eos": "<|im_end|>"}
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """An embedded model: a `transformers` model type and the config fields that shrink it."""
+
+    name: str
+    model_type: str
+    description: str
+    config: dict = field(default_factory=dict)
+
+    def make_config(self, vocab_size: int) -> PretrainedConfig:
+        fields = dict(self.config, vocab_size=vocab_size, max_position_embeddings=4096)
+        return AutoConfig.for_model(self.model_type, **fields)
+
+
+_ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0)
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "tiny-llama",
+            "llama",
+            "Llama architecture, 4 layers, hidden 128 (the default)",
+            dict(_ATTENTION, hidden_size=128, intermediate_size=344, num_hidden_layers=4),
+        ),
+        Preset(
+            "tiny-qwen3",
+            "qwen3",
+            "Qwen3 architecture (per-head q/k RMSNorm, tied embeddings), 3 layers, hidden 96",
+            dict(
+                _ATTENTION,
+                hidden_size=96,
+                intermediate_size=264,
+                num_hidden_layers=3,
+                tie_word_embeddings=True,
+            ),
+        ),
+        Preset(
+            "tiny-mistral",
+            "mistral",
+            "Mistral architecture (sliding-window attention), 3 layers, hidden 128",
+            dict(
+                _ATTENTION,
+                hidden_size=128,
+                intermediate_size=320,
+                num_hidden_layers=3,
+                num_key_value_heads=1,
+                sliding_window=64,
+            ),
+        ),
+        Preset(
+            "tiny-moe",
+            "qwen3_moe",
+            "Qwen3-MoE architecture: 8 experts, top-2, 2 layers, hidden 96",
+            dict(
+                _ATTENTION,
+                hidden_size=96,
+                intermediate_size=192,
+                moe_intermediate_size=64,
+                num_experts=8,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                num_hidden_layers=2,
+            ),
+        ),
+        Preset(
+            "tiny-mixtral",
+            "mixtral",
+            "Mixtral architecture: 4 experts, top-2, 2 layers, hidden 96",
+            dict(
+                _ATTENTION,
+                hidden_size=96,
+                intermediate_size=128,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                num_hidden_layers=2,
+            ),
+        ),
+    )
+}
+
+DEFAULT_PRESET = "tiny-llama"
+
+
+def load_preset_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level BPE tokenizer shared by every preset, with its ChatML template."""
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(TOKENIZER_FILE),
+        pad_token=SPECIAL_TOKENS["pad"],
+        eos_token=SPECIAL_TOKENS["eos"],
+        additional_special_tokens=[SPECIAL_TOKENS["bos"]],
+        padding_side="right",
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_preset_model(
+    preset: Preset, vocab_size: int, dtype: torch.dtype, warm_start: bool = True
+) -> torch.nn.Module:
+    """The preset's architecture with weights drawn from a fixed seed (global RNG left untouched),
+    replaced by its shipped warm-start weights where it has them (see `fastft.models.warmstart`)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = preset.make_config(vocab_size)
+    config.pad_token_id, config.eos_token_id = 0, 2
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(PRESET_SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    weights = ASSETS_DIR / f"{preset.name}.safetensors"
+    if warm_start and weights.exists():
+        model.load_state_dict(load_file(weights), strict=not config.tie_word_embeddings)
+        model.to(dtype)
+    model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=2, do_sample=False)
+    return model
+
+
+def train_tokenizer(path: Path = TOKENIZER_FILE, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> None:
+    """Train the preset tokenizer on the bundled data (all texts the demo trains and evaluates on)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from fastft.data.skills import BUNDLED_DIR
+
+    def texts():
+        for file in sorted(BUNDLED_DIR.glob("*.jsonl")):
+            with open(file, encoding="utf-8") as f:
+                for line in f:
+                    for message in json.loads(line).get("messages", []):
+                        yield message["role"] + "\n" + message["content"]
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[SPECIAL_TOKENS["pad"], SPECIAL_TOKENS["bos"], SPECIAL_TOKENS["eos"]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts(), trainer=trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+
+
+if __name__ == "__main__":
+    train_tokenizer()
+    print(f"wrote {TOKENIZER_FILE}")

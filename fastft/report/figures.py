@@ -1,0 +1,307 @@
+"""Plotly figure builders for training runs, shared by the HTML report and the notebook studio.
+
+Every builder takes plain data (trainer events, mappings of numbers) and returns a fresh
+`plotly.graph_objects.Figure`; none does any I/O. All figures share one look (`TEMPLATE`,
+`HEIGHT`) and never raise on empty input: they return a figure with a short notice instead.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from fastft.engine.events import EvalEvent, StepEvent
+
+__all__ = [
+    "HEIGHT",
+    "TEMPLATE",
+    "accuracy_figure",
+    "learning_rate_figure",
+    "loss_figure",
+    "memory_label",
+    "smooth",
+    "throughput_figure",
+]
+
+TEMPLATE = "plotly_white"
+HEIGHT = 350
+GIB = 1024**3
+FONT_FAMILY = "system-ui, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
+
+_BLUE = "#1f6fb4"
+_BLUE_FAINT = "rgba(31, 111, 180, 0.30)"
+_RED = "#d62728"
+_GREEN = "#2a9d5c"
+_PURPLE = "#8e5ec9"
+_ORANGE = "#e8871e"
+_GREY = "#a3acb9"
+
+
+def smooth(values: Iterable[float], smoothing: float = 0.9) -> list[float]:
+    """Exponential moving average with bias correction, as TensorBoard's scalar smoothing.
+
+    ``ema_n = smoothing * ema_{n-1} + (1 - smoothing) * x_n`` starting from ``ema_0 = 0``, and each
+    output is ``ema_n / (1 - smoothing ** n)`` so the first values are not pulled towards zero.
+    Non-finite values (NaN, inf) are passed through unchanged and do not enter the average.
+    ``smoothing=0`` returns the input; it must lie in ``[0, 1)``.
+    """
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
+    out: list[float] = []
+    ema = 0.0
+    n = 0
+    for value in values:
+        x = float(value)
+        if not math.isfinite(x):
+            out.append(x)
+            continue
+        n += 1
+        ema = smoothing * ema + (1.0 - smoothing) * x
+        out.append(ema / (1.0 - smoothing**n))
+    return out
+
+
+def memory_label(memory_kind: str) -> str:
+    """Human label for a `StepEvent.memory_kind`: "GPU peak allocated" or "CPU peak RSS"."""
+    kind = (memory_kind or "").strip().lower()
+    if kind.startswith("cpu") or "rss" in kind or kind in {"host", "process"}:
+        return "CPU peak RSS"
+    if any(word in kind for word in ("cuda", "gpu", "alloc", "mps", "xpu", "device")):
+        return "GPU peak allocated"
+    return f"Peak memory ({memory_kind})" if memory_kind else "Peak memory"
+
+
+def _base_layout(fig: go.Figure, title: str, x_title: str, y_title: str) -> go.Figure:
+    fig.update_layout(
+        template=TEMPLATE,
+        height=HEIGHT,
+        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 16}},
+        font={"family": FONT_FAMILY, "size": 12},
+        margin={"l": 64, "r": 24, "t": 64, "b": 48},
+        legend={"orientation": "h", "x": 1.0, "xanchor": "right", "y": 1.0, "yanchor": "bottom"},
+        hovermode="x unified",
+    )
+    fig.update_xaxes(title_text=x_title)
+    fig.update_yaxes(title_text=y_title)
+    return fig
+
+
+def _empty_figure(title: str, message: str) -> go.Figure:
+    fig = go.Figure()
+    _base_layout(fig, title, "", "")
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    fig.add_annotation(
+        text=message,
+        x=0.5,
+        y=0.5,
+        xref="paper",
+        yref="paper",
+        showarrow=False,
+        font={"size": 15, "color": "#7a8594"},
+    )
+    return fig
+
+
+def _step_range(fig: go.Figure, steps: Sequence[StepEvent]) -> None:
+    """Pin the x axis to the whole run (0..max_steps) so a live plot shows progress."""
+    last = max(max(s.max_steps for s in steps), max(s.step for s in steps))
+    if last > 0:
+        fig.update_xaxes(range=[0, last])
+
+
+def loss_figure(
+    steps: Sequence[StepEvent], evals: Sequence[EvalEvent] = (), *, smoothing: float = 0.9
+) -> go.Figure:
+    """Training loss per optimizer step: raw (thin), smoothed (`smooth`) and eval-loss markers.
+
+    Traces, in order: "train loss" (raw), "train loss (smoothed)", then "eval loss" if `evals`.
+    Returns a figure with a "no steps yet" notice (plus any eval markers) when `steps` is empty.
+    """
+    title = "Loss"
+    if not steps and not evals:
+        return _empty_figure(title, "no steps yet")
+    fig = go.Figure()
+    if steps:
+        x = [s.step for s in steps]
+        losses = [float(s.loss) for s in steps]
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=losses,
+                name="train loss",
+                mode="lines",
+                line={"color": _BLUE_FAINT, "width": 1},
+                hovertemplate="%{y:.4f}",
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=smooth(losses, smoothing),
+                name=f"train loss (smoothed {smoothing:g})",
+                mode="lines",
+                line={"color": _BLUE, "width": 2.5},
+                hovertemplate="%{y:.4f}",
+            )
+        )
+    if evals:
+        fig.add_trace(
+            go.Scatter(
+                x=[e.step for e in evals],
+                y=[float(e.eval_loss) for e in evals],
+                name="eval loss",
+                mode="lines+markers",
+                marker={"color": _RED, "size": 9, "symbol": "diamond"},
+                line={"color": _RED, "width": 1, "dash": "dot"},
+                hovertemplate="%{y:.4f}",
+            )
+        )
+    _base_layout(fig, title, "optimizer step", "loss (nats / token)")
+    if steps:
+        _step_range(fig, steps)
+    else:
+        fig.add_annotation(text="no steps yet", x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False)
+    return fig
+
+
+def throughput_figure(steps: Sequence[StepEvent]) -> go.Figure:
+    """Trained tokens per second per step with its median, and peak memory (GiB) on a second axis.
+
+    Traces, in order: "trained tokens/s", "median …", then the memory trace named by
+    `memory_label` of the last step's `memory_kind` ("GPU peak allocated" / "CPU peak RSS").
+    """
+    title = "Throughput and memory"
+    if not steps:
+        return _empty_figure(title, "no steps yet")
+    x = [s.step for s in steps]
+    rates = [float(s.trained_tokens_per_second) for s in steps]
+    finite = [r for r in rates if math.isfinite(r)]
+    label = memory_label(steps[-1].memory_kind)
+
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=rates,
+            name="trained tokens/s",
+            mode="lines+markers" if len(steps) <= 60 else "lines",
+            marker={"size": 4},
+            line={"color": _GREEN, "width": 1.5},
+            hovertemplate="%{y:,.0f} tok/s",
+        ),
+        secondary_y=False,
+    )
+    if finite:
+        median = statistics.median(finite)
+        fig.add_trace(
+            go.Scatter(
+                x=[x[0], x[-1]],
+                y=[median, median],
+                name=f"median {median:,.0f} tok/s",
+                mode="lines",
+                line={"color": _GREEN, "width": 1.5, "dash": "dash"},
+                hoverinfo="skip",
+            ),
+            secondary_y=False,
+        )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=[s.peak_memory_bytes / GIB for s in steps],
+            name=label,
+            mode="lines",
+            line={"color": _PURPLE, "width": 2, "shape": "hv"},
+            hovertemplate="%{y:.2f} GiB",
+        ),
+        secondary_y=True,
+    )
+    _base_layout(fig, title, "optimizer step", "trained tokens / s")
+    fig.update_yaxes(rangemode="tozero", secondary_y=False)
+    fig.update_yaxes(title_text=f"{label} (GiB)", rangemode="tozero", showgrid=False, secondary_y=True)
+    _step_range(fig, steps)
+    return fig
+
+
+def learning_rate_figure(steps: Sequence[StepEvent]) -> go.Figure:
+    """Learning rate per optimizer step (one trace, "learning rate")."""
+    title = "Learning rate"
+    if not steps:
+        return _empty_figure(title, "no steps yet")
+    fig = go.Figure(
+        go.Scatter(
+            x=[s.step for s in steps],
+            y=[float(s.learning_rate) for s in steps],
+            name="learning rate",
+            mode="lines",
+            line={"color": _ORANGE, "width": 2},
+            hovertemplate="%{y:.3e}",
+        )
+    )
+    _base_layout(fig, title, "optimizer step", "learning rate (per step)")
+    fig.update_yaxes(tickformat=".1e", rangemode="tozero")
+    _step_range(fig, steps)
+    return fig
+
+
+def _as_percent(values: Iterable[float | None], percent: bool) -> list[float | None]:
+    out: list[float | None] = []
+    for v in values:
+        if v is None or not math.isfinite(float(v)):
+            out.append(None)
+        else:
+            out.append(float(v) if percent else 100.0 * float(v))
+    return out
+
+
+def accuracy_figure(
+    before: Mapping[str, float] | None,
+    after: Mapping[str, float] | None,
+    *,
+    percent: bool | None = None,
+) -> go.Figure:
+    """Grouped bars of accuracy per task before and after training, on a 0-100 % axis.
+
+    Tasks are the union of both mappings' keys in first-seen order; the key ``"all"`` (the mean
+    over tasks, as given by the caller) is drawn last as its own group. Values are fractions in
+    [0, 1] unless `percent` is True; with ``percent=None`` they count as percentages as soon as
+    any value exceeds 1. Traces: "before training" and/or "after training" (whichever is given).
+    """
+    title = "Accuracy per task"
+    before = dict(before or {})
+    after = dict(after or {})
+    if not before and not after:
+        return _empty_figure(title, "no accuracy results yet")
+    tasks = [t for t in dict.fromkeys([*before, *after]) if t != "all"]
+    if "all" in before or "all" in after:
+        tasks.append("all")
+    if percent is None:
+        numbers = [float(v) for v in (*before.values(), *after.values()) if v is not None]
+        percent = any(math.isfinite(v) and v > 1.0 for v in numbers)
+
+    fig = go.Figure()
+    for name, values, color in (("before training", before, _GREY), ("after training", after, _BLUE)):
+        if not values:
+            continue
+        y = _as_percent((values.get(t) for t in tasks), percent)
+        fig.add_trace(
+            go.Bar(
+                x=tasks,
+                y=y,
+                name=name,
+                marker={"color": color},
+                text=[None if v is None else f"{v:.0f}%" for v in y],
+                textposition="outside",
+                cliponaxis=False,
+                hovertemplate="%{x}: %{y:.1f}%<extra>" + name + "</extra>",
+            )
+        )
+    _base_layout(fig, title, "task", "accuracy (%)")
+    fig.update_layout(barmode="group", bargap=0.25, bargroupgap=0.05, hovermode="closest")
+    fig.update_yaxes(range=[0, 109], tickvals=[0, 20, 40, 60, 80, 100], ticksuffix="%")
+    fig.update_xaxes(type="category")
+    return fig

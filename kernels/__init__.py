@@ -1,0 +1,31 @@
+"""fastft.kernels: fused Triton kernels with manual backward, each beside a plain-PyTorch reference.
+
+Packaged from the top-level ``kernels/`` folder as ``fastft.kernels`` (never as a top-level
+``kernels`` module, a name that belongs to Hugging Face's kernel hub). This layer knows torch
+and triton only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def triton_available() -> bool:
+    """Whether Triton can run here: on a CUDA GPU, or on the CPU under ``TRITON_INTERPRET=1``."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Dispatch rule: CUDA tensors take the Triton kernel; CPU tensors take it only when interpreted."""
+    if tensor.is_cuda:
+        return triton_available()
+    return os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
+
+
+__all__ = ["triton_available", "use_triton"]

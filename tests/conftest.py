@@ -1,0 +1,41 @@
+"""Shared test setup: offline by construction, small thread counts, GPU tests skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+_real_connect = socket.socket.connect
+
+
+def _loopback_only(self, address):
+    host = address[0] if isinstance(address, tuple) else address
+    if isinstance(host, str) and host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("/"):
+        raise OSError(f"tests must not use the network (tried to connect to {host})")
+    return _real_connect(self, address)
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch):
+    """Any test that tries to reach beyond loopback fails: nothing may be downloaded."""
+    monkeypatch.setattr(socket.socket, "connect", _loopback_only)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
