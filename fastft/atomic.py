@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -44,3 +46,19 @@ def replace_folder_atomically(write: Callable[[Path], None], destination: str | 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return destination
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write `text` to a temp file beside `path`, fsync it, then `os.replace` it into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

@@ -41,7 +41,9 @@ def _demo_parser(sub) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         if f.name == "progress":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help_text[f.name])
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=True, help=help_text[f.name]
+            )
         elif f.name == "name":
             parser.add_argument(flag, default=None, help=help_text[f.name])
         else:

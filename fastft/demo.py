@@ -153,7 +153,12 @@ def run_demo(config: DemoConfig | None = None, log=print) -> DemoResult:
         "duration_s": time.perf_counter() - started,
     }
     samples = [
-        {"prompt": b["prompt"], "expected": b["expected"], "before": b["completion"], "after": a["completion"]}
+        {
+            "prompt": b["prompt"],
+            "expected": b["expected"],
+            "before": b["completion"],
+            "after": a["completion"],
+        }
         for b, a in zip(before.completions[:16], after.completions[:16], strict=True)
     ]
     report = RunReport(

@@ -1,8 +1,8 @@
 """`FastLanguageModel`: Unsloth's calling convention on top of fastft, so switching is one import.
 
-    from fastft import FastLanguageModel            # instead of: from unsloth import FastLanguageModel
-    model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=2048)
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing="unsloth")
+from fastft import FastLanguageModel            # instead of: from unsloth import FastLanguageModel
+model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=2048)
+model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing="unsloth")
 """
 
 from __future__ import annotations
@@ -92,4 +92,6 @@ class FastLanguageModel:
 def _drop_ignored(kwargs: dict, ignored: set[str], where: str) -> None:
     for name in sorted(ignored & kwargs.keys()):
         kwargs.pop(name)
-        warnings.warn(f"FastLanguageModel.{where}: '{name}' does not apply in fastft and is ignored.", stacklevel=3)
+        warnings.warn(
+            f"FastLanguageModel.{where}: '{name}' does not apply in fastft and is ignored.", stacklevel=3
+        )

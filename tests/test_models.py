@@ -26,7 +26,10 @@ from fastft.models.lora import (
 )
 from fastft.models.presets import PRESETS
 
-PROMPT = [{"role": "user", "content": "Reverse the letters of 'lemon'."}, {"role": "assistant", "content": "nomel"}]
+PROMPT = [
+    {"role": "user", "content": "Reverse the letters of 'lemon'."},
+    {"role": "assistant", "content": "nomel"},
+]
 
 
 def _ids(tokenizer) -> torch.Tensor:
@@ -74,7 +77,9 @@ def test_save_then_load_folder_round_trip(tmp_path):
     assert loaded.fastft_info.source == "local"
     assert loaded_tokenizer.model_max_length == 64
     ids = _ids(tokenizer)
-    assert loaded_tokenizer(tokenizer.decode(ids[0]), add_special_tokens=False)["input_ids"] == ids[0].tolist()
+    assert (
+        loaded_tokenizer(tokenizer.decode(ids[0]), add_special_tokens=False)["input_ids"] == ids[0].tolist()
+    )
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False).logits
         actual = loaded(input_ids=ids, use_cache=False).logits
@@ -142,7 +147,15 @@ def test_all_linear_skips_output_head_and_moe_router():
     assert "lm_head" not in names and "gate" not in names
     assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(names)
     llama, _ = load_model("tiny-llama")
-    assert linear_layer_names(llama) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert linear_layer_names(llama) == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
 
 
 def test_add_lora_is_idempotent_and_refuses_a_second_config():
@@ -222,7 +235,9 @@ def test_facade_maps_unsloth_arguments():
     assert model.fastft_lora.r == 8 and model.fastft_lora.target_modules == ("q_proj", "v_proj")
     assert model.fastft_lora.gradient_checkpointing == "unsloth"
     assert is_checkpointing(model)
-    same = fastft.add_lora(load_model("tiny-llama")[0], r=8, alpha=16, target_modules=["q_proj", "v_proj"], seed=3407)
+    same = fastft.add_lora(
+        load_model("tiny-llama")[0], r=8, alpha=16, target_modules=["q_proj", "v_proj"], seed=3407
+    )
     for (n, x), (_, y) in zip(model.named_parameters(), same.named_parameters(), strict=True):
         assert torch.equal(x, y), n
     with pytest.raises(TypeError, match="unexpected"):

@@ -31,7 +31,13 @@ def test_loss_falls_and_every_step_emits_an_event():
     data = fastft.pack(ROWS, tokenizer, 128)
     seen = []
     result = fastft.train(
-        model, tokenizer, data, max_steps=30, learning_rate=3e-3, micro_batch_bins=2, progress=False,
+        model,
+        tokenizer,
+        data,
+        max_steps=30,
+        learning_rate=3e-3,
+        micro_batch_bins=2,
+        progress=False,
         subscribers=[seen.append],
     )
     steps = [e for e in seen if isinstance(e, StepEvent)]
@@ -52,8 +58,11 @@ def test_gradient_accumulation_is_token_weighted():
         model, tokenizer = _lora_model()
         data = fastft.pack(ROWS, tokenizer, 128)
         config = TrainConfig(
-            max_steps=3, learning_rate=1e-3, micro_batch_bins=micro_batch_bins,
-            grad_accum_steps=grad_accum_steps, max_grad_norm=None,
+            max_steps=3,
+            learning_rate=1e-3,
+            micro_batch_bins=micro_batch_bins,
+            grad_accum_steps=grad_accum_steps,
+            max_grad_norm=None,
         )
         trainer = Trainer(model, tokenizer, data, config=config)
         results.append((_losses(trainer.train()), [p.detach().clone() for p in trainer.parameters]))
@@ -91,8 +100,13 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, name):
         model, tokenizer = _lora_model(name, dropout=0.1)  # dropout: RNG state must be restored too
         data = fastft.pack(rows, tokenizer, 128)
         config = TrainConfig(
-            max_steps=8, learning_rate=2e-3, micro_batch_bins=2, save_every=4, output_dir=str(output),
-            resume_from="latest" if resume else None, seed=9,
+            max_steps=8,
+            learning_rate=2e-3,
+            micro_batch_bins=2,
+            save_every=4,
+            output_dir=str(output),
+            resume_from="latest" if resume else None,
+            seed=9,
         )
         trainer = Trainer(model, tokenizer, data, config=config)
         if max_steps_before_stop:
@@ -125,7 +139,9 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_good_checkpoint(tmp_p
     with pytest.raises(NonFiniteLossError) as error:
         trainer.train()
     message = str(error.value)
-    assert "nan" in message and "step 6" in message and "checkpoint-3" in message and "learning rate" in message
+    assert (
+        "nan" in message and "step 6" in message and "checkpoint-3" in message and "learning rate" in message
+    )
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder
 
@@ -148,7 +164,9 @@ def test_checkpoints_rotate_and_load_with_weights_only(tmp_path):
 def test_eval_loss_is_token_weighted_over_the_eval_set():
     model, tokenizer = _lora_model()
     eval_data = fastft.pack(ROWS[:40], tokenizer, 128)
-    trainer = Trainer(model, tokenizer, fastft.pack(ROWS, tokenizer, 128), eval_data, TrainConfig(max_steps=1))
+    trainer = Trainer(
+        model, tokenizer, fastft.pack(ROWS, tokenizer, 128), eval_data, TrainConfig(max_steps=1)
+    )
     event = trainer.evaluate()
     assert isinstance(event, EvalEvent) and event.eval_trained_tokens == eval_data.stats.trained_tokens
     total = 0.0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
@@ -105,10 +105,9 @@ TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
 }
 
 SYSTEM_PROMPT = "Answer with the result only."
-
-# The tiny-llama preset is pretrained on these families only (see fastft.models.warmstart), so a
-# LoRA run on the bundled data visibly teaches it the others.
-PRETRAINED_TASKS = ("add", "uppercase", "count", "first_letter")
+# The tiny-llama preset was pretrained on all tasks with answers in this wordier style and no
+# system prompt (fastft.models.warmstart); the bundled SFT data teaches it to follow SYSTEM_PROMPT.
+VERBOSE_ANSWER = "The answer is {answer}."
 
 
 def normalize_answer(text: str) -> str:
@@ -123,12 +122,16 @@ def score(completion: str, answer: str) -> float:
     return float(normalize_answer(first_line) == normalize_answer(answer))
 
 
-def generate(
-    n: int, seed: int, exclude: set[str] | None = None, tasks: Sequence[str] | None = None
-) -> Iterator[dict]:
-    """Yield `n` rows, round-robin over `tasks` (default: all), skipping prompts in `exclude`."""
+def generate(n: int, seed: int, exclude: set[str] | None = None, style: str = "terse") -> Iterator[dict]:
+    """Yield `n` rows, round-robin over the tasks, skipping prompts in `exclude`.
+
+    `style="terse"` rows have the system prompt and the bare answer (the bundled data);
+    `style="verbose"` rows have no system prompt and answer in `VERBOSE_ANSWER` (pretraining).
+    """
+    if style not in ("terse", "verbose"):
+        raise ValueError(f"style={style!r}: use 'terse' or 'verbose'")
     rng = random.Random(seed)
-    names = list(tasks or TASKS)
+    names = list(TASKS)
     exclude = exclude or set()
     made = 0
     attempts = 0
@@ -140,15 +143,18 @@ def generate(
         prompt, answer = TASKS[task](rng)
         if prompt in exclude:
             continue
-        yield {
-            "messages": [
+        if style == "terse":
+            messages = [
                 {"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": prompt},
                 {"role": "assistant", "content": answer},
-            ],
-            "task": task,
-            "answer": answer,
-        }
+            ]
+        else:
+            messages = [
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": VERBOSE_ANSWER.format(answer=answer)},
+            ]
+        yield {"messages": messages, "task": task, "answer": answer}
         made += 1
 
 
@@ -158,9 +164,15 @@ TRAIN_ROWS, EVAL_ROWS, SEED = 4000, 256, 20261130
 def build_rows() -> tuple[list[dict], list[dict]]:
     """The train and held-out eval rows: no eval prompt appears in train."""
     eval_rows = list(generate(EVAL_ROWS, SEED + 1))
-    held_out = {row["messages"][1]["content"] for row in eval_rows}
+    held_out = held_out_prompts(eval_rows)
     train_rows = list(generate(TRAIN_ROWS, SEED, exclude=held_out))
     return train_rows, eval_rows
+
+
+def held_out_prompts(eval_rows: list[dict] | None = None) -> set[str]:
+    """User prompts of the eval rows: never trained on, in SFT or in the preset's pretraining."""
+    rows = eval_rows if eval_rows is not None else list(generate(EVAL_ROWS, SEED + 1))
+    return {m["content"] for row in rows for m in row["messages"] if m["role"] == "user"}
 
 
 def write_bundled(directory: Path = BUNDLED_DIR) -> None:

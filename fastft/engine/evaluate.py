@@ -75,8 +75,13 @@ def evaluate_accuracy(model, tokenizer, rows: Sequence[dict], max_new_tokens: in
         ok = score(answer, row["answer"])
         correct[row.get("task", "all")].append(ok)
         completions.append(
-            {"task": row.get("task"), "prompt": prompt_messages(row)[-1]["content"], "expected": row["answer"],
-             "completion": answer.strip(), "correct": bool(ok)}
+            {
+                "task": row.get("task"),
+                "prompt": prompt_messages(row)[-1]["content"],
+                "expected": row["answer"],
+                "completion": answer.strip(),
+                "correct": bool(ok),
+            }
         )
     per_task = {task: sum(v) / len(v) for task, v in sorted(correct.items())}
     per_task["all"] = sum(sum(v) for v in correct.values()) / max(1, len(rows))

@@ -75,7 +75,9 @@ class TrainConfig:
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be positive, got {self.learning_rate}.")
         if (self.save_every or self.resume_from == "latest") and not self.output_dir:
-            raise ValueError("save_every and resume_from='latest' need output_dir=... (where checkpoints live).")
+            raise ValueError(
+                "save_every and resume_from='latest' need output_dir=... (where checkpoints live)."
+            )
 
 
 @dataclass
@@ -242,11 +244,14 @@ class Trainer:
                 if config.save_every and self.step % config.save_every == 0:
                     self.save_checkpoint()
             self._flush()
-            if self.eval_data is not None and (not self.result.evals or self.result.evals[-1].step != self.step):
+            if self.eval_data is not None and (
+                not self.result.evals or self.result.evals[-1].step != self.step
+            ):
                 self.evaluate()
-            if config.output_dir and (config.save_every or self.result.stopped_early):
-                if not self.result.checkpoints or not self.result.checkpoints[-1].endswith(f"-{self.step}"):
-                    self.save_checkpoint()
+            last_saved = self.result.checkpoints[-1] if self.result.checkpoints else ""
+            wants_final = config.output_dir and (config.save_every or self.result.stopped_early)
+            if wants_final and not last_saved.endswith(f"checkpoint-{self.step}"):
+                self.save_checkpoint()
         finally:
             self.result.seconds += time.perf_counter() - started
         return self.result
@@ -258,20 +263,26 @@ class Trainer:
         return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
     def _train_step(self) -> None:
-        micro_batches = [self.train_data.batch(bins).to(self.device) for bins in self.bins_for_step(self.step)]
+        micro_batches = [
+            self.train_data.batch(bins).to(self.device) for bins in self.bins_for_step(self.step)
+        ]
         trained = sum(b.num_trained_tokens for b in micro_batches)
         tokens = sum(b.num_tokens for b in micro_batches)
         timer = _StepTimer(self.device)
         loss_total = torch.zeros((), device=self.device)
         for batch in micro_batches:
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            with torch.autocast(
+                self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+            ):
                 loss = causal_lm_loss_sum(self.model, batch) / trained
             (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             loss_total += loss.detach()
         if self.grad_scaler:
             self.grad_scaler.unscale_(self.optimizer)
         if self.config.max_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.config.max_grad_norm, foreach=True)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.parameters, self.config.max_grad_norm, foreach=True
+            )
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters]))
         learning_rate = self.scheduler.get_last_lr()[0]
@@ -340,7 +351,9 @@ class Trainer:
         size = self.config.micro_batch_bins
         try:
             for start in range(0, len(self.eval_data), size):
-                batch = self.eval_data.batch(range(start, min(start + size, len(self.eval_data)))).to(self.device)
+                batch = self.eval_data.batch(range(start, min(start + size, len(self.eval_data)))).to(
+                    self.device
+                )
                 with torch.autocast(
                     self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
                 ):

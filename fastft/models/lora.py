@@ -104,7 +104,9 @@ def add_lora(
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     targets = resolve_targets(base, target_modules)
-    settings = LoraSettings(r, float(alpha), float(dropout), tuple(targets), bias, use_rslora, gradient_checkpointing)
+    settings = LoraSettings(
+        r, float(alpha), float(dropout), tuple(targets), bias, use_rslora, gradient_checkpointing
+    )
 
     if isinstance(model, PeftModel):
         existing = getattr(model, "fastft_lora", None)

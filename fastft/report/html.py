@@ -6,13 +6,11 @@ page atomically together with a ``report.json`` from which `RunReport.from_json`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import html
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -22,6 +20,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
+from fastft.atomic import write_text_atomically
 from fastft.engine.events import EvalEvent, StepEvent
 from fastft.report.figures import accuracy_figure, learning_rate_figure, loss_figure, throughput_figure
 
@@ -256,22 +255,6 @@ def render_report(report: RunReport) -> str:
 # ---------------------------------------------------------------------------------------------- writing
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to a temp file beside `path`, fsync it, then `os.replace` it into place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def write_report(report: RunReport, path: str | os.PathLike[str]) -> Path:
     """Write the HTML page to `path` and the report's data to ``report.json`` in the same folder.
 
@@ -288,6 +271,6 @@ def write_report(report: RunReport, path: str | os.PathLike[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(report.to_dict(), indent=1, default=str, ensure_ascii=False)
     page = render_report(report)
-    _atomic_write_text(path.with_name(JSON_NAME), data + "\n")
-    _atomic_write_text(path, page)
+    write_text_atomically(path.with_name(JSON_NAME), data + "\n")
+    write_text_atomically(path, page)
     return path
