@@ -196,8 +196,9 @@ def test_adapter_reloads_with_plain_peft(tmp_path):
         assert torch.allclose(model(input_ids=ids).logits, reloaded(input_ids=ids).logits, atol=1e-6)
 
 
-def test_merged_model_loads_with_plain_transformers(tmp_path):
-    model, tokenizer = load_model("tiny-llama")
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])  # untied and tied embeddings
+def test_merged_model_loads_with_plain_transformers(tmp_path, name):
+    model, tokenizer = load_model(name)
     model = add_lora(model, r=4, alpha=8)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -213,7 +214,8 @@ def test_merged_model_loads_with_plain_transformers(tmp_path):
     assert half.dtype == torch.bfloat16
     with torch.no_grad():
         assert torch.allclose(exact(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
-        assert torch.allclose(half(input_ids=ids).logits.float(), expected, atol=0.1)
+        relative = (half(input_ids=ids).logits.float() - expected).norm() / expected.norm()
+        assert relative < 2e-2  # the bf16 tolerance
         assert torch.equal(model(input_ids=ids).logits, expected)  # merging left the LoRA model alone
 
 

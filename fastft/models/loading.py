@@ -229,9 +229,17 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
         ) from error
     if not trust_remote_code:
         _check_architecture(config.model_type, name, config)
-    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, token=token, use_safetensors=True)
+    # Weights go straight to their device (no full copy in host memory first).
+    target = torch.cuda.current_device() if device.type == "cuda" and device.index is None else str(device)
+    kwargs = dict(
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        token=token,
+        use_safetensors=True,
+        device_map={"": target},
+    )
     if quantization is not None:
-        kwargs.update(quantization_config=quantization, device_map={"": torch.cuda.current_device()})
+        kwargs.update(quantization_config=quantization)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as error:
@@ -239,8 +247,6 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
             f"Could not load the weights of '{name}': {error}\nFix: fastft loads safetensors weights only "
             "(never pickled .bin files); convert the checkpoint with save_pretrained(safe_serialization=True)."
         ) from error
-    if quantization is None:
-        model.to(device)
     return model
 
 

@@ -7,6 +7,7 @@ cell can be run twice.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -133,7 +134,9 @@ def add_lora(
         use_rslora=use_rslora,
         task_type="CAUSAL_LM",
     )
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; not the user's concern
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         if seed is not None:
             torch.manual_seed(seed)
         peft_model = get_peft_model(base, config)

@@ -1,0 +1,165 @@
+"""CUDA paths of the foundation: bf16 autocast, fused AdamW, deferred readout, fp16 + GradScaler, NF4.
+
+Marked `gpu`: skipped without CUDA (CI), run on the device before a GPU-facing change is called done.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fastft
+from fastft.data.skills import generate
+from fastft.engine import trainer as trainer_module
+from fastft.engine.loss import causal_lm_loss_sum
+from fastft.engine.trainer import TrainConfig, Trainer
+
+pytestmark = pytest.mark.gpu
+ROWS = list(generate(400, seed=21))
+
+
+def _model(**kwargs):
+    model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=256, **kwargs)
+    return fastft.add_lora(model, r=16, alpha=32, seed=3), tokenizer
+
+
+def test_bf16_training_on_cuda_learns_and_reports_gpu_memory():
+    model, tokenizer = _model()
+    assert model.dtype == torch.bfloat16 and next(model.parameters()).is_cuda
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert all(p.dtype == torch.float32 for p in lora)  # adapters stay fp32 under a bf16 base
+    trainer = Trainer(
+        model,
+        tokenizer,
+        fastft.pack(ROWS, tokenizer),
+        config=TrainConfig(max_steps=40, learning_rate=2e-3, micro_batch_bins=2),
+    )
+    assert trainer.autocast_dtype == torch.bfloat16 and trainer.grad_scaler is None
+    assert trainer.optimizer.defaults["fused"]
+    result = trainer.train()
+    losses = [e.loss for e in result.steps]
+    assert len(losses) == 40 and sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    event = result.steps[-1]
+    assert event.memory_kind == "cuda" and 0 < event.peak_memory_bytes < 2**31
+    assert event.step_seconds > 0 and event.trained_tokens_per_second > 0
+
+
+def test_fp16_training_uses_the_grad_scaler():
+    model, tokenizer = _model(dtype=torch.float16)
+    trainer = Trainer(
+        model, tokenizer, fastft.pack(ROWS, tokenizer), config=TrainConfig(max_steps=12, learning_rate=2e-3)
+    )
+    assert trainer.autocast_dtype == torch.float16 and trainer.grad_scaler is not None
+    result = trainer.train()
+    assert all(torch.isfinite(torch.tensor(e.loss)) for e in result.steps)
+
+
+def test_nf4_double_quantised_preset_trains_with_lora():
+    pytest.importorskip("bitsandbytes")
+    model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=256, load_in_4bit=True)
+    base = model
+    assert base.is_loaded_in_4bit and base.fastft_info.quantization == "nf4"
+    quant = base.config.quantization_config
+    assert quant.bnb_4bit_quant_type == "nf4" and quant.bnb_4bit_use_double_quant
+    model = fastft.add_lora(model, r=8, alpha=16)
+    result = fastft.train(
+        model, tokenizer, fastft.pack(ROWS, tokenizer), max_steps=10, learning_rate=2e-3, progress=False
+    )
+    assert all(torch.isfinite(torch.tensor(e.loss)) for e in result.steps)
+    with pytest.raises(ValueError, match="4/8-bit base"):
+        fastft.save_merged(model, "/tmp/never")
+
+
+def test_resume_on_cuda_reproduces_the_uninterrupted_losses(tmp_path):
+    def run(output, stop_at=None, resume=False):
+        model, tokenizer = _model()
+        config = TrainConfig(
+            max_steps=8,
+            learning_rate=2e-3,
+            save_every=4,
+            output_dir=str(output),
+            resume_from="latest" if resume else None,
+        )
+        trainer = Trainer(model, tokenizer, fastft.pack(ROWS, tokenizer), config=config)
+        if stop_at:
+            trainer.subscribe(
+                lambda e: trainer.stop() if getattr(e, "step", 0) == stop_at and hasattr(e, "loss") else None
+            )
+        return [e.loss for e in trainer.train().steps]
+
+    full = run(tmp_path / "a")
+    run(tmp_path / "b", stop_at=4)
+    resumed = run(tmp_path / "b", resume=True)
+    assert resumed[:4] == full[:4]
+    assert resumed[4:] == pytest.approx(full[4:], rel=2e-2)  # bf16 kernels may reorder sums
+
+
+def test_packed_loss_equals_per_sequence_loss_in_bf16():
+    model, tokenizer = fastft.load_model("tiny-qwen3", max_seq_length=256)
+    data = fastft.pack(ROWS, tokenizer)
+    batch = data.batch([0, 1]).to("cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        packed = causal_lm_loss_sum(model, batch)
+        alone = sum(
+            causal_lm_loss_sum(
+                model,
+                fastft.PackedBatch.from_sequences([data.data.input_ids[i]], [data.data.labels[i]]).to("cuda"),
+            )
+            for b in (0, 1)
+            for i in data.bins[b]
+        )
+    assert float(packed) == pytest.approx(float(alone), rel=2e-2)
+
+
+def _count_syncs(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_trainer_adds_no_host_device_sync_to_a_step():
+    """Whatever syncs remain in a step come from the model's forward (transformers' packed-mask
+    detection, until fastft's attention reads the PackedBatch), none from the trainer's code."""
+    model, tokenizer = _model()
+    data = fastft.pack(ROWS, tokenizer)
+    trainer = Trainer(model, tokenizer, data, config=TrainConfig(max_steps=10, micro_batch_bins=2))
+    trainer.train()  # warm up: allocator, fused AdamW, kernels
+    trainer.max_steps += 1
+    model_only_batch = data.batch(trainer.bins_for_step(0)[0]).to("cuda")
+
+    def model_only():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            causal_lm_loss_sum(model, model_only_batch).backward()
+
+    model_syncs = _count_syncs(model_only)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    step_syncs = _count_syncs(trainer._train_step)
+    print(f"syncs per step: model forward/backward {model_syncs}, whole trainer step {step_syncs}")
+    assert step_syncs <= model_syncs
+
+
+def test_demo_uses_the_gpu(tmp_path):
+    from fastft.demo import DemoConfig, run_demo
+
+    result = run_demo(
+        DemoConfig(
+            steps=20, eval_every=10, eval_samples=32, output_dir=str(tmp_path), name="gpu", progress=False
+        ),
+        log=lambda m: None,
+    )
+    assert result.summary["device"] != "cpu" and result.summary["memory_kind"] == "cuda"
+    assert (tmp_path / "gpu" / "report.html").exists()
+
+
+def test_trainer_module_reads_scalars_without_blocking():
+    values = torch.tensor([1.5, 2.5], device="cuda")
+    readout = trainer_module._PendingReadout(values, {})
+    assert readout.host.is_pinned() and readout.read() == [1.5, 2.5]
