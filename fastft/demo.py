@@ -34,12 +34,12 @@ class DemoConfig:
     dataset: str = "bundled:skills"
     eval_dataset: str = "bundled:skills-eval"
     max_seq_length: int = 256
-    steps: int = 240
-    learning_rate: float = 2e-3
+    steps: int = 400
+    learning_rate: float = 4e-3
     lora_r: int = 16
     lora_alpha: float = 32
     micro_batch_bins: int = 4
-    eval_every: int = 40
+    eval_every: int = 50
     eval_samples: int = 128
     seed: int = 3407
     output_dir: str = "runs"
