@@ -191,7 +191,7 @@ def test_packed_batch_metadata():
     assert batch.position_ids[0].tolist() == [p for n in lengths for p in range(n)]
     assert batch.input_ids[0].tolist() == np.concatenate(ids).tolist()
     assert (batch.num_sequences, batch.num_tokens, batch.max_seqlen) == (5, total, 64)
-    assert batch.sequence_lengths == list(lengths)
+    assert batch.sequence_lengths == tuple(lengths)
 
     expected_labels = np.concatenate(labels).astype(np.int64)
     expected_labels[[0, 7, 38, 39, 103]] = IGNORE_INDEX
@@ -372,7 +372,7 @@ def test_batch_concatenates_the_given_bins_in_order():
     batch = packed.batch([i, j])
     members = packed.bins[i] + packed.bins[j]
     assert batch.num_sequences == len(members)
-    assert batch.sequence_lengths == [len(packed.data.input_ids[m]) for m in members]
+    assert batch.sequence_lengths == tuple(len(packed.data.input_ids[m]) for m in members)
     assert batch.input_ids[0].tolist() == np.concatenate([packed.data.input_ids[m] for m in members]).tolist()
     expected = PackedBatch.from_sequences(
         [packed.data.input_ids[m] for m in members], [packed.data.labels[m] for m in members]

@@ -8,8 +8,8 @@ the device for them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -27,7 +27,10 @@ class PackedBatch:
     cu_seqlens: ``[num_sequences + 1]`` int32 cumulative lengths, starting at 0.
     target_positions, target_ids: ``[num_trained_tokens]`` int64, the positions whose next token
     is trained and that token: the loss reads the logits of these positions only.
-    max_seqlen, num_tokens, num_trained_tokens: host ints (no device sync to read them).
+    max_seqlen, num_tokens, num_trained_tokens, sequence_lengths: host numbers (no device sync
+    to read them).
+    Attention artefacts (a mask, a flex-attention BlockMask, …) are built at first use through
+    `artifact` and cached here, so every layer, in forward and in recompute, reuses them.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +43,8 @@ class PackedBatch:
     num_sequences: int
     num_tokens: int
     num_trained_tokens: int
+    sequence_lengths: tuple[int, ...]
+    _artifacts: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_sequences(cls, input_ids: Sequence[np.ndarray], labels: Sequence[np.ndarray]) -> PackedBatch:
@@ -66,6 +71,7 @@ class PackedBatch:
             num_sequences=len(lengths),
             num_tokens=total,
             num_trained_tokens=len(target_positions),
+            sequence_lengths=tuple(lengths.tolist()),
         )
 
     def to(self, device: torch.device | str) -> PackedBatch:
@@ -88,9 +94,15 @@ class PackedBatch:
             cu_seqlens=move(self.cu_seqlens),
             target_positions=move(self.target_positions),
             target_ids=move(self.target_ids),
+            _artifacts={},
         )
 
     @property
-    def sequence_lengths(self) -> list[int]:
-        boundaries = self.cu_seqlens.cpu().tolist()  # only for inspection, never in a step
-        return [b - a for a, b in zip(boundaries[:-1], boundaries[1:], strict=True)]
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def artifact(self, key: str, build: Callable[[], object]) -> object:
+        """The cached artefact `key`, built by ``build()`` the first time it is asked for."""
+        if key not in self._artifacts:
+            self._artifacts[key] = build()
+        return self._artifacts[key]

@@ -12,15 +12,35 @@ import torch
 import torch.nn.functional as F
 
 from fastft.data.batch import PackedBatch
+from fastft.engine.attention import choose_backend, is_patched
+
+
+def _marker(batch: PackedBatch) -> torch.Tensor:
+    # A 4-D attention mask makes transformers skip its own mask building (and its packed-sequence
+    # detection, a host sync); fastft's packed attention reads the PackedBatch instead.
+    return torch.ones(1, 1, 0, 0, dtype=torch.bool, device=batch.device)
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """Sum of cross-entropy (fp32) over the batch's trained tokens; a scalar on the model's device."""
+    """Sum of cross-entropy (fp32) over the batch's trained tokens; a scalar on the model's device.
+
+    A model switched to packed attention (`fastft.engine.attention.patch_packed_attention`) gets the
+    batch itself, so every layer reads its boundaries; any other model gets ``position_ids`` and
+    transformers finds the boundaries itself.
+    """
+    packed = {}
+    if is_patched(model):
+        choose_backend(model, batch)
+        packed = {
+            "fastft_batch": batch,
+            "attention_mask": batch.artifact("mask_marker", lambda: _marker(batch)),
+        }
     output = model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         use_cache=False,
         logits_to_keep=batch.target_positions,
+        **packed,
     )
     logits = output.logits[0]
     return F.cross_entropy(logits.float(), batch.target_ids, reduction="sum")

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from fastft.data.packing import PackedDataset, pack
+from fastft.engine.attention import patch_packed_attention
 from fastft.engine.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from fastft.engine.events import EvalEvent, Event, StepEvent, Subscriber
 from fastft.engine.loss import causal_lm_loss_sum
@@ -43,7 +44,9 @@ class NonFiniteLossError(RuntimeError):
 class TrainConfig:
     """Hyperparameters of a supervised fine-tuning run (defaults suit LoRA on a small dataset).
 
-    `max_steps` wins over `epochs` when set. `warmup` is a step count (int) or a fraction of
+    `attention` is the packed-attention backend (`fastft.engine.attention.BACKENDS`), "auto" to
+    measure and pick, or None to leave the model's own attention (transformers' packed-sequence
+    detection). `max_steps` wins over `epochs` when set. `warmup` is a step count (int) or a fraction of
     `max_steps` (float below 1). `eval_every` / `save_every` are in optimizer steps (None: only
     at the end / never). `resume_from` is a checkpoint folder or "latest" (in `output_dir`).
     """
@@ -65,6 +68,7 @@ class TrainConfig:
     save_total_limit: int = 2
     output_dir: str | None = None
     resume_from: str | None = None
+    attention: str | None = "auto"
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_bins", "grad_accum_steps", "save_total_limit"):
@@ -157,6 +161,8 @@ class Trainer:
         )
         self.subscribers: list[Subscriber] = list(subscribers)
         self.device = next(model.parameters()).device
+        if self.config.attention is not None:
+            patch_packed_attention(model, self.config.attention)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("The model has no trainable parameters: call fastft.add_lora(model, ...) first.")

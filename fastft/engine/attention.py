@@ -1,0 +1,357 @@
+"""Packed attention: every layer reads one `PackedBatch`; nothing is rebuilt per layer or synced.
+
+transformers rebuilds packing metadata from ``position_ids`` in each forward (a dense mask for
+SDPA, ``cu_seqlens`` with a host sync per layer for flash-attention). fastft registers one new
+attention implementation, ``"fastft_packed"``, and switches *model instances* to it (their own
+config; no class or global function is rebound). In a packed training step the loss passes
+``fastft_batch=batch`` through the model's keyword arguments and a 4-D marker as the attention
+mask, which makes transformers skip mask creation; each attention layer then runs one of the
+backends below on the batch's ``cu_seqlens`` / host lengths / cached artefacts. Without a batch
+(``generate``, a plain forward) the implementation is exactly transformers' SDPA path.
+
+Backends (all causal within each sequence, sliding windows honoured, GQA without repeat):
+- ``sdpa_masked``: SDPA with a block-diagonal causal boolean mask built once per batch (CPU default).
+- ``sdpa_segments``: SDPA with ``is_causal`` per sequence, reading host lengths (no mask at all).
+- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch; CUDA).
+- ``flash_attn``: ``flash_attn_varlen_func`` when the flash-attn package is installed (CUDA).
+- ``flex``: ``flex_attention`` with a document-causal BlockMask built once per batch.
+``"auto"`` picks by measurement on the first batch of a CUDA run (`choose_backend`), and
+``sdpa_masked`` on the CPU (``sdpa_segments`` once the dense mask would pass 64 Mi entries).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastft.data.batch import PackedBatch
+
+IMPLEMENTATION = "fastft_packed"
+BACKENDS = ("sdpa_masked", "sdpa_segments", "varlen", "flash_attn", "flex")
+_DENSE_MASK_LIMIT = 64 * 2**20  # entries of a [T, T] mask before the CPU default switches to segments
+
+
+class AttentionBackendError(ValueError):
+    pass
+
+
+@dataclass
+class PackedAttentionState:
+    """Attached to a patched model as ``model.fastft_attention``."""
+
+    requested: str
+    previous_implementation: str
+    resolved: str | None = None  # the backend actually used, once known
+
+
+# -- backends ------------------------------------------------------------------------------------
+def _window(sliding_window: int | None) -> int | None:
+    return int(sliding_window) if sliding_window else None
+
+
+def _dense_mask(batch: PackedBatch, window: int | None) -> torch.Tensor:
+    def build() -> torch.Tensor:
+        lengths = torch.tensor(batch.sequence_lengths, device=batch.device)
+        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=batch.device), lengths)
+        position = batch.position_ids[0]
+        mask = (sequence[:, None] == sequence[None, :]) & (position[None, :] <= position[:, None])
+        if window is not None:
+            mask &= position[:, None] - position[None, :] < window
+        return mask[None, None]
+
+    return batch.artifact(f"dense_mask:{window}", build)
+
+
+def _sdpa_masked(query, key, value, batch, scaling, dropout, window):
+    mask = _dense_mask(batch, window)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+def _sdpa_segments(query, key, value, batch, scaling, dropout, window):
+    outputs, start = [], 0
+    for length in batch.sequence_lengths:
+        end = start + length
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        if window is not None and length > window:
+            i = torch.arange(length, device=query.device)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+        outputs.append(out)
+        start = end
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+@functools.cache
+def _varlen_takes_enable_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def _varlen(query, key, value, batch, scaling, dropout, window):
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout:
+        raise AttentionBackendError(
+            "the varlen backend has no attention dropout: use sdpa_masked/sdpa_segments"
+        )
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
+    extra = {"enable_gqa": True} if _varlen_takes_enable_gqa() else {}
+    cu = batch.cu_seqlens
+    out = varlen_attn(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        batch.max_seqlen,
+        batch.max_seqlen,
+        scale=scaling,
+        window_size=(window - 1 if window else -1, 0),
+        **extra,
+    )
+    return out.unsqueeze(0)
+
+
+def _flash_attn(query, key, value, batch, scaling, dropout, window):
+    from flash_attn import flash_attn_varlen_func
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    cu = batch.cu_seqlens
+    out = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        batch.max_seqlen,
+        batch.max_seqlen,
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+        window_size=(window - 1 if window else -1, 0),
+    )
+    return out.unsqueeze(0)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _block_mask(batch: PackedBatch, window: int | None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def build():
+        lengths = torch.tensor(batch.sequence_lengths, device=batch.device)
+        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=batch.device), lengths)
+        position = batch.position_ids[0]
+
+        def document_causal(b, h, q, kv):
+            keep = (sequence[q] == sequence[kv]) & (kv <= q)
+            return keep & (position[q] - position[kv] < window) if window is not None else keep
+
+        compiled = batch.device.type == "cuda"
+        return create_block_mask(
+            document_causal,
+            None,
+            None,
+            batch.num_tokens,
+            batch.num_tokens,
+            device=batch.device,
+            _compile=compiled,
+        )
+
+    return batch.artifact(f"block_mask:{window}", build)
+
+
+def _flex(query, key, value, batch, scaling, dropout, window):
+    if dropout:
+        raise AttentionBackendError(
+            "the flex backend has no attention dropout: use sdpa_masked/sdpa_segments"
+        )
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = _compiled_flex() if query.is_cuda else flex_attention
+    out = attend(query, key, value, block_mask=_block_mask(batch, window), scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+_BACKEND_FUNCTIONS = {
+    "sdpa_masked": _sdpa_masked,
+    "sdpa_segments": _sdpa_segments,
+    "varlen": _varlen,
+    "flash_attn": _flash_attn,
+    "flex": _flex,
+}
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run on `device` in this environment."""
+    device = torch.device(device)
+    names = ["sdpa_masked", "sdpa_segments"]
+    if device.type == "cuda":  # flex has no backward on the CPU; varlen and flash-attn are CUDA-only
+        if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+            names.append("varlen")
+        if importlib.util.find_spec("flash_attn") is not None:
+            names.append("flash_attn")
+        names.append("flex")
+    return names
+
+
+def packed_attention(
+    query, key, value, batch: PackedBatch, backend: str, scaling=None, dropout=0.0, sliding_window=None
+):
+    """Causal attention within each sequence of `batch`.
+
+    query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]`` (Hq a multiple of Hkv); returns ``[1, T, Hq, D]``.
+    """
+    if backend not in _BACKEND_FUNCTIONS:
+        raise AttentionBackendError(f"unknown attention backend {backend!r}: use one of {BACKENDS} or 'auto'")
+    return _BACKEND_FUNCTIONS[backend](query, key, value, batch, scaling, dropout, _window(sliding_window))
+
+
+# -- the transformers attention implementation --------------------------------------------------
+def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    batch = kwargs.pop("fastft_batch", None)
+    sliding_window = kwargs.pop("sliding_window", None)
+    if batch is None:  # not a packed step (generate, plain forward): transformers' own SDPA path
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+    if kwargs.get("softcap"):
+        raise AttentionBackendError(
+            "attention logit soft-capping is not supported by fastft's packed attention yet"
+        )
+    backend = module.config._fastft_attention_backend
+    return packed_attention(query, key, value, batch, backend, scaling, dropout, sliding_window), None
+
+
+def _register() -> None:
+    """Add the ``fastft_packed`` name to transformers' registries (a new name; nothing is replaced)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(IMPLEMENTATION, _attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
+
+
+def _configs(model: torch.nn.Module):
+    seen = set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and hasattr(config, "_attn_implementation"):
+            seen.add(id(config))
+            yield config
+
+
+def patch_packed_attention(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
+    """Switch this model instance to packed attention (idempotent; `unpatch_packed_attention` undoes it)."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise AttentionBackendError(f"unknown attention backend {backend!r}: use one of {BACKENDS} or 'auto'")
+    _register()
+    state = getattr(model, "fastft_attention", None)
+    if state is None:
+        state = PackedAttentionState(backend, model.config._attn_implementation)
+        model.fastft_attention = state
+    state.requested, state.resolved = backend, None if backend == "auto" else backend
+    for config in _configs(model):
+        config._attn_implementation = IMPLEMENTATION
+        config._fastft_attention_backend = state.resolved
+    return model
+
+
+def unpatch_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
+    state = getattr(model, "fastft_attention", None)
+    if state is not None:
+        for config in _configs(model):
+            config._attn_implementation = state.previous_implementation
+        del model.fastft_attention
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return getattr(model, "fastft_attention", None) is not None
+
+
+def _set_resolved(model: torch.nn.Module, backend: str) -> None:
+    model.fastft_attention.resolved = backend
+    for config in _configs(model):
+        config._fastft_attention_backend = backend
+
+
+def _attention_shape(model: torch.nn.Module) -> tuple[int, int, int, int | None]:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, head_dim, getattr(config, "sliding_window", None)
+
+
+def choose_backend(model: torch.nn.Module, batch: PackedBatch, repeats: int = 3) -> str:
+    """The backend this model uses for packed batches, measured on `batch` the first time on CUDA.
+
+    Each available backend runs forward + backward on random q/k/v of the model's attention shape
+    and this batch's boundaries; the fastest wins and is kept for the rest of the run (a sync
+    point once, before the first step; never inside a step).
+    """
+    state = model.fastft_attention
+    if state.resolved is not None:
+        return state.resolved
+    if batch.device.type != "cuda":
+        dense = batch.num_tokens**2 <= _DENSE_MASK_LIMIT
+        _set_resolved(model, "sdpa_masked" if dense else "sdpa_segments")
+        return state.resolved
+    heads, kv_heads, head_dim, window = _attention_shape(model)
+    dtype = getattr(getattr(model, "fastft_info", None), "dtype", torch.bfloat16)
+    timings = {}
+    for name in available_backends(batch.device):
+        probe = PackedBatch(**{**batch.__dict__, "_artifacts": {}})
+        q = torch.randn(
+            1, heads, batch.num_tokens, head_dim, device=batch.device, dtype=dtype, requires_grad=True
+        )
+        k = torch.randn(
+            1, kv_heads, batch.num_tokens, head_dim, device=batch.device, dtype=dtype, requires_grad=True
+        )
+        v = torch.randn_like(k, requires_grad=True)
+        try:
+            for i in range(repeats + 1):
+                if i == 1:  # the first run compiles / builds artefacts: not timed
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                packed_attention(q, k, v, probe, name, sliding_window=window).sum().backward()
+            torch.cuda.synchronize()
+            timings[name] = (time.perf_counter() - started) / repeats
+        except Exception:  # a backend that cannot run this shape here is simply not chosen
+            continue
+    best = min(timings, key=timings.get)
+    model.fastft_attention_timings = timings
+    _set_resolved(model, best)
+    return best
