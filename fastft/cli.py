@@ -1,5 +1,6 @@
 """The `fastft` command line: ``fastft demo`` runs the whole path offline; ``fastft models`` lists
-what can be loaded. Heavy imports happen inside each command, so ``--help`` answers at once."""
+what can be loaded; ``fastft bench NAME`` reproduces a benchmark. Heavy imports happen inside each
+command, so ``--help`` answers at once."""
 
 from __future__ import annotations
 
@@ -82,6 +83,26 @@ def _run_models(args) -> int:
     return 0
 
 
+def _bench_parser(sub) -> None:
+    from fastft.bench import BENCHMARKS
+
+    parser = sub.add_parser(
+        "bench",
+        help="benchmarks: fastft beside its baselines in one process (see BENCHMARKS.md)",
+        description="Run a benchmark; `fastft bench NAME --help` lists its options.",
+    )
+    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
+
+
+def _run_bench(args) -> int:
+    import importlib
+
+    from fastft.bench import BENCHMARKS
+
+    return importlib.import_module(BENCHMARKS[args.name]).main(args.options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fastft import __version__
 
@@ -92,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _demo_parser(sub)
     _models_parser(sub)
+    _bench_parser(sub)
     return parser
 
 
@@ -101,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return {"demo": _run_demo, "models": _run_models}[args.command](args)
+    return {"demo": _run_demo, "models": _run_models, "bench": _run_bench}[args.command](args)
 
 
 if __name__ == "__main__":

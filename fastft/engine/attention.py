@@ -55,10 +55,19 @@ def _window(sliding_window: int | None) -> int | None:
     return int(sliding_window) if sliding_window else None
 
 
+def _sequence_ids(batch: PackedBatch) -> torch.Tensor:
+    """Which sequence each token belongs to, from cu_seqlens on the device (no host data, no sync)."""
+
+    def build() -> torch.Tensor:
+        tokens = torch.arange(batch.num_tokens, device=batch.device, dtype=batch.cu_seqlens.dtype)
+        return torch.searchsorted(batch.cu_seqlens[1:], tokens, right=True)
+
+    return batch.artifact("sequence_ids", build)
+
+
 def _dense_mask(batch: PackedBatch, window: int | None) -> torch.Tensor:
     def build() -> torch.Tensor:
-        lengths = torch.tensor(batch.sequence_lengths, device=batch.device)
-        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=batch.device), lengths)
+        sequence = _sequence_ids(batch)
         position = batch.position_ids[0]
         mask = (sequence[:, None] == sequence[None, :]) & (position[None, :] <= position[:, None])
         if window is not None:
@@ -160,8 +169,7 @@ def _block_mask(batch: PackedBatch, window: int | None):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def build():
-        lengths = torch.tensor(batch.sequence_lengths, device=batch.device)
-        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=batch.device), lengths)
+        sequence = _sequence_ids(batch)
         position = batch.position_ids[0]
 
         def document_causal(b, h, q, kv):
@@ -201,6 +209,12 @@ _BACKEND_FUNCTIONS = {
     "flash_attn": _flash_attn,
     "flex": _flex,
 }
+
+
+def register_backend(name: str, function) -> None:
+    """Add a backend ``function(query, key, value, batch, scaling, dropout, window) -> [1, T, Hq, D]``
+    (used by benchmarks for ablations; the built-in ones cover training)."""
+    _BACKEND_FUNCTIONS[name] = function
 
 
 def available_backends(device: torch.device | str) -> list[str]:
@@ -274,7 +288,7 @@ def _configs(model: torch.nn.Module):
 
 def patch_packed_attention(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
     """Switch this model instance to packed attention (idempotent; `unpatch_packed_attention` undoes it)."""
-    if backend != "auto" and backend not in BACKENDS:
+    if backend != "auto" and backend not in _BACKEND_FUNCTIONS:
         raise AttentionBackendError(f"unknown attention backend {backend!r}: use one of {BACKENDS} or 'auto'")
     _register()
     state = getattr(model, "fastft_attention", None)

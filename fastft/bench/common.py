@@ -1,0 +1,137 @@
+"""Shared benchmark plumbing: random-weight models from the catalog, step timing, sync counting."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import torch
+
+
+def build_model(name: str, device: torch.device, dtype: torch.dtype):
+    """A catalog architecture with random weights (built on `device`), or an embedded preset."""
+    from transformers import AutoModelForCausalLM
+
+    from fastft.models.catalog import CATALOG
+    from fastft.models.loading import load_model
+    from fastft.models.presets import PRESETS
+
+    if name in PRESETS:
+        model, _ = load_model(name, dtype=dtype, device=device)
+        return model
+    if name not in CATALOG:
+        raise ValueError(f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}) or a catalog hub id")
+    config = CATALOG[name].to_config()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+@dataclass
+class StepTimes:
+    """Per-step device times in milliseconds (CUDA events; perf_counter on the CPU)."""
+
+    forward: list[float] = field(default_factory=list)
+    backward: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+
+    def median(self) -> dict[str, float]:
+        return {name: statistics.median(getattr(self, name)) for name in ("forward", "backward", "total")}
+
+
+class _Clock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end) -> float:
+        if self.cuda:
+            return start.elapsed_time(end)
+        return (end - start) * 1000.0
+
+
+def time_steps(
+    forward: Callable[[int], torch.Tensor],
+    after_backward: Callable[[], None],
+    device: torch.device,
+    warmup: int,
+    steps: int,
+) -> StepTimes:
+    """Run `warmup` + `steps` steps of ``forward(i).backward(); after_backward()``; time the last `steps`."""
+    clock, times = _Clock(device), StepTimes()
+    for i in range(warmup + steps):
+        start = clock.mark()
+        loss = forward(i)
+        middle = clock.mark()
+        loss.backward()
+        after_backward()
+        end = clock.mark()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.forward.append(clock.elapsed_ms(start, middle))
+            times.backward.append(clock.elapsed_ms(middle, end))
+            times.total.append(clock.elapsed_ms(start, end))
+    return times
+
+
+def count_syncs(function: Callable[[], object]) -> int | None:
+    """Host–device synchronisations PyTorch sees during ``function()`` (None on the CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            function()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def environment() -> dict:
+    import peft
+    import transformers
+
+    info = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+    }
+    return info
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """Rows as a markdown table; `columns` are (key, header) pairs."""
+    header = "| " + " | ".join(h for _, h in columns) + " |"
+    rule = "| " + " | ".join("---" for _ in columns) + " |"
+    lines = [header, rule]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(key)) for key, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)

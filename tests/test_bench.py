@@ -1,0 +1,54 @@
+"""`fastft bench packing` runs end to end on a preset (the H200 figures come from the same code)."""
+
+from __future__ import annotations
+
+import json
+
+from fastft.bench import packing
+from fastft.cli import main
+
+
+def test_packing_bench_times_every_variant_and_reports_ratios(tmp_path, capsys):
+    out = tmp_path / "packing.json"
+    assert (
+        main(
+            [
+                "bench",
+                "packing",
+                "--model",
+                "tiny-qwen3",
+                "--bin-tokens",
+                "384",
+                "--warmup",
+                "1",
+                "--steps",
+                "2",
+                "--padded-batch",
+                "3",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    variants = [row["variant"] for row in result["rows"]]
+    assert variants[0].startswith("transformers") and variants[1].startswith("per-layer rebuild")
+    assert {"fastft sdpa_masked", "fastft sdpa_segments"} <= set(variants) and variants[-1].startswith(
+        "padded"
+    )
+    assert result["rows"][0]["speed_vs_transformers"] == 1.0
+    assert all(row["trained_tokens_per_s"] > 0 for row in result["rows"])
+    assert 0.5 < result["workload"]["packing_efficiency"] <= 1.0
+    printed = capsys.readouterr().out
+    assert "× transformers" in printed and "tiny-qwen3" in printed
+
+
+def test_synthetic_sequences_are_chat_shaped_and_seeded():
+    a = packing.synthetic_sequences(200, vocab=1000, max_length=4096, seed=3)
+    b = packing.synthetic_sequences(200, vocab=1000, max_length=4096, seed=3)
+    assert all((x[0] == y[0]).all() for x, y in zip(a, b, strict=True))
+    lengths = sorted(len(ids) for ids, _ in a)
+    assert 150 < lengths[len(lengths) // 2] < 700 and max(lengths) <= 4096
+    ids, labels = a[0]
+    assert (labels[: int(len(ids) * 0.4)] == -100).all() and (labels[-1] == ids[-1])
