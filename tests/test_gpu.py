@@ -191,6 +191,7 @@ def test_auto_backend_is_chosen_by_measurement():
     choice = choose_backend(model, batch)
     timings = model.fastft_attention_timings
     print("attention backend timings (s):", {k: round(v, 6) for k, v in timings.items()}, "->", choice)
+    print("backends that could not run:", model.fastft_attention_errors)
     assert choice == min(timings, key=timings.get) and len(timings) >= 3
 
 

@@ -158,7 +158,7 @@ def run(
                 "forward_ms": median["forward"],
                 "backward_ms": median["backward"],
                 "total_ms": median["total"],
-                "trained_tokens_per_s": trained_tokens / (sum(times.total) / 1000.0),
+                "trained_tokens_per_s": trained_tokens / steps / (median["total"] / 1000.0),
                 "syncs_per_step": syncs,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
             }
@@ -230,11 +230,18 @@ def run(
     }
 
 
-def _auto_choice(model, batch) -> str:
+def _auto_choice(model, batch) -> dict:
     attention.patch_packed_attention(model, "auto")
     choice = attention.choose_backend(model, batch)
+    probe = {
+        "choice": choice,
+        "probe_ms": {
+            k: round(v * 1000, 3) for k, v in getattr(model, "fastft_attention_timings", {}).items()
+        },
+        "errors": getattr(model, "fastft_attention_errors", {}),
+    }
     attention.unpatch_packed_attention(model)
-    return choice
+    return probe
 
 
 COLUMNS = [
@@ -254,7 +261,8 @@ def report(result: dict) -> str:
     head = (
         f"packing — {work['model']}, bins of {work['bin_tokens']} tokens, LoRA r={work['lora_r']}, "
         f"{work['steps']} timed steps ({work['sequences_timed']} sequences); packing {work['packing_efficiency']:.1%} "
-        f"full, padding {work['padding_efficiency']:.1%} real tokens; auto chose {work['attention_chosen_by_auto']}\n"
+        f"full, padding {work['padding_efficiency']:.1%} real tokens; auto chose "
+        f"{work['attention_chosen_by_auto']['choice']} (probe ms {work['attention_chosen_by_auto']['probe_ms']})\n"
         f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}, {env['date']}"
     )
     return head + "\n\n" + markdown_table(result["rows"], COLUMNS)

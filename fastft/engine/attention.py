@@ -112,6 +112,14 @@ def _varlen_takes_enable_gqa() -> bool:
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
+def _flash_dtype(query: torch.Tensor) -> torch.dtype:
+    """FlashAttention kernels take 16-bit inputs only; fp32 activations (a QLoRA model keeps its
+    norms in fp32) are computed in the autocast dtype, or bf16 outside autocast."""
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return query.dtype
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+
+
 def _varlen(query, key, value, batch, scaling, dropout, window):
     from torch.nn.attention.varlen import varlen_attn
 
@@ -119,7 +127,8 @@ def _varlen(query, key, value, batch, scaling, dropout, window):
         raise AttentionBackendError(
             "the varlen backend has no attention dropout: use sdpa_masked/sdpa_segments"
         )
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
+    dtype = _flash_dtype(query)
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [T, heads, dim]
     extra = {"enable_gqa": True} if _varlen_takes_enable_gqa() else {}
     cu = batch.cu_seqlens
     out = varlen_attn(
@@ -134,13 +143,14 @@ def _varlen(query, key, value, batch, scaling, dropout, window):
         window_size=(window - 1 if window else -1, 0),
         **extra,
     )
-    return out.unsqueeze(0)
+    return out.unsqueeze(0).to(query.dtype)
 
 
 def _flash_attn(query, key, value, batch, scaling, dropout, window):
     from flash_attn import flash_attn_varlen_func
 
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    dtype = _flash_dtype(query)
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
     cu = batch.cu_seqlens
     out = flash_attn_varlen_func(
         q,
@@ -155,7 +165,7 @@ def _flash_attn(query, key, value, batch, scaling, dropout, window):
         causal=True,
         window_size=(window - 1 if window else -1, 0),
     )
-    return out.unsqueeze(0)
+    return out.unsqueeze(0).to(query.dtype)
 
 
 @functools.cache
@@ -326,7 +336,8 @@ def _attention_shape(model: torch.nn.Module) -> tuple[int, int, int, int | None]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv_heads, head_dim, getattr(config, "sliding_window", None)
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    return heads, kv_heads, head_dim, window
 
 
 def choose_backend(model: torch.nn.Module, batch: PackedBatch, repeats: int = 3) -> str:
@@ -345,27 +356,28 @@ def choose_backend(model: torch.nn.Module, batch: PackedBatch, repeats: int = 3)
         return state.resolved
     heads, kv_heads, head_dim, window = _attention_shape(model)
     dtype = getattr(getattr(model, "fastft_info", None), "dtype", torch.bfloat16)
-    timings = {}
-    for name in available_backends(batch.device):
-        probe = PackedBatch(**{**batch.__dict__, "_artifacts": {}})
-        q = torch.randn(
-            1, heads, batch.num_tokens, head_dim, device=batch.device, dtype=dtype, requires_grad=True
-        )
-        k = torch.randn(
-            1, kv_heads, batch.num_tokens, head_dim, device=batch.device, dtype=dtype, requires_grad=True
-        )
-        v = torch.randn_like(k, requires_grad=True)
-        try:
-            for i in range(repeats + 1):
-                if i == 1:  # the first run compiles / builds artefacts: not timed
-                    torch.cuda.synchronize()
-                    started = time.perf_counter()
-                packed_attention(q, k, v, probe, name, sliding_window=window).sum().backward()
-            torch.cuda.synchronize()
-            timings[name] = (time.perf_counter() - started) / repeats
-        except Exception:  # a backend that cannot run this shape here is simply not chosen
-            continue
+    timings, errors = {}, {}
+    # Measured outside the caller's no_grad/autocast (the first call may come from an evaluation).
+    with torch.enable_grad(), torch.autocast("cuda", enabled=False):
+        for name in available_backends(batch.device):
+            probe = PackedBatch(**{**batch.__dict__, "_artifacts": {}})
+            shape = (1, heads, batch.num_tokens, head_dim)
+            q = torch.randn(shape, device=batch.device, dtype=dtype, requires_grad=True)
+            k = torch.randn((1, kv_heads, *shape[2:]), device=batch.device, dtype=dtype, requires_grad=True)
+            v = torch.randn_like(k, requires_grad=True)
+            try:
+                for i in range(repeats + 1):
+                    if i == 1:  # the first run compiles / builds artefacts: not timed
+                        torch.cuda.synchronize()
+                        started = time.perf_counter()
+                    packed_attention(q, k, v, probe, name, sliding_window=window).sum().backward()
+                torch.cuda.synchronize()
+                timings[name] = (time.perf_counter() - started) / repeats
+            except Exception as error:  # a backend that cannot run this shape here is not chosen
+                errors[name] = f"{type(error).__name__}: {error}"
+    model.fastft_attention_timings, model.fastft_attention_errors = timings, errors
+    if not timings:
+        raise AttentionBackendError(f"no packed-attention backend runs here: {errors}")
     best = min(timings, key=timings.get)
-    model.fastft_attention_timings = timings
     _set_resolved(model, best)
     return best
