@@ -125,7 +125,12 @@ def run(
     sequences = synthetic_sequences(
         bins_needed * bin_tokens // 200, model.config.vocab_size, bin_tokens, seed
     )
-    bins = best_fit_decreasing([len(ids) for ids, _ in sequences], bin_tokens)[:bins_needed]
+    # Best-fit-decreasing opens bins longest-first: sample among the (nearly) full bins at random so
+    # the timed steps hold the workload's real length mix, not its longest sequences.
+    all_bins = best_fit_decreasing([len(ids) for ids, _ in sequences], bin_tokens)
+    full = [b for b in all_bins if sum(len(sequences[i][0]) for i in b) >= 0.95 * bin_tokens]
+    chosen = np.random.default_rng(seed).permutation(len(full))[:bins_needed]
+    bins = [full[i] for i in chosen]
     batches = [
         PackedBatch.from_sequences([sequences[i][0] for i in b], [sequences[i][1] for i in b]).to(device)
         for b in bins
@@ -230,18 +235,11 @@ def run(
     }
 
 
-def _auto_choice(model, batch) -> dict:
+def _auto_choice(model, batch) -> str:
     attention.patch_packed_attention(model, "auto")
     choice = attention.choose_backend(model, batch)
-    probe = {
-        "choice": choice,
-        "probe_ms": {
-            k: round(v * 1000, 3) for k, v in getattr(model, "fastft_attention_timings", {}).items()
-        },
-        "errors": getattr(model, "fastft_attention_errors", {}),
-    }
     attention.unpatch_packed_attention(model)
-    return probe
+    return choice
 
 
 COLUMNS = [
@@ -261,8 +259,8 @@ def report(result: dict) -> str:
     head = (
         f"packing — {work['model']}, bins of {work['bin_tokens']} tokens, LoRA r={work['lora_r']}, "
         f"{work['steps']} timed steps ({work['sequences_timed']} sequences); packing {work['packing_efficiency']:.1%} "
-        f"full, padding {work['padding_efficiency']:.1%} real tokens; auto chose "
-        f"{work['attention_chosen_by_auto']['choice']} (probe ms {work['attention_chosen_by_auto']['probe_ms']})\n"
+        f"full, padding {work['padding_efficiency']:.1%} real tokens; "
+        f"'auto' uses {work['attention_chosen_by_auto']}\n"
         f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}, {env['date']}"
     )
     return head + "\n\n" + markdown_table(result["rows"], COLUMNS)

@@ -15,8 +15,9 @@ Backends (all causal within each sequence, sliding windows honoured, GQA without
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch; CUDA).
 - ``flash_attn``: ``flash_attn_varlen_func`` when the flash-attn package is installed (CUDA).
 - ``flex``: ``flex_attention`` with a document-causal BlockMask built once per batch.
-``"auto"`` picks by measurement on the first batch of a CUDA run (`choose_backend`), and
-``sdpa_masked`` on the CPU (``sdpa_segments`` once the dense mask would pass 64 Mi entries).
+``"auto"`` follows the whole-step measurements recorded in BENCHMARKS.md (`choose_backend`):
+``varlen`` on CUDA, ``sdpa_masked`` on the CPU (``sdpa_segments`` once a dense mask would pass
+64 Mi entries).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import time
 from dataclasses import dataclass
 
 import torch
@@ -331,53 +331,24 @@ def _set_resolved(model: torch.nn.Module, backend: str) -> None:
         config._fastft_attention_backend = backend
 
 
-def _attention_shape(model: torch.nn.Module) -> tuple[int, int, int, int | None]:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    return heads, kv_heads, head_dim, window
+def choose_backend(model: torch.nn.Module, batch: PackedBatch) -> str:
+    """The backend this model uses for packed batches (resolved once, on the first batch).
 
-
-def choose_backend(model: torch.nn.Module, batch: PackedBatch, repeats: int = 3) -> str:
-    """The backend this model uses for packed batches, measured on `batch` the first time on CUDA.
-
-    Each available backend runs forward + backward on random q/k/v of the model's attention shape
-    and this batch's boundaries; the fastest wins and is kept for the rest of the run (a sync
-    point once, before the first step; never inside a step).
+    "auto" follows whole-training-step measurements (BENCHMARKS.md, `fastft bench packing`): on an
+    H200, Qwen3-8B, 8k-token bins of chat-length sequences, ``varlen`` ran the step 1.63× faster
+    than transformers' packed SDPA path, ``sdpa_masked`` 1.03×, ``sdpa_segments`` 0.72× and
+    ``flex`` 0.24× (its BlockMask is rebuilt for every new bin length). Timing attention alone
+    ranked them differently, so no per-run probe decides. Without ``varlen``: flash-attn, then
+    SDPA with a dense mask while it stays small, else SDPA per sequence.
     """
     state = model.fastft_attention
     if state.resolved is not None:
         return state.resolved
-    if batch.device.type != "cuda":
-        dense = batch.num_tokens**2 <= _DENSE_MASK_LIMIT
-        _set_resolved(model, "sdpa_masked" if dense else "sdpa_segments")
-        return state.resolved
-    heads, kv_heads, head_dim, window = _attention_shape(model)
-    dtype = getattr(getattr(model, "fastft_info", None), "dtype", torch.bfloat16)
-    timings, errors = {}, {}
-    # Measured outside the caller's no_grad/autocast (the first call may come from an evaluation).
-    with torch.enable_grad(), torch.autocast("cuda", enabled=False):
-        for name in available_backends(batch.device):
-            probe = PackedBatch(**{**batch.__dict__, "_artifacts": {}})
-            shape = (1, heads, batch.num_tokens, head_dim)
-            q = torch.randn(shape, device=batch.device, dtype=dtype, requires_grad=True)
-            k = torch.randn((1, kv_heads, *shape[2:]), device=batch.device, dtype=dtype, requires_grad=True)
-            v = torch.randn_like(k, requires_grad=True)
-            try:
-                for i in range(repeats + 1):
-                    if i == 1:  # the first run compiles / builds artefacts: not timed
-                        torch.cuda.synchronize()
-                        started = time.perf_counter()
-                    packed_attention(q, k, v, probe, name, sliding_window=window).sum().backward()
-                torch.cuda.synchronize()
-                timings[name] = (time.perf_counter() - started) / repeats
-            except Exception as error:  # a backend that cannot run this shape here is not chosen
-                errors[name] = f"{type(error).__name__}: {error}"
-    model.fastft_attention_timings, model.fastft_attention_errors = timings, errors
-    if not timings:
-        raise AttentionBackendError(f"no packed-attention backend runs here: {errors}")
-    best = min(timings, key=timings.get)
-    _set_resolved(model, best)
-    return best
+    available = available_backends(batch.device)
+    for name in ("varlen", "flash_attn"):
+        if name in available:
+            _set_resolved(model, name)
+            return name
+    dense = batch.num_tokens**2 <= _DENSE_MASK_LIMIT
+    _set_resolved(model, "sdpa_masked" if dense else "sdpa_segments")
+    return state.resolved
