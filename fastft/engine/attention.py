@@ -247,6 +247,11 @@ def packed_attention(
 
     query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]`` (Hq a multiple of Hkv); returns ``[1, T, Hq, D]``.
     """
+    if backend is None:
+        raise AttentionBackendError(
+            "the packed-attention backend is not chosen yet: call choose_backend(model, batch) first "
+            "(fastft's loss does), or patch with an explicit backend"
+        )
     if backend not in _BACKEND_FUNCTIONS:
         raise AttentionBackendError(f"unknown attention backend {backend!r}: use one of {BACKENDS} or 'auto'")
     return _BACKEND_FUNCTIONS[backend](query, key, value, batch, scaling, dropout, _window(sliding_window))
