@@ -1,0 +1,858 @@
+"""Rotary position embedding (RoPE) for Llama / Qwen / Mistral, as Triton kernels with a manual backward.
+
+Layout: the "half" (GPT-NeoX) layout of transformers' ``apply_rotary_pos_emb``. With ``x = [x1, x2]``
+split at ``h = head_dim / 2`` and ``cos = [c1, c2]``, ``sin = [s1, s2]`` split the same way::
+
+    rotate_half(x) = [-x2, x1]
+    y = x * cos + rotate_half(x) * sin
+      = [x1 * c1 - x2 * s1,  x2 * c2 + x1 * s2]
+
+Backward is the adjoint (transpose) of that linear map::
+
+    dx = dy * cos + rotate_half^T(dy * sin),   rotate_half^T(u) = [u2, -u1]
+       = [dy1 * c1 + dy2 * s2,  dy2 * c2 - dy1 * s1]
+
+For the cos / sin a rotary embedding builds (``emb = cat(freqs, freqs)``, so ``c1 == c2`` and
+``s1 == s2``) that is the same rotation by ``-theta`` (``sin -> -sin``); the kernel uses the exact adjoint, so
+it stays correct for any cos / sin the caller passes.
+
+Shapes: ``q [batch, q_heads, seq, head_dim]``, ``k [batch, kv_heads, seq, head_dim]`` (GQA: the head counts
+may differ), ``cos`` / ``sin`` ``[batch or 1, seq, head_dim]`` (or ``[seq, head_dim]``), as the model's
+rotary embedding returns them from ``position_ids``. The kernel reads cos / sin per token, so packed
+sequences whose ``position_ids`` restart at 0 need nothing special. Every tensor is addressed through its
+strides: q / k may be ``proj(h).view(b, s, heads, d).transpose(1, 2)`` views.
+
+One launch rotates Q and K together: program ``(token, head_block)`` loads that token's cos / sin once and
+rotates up to ``BLOCK_H`` heads of Q and of K. Math is fp32 in registers, rounded once on store.
+
+In-place policy. ``apply_rope`` / ``RoPEFunction`` never write into their inputs or into incoming
+gradients: the forward writes a fresh output (the same memory as the "clone, then rotate in place"
+recipe, at half the traffic), and the backward writes fresh dq / dk. Incoming gradients are NOT safe to
+overwrite: autograd hands one tensor to several consumers (``AddBackward`` returns the same ``grad`` for both
+operands, so ``q_rot + k_rot`` gives ``dq_rot is dk_rot``, and ``q_rot + x`` shares ``dq_rot`` with ``x``'s
+gradient), and ``loss = q_rot.sum()`` gives a stride-0 expanded gradient. Writing out of place costs the
+same bandwidth (one read, one write) and one allocation. The kernels do support ``out is input``:
+``rope_inplace_`` is the in-place entry point, for tensors nothing else needs (inference, no autograd).
+
+Optional Qwen3 fusion: ``apply_qk_norm_rope`` applies the per-head RMSNorm (``q_norm`` / ``k_norm``, weight over
+head_dim) and then the rotation in one pass, with a manual backward for q, k and the two norm weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from . import use_triton
+
+# Elements of one half-tile a program holds (BLOCK_H heads x BLOCK_HALF lanes): bounds registers per program
+# when a model has many heads. 32 heads x 64 lanes (head_dim 128) is one block per token.
+_MAX_TILE = 4096
+
+
+# --------------------------------------------------------------------------------------------- references
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``rotate_half``: ``[x1, x2] -> [-x2, x1]`` over the last dim."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` verbatim: ``x * cos + rotate_half(x) * sin`` (new tensors)."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``Qwen3RMSNorm.forward``: ``weight * (x / sqrt(mean(x^2) + eps))`` with its dtype casts."""
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
+def qk_norm_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3 attention's ``apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin)``."""
+    return rope_reference(
+        rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps), cos, sin, unsqueeze_dim
+    )
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _load_cos_sin(
+    cos_ptr, sin_ptr, b, s, half, stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+    BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """This token's ``(c1, c2, s1, s2)`` halves as fp32 ``[1, BLOCK_HALF]`` rows."""
+    offs_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
+    d_mask = offs_d < half
+    cos_row = cos_ptr + b * stride_cb + s * stride_cs
+    sin_row = sin_ptr + b * stride_sb + s * stride_ss
+    c1 = tl.load(cos_row + offs_d * stride_cd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + (offs_d + half) * stride_cd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + offs_d * stride_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + (offs_d + half) * stride_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    o_ptr,
+    b,
+    s,
+    head_start,
+    n_heads,
+    half,
+    stride_xb,
+    stride_xh,
+    stride_xs,
+    stride_xd,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    c1,
+    c2,
+    sa,
+    sb,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """``o = [x1 * c1 - x2 * sa, x2 * c2 + x1 * sb]`` for heads ``[head_start, head_start + BLOCK_H)``.
+
+    All loads happen before any store, and no other program touches these elements, so ``o_ptr`` may be
+    ``x_ptr`` (in place).
+    """
+    offs_h = head_start + tl.arange(0, BLOCK_H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
+    mask = (offs_h < n_heads)[:, None] & (offs_d < half)[None, :]
+    x_row = x_ptr + b * stride_xb + s * stride_xs + offs_h[:, None] * stride_xh
+    x1 = tl.load(x_row + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + (offs_d[None, :] + half) * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * c1 - x2 * sa
+    o2 = x2 * c2 + x1 * sb
+    o_row = o_ptr + b * stride_ob + s * stride_os + offs_h[:, None] * stride_oh
+    tl.store(o_row + offs_d[None, :] * stride_od, o1.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_row + (offs_d[None, :] + half) * stride_od, o2.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    q_out_ptr,
+    k_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    seq_len,
+    n_q_heads,
+    n_k_heads,
+    half,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_qd,
+    stride_qob,
+    stride_qoh,
+    stride_qos,
+    stride_qod,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_kob,
+    stride_koh,
+    stride_kos,
+    stride_kod,
+    stride_cb,
+    stride_cs,
+    stride_cd,
+    stride_sb,
+    stride_ss,
+    stride_sd,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    DO_Q: tl.constexpr,
+    DO_K: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    """Rotate Q and K of one token (``program_id(0) = b * seq_len + s``) and one head block (``program_id(1)``).
+
+    Forward: ``[x1 * c1 - x2 * s1, x2 * c2 + x1 * s2]``. BACKWARD (adjoint): ``[x1 * c1 + x2 * s2,
+    x2 * c2 - x1 * s1]``, i.e. the forward with ``(s1, s2) -> (-s2, -s1)``: rotation by ``-theta``.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    head_start = tl.program_id(1).to(tl.int64) * BLOCK_H
+    b = token // seq_len
+    s = token % seq_len
+
+    c1, c2, s1, s2 = _load_cos_sin(
+        cos_ptr,
+        sin_ptr,
+        b,
+        s,
+        half,
+        stride_cb,
+        stride_cs,
+        stride_cd,
+        stride_sb,
+        stride_ss,
+        stride_sd,
+        BLOCK_HALF,
+    )
+    if BACKWARD:
+        sa = -s2
+        sb = -s1
+    else:
+        sa = s1
+        sb = s2
+
+    if DO_Q:
+        _rotate_heads(
+            q_ptr, q_out_ptr, b, s, head_start, n_q_heads, half,
+            stride_qb, stride_qh, stride_qs, stride_qd,
+            stride_qob, stride_qoh, stride_qos, stride_qod,
+            c1, c2, sa, sb, BLOCK_H, BLOCK_HALF,
+        )  # fmt: skip
+    if DO_K:
+        _rotate_heads(
+            k_ptr, k_out_ptr, b, s, head_start, n_k_heads, half,
+            stride_kb, stride_kh, stride_ks, stride_kd,
+            stride_kob, stride_koh, stride_kos, stride_kod,
+            c1, c2, sa, sb, BLOCK_H, BLOCK_HALF,
+        )  # fmt: skip
+
+
+@triton.jit
+def _norm_rotate_heads_fwd(
+    x_ptr,
+    w_ptr,
+    o_ptr,
+    b,
+    s,
+    head_start,
+    n_heads,
+    half,
+    eps,
+    stride_xb,
+    stride_xh,
+    stride_xs,
+    stride_xd,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_w,
+    c1,
+    c2,
+    s1,
+    s2,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """``y = w * x * rsqrt(mean(x^2) + eps)`` per head (mean over head_dim), then ``o = rope(y)``."""
+    offs_h = head_start + tl.arange(0, BLOCK_H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
+    d_mask = offs_d < half
+    mask = (offs_h < n_heads)[:, None] & d_mask[None, :]
+    x_row = x_ptr + b * stride_xb + s * stride_xs + offs_h[:, None] * stride_xh
+    x1 = tl.load(x_row + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + (offs_d[None, :] + half) * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + offs_d * stride_w, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + (offs_d + half) * stride_w, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
+    rstd = tl.rsqrt(mean_sq + eps)[:, None]
+    y1 = x1 * rstd * w1
+    y2 = x2 * rstd * w2
+    o1 = y1 * c1 - y2 * s1
+    o2 = y2 * c2 + y1 * s2
+    o_row = o_ptr + b * stride_ob + s * stride_os + offs_h[:, None] * stride_oh
+    tl.store(o_row + offs_d[None, :] * stride_od, o1.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_row + (offs_d[None, :] + half) * stride_od, o2.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_rotate_heads_bwd(
+    g_ptr,
+    x_ptr,
+    w_ptr,
+    dx_ptr,
+    dw_ptr,
+    b,
+    s,
+    head_start,
+    n_heads,
+    half,
+    eps,
+    stride_gb,
+    stride_gh,
+    stride_gs,
+    stride_gd,
+    stride_xb,
+    stride_xh,
+    stride_xs,
+    stride_xd,
+    stride_dxb,
+    stride_dxh,
+    stride_dxs,
+    stride_dxd,
+    stride_w,
+    c1,
+    c2,
+    s1,
+    s2,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    DO_X: tl.constexpr,
+    DO_W: tl.constexpr,
+):
+    """Backward of :func:`_norm_rotate_heads_fwd` for one head block.
+
+    ``dy = rope^T(g)``; with ``xhat = x * rstd``: ``dw_partial = sum_heads(dy * xhat)`` (written to the
+    ``dw_ptr`` row of this program, summed on the host) and
+    ``dx = rstd * (dy * w - xhat * mean(dy * w * xhat))``. rstd is recomputed from x.
+    """
+    offs_h = head_start + tl.arange(0, BLOCK_H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
+    d_mask = offs_d < half
+    mask = (offs_h < n_heads)[:, None] & d_mask[None, :]
+    g_row = g_ptr + b * stride_gb + s * stride_gs + offs_h[:, None] * stride_gh
+    g1 = tl.load(g_row + offs_d[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    g2 = tl.load(g_row + (offs_d[None, :] + half) * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    dy1 = g1 * c1 + g2 * s2
+    dy2 = g2 * c2 - g1 * s1
+    x_row = x_ptr + b * stride_xb + s * stride_xs + offs_h[:, None] * stride_xh
+    x1 = tl.load(x_row + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + (offs_d[None, :] + half) * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
+    rstd = tl.rsqrt(mean_sq + eps)[:, None]
+    xhat1 = x1 * rstd
+    xhat2 = x2 * rstd
+    if DO_W:
+        tl.store(dw_ptr + offs_d, tl.sum(dy1 * xhat1, axis=0), mask=d_mask)
+        tl.store(dw_ptr + half + offs_d, tl.sum(dy2 * xhat2, axis=0), mask=d_mask)
+    if DO_X:
+        w1 = tl.load(w_ptr + offs_d * stride_w, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + (offs_d + half) * stride_w, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        dn1 = dy1 * w1
+        dn2 = dy2 * w2
+        proj = ((tl.sum(dn1 * xhat1, axis=1) + tl.sum(dn2 * xhat2, axis=1)) / (2 * half))[:, None]
+        dx1 = rstd * (dn1 - xhat1 * proj)
+        dx2 = rstd * (dn2 - xhat2 * proj)
+        dx_row = dx_ptr + b * stride_dxb + s * stride_dxs + offs_h[:, None] * stride_dxh
+        tl.store(dx_row + offs_d[None, :] * stride_dxd, dx1.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_row + (offs_d[None, :] + half) * stride_dxd, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    qw_ptr,
+    kw_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    seq_len,
+    n_q_heads,
+    n_k_heads,
+    half,
+    eps,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_qd,
+    stride_qob,
+    stride_qoh,
+    stride_qos,
+    stride_qod,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_kob,
+    stride_koh,
+    stride_kos,
+    stride_kod,
+    stride_qw,
+    stride_kw,
+    stride_cb,
+    stride_cs,
+    stride_cd,
+    stride_sb,
+    stride_ss,
+    stride_sd,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Qwen3: ``q_out = rope(q_norm(q))``, ``k_out = rope(k_norm(k))`` for one token and head block."""
+    token = tl.program_id(0).to(tl.int64)
+    head_start = tl.program_id(1).to(tl.int64) * BLOCK_H
+    b = token // seq_len
+    s = token % seq_len
+    c1, c2, s1, s2 = _load_cos_sin(
+        cos_ptr,
+        sin_ptr,
+        b,
+        s,
+        half,
+        stride_cb,
+        stride_cs,
+        stride_cd,
+        stride_sb,
+        stride_ss,
+        stride_sd,
+        BLOCK_HALF,
+    )
+    _norm_rotate_heads_fwd(
+        q_ptr, qw_ptr, q_out_ptr, b, s, head_start, n_q_heads, half, eps,
+        stride_qb, stride_qh, stride_qs, stride_qd,
+        stride_qob, stride_qoh, stride_qos, stride_qod, stride_qw,
+        c1, c2, s1, s2, BLOCK_H, BLOCK_HALF,
+    )  # fmt: skip
+    _norm_rotate_heads_fwd(
+        k_ptr, kw_ptr, k_out_ptr, b, s, head_start, n_k_heads, half, eps,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_kob, stride_koh, stride_kos, stride_kod, stride_kw,
+        c1, c2, s1, s2, BLOCK_H, BLOCK_HALF,
+    )  # fmt: skip
+
+
+@triton.jit
+def _qk_norm_rope_bwd_kernel(
+    gq_ptr,
+    gk_ptr,
+    q_ptr,
+    k_ptr,
+    qw_ptr,
+    kw_ptr,
+    dq_ptr,
+    dk_ptr,
+    dqw_ptr,
+    dkw_ptr,
+    cos_ptr,
+    sin_ptr,
+    seq_len,
+    n_q_heads,
+    n_k_heads,
+    half,
+    eps,
+    stride_gqb,
+    stride_gqh,
+    stride_gqs,
+    stride_gqd,
+    stride_gkb,
+    stride_gkh,
+    stride_gks,
+    stride_gkd,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_dqb,
+    stride_dqh,
+    stride_dqs,
+    stride_dqd,
+    stride_dkb,
+    stride_dkh,
+    stride_dks,
+    stride_dkd,
+    stride_qw,
+    stride_kw,
+    stride_cb,
+    stride_cs,
+    stride_cd,
+    stride_sb,
+    stride_ss,
+    stride_sd,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    DO_Q: tl.constexpr,
+    DO_K: tl.constexpr,
+    DO_QW: tl.constexpr,
+    DO_KW: tl.constexpr,
+):
+    """Backward of :func:`_qk_norm_rope_fwd_kernel`; weight-gradient partials go to row ``pid`` of
+    ``dqw_ptr`` / ``dkw_ptr`` (``[n_programs, head_dim]`` fp32)."""
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1).to(tl.int64)
+    head_start = block * BLOCK_H
+    b = token // seq_len
+    s = token % seq_len
+    dw_row = (token * tl.num_programs(1) + block) * (2 * half)
+    c1, c2, s1, s2 = _load_cos_sin(
+        cos_ptr,
+        sin_ptr,
+        b,
+        s,
+        half,
+        stride_cb,
+        stride_cs,
+        stride_cd,
+        stride_sb,
+        stride_ss,
+        stride_sd,
+        BLOCK_HALF,
+    )
+    if DO_Q or DO_QW:
+        _norm_rotate_heads_bwd(
+            gq_ptr, q_ptr, qw_ptr, dq_ptr, dqw_ptr + dw_row, b, s, head_start, n_q_heads, half, eps,
+            stride_gqb, stride_gqh, stride_gqs, stride_gqd,
+            stride_qb, stride_qh, stride_qs, stride_qd,
+            stride_dqb, stride_dqh, stride_dqs, stride_dqd, stride_qw,
+            c1, c2, s1, s2, BLOCK_H, BLOCK_HALF, DO_Q, DO_QW,
+        )  # fmt: skip
+    if DO_K or DO_KW:
+        _norm_rotate_heads_bwd(
+            gk_ptr, k_ptr, kw_ptr, dk_ptr, dkw_ptr + dw_row, b, s, head_start, n_k_heads, half, eps,
+            stride_gkb, stride_gkh, stride_gks, stride_gkd,
+            stride_kb, stride_kh, stride_ks, stride_kd,
+            stride_dkb, stride_dkh, stride_dks, stride_dkd, stride_kw,
+            c1, c2, s1, s2, BLOCK_H, BLOCK_HALF, DO_K, DO_KW,
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ host launchers
+
+
+def _blocks(n_heads: int, half: int) -> tuple[int, int, int]:
+    """``(BLOCK_H, BLOCK_HALF, num_warps)``: padded half width, heads per program capped by ``_MAX_TILE``."""
+    block_half = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(n_heads, 1)), max(1, _MAX_TILE // block_half))
+    num_warps = 4 if block_h * block_half <= 2048 else 8
+    return block_h, block_half, num_warps
+
+
+def _cos_sin_strides(
+    cos: torch.Tensor, sin: torch.Tensor, batch: int, seq: int, head_dim: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Strides of cos / sin viewed as ``[batch, seq, head_dim]`` (a batch of 1 broadcasts: stride 0)."""
+    strides = []
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() == 2:
+            t = t.unsqueeze(0)
+        if t.dim() != 3 or t.shape[1] != seq or t.shape[2] != head_dim or t.shape[0] not in (1, batch):
+            raise ValueError(
+                f"{name} must be [batch or 1, seq, head_dim] = [{batch}, {seq}, {head_dim}], got {tuple(t.shape)}"
+            )
+        strides.append(tuple(t.expand(batch, seq, head_dim).stride()))
+    return strides[0], strides[1]
+
+
+def _check_qk(q: torch.Tensor | None, k: torch.Tensor | None) -> tuple[int, int, int]:
+    """``(batch, seq, head_dim)`` shared by q and k, both 4-D ``[batch, heads, seq, head_dim]``, head_dim even."""
+    present = [t for t in (q, k) if t is not None]
+    for t in present:
+        if t.dim() != 4:
+            raise ValueError(f"q / k must be [batch, heads, seq, head_dim], got {tuple(t.shape)}")
+    batch, _, seq, head_dim = present[0].shape
+    for t in present[1:]:
+        if (t.shape[0], t.shape[2], t.shape[3]) != (batch, seq, head_dim):
+            raise ValueError(
+                f"q and k disagree on batch / seq / head_dim: {tuple(q.shape)} vs {tuple(k.shape)}"
+            )
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for the half-rotation layout, got {head_dim}")
+    return batch, seq, head_dim
+
+
+def _out_dtype(x: torch.Tensor, *others: torch.Tensor) -> torch.dtype:
+    """The dtype PyTorch's elementwise ops give the reference: ``x``'s promoted with each of ``others``."""
+    dtype = x.dtype
+    for t in others:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _launch_rope(
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_out: torch.Tensor | None,
+    k_out: torch.Tensor | None,
+    backward: bool,
+) -> None:
+    """One kernel launch rotating ``q -> q_out`` and ``k -> k_out`` (either may be None; out may be input)."""
+    batch, seq, head_dim = _check_qk(q, k)
+    half = head_dim // 2
+    n_q = q.shape[1] if q is not None else 0
+    n_k = k.shape[1] if k is not None else 0
+    n_tokens = batch * seq
+    if n_tokens == 0 or max(n_q, n_k) == 0 or half == 0:
+        return
+    cos_strides, sin_strides = _cos_sin_strides(cos, sin, batch, seq, head_dim)
+    block_h, block_half, num_warps = _blocks(max(n_q, n_k), half)
+    dummy = q if q is not None else k  # never dereferenced: DO_Q / DO_K are off for a missing tensor
+    q_, q_out_ = (q, q_out) if q is not None else (dummy, dummy)
+    k_, k_out_ = (k, k_out) if k is not None else (dummy, dummy)
+    grid = (n_tokens, triton.cdiv(max(n_q, n_k), block_h))
+    _rope_kernel[grid](
+        q_, q_out_, k_, k_out_, cos, sin,
+        seq, n_q, n_k, half,
+        *q_.stride(), *q_out_.stride(), *k_.stride(), *k_out_.stride(), *cos_strides, *sin_strides,
+        BLOCK_H=block_h, BLOCK_HALF=block_half,
+        DO_Q=q is not None, DO_K=k is not None, BACKWARD=backward,
+        num_warps=num_warps,
+    )  # fmt: skip
+
+
+def rope_forward(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`` into fresh tensors, one launch.
+
+    Outputs keep the input's memory layout (``empty_like``) and the reference's promoted dtype.
+    """
+    q_out = torch.empty_like(q, dtype=_out_dtype(q, cos, sin))
+    k_out = torch.empty_like(k, dtype=_out_dtype(k, cos, sin))
+    _launch_rope(q, k, cos, sin, q_out, k_out, backward=False)
+    return q_out, k_out
+
+
+def rope_backward(
+    dq_rot: torch.Tensor | None,
+    dk_rot: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_dtype: torch.dtype | None = None,
+    k_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Adjoint rotation ``dx = dy * cos + rotate_half^T(dy * sin)`` (rotation by ``-theta``) into fresh tensors.
+
+    Never writes into ``dq_rot`` / ``dk_rot``: autograd may share them with other consumers (see module doc).
+    """
+    dq = torch.empty_like(dq_rot, dtype=q_dtype or dq_rot.dtype) if dq_rot is not None else None
+    dk = torch.empty_like(dk_rot, dtype=k_dtype or dk_rot.dtype) if dk_rot is not None else None
+    if dq is not None or dk is not None:
+        _launch_rope(dq_rot, dk_rot, cos, sin, dq, dk, backward=True)
+    return dq, dk
+
+
+def rope_inplace_(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k in place (one launch) and return them. No autograd: for tensors nothing else needs.
+
+    Dispatches like :func:`apply_rope` (``use_triton(q)``); the fallback writes the reference result back.
+    Rejects tensors that require grad while grad mode is on, and internally overlapping tensors
+    (e.g. stride-0 broadcasts), where an in-place write would be wrong.
+    """
+    for t in (q, k):
+        if torch.is_grad_enabled() and t.requires_grad:
+            raise RuntimeError("rope_inplace_ is for tensors outside autograd; use apply_rope")
+        if torch._debug_has_internal_overlap(t) != 0:
+            raise RuntimeError("rope_inplace_ needs tensors whose elements do not overlap in memory")
+    if _out_dtype(q, cos, sin) != q.dtype or _out_dtype(k, cos, sin) != k.dtype:
+        raise TypeError("rope_inplace_ needs cos / sin whose dtype does not promote q / k")
+    if use_triton(q):
+        _launch_rope(q, k, cos, sin, q, k, backward=False)
+    else:
+        q_rot, k_rot = rope_reference(q, k, cos, sin)
+        q.copy_(q_rot)
+        k.copy_(k_rot)
+    return q, k
+
+
+def _launch_qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps):
+    batch, seq, head_dim = _check_qk(q, k)
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (head_dim,):
+            raise ValueError(f"{name} must be [head_dim] = [{head_dim}], got {tuple(w.shape)}")
+    q_out = torch.empty_like(q, dtype=_out_dtype(q, q_weight, cos, sin))
+    k_out = torch.empty_like(k, dtype=_out_dtype(k, k_weight, cos, sin))
+    half, n_q, n_k = head_dim // 2, q.shape[1], k.shape[1]
+    if batch * seq == 0 or max(n_q, n_k) == 0 or half == 0:
+        return q_out, k_out
+    cos_strides, sin_strides = _cos_sin_strides(cos, sin, batch, seq, head_dim)
+    block_h, block_half, num_warps = _blocks(max(n_q, n_k), half)
+    grid = (batch * seq, triton.cdiv(max(n_q, n_k), block_h))
+    _qk_norm_rope_fwd_kernel[grid](
+        q, k, q_weight, k_weight, q_out, k_out, cos, sin,
+        seq, n_q, n_k, half, eps,
+        *q.stride(), *q_out.stride(), *k.stride(), *k_out.stride(),
+        q_weight.stride(0), k_weight.stride(0), *cos_strides, *sin_strides,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=num_warps,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+def _launch_qk_norm_rope_bwd(gq, gk, q, k, q_weight, k_weight, cos, sin, eps, needs):
+    """Returns ``(dq, dk, dq_weight, dk_weight)``; ``needs`` = which of the four to compute."""
+    do_q, do_k, do_qw, do_kw = needs
+    do_q_side = (do_q or do_qw) and gq is not None
+    do_k_side = (do_k or do_kw) and gk is not None
+    batch, seq, head_dim = q.shape[0], q.shape[2], q.shape[3]
+    half, n_q, n_k = head_dim // 2, q.shape[1], k.shape[1]
+    dq = torch.empty_like(q) if do_q and do_q_side else None
+    dk = torch.empty_like(k) if do_k and do_k_side else None
+    block_h, block_half, num_warps = _blocks(max(n_q, n_k), half)
+    grid = (batch * seq, triton.cdiv(max(n_q, n_k), block_h))
+    n_programs = grid[0] * grid[1]
+    dqw_part = q.new_empty((n_programs, head_dim), dtype=torch.float32) if do_qw and do_q_side else None
+    dkw_part = q.new_empty((n_programs, head_dim), dtype=torch.float32) if do_kw and do_k_side else None
+    if n_programs and half and (do_q_side or do_k_side):
+        cos_strides, sin_strides = _cos_sin_strides(cos, sin, batch, seq, head_dim)
+        gq_ = gq if gq is not None else q
+        gk_ = gk if gk is not None else k
+        dq_ = dq if dq is not None else q
+        dk_ = dk if dk is not None else k
+        dqw_ = dqw_part if dqw_part is not None else q_weight
+        dkw_ = dkw_part if dkw_part is not None else k_weight
+        _qk_norm_rope_bwd_kernel[grid](
+            gq_, gk_, q, k, q_weight, k_weight, dq_, dk_, dqw_, dkw_, cos, sin,
+            seq, n_q, n_k, half, eps,
+            *gq_.stride(), *gk_.stride(), *q.stride(), *k.stride(), *dq_.stride(), *dk_.stride(),
+            q_weight.stride(0), k_weight.stride(0), *cos_strides, *sin_strides,
+            BLOCK_H=block_h, BLOCK_HALF=block_half,
+            DO_Q=dq is not None, DO_K=dk is not None, DO_QW=dqw_part is not None, DO_KW=dkw_part is not None,
+            num_warps=num_warps,
+        )  # fmt: skip
+    # A side with no incoming gradient (or no tokens) contributes zeros, which autograd also accepts as None.
+    if do_q and dq is None:
+        dq = torch.zeros_like(q)
+    if do_k and dk is None:
+        dk = torch.zeros_like(k)
+    dqw = dkw = None
+    if do_qw:
+        dqw = dqw_part.sum(0).to(q_weight.dtype) if dqw_part is not None else torch.zeros_like(q_weight)
+    if do_kw:
+        dkw = dkw_part.sum(0).to(k_weight.dtype) if dkw_part is not None else torch.zeros_like(k_weight)
+    return dq, dk, dqw, dkw
+
+
+# ------------------------------------------------------------------------------------------------ autograd
+
+
+class RoPEFunction(torch.autograd.Function):
+    """``(q, k, cos, sin) -> (q_rot, k_rot)`` with the Triton kernels; no gradient for cos / sin.
+
+    Forward writes fresh outputs (inputs untouched, so whatever autograd saved for the projection stays
+    valid); saves only cos / sin. Backward writes fresh dq / dk (incoming gradients may be shared).
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q_rot, k_rot = rope_forward(q, k, cos, sin)
+        ctx.save_for_backward(cos, sin)
+        ctx.dtypes = (q.dtype, k.dtype)
+        ctx.set_materialize_grads(False)
+        return q_rot, k_rot
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dq_rot: torch.Tensor | None, dk_rot: torch.Tensor | None):
+        cos, sin = ctx.saved_tensors
+        dq_rot = dq_rot if ctx.needs_input_grad[0] else None
+        dk_rot = dk_rot if ctx.needs_input_grad[1] else None
+        dq, dk = rope_backward(dq_rot, dk_rot, cos, sin, *ctx.dtypes)
+        return dq, dk, None, None
+
+
+class QKNormRoPEFunction(torch.autograd.Function):
+    """Qwen3 ``(q, k, q_weight, k_weight, cos, sin, eps) -> (rope(q_norm(q)), rope(k_norm(k)))``.
+
+    Saves the pre-norm q / k (as the unfused RMSNorm does) and recomputes rstd in backward. Weight gradients
+    (only when a norm weight requires grad) are per-program fp32 partials summed on the host.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps: float):
+        q_out, k_out = _launch_qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps)
+        ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)
+        return q_out, k_out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gq, gk):
+        q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:4])
+        dq, dk, dqw, dkw = _launch_qk_norm_rope_bwd(
+            gq, gk, q, k, q_weight, k_weight, cos, sin, ctx.eps, needs
+        )
+        return dq, dk, dqw, dkw, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------- functional
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)``: ``(q_rot, k_rot)``.
+
+    ``unsqueeze_dim=1``: ``[batch, heads, seq, head_dim]``; ``unsqueeze_dim=2``: ``[batch, seq, heads, head_dim]``.
+    Triton when ``use_triton(q)``; the reference otherwise, or when cos / sin require grad (the kernel gives
+    them none). Inputs are never modified.
+    """
+    if not use_triton(q) or cos.requires_grad or sin.requires_grad or unsqueeze_dim not in (1, 2):
+        return rope_reference(q, k, cos, sin, unsqueeze_dim)
+    if unsqueeze_dim == 2:
+        q_rot, k_rot = RoPEFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+    return RoPEFunction.apply(q, k, cos, sin)
+
+
+def apply_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's ``apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin)`` fused (q / k pre-norm, ``[b, h, s, d]``).
+
+    ``q_norm(x) = q_weight * x * rsqrt(mean(x^2, over head_dim) + eps)``; the rotation as :func:`apply_rope`.
+    Triton when ``use_triton(q)``; the reference otherwise, or when cos / sin require grad.
+    """
+    if not use_triton(q) or cos.requires_grad or sin.requires_grad:
+        return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)
+    return QKNormRoPEFunction.apply(q, k, q_weight, k_weight, cos, sin, float(eps))
+
+
+__all__ = [
+    "QKNormRoPEFunction",
+    "RoPEFunction",
+    "apply_qk_norm_rope",
+    "apply_rope",
+    "qk_norm_rope_reference",
+    "rms_norm_reference",
+    "rope_backward",
+    "rope_forward",
+    "rope_inplace_",
+    "rope_reference",
+    "rotate_half",
+]
