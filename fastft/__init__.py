@@ -36,6 +36,7 @@ _EXPORTS = {
     "list_bundled": "fastft.data.loading",
     "MalformedRowError": "fastft.data.errors",
     "pack": "fastft.data.packing",
+    "pack_shards": "fastft.data.packing",
     "PackedDataset": "fastft.data.packing",
     "PackedBatch": "fastft.data.batch",
     # engine

@@ -2,7 +2,10 @@
 
 Packaged from the top-level ``kernels/`` folder as ``fastft.kernels`` (never as a top-level
 ``kernels`` module, a name that belongs to Hugging Face's kernel hub). This layer knows torch
-and triton only.
+and triton only. One module per op, each with its plain-PyTorch reference beside it:
+``rms_norm`` (Llama/Qwen and Gemma's (1 + w)), ``rope`` (Q and K in one launch, per-token
+positions; Qwen3's q/k norm fused), ``swiglu`` (SwiGLU / GeGLU, backward recomputes the
+activation). Submodules import triton; this package itself does not.
 """
 
 from __future__ import annotations

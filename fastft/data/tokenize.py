@@ -4,16 +4,25 @@ The conversation is rendered once with the tokenizer's chat template; the charac
 each assistant turn is found by rendering the prefixes (the prompt with the generation prompt,
 and the prompt with the turn), and tokens whose characters fall in a span are labelled. That
 works with any chat template, including ones without ``{% generation %}`` markers, and the span
-includes the end-of-turn token, so the model learns to stop. Texts are tokenised in batches by
-the fast (Rust) tokenizer with offset mappings.
+includes the end-of-turn token, so the model learns to stop. Rows are rendered and tokenised in
+batches: two batched template calls per batch, then the fast (Rust) tokenizer with offset
+mappings. `tokenize_dataset` does the same for a `datasets.Dataset` in several processes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import os
+import sys
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 IGNORE_INDEX = -100
 TRAIN_ON = ("responses", "all")
@@ -55,14 +64,57 @@ class TokenizedData:
 
 def render_chat(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The templated text of a conversation and the character spans of its assistant turns."""
-    full = tokenizer.apply_chat_template(list(messages), tokenize=False)
+    return render_chats(tokenizer, [messages])[0]
+
+
+def render_chats(
+    tokenizer, conversations: Sequence[Sequence[dict]]
+) -> list[tuple[str, list[tuple[int, int]]]]:
+    """`render_chat` for many conversations at once: one ``(text, spans)`` per conversation.
+
+    Each conversation needs its full text and, per assistant turn, the prompt before it (with the
+    generation prompt) and the conversation through it. All of them are rendered in two batched
+    ``apply_chat_template`` calls (with and without the generation prompt), and the text through a
+    final assistant turn is the full text, so it is not rendered twice.
+    """
+    prompts: list[list[dict]] = []  # rendered with the generation prompt
+    plain: list[list[dict]] = []  # rendered without: full texts and texts through a turn
+    plans = []
+    for messages in conversations:
+        messages = list(messages)
+        full_at = len(plain)
+        plain.append(messages)
+        turns = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompts.append(messages[:i])
+            through_at = full_at if i == len(messages) - 1 else len(plain)
+            if through_at != full_at:
+                plain.append(messages[: i + 1])
+            turns.append((message, len(prompts) - 1, through_at))
+        plans.append((full_at, turns))
+    prompt_texts = _render_batch(tokenizer, prompts, add_generation_prompt=True)
+    plain_texts = _render_batch(tokenizer, plain, add_generation_prompt=False)
+    return [
+        _assistant_spans(plain_texts[full_at], [(m, prompt_texts[p], plain_texts[t]) for m, p, t in turns])
+        for full_at, turns in plans
+    ]
+
+
+def _render_batch(tokenizer, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
+    if not conversations:
+        return []
+    return tokenizer.apply_chat_template(
+        conversations, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def _assistant_spans(full: str, turns: list[tuple[dict, str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """Spans of the assistant turns in `full`, from each turn's (message, prompt text, text through it)."""
     spans: list[tuple[int, int]] = []
     search_from = 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = tokenizer.apply_chat_template(list(messages[:i]), tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(list(messages[: i + 1]), tokenize=False)
+    for message, prompt, through in turns:
         if through.startswith(prompt) and full.startswith(through) and len(through) > len(prompt):
             spans.append((len(prompt), len(through)))
             search_from = len(through)
@@ -102,54 +154,120 @@ def tokenize_rows(
     `train_on="responses"` labels only assistant turns (chats) — text rows are always trained on
     whole; `train_on="all"` labels every token. Rows longer than `max_seq_length` are cut to it
     (`overlong="truncate"`, counted) or left out (`"drop"`, counted). Empty rows and rows left with
-    no labelled token are skipped and counted.
+    no labelled token are skipped and counted. `rows` is read once, `batch_size` rows at a time.
     """
+    check_arguments(max_seq_length, train_on, overlong)
+    out = TokenizedData([], [], [])
+    stats = out.stats
+    for record in tokenized_records(rows, tokenizer, max_seq_length, train_on, overlong, batch_size):
+        stats.rows += 1
+        stats.truncated += record.truncated
+        if record.status == KEPT:
+            out.input_ids.append(record.input_ids)
+            out.labels.append(record.labels)
+            out.source_rows.append(record.index)
+            stats.kept += 1
+        elif record.status == SKIPPED_EMPTY:
+            stats.skipped_empty += 1
+        elif record.status == SKIPPED_NO_LABELS:
+            stats.skipped_no_labels += 1
+        else:
+            stats.dropped_overlong += 1
+    return out
+
+
+def check_arguments(max_seq_length: int, train_on: str, overlong: str) -> None:
+    """Raise `ValueError` naming the valid values when a tokenisation argument is not one of them."""
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on={train_on!r}: use one of {TRAIN_ON}.")
     if overlong not in OVERLONG:
         raise ValueError(f"overlong={overlong!r}: use one of {OVERLONG}.")
     if max_seq_length < 2:
         raise ValueError(f"max_seq_length must be at least 2, got {max_seq_length}.")
-    out = TokenizedData([], [], [])
-    pending: list[tuple[int, str, list[tuple[int, int]] | None]] = []
+
+
+# What became of a row (`RowRecord.status`).
+KEPT, SKIPPED_EMPTY, SKIPPED_NO_LABELS, DROPPED_OVERLONG = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, slots=True)
+class RowRecord:
+    """What tokenisation made of one row: ``index`` (its position in the input), ``status`` (`KEPT`,
+    `SKIPPED_EMPTY`, `SKIPPED_NO_LABELS` or `DROPPED_OVERLONG`), whether it was ``truncated`` (a
+    truncated row can still be skipped for having no labels left), and for kept rows its int32
+    ``input_ids`` and ``labels`` of equal length (None otherwise)."""
+
+    index: int
+    status: int
+    truncated: bool = False
+    input_ids: np.ndarray | None = None
+    labels: np.ndarray | None = None
+
+
+def tokenized_records(
+    rows: Iterable[dict],
+    tokenizer,
+    max_seq_length: int,
+    train_on: str = "responses",
+    overlong: str = "truncate",
+    batch_size: int = 1024,
+) -> Iterator[RowRecord]:
+    """One `RowRecord` per row of `rows`, read lazily `batch_size` rows at a time.
+
+    Kept rows come in input order; an empty row's record comes as soon as it is read, so it can
+    precede the records of earlier rows still waiting to be encoded. `tokenize_rows` collects
+    these; arguments are as there (and are not checked here: see `check_arguments`).
+    """
+    pending: list[tuple[int, object]] = []  # (index, messages) for chats, (index, text) for texts
     checked_template = False
     eos = tokenizer.eos_token or ""
-
     for index, row in enumerate(rows):
-        out.stats.rows += 1
         if "messages" in row and row["messages"] is not None:
             messages = row["messages"]
             if not messages or all(not (m.get("content") or "").strip() for m in messages):
-                out.stats.skipped_empty += 1
+                yield RowRecord(index, SKIPPED_EMPTY)
                 continue
             if not checked_template:
                 _check_template(tokenizer)
                 checked_template = True
-            text, spans = render_chat(tokenizer, messages)
-            pending.append((index, text, None if train_on == "all" else spans))
+            pending.append((index, messages))
         else:
             text = row.get("text") or ""
             if not text.strip():
-                out.stats.skipped_empty += 1
+                yield RowRecord(index, SKIPPED_EMPTY)
                 continue
-            pending.append((index, text + eos, None))
+            pending.append((index, text + eos))
         if len(pending) >= batch_size:
-            _encode(pending, tokenizer, max_seq_length, overlong, out)
+            yield from _encode(pending, tokenizer, max_seq_length, train_on, overlong)
             pending = []
     if pending:
-        _encode(pending, tokenizer, max_seq_length, overlong, out)
-    return out
+        yield from _encode(pending, tokenizer, max_seq_length, train_on, overlong)
 
 
-def _encode(pending, tokenizer, max_seq_length: int, overlong: str, out: TokenizedData) -> None:
+def _encode(
+    pending: list[tuple[int, object]], tokenizer, max_seq_length: int, train_on: str, overlong: str
+) -> Iterator[RowRecord]:
+    chats = [payload for _, payload in pending if not isinstance(payload, str)]
+    if train_on == "all":
+        # Every token is trained: the spans are not needed, only the full texts.
+        rendered = iter([(text, None) for text in _render_batch(tokenizer, chats, False)])
+    else:
+        rendered = iter(render_chats(tokenizer, chats))
+    texts: list[str] = []
+    all_spans: list[list[tuple[int, int]] | None] = []
+    for _, payload in pending:
+        if isinstance(payload, str):
+            texts.append(payload)
+            all_spans.append(None)
+        else:
+            text, spans = next(rendered)
+            texts.append(text)
+            all_spans.append(spans)
     encoded = tokenizer(
-        [text for _, text, _ in pending],
-        add_special_tokens=False,
-        return_offsets_mapping=True,
-        return_attention_mask=False,
+        texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
     )
-    for (index, _, spans), ids, offsets in zip(
-        pending, encoded["input_ids"], encoded["offset_mapping"], strict=True
+    for (index, _), spans, ids, offsets in zip(
+        pending, all_spans, encoded["input_ids"], encoded["offset_mapping"], strict=True
     ):
         ids = np.asarray(ids, dtype=np.int32)
         if spans is None:
@@ -160,17 +278,193 @@ def _encode(pending, tokenizer, max_seq_length: int, overlong: str, out: Tokeniz
             for lo, hi in spans:
                 trained |= (starts >= lo) & (starts < hi)
             labels = np.where(trained, ids, IGNORE_INDEX).astype(np.int32)
+        truncated = False
         if len(ids) > max_seq_length:
             if overlong == "drop":
-                out.stats.dropped_overlong += 1
+                yield RowRecord(index, DROPPED_OVERLONG)
                 continue
             ids, labels = ids[:max_seq_length], labels[:max_seq_length]
-            out.stats.truncated += 1
+            truncated = True
         labels[0] = IGNORE_INDEX  # the first token is never predicted
         if not (labels != IGNORE_INDEX).any():
-            out.stats.skipped_no_labels += 1
+            yield RowRecord(index, SKIPPED_NO_LABELS, truncated)
             continue
-        out.input_ids.append(ids)
-        out.labels.append(labels)
-        out.source_rows.append(index)
-        out.stats.kept += 1
+        yield RowRecord(index, KEPT, truncated, ids, labels)
+
+
+# --- datasets.Dataset input, serial or in several processes -----------------------------------------
+
+
+def is_dataset(obj: object) -> bool:
+    """True for a `datasets.Dataset` (checked without importing `datasets` when it is not loaded)."""
+    module = sys.modules.get("datasets")
+    return module is not None and isinstance(obj, module.Dataset)
+
+
+def dataset_column(dataset) -> str:
+    """``"messages"`` or ``"text"``: the column of `dataset` that tokenisation reads."""
+    column_names = dataset.column_names
+    key = "messages" if "messages" in column_names else "text"
+    if key not in column_names:
+        raise ValueError(
+            f"dataset has columns {column_names}; expected 'messages' or 'text'. "
+            "Load it with fastft.load_dataset(...) to normalise its format."
+        )
+    return key
+
+
+def dataset_rows(dataset, batch_size: int = 1000) -> Iterator[dict]:
+    """The rows of a `datasets.Dataset` as ``{column: value}`` dicts with only the column read.
+
+    Read `batch_size` rows at a time (whole Arrow batches convert ~30× faster than row by row,
+    and only one batch is held as Python objects).
+    """
+    key = dataset_column(dataset)
+    for batch in dataset.select_columns([key]).with_format(None).iter(batch_size=batch_size):
+        for value in batch[key]:
+            yield {key: value}
+
+
+def tokenize_dataset(
+    dataset,
+    tokenizer,
+    max_seq_length: int,
+    train_on: str = "responses",
+    overlong: str = "truncate",
+    num_proc: int = 1,
+    batch_size: int = 1024,
+) -> TokenizedData:
+    """`tokenize_rows` for a `datasets.Dataset`, in `num_proc` processes; the same result.
+
+    With ``num_proc > 1`` the ``messages`` (or ``text``) column is tokenised by
+    ``Dataset.map(batched=True, num_proc=num_proc)``, in memory (no cache files), and gathered
+    back into one `TokenizedData` whose ids, labels, `source_rows` and stats equal the serial
+    ones. The tokenizer is pickled to each process (fast tokenizers pickle); the Rust tokenizer
+    runs one thread per process unless ``TOKENIZERS_PARALLELISM`` is set.
+    """
+    check_arguments(max_seq_length, train_on, overlong)
+    if num_proc < 1:
+        raise ValueError(f"num_proc must be at least 1, got {num_proc}.")
+    key = dataset_column(dataset)
+    num_proc = min(num_proc, len(dataset))
+    if num_proc <= 1:
+        return tokenize_rows(dataset_rows(dataset), tokenizer, max_seq_length, train_on, overlong, batch_size)
+    import datasets
+
+    features = datasets.Features(
+        {
+            "status": datasets.Value("int8"),
+            "truncated": datasets.Value("bool"),
+            # list literals (not datasets.List) so datasets 3.x reads them too
+            "input_ids": [datasets.Value("int32")],
+            "labels": [datasets.Value("int32")],
+        }
+    )
+    with _tokenizers_parallelism_off():
+        out = (
+            dataset.select_columns([key])
+            .with_format(None)
+            .map(
+                _tokenize_batch,
+                batched=True,
+                batch_size=batch_size,
+                num_proc=num_proc,
+                input_columns=[key],
+                remove_columns=[key],
+                features=features,
+                fn_kwargs=dict(
+                    key=key,
+                    tokenizer=tokenizer,
+                    max_seq_length=max_seq_length,
+                    train_on=train_on,
+                    overlong=overlong,
+                ),
+                keep_in_memory=True,
+                load_from_cache_file=False,
+                # Nothing is cached, so hashing the tokenizer for a fingerprint would be wasted work.
+                new_fingerprint=f"fastft-tokenize-{uuid.uuid4().hex}",
+                desc=f"fastft: tokenising ({num_proc} processes)",
+            )
+        )
+    return _gather(out.with_format("arrow")[:])
+
+
+def _tokenize_batch(
+    values: list, key: str, tokenizer, max_seq_length: int, train_on: str, overlong: str
+) -> pa.Table:
+    """`Dataset.map` worker: one output row per input row (status, truncated, ids, labels)."""
+    import pyarrow as pa
+
+    n = len(values)
+    status = np.zeros(n, dtype=np.int8)
+    truncated = np.zeros(n, dtype=bool)
+    lengths = np.zeros(n, dtype=np.int64)
+    ids: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    records = tokenized_records(
+        ({key: value} for value in values), tokenizer, max_seq_length, train_on, overlong, batch_size=n
+    )
+    for record in records:  # kept rows come in input order
+        status[record.index] = record.status
+        truncated[record.index] = record.truncated
+        if record.status == KEPT:
+            lengths[record.index] = len(record.input_ids)
+            ids.append(record.input_ids)
+            labels.append(record.labels)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    empty = np.zeros(0, dtype=np.int32)
+    # An Arrow table, not lists: datasets stores it as is instead of converting every token.
+    return pa.table(
+        {
+            "status": pa.array(status),
+            "truncated": pa.array(truncated),
+            "input_ids": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(ids) if ids else empty)),
+            "labels": pa.ListArray.from_arrays(
+                offsets, pa.array(np.concatenate(labels) if labels else empty)
+            ),
+        }
+    )
+
+
+def _gather(table: pa.Table) -> TokenizedData:
+    """The `TokenizedData` of `_tokenize_batch`'s output rows (in input order)."""
+    status = table.column("status").to_numpy()
+    counts = np.bincount(status, minlength=4)
+    out = TokenizedData([], [], [])
+    out.stats = TokenizeStats(
+        rows=len(status),
+        kept=int(counts[KEPT]),
+        truncated=int(table.column("truncated").to_numpy().sum()),
+        dropped_overlong=int(counts[DROPPED_OVERLONG]),
+        skipped_empty=int(counts[SKIPPED_EMPTY]),
+        skipped_no_labels=int(counts[SKIPPED_NO_LABELS]),
+    )
+    start = 0
+    for batch in table.to_batches():
+        if not batch.num_rows:
+            continue
+        kept = np.flatnonzero(status[start : start + batch.num_rows] == KEPT)
+        for name, target in (("input_ids", out.input_ids), ("labels", out.labels)):
+            column = batch.column(name)
+            offsets = column.offsets.to_numpy()
+            # One writable int32 copy per Arrow batch; each row is a view into it.
+            values = np.array(column.values.to_numpy()[offsets[0] : offsets[-1]], dtype=np.int32)
+            offsets = offsets - offsets[0]
+            target.extend(values[offsets[i] : offsets[i + 1]] for i in kept)
+        out.source_rows.extend((kept + start).tolist())
+        start += batch.num_rows
+    return out
+
+
+@contextlib.contextmanager
+def _tokenizers_parallelism_off() -> Iterator[None]:
+    # Each worker is one process per core already: a Rust thread pool in each would oversubscribe
+    # the cores, and a forked child of a parent that used the pool prints a warning and goes serial.
+    if "TOKENIZERS_PARALLELISM" in os.environ:
+        yield
+        return
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        os.environ.pop("TOKENIZERS_PARALLELISM", None)
