@@ -5,12 +5,11 @@ Marked `gpu`: skipped without CUDA (CI), run on the device before a GPU-facing c
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 import fastft
+from fastft.bench.common import count_syncs
 from fastft.data.skills import generate
 from fastft.engine import trainer as trainer_module
 from fastft.engine.loss import causal_lm_loss_sum
@@ -113,18 +112,6 @@ def test_packed_loss_equals_per_sequence_loss_in_bf16():
     assert float(packed) == pytest.approx(float(alone), rel=2e-2)
 
 
-def _count_syncs(fn) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 def test_a_packed_training_step_has_no_host_device_sync():
     """With fastft's packed attention, a whole dense-model step (forward, recompute, backward,
     clipping, fused AdamW, the loss readout) never waits for the GPU."""
@@ -134,7 +121,7 @@ def test_a_packed_training_step_has_no_host_device_sync():
     trainer.train()  # warm up: backend choice (a measured sync, once), allocator, kernels
     assert model.fastft_attention.resolved in ("sdpa_masked", "sdpa_segments", "varlen", "flex", "flash_attn")
     trainer.optimizer.zero_grad(set_to_none=True)
-    syncs = _count_syncs(trainer._train_step)
+    syncs = count_syncs(trainer._train_step)
     print(f"attention backend {model.fastft_attention.resolved}; syncs in one step: {syncs}")
     assert syncs == 0
 
