@@ -166,7 +166,7 @@ def run_demo(config: DemoConfig | None = None, log=print) -> DemoResult:
         config=asdict(config) | {"train": asdict(train_config)},
         steps=steps,
         evals=[first_eval, *result.evals],
-        summary=summary,
+        summary=_readable(summary),
         accuracy_before=before.per_task,
         accuracy_after=after.per_task,
         samples=samples,
@@ -175,3 +175,21 @@ def run_demo(config: DemoConfig | None = None, log=print) -> DemoResult:
     with open(run_dir / "summary.json", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
     return DemoResult(run_dir, report_path, adapter_path, result, before, after, summary)
+
+
+def _readable(summary: dict) -> dict:
+    """The summary as a person reads it in the report: percentages, GiB, seconds, rounded losses."""
+    s = summary
+    return {
+        "model": s["model"],
+        "device": s["device"],
+        "trainable parameters": f"{s['trainable_parameters']:,} of {s['total_parameters']:,}",
+        "data": s["packing"],
+        "steps": s["steps"],
+        "training loss": f"{s['first_loss']:.4f} → {s['final_loss']:.4f}",
+        "eval loss": f"{s['first_eval_loss']:.4f} → {s['final_eval_loss']:.4f}",
+        "held-out accuracy": f"{s['accuracy_before']:.1%} → {s['accuracy_after']:.1%} ({s['eval_samples']} questions)",
+        "trained tokens/s (median)": f"{s['median_trained_tokens_per_second']:,.0f}",
+        "peak memory": f"{s['peak_memory_gib']:.2f} GiB ({'GPU' if s['memory_kind'] == 'cuda' else 'CPU RSS'})",
+        "duration": f"{s['duration_s']:.1f} s",
+    }

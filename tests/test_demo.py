@@ -28,6 +28,10 @@ def test_demo_trains_evaluates_saves_and_reports(tmp_path):
     assert "fastft demo" in page and "tiny-llama" in page and page.count("plotly") > 3
     data = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
     assert len(data["steps"]) == 12 and data["accuracy_after"]["all"] == result.accuracy_after.overall
+    assert (
+        data["summary"]["held-out accuracy"].endswith("(16 questions)")
+        and "→" in data["summary"]["eval loss"]
+    )
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert summary["steps"] == 12 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert (run_dir / "checkpoints" / "checkpoint-12").is_dir()
