@@ -219,22 +219,28 @@ def _gated_activation_bwd_kernel(
     up_ptr,
     dgate_ptr,
     dup_ptr,
+    h_ptr,
     n_cols,
     stride_dh_row,
     stride_gate_row,
     stride_up_row,
     stride_dgate_row,
     stride_dup_row,
+    stride_h_row,
     KIND: tl.constexpr,
     NEED_DGATE: tl.constexpr,
     NEED_DUP: tl.constexpr,
+    NEED_H: tl.constexpr,
     BF16_RTNE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     """d_gate = dh * up * act'(gate), d_up = dh * act(gate), with act recomputed from gate.
 
     ``NEED_DGATE`` / ``NEED_DUP`` compile away the gradient (and its loads and store) autograd did not
-    ask for; the pointer of a skipped gradient is never touched.
+    ask for; the pointer of a skipped gradient is never touched. ``NEED_H`` also stores the recomputed
+    ``h = act(gate) * up`` (the fused LoRA MLP needs it for down_proj's LoRA gradient). Every element is
+    loaded before any store of the same element, so outputs may alias inputs (``h`` over ``dh``, ``d_gate``
+    over ``gate``, ``d_up`` over ``up``).
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -242,8 +248,9 @@ def _gated_activation_bwd_kernel(
 
     dh = tl.load(dh_ptr + row * stride_dh_row + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + row * stride_gate_row + cols, mask=mask, other=0.0).to(tl.float32)
-    if NEED_DGATE:
+    if NEED_DGATE or NEED_H:
         u = tl.load(up_ptr + row * stride_up_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if NEED_DGATE:
         a, da = _activation_and_derivative(g, KIND)
         dgate = dh * u * da
         tl.store(
@@ -254,6 +261,9 @@ def _gated_activation_bwd_kernel(
     if NEED_DUP:
         dup = dh * a
         tl.store(dup_ptr + row * stride_dup_row + cols, _cast_for_store(dup, dup_ptr, BF16_RTNE), mask=mask)
+    if NEED_H:
+        h = a * u
+        tl.store(h_ptr + row * stride_h_row + cols, _cast_for_store(h, h_ptr, BF16_RTNE), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,24 +353,41 @@ def gated_activation_backward(
     kind: str = "swiglu",
     need_dgate: bool = True,
     need_dup: bool = True,
+    *,
+    out_dgate: torch.Tensor | None = None,
+    out_dup: torch.Tensor | None = None,
+    out_h: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel: ``(d_gate, d_up) = (dh * up * act'(gate), dh * act(gate))``.
 
     ``act`` is recomputed from ``gate``. Gradients come back contiguous, shaped and typed like
     ``gate``; one not asked for (``need_dgate`` / ``need_dup`` false) is ``None`` and is not computed.
+    ``out_dgate`` / ``out_dup`` give the buffers to write the gradients into (they may be ``gate`` / ``up``
+    themselves); ``out_h`` asks for ``h = act(gate) * up`` as well, written there (it may be ``dh``). Out
+    buffers must be contiguous and shaped like ``gate``.
     """
     _check_kind(kind)
     _check_operands(gate, up)
     if dh.shape != gate.shape:
         raise ValueError(f"dh must have the shape of gate, got {tuple(dh.shape)} and {tuple(gate.shape)}")
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if need_dgate else None
-    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device) if need_dup else None
-    if gate.numel() == 0 or not (need_dgate or need_dup):
+    for out in (out_dgate, out_dup, out_h):
+        if out is not None and (out.shape != gate.shape or not out.is_contiguous()):
+            raise ValueError("out buffers must be contiguous tensors shaped like gate")
+
+    def _buffer(out, needed):
+        if not needed:
+            return None
+        return out if out is not None else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+    dgate, dup = _buffer(out_dgate, need_dgate), _buffer(out_dup, need_dup)
+    need_h = out_h is not None
+    if gate.numel() == 0 or not (need_dgate or need_dup or need_h):
         return dgate, dup
     dh2, g2, u2 = _as_rows(dh), _as_rows(gate), _as_rows(up)
     # A gradient not asked for gets a placeholder pointer that the kernel never dereferences.
     dgate2 = dgate.view(g2.shape) if need_dgate else g2
     dup2 = dup.view(g2.shape) if need_dup else g2
+    h2 = out_h.view(g2.shape) if need_h else g2
     grid, block, num_warps = _launch_config(*g2.shape)
     with _device_guard(gate):
         _gated_activation_bwd_kernel[grid](
@@ -369,15 +396,18 @@ def gated_activation_backward(
             u2,
             dgate2,
             dup2,
+            h2,
             g2.shape[1],
             dh2.stride(0),
             g2.stride(0),
             u2.stride(0),
             dgate2.stride(0),
             dup2.stride(0),
+            h2.stride(0),
             KIND=_KIND_CODE[kind],
             NEED_DGATE=need_dgate,
             NEED_DUP=need_dup,
+            NEED_H=need_h,
             BF16_RTNE=_emulate_bf16_rtne(gate),
             BLOCK_SIZE=block,
             num_warps=num_warps,

@@ -10,8 +10,9 @@ import pytest
 
 # Without a GPU, Triton kernels run through the interpreter: it must be on before any @triton.jit
 # function is defined (kernel modules read it at import). `nvidia-smi` is the cheap probe here.
-if shutil.which("nvidia-smi") is None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+_INTERPRETER_SET_HERE = shutil.which("nvidia-smi") is None and "TRITON_INTERPRET" not in os.environ
+if _INTERPRETER_SET_HERE:
+    os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -35,6 +36,16 @@ def _loopback_only(self, address):
 def _no_network(monkeypatch):
     """Any test that tries to reach beyond loopback fails: nothing may be downloaded."""
     monkeypatch.setattr(socket.socket, "connect", _loopback_only)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_for_kernel_tests_only(request, monkeypatch):
+    """Kernel and patching tests run the Triton kernels through the interpreter; every other CPU test
+    takes the plain-PyTorch references, as a CPU user does (the interpreter is ~100x slower).
+    `fastft.kernels.use_triton` reads the variable at each call, so unsetting it here is enough."""
+    module = request.module.__name__.rsplit(".", 1)[-1]
+    if _INTERPRETER_SET_HERE and not (module.startswith("test_kernel_") or module == "test_patch"):
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
 def pytest_collection_modifyitems(config, items):

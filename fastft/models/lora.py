@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-GRADIENT_CHECKPOINTING_MODES = (True, False, "unsloth")
+GRADIENT_CHECKPOINTING_MODES = (True, False, "offload", "offload-single", "unsloth", "auto")
 
 
 class LoraTargetError(ValueError):
@@ -29,6 +29,7 @@ class LoraSettings:
     bias: str
     use_rslora: bool
     gradient_checkpointing: bool | str
+    fused: bool = True
 
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:
@@ -85,6 +86,7 @@ def add_lora(
     bias: str = "none",
     use_rslora: bool = False,
     seed: int | None = 3407,
+    fused: bool = True,
 ) -> PeftModel:
     """Wrap `model` with LoRA adapters of rank `r` and scale `alpha / r` and freeze the rest.
 
@@ -92,6 +94,8 @@ def add_lora(
     list of short layer names such as ``["q_proj", "v_proj"]``. `gradient_checkpointing` is True
     (recompute each layer in backward), False, or "unsloth" (fastft's best available mode).
     `seed` makes the adapters' initialisation reproducible without touching the global RNG.
+    `fused` swaps fastft's kernels into the model (`fastft.patch`: Triton RMSNorm, RoPE, SwiGLU,
+    LoRA-fused projections, fused linear cross-entropy); ``fused=False`` keeps transformers' modules.
     """
     if gradient_checkpointing not in GRADIENT_CHECKPOINTING_MODES:
         raise ValueError(
@@ -106,7 +110,7 @@ def add_lora(
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     targets = resolve_targets(base, target_modules)
     settings = LoraSettings(
-        r, float(alpha), float(dropout), tuple(targets), bias, use_rslora, gradient_checkpointing
+        r, float(alpha), float(dropout), tuple(targets), bias, use_rslora, gradient_checkpointing, fused
     )
 
     if isinstance(model, PeftModel):
@@ -142,12 +146,31 @@ def add_lora(
         peft_model = get_peft_model(base, config)
 
     set_gradient_checkpointing(peft_model, gradient_checkpointing)
+    if fused:
+        from fastft.models.patch import patch
+
+        patch(peft_model)
     peft_model.fastft_lora = settings
     return peft_model
 
 
 def set_gradient_checkpointing(model: torch.nn.Module, mode: bool | str) -> None:
-    """Switch the model's activation recomputation on or off (non-reentrant checkpointing)."""
+    """Switch how the model's decoder layers keep activations for backward (on this instance only).
+
+    False: keep everything. True: keep each layer's input and recompute the layer in backward
+    (non-reentrant checkpointing). "offload": recompute, and keep each layer's input in pinned host
+    memory, copied back on a side stream into two alternating device buffers while the layer after it
+    runs its backward (`fastft.engine.offload`); on the CPU it is plain recompute. "offload-single": one
+    buffer, no prefetch (the ablation). "unsloth": alias of "offload". "auto": "offload" when CUDA is
+    available, else True. Idempotent; switching modes replaces the previous one, never stacks.
+    """
+    from fastft.engine.offload import OFFLOAD_MODES, disable_offload, enable_offload, resolve_mode
+
+    if mode not in GRADIENT_CHECKPOINTING_MODES:
+        raise ValueError(
+            f"gradient_checkpointing={mode!r} is not a mode; use one of {GRADIENT_CHECKPOINTING_MODES}."
+        )
+    mode = resolve_mode(mode)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     options = {"use_reentrant": False}
     if hasattr(base, "activation_checkpointing_enable"):  # transformers ≥ 5.2x renamed the API
@@ -161,6 +184,10 @@ def set_gradient_checkpointing(model: torch.nn.Module, mode: bool | str) -> None
         base.gradient_checkpointing_disable()
     if mode:
         base.config.use_cache = False
+    if mode in OFFLOAD_MODES:  # after transformers reset every layer's checkpoint function
+        enable_offload(base, double_buffer=mode == "offload")
+    else:
+        disable_offload(base)
 
 
 def is_checkpointing(model: torch.nn.Module) -> bool:

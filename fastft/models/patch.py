@@ -1,0 +1,318 @@
+"""`patch`: fastft's fused kernels swapped into one model instance, reversibly.
+
+What a patched Llama / Mistral / Qwen2 / Qwen3 decoder layer runs (each line one autograd Function):
+
+    input_layernorm           Triton RMSNorm                       (fastft.kernels.rms_norm)
+    q/k/v_proj (+LoRA)        one LoRA-fused QKV projection        (fastft.kernels.lora.LoraLinearsFunction)
+    (q/k norm +) RoPE         one launch for Q and K               (fastft.kernels.rope)
+    attention                 whatever the model's attention implementation is (SDPA, fastft_packed, ...)
+    o_proj (+LoRA)            LoRA-fused projection
+    post_attention_layernorm  Triton RMSNorm
+    mlp (+LoRA)               gate/up -> SwiGLU/GeGLU -> down in one function (fastft.kernels.lora.LoraMLPFunction)
+
+plus the final norm, and (in `fastft.engine.loss`) the fused linear cross-entropy over the output head.
+
+Only instances change: each patched submodule gets an instance attribute ``forward`` (the class is never
+touched, so a patched and an unpatched model live side by side), and the original is kept for `unpatch`.
+Patching twice is a no-op. The decoder layers themselves are left alone, so transformers' gradient
+checkpointing and fastft's offloaded checkpointing wrap them as before.
+
+Each fused forward decides per call whether it applies, and otherwise runs the module's original forward:
+a KV cache (generation), several or disabled adapters, DoRA, LoRA dropout while training, 8-bit bases or
+trainable base weights all take the original path, so `model.disable_adapter()`, `merge_adapter()` and
+`generate()` behave exactly as without fastft. Architectures outside `SUPPORTED` keep every module as it is
+and get one warning naming what was not fused.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
+class UnfusedWarning(UserWarning):
+    """Part (or all) of a model runs on the reference path rather than fastft's fused kernels."""
+
+
+@dataclass
+class PatchReport:
+    """What `patch` did: ``fused`` lists the kinds of modules now on fused kernels, ``not_fused`` says what
+    was left on the reference path and why."""
+
+    model_type: str
+    fused: dict[str, int] = field(default_factory=dict)
+    not_fused: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        done = ", ".join(f"{count} {name}" for name, count in self.fused.items()) or "nothing"
+        text = f"{self.model_type}: fused {done}"
+        if self.not_fused:
+            text += "; not fused: " + "; ".join(self.not_fused)
+        return text
+
+
+@dataclass
+class _PatchState:
+    report: PatchReport
+    modules: list[torch.nn.Module]
+
+
+# --------------------------------------------------------------------------------------------- projections
+
+
+def _frozen_base(linear: torch.nn.Module):
+    """`FrozenLinear` for an ``nn.Linear`` or bitsandbytes NF4 layer whose weight is frozen, else None."""
+    from fastft.kernels.lora import FrozenLinear
+
+    weight = getattr(linear, "weight", None)
+    if weight is None or weight.requires_grad:
+        return None
+    bias = getattr(linear, "bias", None)
+    if bias is not None and bias.requires_grad:
+        return None
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is not None:
+        if getattr(quant_state, "quant_type", None) != "nf4":
+            return None
+        return FrozenLinear(weight, bias, quant_state)
+    if type(linear) is not torch.nn.Linear:  # 8-bit and other custom linears keep their own forward
+        return None
+    return FrozenLinear(weight, bias)
+
+
+def _projection(module: torch.nn.Module):
+    """``(base, A, B, scale)`` for a projection that the fused functions can run this call, or None."""
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(module, LoraLayer):
+        base = _frozen_base(module)
+        return None if base is None else (base, None, None, 1.0)
+    base = _frozen_base(module.get_base_layer())
+    if base is None:
+        return None
+    if module.disable_adapters:  # PEFT unmerges a merged adapter first: leave that to its forward
+        return None if module.merged else (base, None, None, 1.0)
+    if module.merged:  # the adapter is already inside the base weight
+        return (base, None, None, 1.0)
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if not active:
+        return (base, None, None, 1.0)
+    if len(active) > 1:
+        return None
+    name = active[0]
+    if module.use_dora.get(name, False) or getattr(module, "lora_bias", {}).get(name, False):
+        return None
+    dropout = module.lora_dropout[name]
+    if module.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
+        return None
+    return base, module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]
+
+
+def _projections(module: torch.nn.Module, names: tuple[str, ...]):
+    parts = [_projection(getattr(module, name)) for name in names]
+    return None if any(part is None for part in parts) else parts
+
+
+def _split(parts):
+    return [p[0] for p in parts], [p[3] for p in parts], [(p[1], p[2]) for p in parts]
+
+
+# --------------------------------------------------------------------------------------------- forwards
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    from fastft.kernels.rms_norm import rms_norm
+
+    return rms_norm(hidden_states, self.weight, self._fastft_eps)
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+    parts = _projections(self, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if parts is None or cache is not None or args or position_embeddings is None:
+        return self._fastft_original_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    kwargs.pop("cache", None)
+    kwargs.pop("past_key_values", None)
+    from fastft.kernels.lora import lora_linears
+    from fastft.kernels.rope import apply_qk_norm_rope, apply_rope
+
+    bases, scales, adapters = _split(parts)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query, key, value = lora_linears(hidden_states, bases[:3], scales[:3], adapters[:3])
+    query = query.view(hidden_shape).transpose(1, 2)
+    key = key.view(hidden_shape).transpose(1, 2)
+    value = value.view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    if self._fastft_qk_norm:
+        query, key = apply_qk_norm_rope(
+            query, key, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon
+        )
+    else:
+        query, key = apply_rope(query, key, cos, sin)
+    if self._fastft_sliding_window is not _NO_WINDOW:
+        kwargs["sliding_window"] = self._fastft_sliding_window
+    attn_output, attn_weights = _attention_interface(self)(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    (output,) = lora_linears(attn_output, bases[3:], scales[3:], adapters[3:])
+    return output, attn_weights
+
+
+_NO_WINDOW = object()
+
+
+def _attention_interface(module):
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation = module.config._attn_implementation
+    if implementation in (None, "eager"):
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def _mlp_forward(self, hidden_states):
+    parts = _projections(self, ("gate_proj", "up_proj", "down_proj"))
+    if parts is None:
+        return self._fastft_original_forward(hidden_states)
+    from fastft.kernels.lora import lora_mlp
+
+    bases, scales, adapters = _split(parts)
+    return lora_mlp(hidden_states, *bases, scales, self._fastft_activation, adapters)
+
+
+# --------------------------------------------------------------------------------------------- patching
+
+
+def _install(module: torch.nn.Module, forward, state: _PatchState, **attributes) -> None:
+    module._fastft_original_forward = module.forward
+    module._fastft_had_instance_forward = "forward" in module.__dict__
+    for name, value in attributes.items():
+        setattr(module, "_fastft_" + name, value)
+    module.forward = types.MethodType(forward, module)
+    state.modules.append(module)
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def _is_rms_norm(module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None
+
+
+def _sliding_window(attention, model_type: str, config):
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    if model_type in ("mistral", "mixtral"):
+        return getattr(config, "sliding_window", None)
+    return _NO_WINDOW
+
+
+def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
+    """Swap fastft's fused kernels into `model` (a transformers causal LM or a PEFT model around one).
+
+    Idempotent (a second call returns the first report) and reversible with `unpatch`. Returns a
+    `PatchReport`; when something stays on the reference path, one `UnfusedWarning` says what and why.
+    """
+    from fastft.kernels.swiglu import HIDDEN_ACT_TO_KIND
+
+    base = _base(model)
+    existing = getattr(base, "fastft_kernels", None)
+    if existing is not None:
+        return existing.report
+    config = base.config
+    model_type = getattr(config, "model_type", type(base).__name__)
+    report = PatchReport(model_type)
+    state = _PatchState(report, [])
+    if model_type not in SUPPORTED:
+        report.not_fused.append(
+            f"the {model_type} architecture (fused kernels cover {', '.join(SUPPORTED)}); "
+            "it trains on transformers' own modules"
+        )
+        base.fastft_kernels = state
+        if warn:
+            warnings.warn(f"fastft.patch: {report}", UnfusedWarning, stacklevel=2)
+        return report
+
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    kind = HIDDEN_ACT_TO_KIND.get(getattr(config, "hidden_act", None))
+    counts = {"rms_norm": 0, "attention": 0, "mlp": 0}
+    moe_blocks = 0
+    for layer in decoder.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if _is_rms_norm(norm):
+                eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+                _install(norm, _rms_norm_forward, state, eps=float(eps))
+                counts["rms_norm"] += 1
+        attention = layer.self_attn
+        qk_norm = hasattr(attention, "q_norm") and _is_rms_norm(attention.q_norm)
+        _install(
+            attention,
+            _attention_forward,
+            state,
+            qk_norm=qk_norm,
+            sliding_window=_sliding_window(attention, model_type, config),
+        )
+        counts["attention"] += 1
+        if not all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+            moe_blocks += 1
+            continue
+        if kind is None:
+            continue
+        _install(layer.mlp, _mlp_forward, state, activation=kind)
+        counts["mlp"] += 1
+    if _is_rms_norm(getattr(decoder, "norm", None)):
+        norm = decoder.norm
+        _install(norm, _rms_norm_forward, state, eps=float(getattr(norm, "variance_epsilon", 1e-6)))
+        counts["rms_norm"] += 1
+    if moe_blocks:
+        report.not_fused.append(f"{moe_blocks} MoE expert blocks (they run transformers' experts)")
+    if kind is None and moe_blocks < len(decoder.layers):
+        report.not_fused.append(f"the MLPs (activation {config.hidden_act!r} has no fused kernel)")
+    report.fused = {name: count for name, count in counts.items() if count}
+    report.fused["cross_entropy"] = 1
+    base.fastft_kernels = state
+    if warn and report.not_fused:
+        warnings.warn(f"fastft.patch: {report}", UnfusedWarning, stacklevel=2)
+    return report
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Give every patched module its original forward back; a model that is not patched is unchanged."""
+    base = _base(model)
+    state = getattr(base, "fastft_kernels", None)
+    if state is None:
+        return model
+    for module in state.modules:
+        if module._fastft_had_instance_forward:
+            module.forward = module._fastft_original_forward
+        else:
+            del module.forward
+        for name in [key for key in vars(module) if key.startswith("_fastft_")]:
+            delattr(module, name)
+    del base.fastft_kernels
+    return model
+
+
+def is_fused(model: torch.nn.Module) -> bool:
+    """Whether `patch` has run on this model (and it was not undone)."""
+    state = getattr(_base(model), "fastft_kernels", None)
+    return state is not None and bool(state.modules)

@@ -1,0 +1,338 @@
+"""LoRA-fused projections with hand-derived backward: QKV (or any set of linears sharing an input), and
+the whole gated MLP (gate/up -> act -> down). Base weights are frozen, 16-bit or NF4.
+
+A LoRA linear with frozen base weight ``W [out, in]``, optional bias ``b``, adapters ``A [r, in]``,
+``B [out, r]`` and scale ``s`` computes, for rows ``x [N, in]``::
+
+    xa = x A^T                       [N, r]
+    y  = x W^T + b + s xa B^T        [N, out]
+
+and its backward, given ``dy = dL/dy``::
+
+    dB  = s dy^T xa                  [out, r]
+    dxa = s dy B                     [N, r]
+    dA  = dxa^T x                    [r, in]
+    dx  = dy W + dxa A               [N, in]
+
+`LoraLinearsFunction` does this for several projections of one input at once (Q, K and V; gate and up):
+one GEMM ``x [A_1; A_2; ...]^T`` gives every ``xa``, one GEMM ``dxa^T x`` every ``dA``, and ``dx``
+accumulates ``dy_i W_i`` and ``dxa [A_1; A_2; ...]`` in place (``addmm_``). It saves ``x`` and the small
+``xa`` only.
+
+`LoraMLPFunction` fuses a gated MLP ``y = down(act(gate(x)) * up(x))`` with LoRA on any of the three::
+
+    g = gate(x), u = up(x)           [N, I]   (saved)
+    h = act(g) u                     [N, I]   (freed after the forward)
+    y = down(h)
+
+    dh        = dy W_d + dxa_d A_d                    (down's dx)
+    h, dg, du = h(g, u), dh u act'(g), dh act(g)      one Triton pass, written over dh, g and u
+    dA_d      = dxa_d^T h
+    dx        = dg W_g + du W_u + [dxa_g, dxa_u] [A_g; A_u]
+
+It saves ``x``, ``g``, ``u`` and the ``[N, r]`` LoRA intermediates: two ``[N, I]`` tensors where eager
+autograd through transformers' MLP and PEFT keeps four (``g``, ``u``, ``act(g)``, ``h``). The backward
+writes ``h``, ``dg`` and ``du`` over the buffers of ``dh``, ``g`` and ``u`` (all private to this function),
+so it allocates no ``[N, I]`` tensor beyond ``dh``.
+
+Precision: matmuls run in the compute dtype (the autocast dtype when autocast is on, else the input's)
+with fp32 accumulation; the LoRA term is added by ``addmm_(..., alpha=s)``, so ``x W^T + s xa B^T`` is
+rounded once where PEFT rounds ``xa B^T``, ``* s`` and ``+`` separately. LoRA weights stored in fp32 (PEFT's
+default for 16-bit models) are cast to the compute dtype for the matmuls, as autocast would, and their
+gradients are returned in their own dtype.
+
+NF4 bases (bitsandbytes ``Params4bit``) are dequantised to the compute dtype on use, in the forward and
+again in the backward (nothing dequantised is kept between them), by `fastft.kernels.nf4`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .swiglu import gated_activation_backward, gated_activation_forward, gated_activation_reference
+
+
+@dataclass(frozen=True, eq=False)
+class FrozenLinear:
+    """A projection's frozen base: ``weight [out, in]`` (16-bit, or packed NF4 with its ``quant_state``)
+    and an optional ``bias [out]``. Not an autograd input: its weight receives no gradient."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    quant_state: object | None = None
+
+    @property
+    def out_features(self) -> int:
+        if self.quant_state is not None:
+            return int(self.quant_state.shape[0])
+        return self.weight.shape[0]
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a dense ``[out, in]`` tensor of `dtype` (dequantised when NF4)."""
+        if self.quant_state is not None:
+            from .nf4 import dequantize_quant_state
+
+            return dequantize_quant_state(self.weight, self.quant_state, dtype=dtype)
+        return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+
+
+def _project(x2, base: FrozenLinear, xa, b_weight, scale, dtype) -> torch.Tensor:
+    """``x W^T + bias + scale xa B^T`` with one rounding of the sum (addmm)."""
+    weight = base.dense(dtype)
+    bias = None if base.bias is None else base.bias.to(dtype)
+    y = F.linear(x2, weight, bias)
+    if b_weight is not None:
+        y.addmm_(xa, b_weight.to(dtype).t(), alpha=scale)
+    return y
+
+
+def _lora_slices(ranks: list[int]) -> list[slice | None]:
+    slices, start = [], 0
+    for r in ranks:
+        slices.append(None if r == 0 else slice(start, start + r))
+        start += r
+    return slices
+
+
+def _grad_dtype(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    if grad is None or like is None:
+        return None
+    return grad.to(like.dtype)
+
+
+class LoraLinearsFunction(torch.autograd.Function):
+    """Several LoRA linears of one input: ``apply(x, bases, scales, A_1, B_1, A_2, B_2, ...)`` -> outputs.
+
+    ``bases`` is a tuple of `FrozenLinear`, ``scales`` a tuple of floats; a projection without LoRA passes
+    ``None`` for its ``A`` and ``B``. Returns one tensor ``[..., out_i]`` per projection.
+    """
+
+    @staticmethod
+    def forward(ctx, x, bases, scales, *adapters):
+        dtype = _compute_dtype(x)
+        x2 = _rows(x).to(dtype)
+        a_list = adapters[0::2]
+        b_list = adapters[1::2]
+        ranks = [0 if a is None else a.shape[0] for a in a_list]
+        slices = _lora_slices(ranks)
+        outputs = []
+        with torch.autocast(x.device.type, enabled=False):
+            lora_a = [a.to(dtype) for a in a_list if a is not None]
+            xa = torch.mm(x2, _cat(lora_a).t()) if lora_a else None
+            for base, sl, b_weight, scale in zip(bases, slices, b_list, scales, strict=True):
+                y = _project(x2, base, None if sl is None else xa[:, sl], b_weight, scale, dtype)
+                outputs.append(y.view(*x.shape[:-1], y.shape[-1]))
+        ctx.bases, ctx.scales, ctx.slices, ctx.dtype = bases, scales, slices, dtype
+        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
+        ctx.save_for_backward(x2, xa, *adapters)
+        return tuple(outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        x2, xa, *adapters = ctx.saved_tensors
+        a_list, b_list = adapters[0::2], adapters[1::2]
+        dtype = ctx.dtype
+        grad_adapters: list[torch.Tensor | None] = [None] * len(adapters)
+        dx = None
+        dxa_parts, a_parts = [], []
+        with torch.autocast(x2.device.type, enabled=False):
+            for i, (base, sl, scale, grad) in enumerate(zip(ctx.bases, ctx.slices, ctx.scales, grads, strict=True)):
+                if grad is None:
+                    continue
+                dy = _rows(grad).to(dtype)
+                if ctx.needs_input_grad[0]:
+                    weight = base.dense(dtype)
+                    dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
+                if sl is None:
+                    continue
+                a_weight, b_weight = a_list[i], b_list[i]
+                if b_weight.requires_grad:
+                    grad_adapters[2 * i + 1] = torch.mm(dy.t(), xa[:, sl]).mul_(scale).to(b_weight.dtype)
+                dxa_parts.append(torch.mm(dy, b_weight.to(dtype)).mul_(scale))
+                a_parts.append((i, a_weight))
+            if dxa_parts:
+                dxa = torch.cat(dxa_parts, 1) if len(dxa_parts) > 1 else dxa_parts[0]
+                a_cat = _cat([a.to(dtype) for _, a in a_parts])
+                if ctx.needs_input_grad[0]:
+                    dx = torch.mm(dxa, a_cat) if dx is None else dx.addmm_(dxa, a_cat)
+                if any(a.requires_grad for _, a in a_parts):
+                    da = torch.mm(dxa.t(), x2)
+                    start = 0
+                    for i, a_weight in a_parts:
+                        r = a_weight.shape[0]
+                        if a_weight.requires_grad:
+                            grad_adapters[2 * i] = da[start : start + r].to(a_weight.dtype)
+                        start += r
+        if dx is not None and ctx.needs_input_grad[0]:
+            dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+        else:
+            dx = None
+        return (dx, None, None, *grad_adapters)
+
+
+class LoraMLPFunction(torch.autograd.Function):
+    """``down(act(gate(x)) * up(x))`` with LoRA on any of the three projections.
+
+    ``apply(x, gate, up, down, scales, kind, A_g, B_g, A_u, B_u, A_d, B_d)``: ``gate``/``up``/``down`` are
+    `FrozenLinear`, ``scales`` a 3-tuple, ``kind`` a `fastft.kernels.swiglu` kind; absent adapters are None.
+    """
+
+    @staticmethod
+    def forward(ctx, x, gate, up, down, scales, kind, a_g, b_g, a_u, b_u, a_d, b_d):
+        dtype = _compute_dtype(x)
+        x2 = _rows(x).to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            lora_in = [a.to(dtype) for a in (a_g, a_u) if a is not None]
+            xa = torch.mm(x2, _cat(lora_in).t()) if lora_in else None
+            slices = _lora_slices([0 if a is None else a.shape[0] for a in (a_g, a_u)])
+            g = _project(x2, gate, None if slices[0] is None else xa[:, slices[0]], b_g, scales[0], dtype)
+            u = _project(x2, up, None if slices[1] is None else xa[:, slices[1]], b_u, scales[1], dtype)
+            h = _activate(g, u, kind)
+            ha = torch.mm(h, a_d.to(dtype).t()) if a_d is not None else None
+            y = _project(h, down, ha, b_d, scales[2], dtype)
+        del h
+        ctx.bases, ctx.scales, ctx.kind, ctx.slices, ctx.dtype = (gate, up, down), scales, kind, slices, dtype
+        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
+        ctx.save_for_backward(x2, g, u, xa, ha, a_g, b_g, a_u, b_u, a_d, b_d)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x2, g, u, xa, ha, a_g, b_g, a_u, b_u, a_d, b_d = ctx.saved_tensors
+        gate, up, down = ctx.bases
+        s_g, s_u, s_d = ctx.scales
+        dtype = ctx.dtype
+        grads: dict[str, torch.Tensor | None] = {}
+        with torch.autocast(x2.device.type, enabled=False):
+            dy = _rows(grad).to(dtype)
+            dh = torch.mm(dy, down.dense(dtype))
+            if a_d is not None:
+                dha = torch.mm(dy, b_d.to(dtype)).mul_(s_d)
+                grads["b_d"] = torch.mm(dy.t(), ha).mul_(s_d)
+                dh.addmm_(dha, a_d.to(dtype))
+            del dy
+            # h, dg, du over dh, g, u (private buffers): no new [N, I] tensor
+            h, dg, du = _activate_backward(dh, g, u, ctx.kind)
+            if a_d is not None:
+                grads["a_d"] = torch.mm(dha.t(), h)
+            del h
+            dx = torch.mm(dg, gate.dense(dtype))
+            dx.addmm_(du, up.dense(dtype))
+            dxa_parts, a_parts = [], []
+            for name, d, a_weight, b_weight, scale, sl in (
+                ("g", dg, a_g, b_g, s_g, ctx.slices[0]),
+                ("u", du, a_u, b_u, s_u, ctx.slices[1]),
+            ):
+                if a_weight is None:
+                    continue
+                grads["b_" + name] = torch.mm(d.t(), xa[:, sl]).mul_(scale)
+                dxa_parts.append(torch.mm(d, b_weight.to(dtype)).mul_(scale))
+                a_parts.append((name, a_weight))
+            if dxa_parts:
+                dxa = torch.cat(dxa_parts, 1) if len(dxa_parts) > 1 else dxa_parts[0]
+                dx.addmm_(dxa, _cat([a.to(dtype) for _, a in a_parts]))
+                da = torch.mm(dxa.t(), x2)
+                start = 0
+                for name, a_weight in a_parts:
+                    grads["a_" + name] = da[start : start + a_weight.shape[0]]
+                    start += a_weight.shape[0]
+        dx = dx.view(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        tensors = {"a_g": a_g, "b_g": b_g, "a_u": a_u, "b_u": b_u, "a_d": a_d, "b_d": b_d}
+        adapter_grads = [
+            _grad_dtype(grads.get(key), tensors[key]) if tensors[key] is not None and tensors[key].requires_grad
+            else None
+            for key in ("a_g", "b_g", "a_u", "b_u", "a_d", "b_d")
+        ]
+        return (dx, None, None, None, None, None, *adapter_grads)
+
+
+def _activate(g: torch.Tensor, u: torch.Tensor, kind: str) -> torch.Tensor:
+    from . import use_triton
+
+    if use_triton(g):
+        return gated_activation_forward(g, u, kind)
+    return gated_activation_reference(g, u, kind)
+
+
+def _activate_backward(dh, g, u, kind):
+    """``(h, dg, du)`` written over ``(dh, g, u)``."""
+    from . import use_triton
+
+    if use_triton(g):
+        gated_activation_backward(dh, g, u, kind, out_h=dh, out_dgate=g, out_dup=u)
+        return dh, g, u
+    with torch.enable_grad():
+        g_ = g.detach().requires_grad_(True)
+        u_ = u.detach().requires_grad_(True)
+        h = gated_activation_reference(g_, u_, kind)
+        dg, du = torch.autograd.grad(h, (g_, u_), dh)
+    h = h.detach()
+    dh.copy_(h)
+    g.copy_(dg)
+    u.copy_(du)
+    return dh, g, u
+
+
+# ------------------------------------------------------------------------------------------- references
+
+
+def lora_linear_reference(x, base: FrozenLinear, a=None, b=None, scale: float = 1.0) -> torch.Tensor:
+    """PEFT's formula in plain PyTorch: ``base(x) + (x A^T) B^T * scale``."""
+    weight = base.dense(x.dtype)
+    y = F.linear(x, weight, None if base.bias is None else base.bias.to(x.dtype))
+    if a is not None:
+        y = y + F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * scale
+    return y
+
+
+def lora_mlp_reference(x, gate, up, down, scales, kind, a_g, b_g, a_u, b_u, a_d, b_d) -> torch.Tensor:
+    g = lora_linear_reference(x, gate, a_g, b_g, scales[0])
+    u = lora_linear_reference(x, up, a_u, b_u, scales[1])
+    return lora_linear_reference(gated_activation_reference(g, u, kind), down, a_d, b_d, scales[2])
+
+
+# ------------------------------------------------------------------------------------------- functional
+
+
+def lora_linears(x, bases, scales, adapters) -> tuple[torch.Tensor, ...]:
+    """Outputs of several LoRA linears sharing input `x`; `adapters` is ``[(A_1, B_1), (A_2, B_2), ...]``
+    with ``(None, None)`` for a projection without LoRA."""
+    flat = [t for pair in adapters for t in pair]
+    return LoraLinearsFunction.apply(x, tuple(bases), tuple(float(s) for s in scales), *flat)
+
+
+def lora_mlp(x, gate, up, down, scales, kind, adapters) -> torch.Tensor:
+    """The fused gated MLP; `adapters` is ``[(A_g, B_g), (A_u, B_u), (A_d, B_d)]`` (None pairs allowed)."""
+    flat = [t for pair in adapters for t in pair]
+    return LoraMLPFunction.apply(x, gate, up, down, tuple(float(s) for s in scales), kind, *flat)
+
+
+__all__ = [
+    "FrozenLinear",
+    "LoraLinearsFunction",
+    "LoraMLPFunction",
+    "lora_linear_reference",
+    "lora_linears",
+    "lora_mlp",
+    "lora_mlp_reference",
+]
