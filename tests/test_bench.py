@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+import fastft
 from fastft.bench import packing
 from fastft.cli import main
 
@@ -52,3 +55,28 @@ def test_synthetic_sequences_are_chat_shaped_and_seeded():
     assert 150 < lengths[len(lengths) // 2] < 700 and max(lengths) <= 4096
     ids, labels = a[0]
     assert (labels[: int(len(ids) * 0.4)] == -100).all() and (labels[-1] == ids[-1])
+
+
+def test_step_bench_workers_agree_on_the_first_loss(tmp_path):
+    """The step bench's fastft and HF + PEFT workers, run on the CPU on a saved tiny model: both start from the
+    same weights and tokens (LoRA B = 0), so their first losses agree -- the comparison is like for like."""
+    import argparse
+
+    from fastft.bench.step import flops_per_token, parse_workload, run_worker
+
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    results = {}
+    for system in ("fastft", "hf"):
+        args = argparse.Namespace(
+            system=system, workload="bf16:2x48", attention="auto", folder=str(tmp_path), warmup=1, steps=2,
+            peak_flops=1e12, device="cpu",
+        )
+        results[system] = run_worker(args)
+    assert results["fastft"]["losses"][0] == pytest.approx(results["hf"]["losses"][0], rel=1e-5)
+    assert all(r["tokens_per_s"] > 0 and len(r["step_ms_all"]) == 2 for r in results.values())
+    assert parse_workload("nf4:1x16384") == ("nf4", 1, 16384)
+    with pytest.raises(ValueError, match="PRECISION:BATCHxSEQ"):
+        parse_workload("2x2048")
+    assert flops_per_token(model.config, 48) > 6 * sum(p.numel() for p in model.parameters()) * 0.9

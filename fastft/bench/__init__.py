@@ -1,3 +1,3 @@
 """Benchmarks behind `fastft bench NAME`: fastft beside its baselines in one process, as ratios."""
 
-BENCHMARKS = {"packing": "fastft.bench.packing"}
+BENCHMARKS = {"packing": "fastft.bench.packing", "step": "fastft.bench.step", "offload": "fastft.bench.offload"}

@@ -124,7 +124,9 @@ def add_lora(
         )
 
     quantized = getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False)
-    if quantized:
+    # PEFT's k-bit preparation casts every 16-bit weight (norms, embeddings, head) to fp32 for fp16's sake;
+    # with bf16 that only turns the residual stream and every matmul fp32. fastft keeps bf16 (as Unsloth).
+    if quantized and base.get_input_embeddings().weight.dtype != torch.bfloat16:
         from peft import prepare_model_for_kbit_training
 
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)

@@ -1,0 +1,368 @@
+"""`fastft bench step`: one LoRA training step of a real architecture, fastft beside its baselines.
+
+The workload of issue 3 (and ../shared/gpu/README.md): Llama-3.1-8B architecture with random weights, LoRA
+r=16 on q, k, v, o, gate, up and down, AdamW, gradient checkpointing, random tokens, 3 warm-up steps and
+10 timed ones (median), for three workloads -- bf16 2x2048, NF4 2x2048, bf16 1x16384. Systems:
+
+* ``fastft``  -- `load_model` + `add_lora` (fused kernels) + packed attention + fused linear cross-entropy;
+  the batch is a `PackedBatch` of the same sequences, every token trained.
+* ``hf``      -- transformers + PEFT, SDPA attention, ``model(input_ids, labels=...)``.
+* ``liger``   -- the same after ``liger_kernel.transformers.apply_liger_kernel_to_llama()``.
+* ``unsloth`` -- ``FastLanguageModel.from_pretrained`` / ``get_peft_model(use_gradient_checkpointing="unsloth")``.
+
+Every system runs in its own Python process (Liger and Unsloth patch transformers' classes globally), from
+one random-weight checkpoint saved once to a local folder (Unsloth only loads from a folder; NF4 bases are
+quantised at load, the same way for everyone). Each process reports the median step time (wall clock between
+``torch.cuda.synchronize()`` calls, so every system pays for its own host syncs) and
+``torch.cuda.max_memory_allocated`` over the whole run, weights included.
+
+    fastft bench step --systems fastft,hf,liger,unsloth --workloads bf16:2x2048,nf4:2x2048,bf16:1x16384
+
+Unsloth's process needs its own site folder first on ``PYTHONPATH``: pass ``--unsloth-path /tmp/site_unsloth``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SYSTEMS = ("fastft", "hf", "liger", "unsloth")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEFAULT_WORKLOADS = "bf16:2x2048,nf4:2x2048,bf16:1x16384"
+
+
+def parse_workload(text: str) -> tuple[str, int, int]:
+    """``"bf16:2x2048"`` -> ``("bf16", 2, 2048)``."""
+    try:
+        precision, shape = text.split(":")
+        batch, seq = (int(part) for part in shape.lower().split("x"))
+    except ValueError as error:
+        raise ValueError(f"workload {text!r}: write PRECISION:BATCHxSEQ, e.g. bf16:2x2048 or nf4:1x16384") from error
+    if precision not in ("bf16", "nf4"):
+        raise ValueError(f"workload {text!r}: precision must be bf16 or nf4")
+    return precision, batch, seq
+
+
+def flops_per_token(config, seq: int) -> float:
+    """Model FLOPs per trained token with LoRA and recompute: 6 N (forward, input gradients, recompute; the
+    frozen base has no weight gradient) plus causal attention, 4 * layers * seq * hidden per token for the
+    two attention matmuls, times 3 (forward, recompute, and backward's two of them), halved for causality."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    inter = config.intermediate_size
+    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter
+    n = layers * per_layer + config.vocab_size * hidden
+    attention = 4 * layers * seq * config.num_attention_heads * head_dim * 3 / 2
+    return 6 * n + attention
+
+
+# ------------------------------------------------------------------------------------------------ workers
+
+
+def _random_batch(vocab: int, batch: int, seq: int, seed: int = 0):
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=generator)
+
+
+def _hf_model(folder: str, precision: str, liger: bool, device):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+    quantization = None
+    if precision == "nf4":
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        device_map=device.type,
+        attn_implementation="sdpa",
+        quantization_config=quantization,
+    )
+    config = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    model = get_peft_model(model, config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def _unsloth_model(folder: str, precision: str, seq: int):
+    import torch
+    from unsloth import FastLanguageModel
+
+    model, _ = FastLanguageModel.from_pretrained(
+        folder, max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=precision == "nf4"
+    )
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=16,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=TARGETS,
+        use_gradient_checkpointing="unsloth",
+        random_state=3407,
+    )
+    return model
+
+
+def _fastft_model(folder: str, precision: str, seq: int, attention: str, device):
+    import torch
+
+    import fastft
+    from fastft.engine.attention import patch_packed_attention
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, _ = fastft.load_model(
+        folder, max_seq_length=seq, load_in_4bit=precision == "nf4", device=device, dtype=dtype
+    )
+    model = fastft.add_lora(model, r=16, alpha=16, target_modules=TARGETS, gradient_checkpointing=True)
+    patch_packed_attention(model, attention)
+    return model
+
+
+def run_worker(args) -> dict:
+    """Build one system, run warm-up + timed steps, return its measurements."""
+    import torch
+
+    torch.manual_seed(0)
+    precision, batch, seq = parse_workload(args.workload)
+    device = torch.device(args.device)
+    load_start = time.perf_counter()
+    if args.system == "fastft":
+        model = _fastft_model(args.folder, precision, seq, args.attention, device)
+    elif args.system in ("hf", "liger"):
+        model = _hf_model(args.folder, precision, args.system == "liger", device)
+    elif args.system == "unsloth":
+        model = _unsloth_model(args.folder, precision, seq)
+    else:
+        raise ValueError(f"unknown system {args.system!r}")
+    load_seconds = time.perf_counter() - load_start
+    model.train()
+    vocab = model.config.vocab_size if hasattr(model, "config") else model.get_base_model().config.vocab_size
+    ids = _random_batch(vocab, batch, seq).to(device)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=1e-5, fused=device.type == "cuda")
+    cuda = device.type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+
+    if args.system == "fastft":
+        from fastft.data.batch import PackedBatch
+        from fastft.engine.loss import causal_lm_loss_sum
+
+        rows = [row.cpu().numpy() for row in ids]
+        packed = PackedBatch.from_sequences(rows, [row.copy() for row in rows]).to(device)
+        trained = packed.num_trained_tokens
+
+        def loss_fn():  # as fastft's Trainer runs it: under bf16 autocast on a GPU
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                return causal_lm_loss_sum(model, packed) / trained
+    else:
+
+        def loss_fn():
+            return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    synchronize()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    losses = []
+    for step in range(args.warmup + args.steps):
+        synchronize()
+        start = time.perf_counter()
+        loss = loss_fn()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.detach())
+    median = statistics.median(times)
+    config = model.config if hasattr(model, "config") else model.get_base_model().config
+    tokens = batch * seq
+    return {
+        "system": args.system,
+        "workload": args.workload,
+        "attention": args.attention if args.system == "fastft" else "sdpa",
+        "step_ms": median * 1000,
+        "tokens_per_s": tokens / median,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "mfu": flops_per_token(config, seq) * tokens / median / args.peak_flops,
+        "load_s": load_seconds,
+        "losses": [float(x) for x in losses],
+        "step_ms_all": [t * 1000 for t in times],
+    }
+
+
+def save_random_checkpoint(model_id: str, folder: Path) -> None:
+    """The catalog architecture with random bf16 weights, saved with a tokenizer (for Unsloth) to `folder`."""
+    import torch
+
+    from fastft.bench.common import build_model
+    from fastft.models.presets import load_preset_tokenizer
+
+    torch.manual_seed(0)
+    model = build_model(model_id, torch.device("cuda"), torch.bfloat16)
+    with torch.no_grad():  # transformers' default init gives std 0.02: keep it, but make norms 1
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer = load_preset_tokenizer()
+    tokenizer.save_pretrained(folder)
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def _worker_env(system: str, unsloth_path: str | None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if system == "unsloth":
+        env["UNSLOTH_DISABLE_STATISTICS"] = "1"
+        if unsloth_path:
+            env["PYTHONPATH"] = unsloth_path + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run_in_process(argv: list[str], env: dict, timeout: float) -> dict:
+    command = [sys.executable, "-m", "fastft.bench.step", *argv]
+    try:
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(completed.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (completed.stderr or completed.stdout).strip().splitlines()[-6:]
+    return {"error": " | ".join(tail) or f"exit code {completed.returncode}"}
+
+
+def _table(results: list[dict]) -> str:
+    from fastft.bench.common import markdown_table
+
+    rows = []
+    for result in results:
+        if "error" in result:
+            rows.append({"system": result["system"], "workload": result["workload"], "note": result["error"][:160]})
+            continue
+        same = [r for r in results if r["workload"] == result["workload"] and "error" not in r]
+        reference = {r["system"]: r for r in same}
+        row = dict(result)
+        for baseline in ("hf", "unsloth"):
+            if baseline in reference and baseline != result["system"]:
+                row[f"vs_{baseline}"] = f"{result['tokens_per_s'] / reference[baseline]['tokens_per_s']:.2f}x"
+        row["mfu"] = f"{100 * result['mfu']:.1f}%"
+        rows.append(row)
+    columns = [
+        ("workload", "workload"),
+        ("system", "system"),
+        ("attention", "attention"),
+        ("tokens_per_s", "tokens/s"),
+        ("peak_gib", "peak GiB"),
+        ("step_ms", "step ms"),
+        ("mfu", "MFU"),
+        ("vs_hf", "vs HF+PEFT"),
+        ("vs_unsloth", "vs Unsloth"),
+        ("note", "note"),
+    ]
+    return markdown_table(rows, columns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fastft bench step", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B", help="catalog architecture (random weights)")
+    parser.add_argument("--systems", default="fastft,hf", help=f"comma-separated, from {','.join(SYSTEMS)}")
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="PRECISION:BATCHxSEQ, comma-separated")
+    parser.add_argument("--attention", default="auto", help="fastft's packed-attention backend(s), comma-separated")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--folder", default="/dev/shm/fastft-bench-step", help="where the random checkpoint goes")
+    parser.add_argument("--unsloth-path", default=None, help="site folder put first on PYTHONPATH for Unsloth")
+    parser.add_argument("--peak-flops", type=float, default=776e12, help="measured bf16 matmul ceiling")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per system and workload")
+    parser.add_argument("--out", default="benchmarks/step.json")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        print(json.dumps(run_worker(args)), flush=True)
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("fastft bench step needs a CUDA GPU (it trains an 8B-parameter architecture).", file=sys.stderr)
+        return 2
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for workload in workloads:
+        parse_workload(workload)
+    folder = Path(args.folder)
+    if not (folder / "config.json").exists():
+        print(f"saving a random-weight {args.model} to {folder} ...", file=sys.stderr, flush=True)
+        save_random_checkpoint(args.model, folder)
+        torch.cuda.empty_cache()
+
+    from fastft.bench.common import environment
+
+    results = []
+    for workload in workloads:
+        for system in systems:
+            attentions = args.attention.split(",") if system == "fastft" else ["sdpa"]
+            for attention in attentions:
+                argv_worker = [
+                    "--worker", "--system", system, "--workload", workload, "--attention", attention,
+                    "--folder", str(folder), "--warmup", str(args.warmup), "--steps", str(args.steps),
+                    "--peak-flops", str(args.peak_flops),
+                ]
+                started = time.perf_counter()
+                result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)
+                result.setdefault("system", system)
+                result.setdefault("workload", workload)
+                result.setdefault("attention", attention)
+                result["wall_s"] = time.perf_counter() - started
+                results.append(result)
+                summary = result.get("error") or f"{result['tokens_per_s']:,.0f} tok/s, {result['peak_gib']:.1f} GiB"
+                print(f"{workload:>14} {system:>8} {attention:>13}: {summary}", file=sys.stderr, flush=True)
+
+    table = _table(results)
+    print(table)
+    output = {"benchmark": "step", "model": args.model, "environment": environment(), "results": results}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(output, indent=2) + "\n")
+    out.with_suffix(".md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
