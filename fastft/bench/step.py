@@ -123,7 +123,7 @@ def _unsloth_model(folder: str, precision: str, seq: int):
     return model
 
 
-def _fastft_model(folder: str, precision: str, seq: int, attention: str, device):
+def _fastft_model(folder: str, precision: str, seq: int, attention: str, device, checkpointing="auto"):
     import torch
 
     import fastft
@@ -133,7 +133,7 @@ def _fastft_model(folder: str, precision: str, seq: int, attention: str, device)
     model, _ = fastft.load_model(
         folder, max_seq_length=seq, load_in_4bit=precision == "nf4", device=device, dtype=dtype
     )
-    model = fastft.add_lora(model, r=16, alpha=16, target_modules=TARGETS, gradient_checkpointing=True)
+    model = fastft.add_lora(model, r=16, alpha=16, target_modules=TARGETS, gradient_checkpointing=checkpointing)
     patch_packed_attention(model, attention)
     return model
 
@@ -147,7 +147,8 @@ def run_worker(args) -> dict:
     device = torch.device(args.device)
     load_start = time.perf_counter()
     if args.system == "fastft":
-        model = _fastft_model(args.folder, precision, seq, args.attention, device)
+        mode = {"auto": "auto", "recompute": True, "offload": "offload"}[args.checkpointing]
+        model = _fastft_model(args.folder, precision, seq, args.attention, device, mode)
     elif args.system in ("hf", "liger"):
         model = _hf_model(args.folder, precision, args.system == "liger", device)
     elif args.system == "unsloth":
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="fastft bench step", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B", help="catalog architecture (random weights)")
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog architecture (random weights)")
     parser.add_argument("--systems", default="fastft,hf", help=f"comma-separated, from {','.join(SYSTEMS)}")
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="PRECISION:BATCHxSEQ, comma-separated")
     parser.add_argument("--attention", default="auto", help="fastft's packed-attention backend(s), comma-separated")
@@ -302,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", default="/dev/shm/fastft-bench-step", help="where the random checkpoint goes")
     parser.add_argument("--unsloth-path", default=None, help="site folder put first on PYTHONPATH for Unsloth")
     parser.add_argument("--peak-flops", type=float, default=776e12, help="measured bf16 matmul ceiling")
+    parser.add_argument(
+        "--checkpointing", default="auto", choices=("auto", "recompute", "offload"),
+        help="fastft's gradient checkpointing (auto: offloaded on a GPU)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per system and workload")
     parser.add_argument("--out", default="benchmarks/step.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -342,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                 argv_worker = [
                     "--worker", "--system", system, "--workload", workload, "--attention", attention,
                     "--folder", str(folder), "--warmup", str(args.warmup), "--steps", str(args.steps),
-                    "--peak-flops", str(args.peak_flops),
+                    "--peak-flops", str(args.peak_flops), "--checkpointing", args.checkpointing,
                 ]
                 started = time.perf_counter()
                 result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)

@@ -82,7 +82,7 @@ def add_lora(
     alpha: float = 16,
     dropout: float = 0.0,
     target_modules: str | list[str] = "all-linear",
-    gradient_checkpointing: bool | str = True,
+    gradient_checkpointing: bool | str = "auto",
     bias: str = "none",
     use_rslora: bool = False,
     seed: int | None = 3407,
