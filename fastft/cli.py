@@ -103,6 +103,76 @@ def _run_bench(args) -> int:
     return importlib.import_module(BENCHMARKS[args.name]).main(args.options)
 
 
+def _estimate_parser(sub) -> None:
+    parser = sub.add_parser(
+        "estimate",
+        help="estimate the GPU memory of LoRA/QLoRA training: breakdown, verdict, longest context",
+        description="Estimate the VRAM of training MODEL with LoRA (no download for presets and catalog "
+        "models; other hub ids read only their config.json) and judge it against a GPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("model", help="embedded preset, catalog hub id, local folder or hub id")
+    parser.add_argument("--seq-len", type=int, default=2048, help="longest sequence (packed bin), in tokens")
+    parser.add_argument(
+        "--batch-tokens", type=int, default=None, help="tokens per micro-batch (default: seq-len)"
+    )
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "nf4", "int8"])
+    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
+    parser.add_argument("--targets", nargs="*", default=None, help="LoRA targets (default: all-linear)")
+    parser.add_argument("--checkpointing", default="recompute", choices=["none", "recompute", "offload"])
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw_8bit", "sgd"])
+    parser.add_argument(
+        "--unfused", action="store_true", help="transformers + peft modules instead of fastft's fused kernels"
+    )
+    parser.add_argument("--gpu", default="auto", help="GPU preset (rtx4090, a100-80gb, h100, …) or auto")
+    parser.add_argument("--max-context", action="store_true", help="also print the longest seq-len that fits")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON instead of a table")
+
+
+def _run_estimate(args) -> int:
+    import json
+
+    from fastft.models.loading import ModelLoadError
+    from fastft.vram import GPUS, VramEstimateError, estimate_vram, fits, max_context
+
+    settings = dict(
+        batch_tokens=args.batch_tokens,
+        precision=args.precision,
+        lora_r=args.lora_r,
+        targets=args.targets or "all-linear",
+        checkpointing=args.checkpointing,
+        optimizer=args.optimizer,
+        fused=not args.unfused,
+    )
+    try:
+        estimate = estimate_vram(args.model, args.seq_len, gpu=args.gpu, **settings)
+        gpu = estimate.gpu
+        verdict = fits(args.model, args.seq_len, gpu=gpu, **settings) if gpu is not None else None
+        longest = None
+        if args.max_context and gpu is not None:
+            longest = max_context(
+                args.model, gpu, **{k: v for k, v in settings.items() if k != "batch_tokens"}
+            )
+    except (ModelLoadError, VramEstimateError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**estimate.to_dict(), "max_context": longest}, indent=2, default=str))
+        return 0
+    print(estimate.table())
+    print()
+    if verdict is None:
+        print(f"No GPU visible: pass --gpu with one of {', '.join(GPUS)} to judge the fit.")
+    else:
+        print(verdict.message)
+    if args.max_context:
+        if longest is None:
+            print("Longest context: pass --gpu to compute it.")
+        else:
+            print(f"Longest context on {gpu}: {longest:,} tokens" if longest else f"Nothing fits {gpu}.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fastft import __version__
 
@@ -113,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _demo_parser(sub)
     _models_parser(sub)
+    _estimate_parser(sub)
     _bench_parser(sub)
     return parser
 
@@ -123,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return {"demo": _run_demo, "models": _run_models, "bench": _run_bench}[args.command](args)
+    return {"demo": _run_demo, "models": _run_models, "estimate": _run_estimate, "bench": _run_bench}[
+        args.command
+    ](args)
 
 
 if __name__ == "__main__":

@@ -1,3 +1,9 @@
 """Benchmarks behind `fastft bench NAME`: fastft beside its baselines in one process, as ratios."""
 
-BENCHMARKS = {"packing": "fastft.bench.packing", "step": "fastft.bench.step", "offload": "fastft.bench.offload"}
+BENCHMARKS = {
+    "packing": "fastft.bench.packing",
+    "step": "fastft.bench.step",
+    "offload": "fastft.bench.offload",
+    "kernels": "fastft.bench.kernels",
+    "vram": "fastft.bench.vram",
+}

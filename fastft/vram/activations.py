@@ -1,0 +1,276 @@
+"""The activation model: bytes autograd keeps per token, layer by layer, in a LoRA training step.
+
+Two code paths run a decoder layer, and they keep different tensors:
+
+**fastft's fused kernels** (``add_lora(fused=True)``, the default, for the architectures in
+`fastft.models.patch.SUPPORTED`; `fastft.kernels`):
+
+- Triton RMSNorm saves its input itself (no copy) and ``rstd`` (one fp32 per row).
+- `LoraLinearsFunction` (q/k/v in one call, o_proj in another) saves its input in the compute dtype and
+  ``x @ [A_q; A_k; A_v]`` (the r-wide LoRA intermediates); o_proj's input is the attention output the
+  attention already saved (varlen returns it token-major, so the reshape is a view): no extra bytes.
+- Qwen3's fused q/k-norm + RoPE saves q and k before the norm; plain RoPE saves only cos/sin (shared).
+- `LoraMLPFunction` saves its input, the gate and up outputs (``[N, I]`` each) and the LoRA intermediates;
+  ``act(g) * u`` is recomputed in backward.
+- 8-bit bases are not fused (bitsandbytes' 8-bit layers keep their own forward): their projections and
+  MLP follow the transformers path below, their norms stay fused.
+
+**transformers + peft** (``fused=False``, or an architecture `patch` does not cover):
+
+- A frozen linear saves only its weight (PyTorch saves an input only when the other operand needs a
+  gradient): a layer without LoRA keeps no copy of its input. bitsandbytes' 4-bit matmul keeps only the
+  packed weight; its 8-bit matmul keeps its input as a ``ctx`` attribute, which checkpointing cannot drop.
+- peft casts each LoRA'd layer's input to its fp32 adapters' dtype; autocast casts it back to bf16 for
+  ``lora_A``, and that bf16 copy is saved: **one input copy per LoRA'd linear** (q, k, v each their own),
+  plus ``x @ A`` for ``lora_B``. Autocast also keeps a bf16 copy of every adapter weight.
+- RMSNorm upcasts its input to fp32 and saves that and ``rsqrt``.
+- The gated MLP saves the gate output, the up output and the activation output; the product only as
+  ``down_proj``'s LoRA input copy.
+
+**Both paths**: flash/varlen attention saves q and k after RoPE, v, the output (16-bit) and the
+logsumexp (fp32 per head and row). MoE experts (transformers' grouped_mm; never fused, never LoRA'd)
+save per routed (token, expert) pair the gate/up output, the activation, the expert output (kept by the
+routing-weight product), the routing weight and three int64 indices, and per token the router's fp32
+softmax and top-k values/indices.
+
+**QLoRA / 8-bit**: a bf16 model keeps its non-quantised weights (embeddings, norms, head, fused MoE
+experts, which bitsandbytes never quantises) in bf16. In fp16 (GPUs without bf16) ``add_lora`` runs peft's
+``prepare_model_for_kbit_training``, which upcasts them all to fp32: the **residual stream is then fp32**,
+and on the transformers path bitsandbytes returns each projection in its input's dtype, so MLP
+intermediates are fp32 too; the fused kernels compute in the autocast dtype either way.
+
+Checked on CPU against the saved tensors themselves (``torch.autograd.graph.saved_tensors_hooks``;
+tests/test_vram.py). All sizes are bytes per token of one micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastft.vram.inventory import LayerInfo, LinearInfo, ModelInventory
+
+# Linears that read the same input: under fp32 (no autocast copies) it is saved once per group.
+_ATTENTION_INPUT = {"q_proj", "k_proj", "v_proj"}
+_MLP_INPUT = {"gate_proj", "up_proj", "shared_expert_gate"}
+
+
+def fused_architectures() -> tuple[str, ...]:
+    """Model types `fastft.models.patch` swaps fused kernels into."""
+    try:
+        from fastft.models.patch import SUPPORTED
+    except ImportError:  # a tree without the fused kernels
+        return ()
+    return tuple(SUPPORTED)
+
+
+def fused_activation(hidden_act: str | None) -> bool:
+    try:
+        from fastft.kernels.swiglu import HIDDEN_ACT_TO_KIND
+    except ImportError:
+        return False
+    return hidden_act in HIDDEN_ACT_TO_KIND
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Bytes per element of what a step keeps, and which code path runs each part of a layer."""
+
+    precision: str  # "bf16", "fp16", "fp32", "nf4", "int8"
+    param: int  # bytes per non-quantised base parameter (4 for QLoRA's upcast ones)
+    residual: int  # residual stream (layer inputs and outputs)
+    act: int  # projection outputs / MLP intermediates on the transformers path
+    expert: int  # MoE expert activations (the expert weights' dtype)
+    compute: int  # autocast compute dtype (fused kernels' saved inputs and intermediates)
+    lora_copy: int  # transformers path: per-linear copy of a LoRA'd input (0: the input is saved as is)
+    quantized: str | None  # "nf4", "int8" or None
+    fused_norms: bool = False
+    fused_projections: bool = False
+    fused_mlp: bool = False
+    fused_loss: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        precision: str,
+        *,
+        fused: bool = False,
+        model_type: str = "",
+        hidden_act: str | None = None,
+        residual: int | None = None,
+        upcast: bool = False,
+    ) -> Profile:
+        """`upcast`: a quantised model computing in fp16, which peft's k-bit preparation upcasts to fp32
+        (`add_lora` skips that preparation for bf16 models)."""
+        if precision in ("bf16", "fp16"):
+            sizes = dict(param=2, residual=2, act=2, expert=2, compute=2, lora_copy=2, quantized=None)
+        elif precision == "fp32":
+            sizes = dict(param=4, residual=4, act=4, expert=4, compute=4, lora_copy=0, quantized=None)
+        elif precision in ("nf4", "int8") and upcast:
+            sizes = dict(param=4, residual=4, act=4, expert=4, compute=2, lora_copy=2, quantized=precision)
+        elif precision in ("nf4", "int8"):
+            sizes = dict(param=2, residual=2, act=2, expert=2, compute=2, lora_copy=2, quantized=precision)
+        else:
+            raise ValueError(f"precision={precision!r}: use 'bf16', 'fp16', 'fp32', 'nf4' or 'int8'.")
+        if residual is not None:
+            sizes["residual"] = residual
+            if sizes["quantized"]:
+                sizes["act"] = residual  # bitsandbytes returns its input's dtype
+        patched = fused and model_type in fused_architectures()
+        projections = patched and precision != "int8"
+        return cls(
+            precision,
+            **sizes,
+            fused_norms=patched,
+            fused_projections=projections,
+            fused_mlp=projections and fused_activation(hidden_act),
+            fused_loss=patched,
+        )
+
+    @property
+    def path(self) -> str:
+        """Which kernels the estimate assumes, in words."""
+        if self.fused_projections:
+            return "fastft fused kernels" + ("" if self.fused_mlp else " (MLP on transformers)")
+        if self.fused_norms:
+            return "fastft fused norms and loss; projections on transformers + peft (8-bit bases)"
+        return "transformers + peft"
+
+
+def norm_bytes(hidden: int, profile: Profile) -> int:
+    """One RMSNorm: fused, its input itself and rstd; else its input upcast to fp32 and rsqrt."""
+    return (profile.residual if profile.fused_norms else 4) * hidden + 4
+
+
+def _width(layer: LayerInfo, short: str, default: int, out: bool = True) -> int:
+    linear = layer.linear(short)
+    if linear is None:
+        return default
+    return linear.out_features if out else linear.in_features
+
+
+def _attention_widths(layer: LayerInfo, model: ModelInventory) -> tuple[int, int]:
+    q = _width(layer, "q_proj", model.num_heads * model.head_dim)
+    kv = _width(layer, "k_proj", model.num_kv_heads * model.head_dim)
+    return q, kv
+
+
+def _lora_linears(layer: LayerInfo, targets: set[str]) -> list[LinearInfo]:
+    return [linear for linear in layer.linears if linear.lora_targetable and linear.short in targets]
+
+
+def lora_input_bytes(linears: list[LinearInfo], profile: Profile) -> int:
+    """transformers path: inputs the LoRA'd linears save — a bf16 copy each under autocast, else each
+    distinct input once (fp32: the input itself)."""
+    if profile.lora_copy:
+        return sum(profile.lora_copy * linear.in_features for linear in linears)
+    groups: dict[str, int] = {}
+    for linear in linears:
+        if linear.short in _ATTENTION_INPUT:
+            key = linear.name.rsplit(".", 1)[0] + ":attention_input"
+        elif linear.short in _MLP_INPUT:
+            key = linear.name.split(".mlp", 1)[0] + ":mlp_input"
+        else:
+            key = linear.name
+        groups[key] = linear.in_features * profile.residual
+    return sum(groups.values())
+
+
+def layer_terms(
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int
+) -> dict[str, int]:
+    """Saved bytes per token of one decoder layer, by term (what a non-checkpointed layer keeps)."""
+    h = model.hidden_size
+    q, kv = _attention_widths(layer, model)
+    c = profile.compute
+    lora = _lora_linears(layer, targets)
+    attention_lora = [linear for linear in lora if linear.short in _ATTENTION_INPUT | {"o_proj"}]
+    mlp_lora = [linear for linear in lora if linear not in attention_lora]
+    xa = 2 if profile.lora_copy else 4  # x @ A: bf16 under autocast, else fp32
+    terms = {"norms": layer.norms * norm_bytes(h, profile)}
+    if profile.fused_projections:
+        # q/k/v input once, in the compute dtype; o_proj reads the saved attention output; x @ A per LoRA
+        terms["projection_inputs"] = c * h
+        terms["lora_xa"] = c * r * len(attention_lora)
+    else:
+        terms["projection_inputs"] = lora_input_bytes(attention_lora, profile)
+        terms["lora_xa"] = xa * r * len(attention_lora)
+    # q, k (after RoPE), v and the output in 16-bit; logsumexp in fp32 per query head
+    terms["attention"] = 2 * (q + 2 * kv) + 2 * q + 4 * model.num_heads
+    if layer.qk_norm:
+        if profile.fused_projections and profile.fused_norms:  # fused q/k-norm + RoPE: q, k before the norm
+            terms["qk_norms"] = c * (q + kv)
+        else:  # RMSNorm per head: its fp32 input and one rsqrt per head
+            terms["qk_norms"] = 4 * (q + kv) + 4 * (model.num_heads + model.num_kv_heads)
+    if layer.moe:
+        terms["experts"] = moe_bytes(model, profile)
+        if layer.shared_expert_intermediate:
+            # gate, up and activation outputs, the shared expert's output and its sigmoid gate
+            terms["shared_expert"] = (
+                3 * layer.shared_expert_intermediate * profile.act + (h + 2) * profile.act
+            )
+            terms["projection_inputs"] += lora_input_bytes(mlp_lora, profile)
+            terms["lora_xa"] += xa * r * len(mlp_lora)
+    elif profile.fused_mlp:
+        # input (compute dtype), gate and up outputs; x @ [A_g; A_u] and h @ A_d
+        terms["mlp"] = c * h + 2 * c * _width(layer, "gate_proj", 0)
+        terms["lora_xa"] += c * r * len(mlp_lora)
+    else:
+        intermediate = _width(layer, "gate_proj", 0) or _width(layer, "up_proj", 0)
+        terms["mlp"] = 3 * intermediate * profile.act  # gate output, up output, activation output
+        terms["projection_inputs"] += lora_input_bytes(mlp_lora, profile)
+        terms["lora_xa"] += xa * r * len(mlp_lora)
+    return terms
+
+
+def moe_bytes(model: ModelInventory, profile: Profile) -> int:
+    """Routed experts of one MoE layer, per token (transformers' grouped_mm path)."""
+    k, inter, h = model.experts_per_token, model.moe_intermediate, model.hidden_size
+    per_pair = (
+        (2 * inter + inter + h + 1) * profile.expert  # gate/up output, activation, expert output, weight
+        + 3 * 8  # int64: the gather index, the weight permutation, the inverse permutation
+    )
+    router = 4 * model.experts + 3 * 4 * k + 4  # fp32 softmax over experts; top-k values and indices, sum
+    return k * per_pair + router
+
+
+def layer_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int) -> int:
+    return sum(layer_terms(layer, model, profile, targets, r).values())
+
+
+def int8_kept_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile) -> int:
+    """bitsandbytes 8-bit matmuls keep their input (``ctx.tensors``) once per distinct input, outside the
+    saved-tensor hooks, so in every checkpointing mode: attention input and output, MLP input and product."""
+    if profile.quantized != "int8":
+        return 0
+    kept: dict[str, int] = {}
+    for linear in layer.linears:
+        if linear.short in _ATTENTION_INPUT:
+            key = "attention_input"
+        elif linear.short in _MLP_INPUT:
+            key = "mlp_input"
+        else:
+            key = linear.name
+        width = profile.act if linear.short == "down_proj" else profile.residual
+        kept[key] = linear.in_features * width
+    return sum(kept.values())
+
+
+def backward_workspace_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile) -> int:
+    """Gradient buffers alive while one layer runs backward, per token.
+
+    The gradients flowing into and out of the layer (residual width), plus the larger of the MLP's and
+    attention's. MLP, fused: ``dh`` (the other ``[N, I]`` gradients are written over saved buffers) and
+    ``dx``; transformers: gradients of the gate, up and activation outputs. Attention: FlashAttention's fp32
+    dq accumulator, dq/dk/dv and d(out) in 16-bit, one fp32 per head and row.
+    """
+    h = model.hidden_size
+    q, kv = _attention_widths(layer, model)
+    attention = 4 * q + 2 * (q + 2 * kv) + 2 * q + 4 * model.num_heads
+    if layer.moe:
+        k, inter = model.experts_per_token, model.moe_intermediate
+        mlp = k * (3 * inter + h) * profile.expert + 3 * layer.shared_expert_intermediate * profile.act
+    elif profile.fused_mlp:
+        mlp = profile.compute * (_width(layer, "gate_proj", 0) + h)
+    else:
+        mlp = 3 * (_width(layer, "gate_proj", 0) or _width(layer, "up_proj", 0)) * profile.act
+    return 2 * h * profile.residual + max(mlp, attention)

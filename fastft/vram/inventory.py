@@ -1,0 +1,478 @@
+"""What the VRAM estimate needs to know about a model: its modules, shapes and dtypes, never its weights.
+
+Every source (an embedded preset, a catalog hub id, a `transformers` config, a hub id fetched as a config,
+or a loaded model) is turned into one `ModelInventory`. For everything but a loaded model the real
+architecture is built on the meta device (`transformers` builds it, so shapes, biases, tied heads, fused
+MoE experts and routers are exactly what training will see; nothing is allocated). A loaded model is
+walked as it is, with its actual dtypes and bitsandbytes quantisation.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastft.models.loading import ModelLoadError, UnknownModelError
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LinearInfo:
+    """One `nn.Linear` of the model (the output head excluded)."""
+
+    name: str  # full module name, e.g. "model.layers.3.self_attn.q_proj"
+    short: str  # the name a LoRA target uses, e.g. "q_proj"
+    in_features: int
+    out_features: int
+    bias: bool
+    layer: int | None  # decoder layer index, None outside the layers
+    lora_targetable: bool  # listed by `fastft.linear_layer_names` (routers and the head are not)
+
+    @property
+    def weight_params(self) -> int:
+        return self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One decoder layer, as the activation model reads it."""
+
+    index: int
+    linears: tuple[LinearInfo, ...]
+    norms: int  # hidden-width RMSNorms (2 in Llama-style layers, 4 in Gemma 3)
+    qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3, Gemma 3)
+    moe: bool  # the MLP is a mixture of experts
+    shared_expert_intermediate: int  # width of an always-on shared expert (Qwen2-MoE), else 0
+
+    def linear(self, short: str) -> LinearInfo | None:
+        for linear in self.linears:
+            if linear.short == short and ".shared_expert." not in linear.name:
+                return linear
+        return None
+
+
+@dataclass(frozen=True)
+class ModelInventory:
+    """Shapes, parameter groups and dtypes of one model, enough to size training without building it.
+
+    Parameter groups (counts of elements): ``linear_params`` are weights of `nn.Linear` layers other than
+    the output head (what bitsandbytes quantises); ``head_params`` the untied output head; ``embedding_params``
+    the input embedding table; ``expert_params`` fused MoE expert tensors (not `nn.Linear`, never quantised by
+    bitsandbytes); ``other_params`` everything else (norms, routers, biases, attention sinks).
+    ``loaded`` holds the actual bytes of a loaded model's base weights and constants (None when built on meta).
+    """
+
+    name: str
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int | None
+    tied_embeddings: bool
+    experts: int
+    experts_per_token: int
+    moe_intermediate: int
+    hidden_act: str | None
+    linears: tuple[LinearInfo, ...]
+    layers: tuple[LayerInfo, ...]
+    linear_params: int
+    head_params: int
+    embedding_params: int
+    expert_params: int
+    other_params: int
+    loaded: LoadedModelState | None = None
+
+    @property
+    def total_params(self) -> int:
+        return (
+            self.linear_params
+            + sum(linear.out_features for linear in self.linears if linear.bias)
+            + self.head_params
+            + self.embedding_params
+            + self.expert_params
+            + self.other_params
+        )
+
+    def lora_target_names(self) -> list[str]:
+        """The names ``target_modules="all-linear"`` resolves to, in model order."""
+        names: list[str] = []
+        for linear in self.linears:
+            if linear.lora_targetable and linear.short not in names:
+                names.append(linear.short)
+        return names
+
+
+@dataclass(frozen=True)
+class LoadedModelState:
+    """What a loaded model already holds on its device (its real dtypes), for the estimate to reuse."""
+
+    quantization: str | None  # "nf4", "int8" or None
+    compute_dtype: torch.dtype  # dtype of the 16/32-bit base weights (what autocast runs in)
+    weight_bytes: int  # base weights as stored (packed 4-bit, int8, 16/32-bit), LoRA excluded
+    quant_constant_bytes: int  # absmax / scales of quantised weights
+    upcast_pending_params: int  # 16-bit non-quantised params that add_lora will upcast to fp32 (QLoRA)
+    residual_bytes: int  # bytes per element of the residual stream (fp32 once peft upcast the embeddings)
+    lora_params: int  # trainable parameters already attached (0 before add_lora)
+    lora_bytes: int
+    lora_r: int | None
+    lora_targets: tuple[str, ...]
+    fused: bool | None  # whether fastft's kernels are patched in (None: no LoRA yet, add_lora decides)
+
+
+# -- resolving the model argument -----------------------------------------------------------------
+
+
+def inventory_of(model) -> ModelInventory:
+    """The inventory of a preset name, catalog hub id, local folder, hub id, config or loaded model."""
+    from transformers import PretrainedConfig
+
+    if isinstance(model, ModelInventory):
+        return model
+    if isinstance(model, torch.nn.Module):
+        return _inventory_of_loaded(model)
+    if isinstance(model, PretrainedConfig):
+        return _inventory_of_config(model, getattr(model, "name_or_path", "") or model.model_type)
+    if isinstance(model, (str, os.PathLike)):
+        return _inventory_of_name(os.fspath(model))
+    raise TypeError(
+        f"estimate_vram takes a model name, a transformers config or a loaded model, not {type(model).__name__}."
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _inventory_of_name(name: str) -> ModelInventory:
+    from fastft.models.catalog import CATALOG
+    from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
+
+    if name in PRESETS:
+        return _inventory_of_config(PRESETS[name].make_config(TOKENIZER_VOCAB_SIZE), name)
+    by_lower = {hub_id.lower(): hub_id for hub_id in CATALOG}
+    if name.lower() in by_lower:  # hub ids are case-insensitive
+        hub_id = by_lower[name.lower()]
+        return _inventory_of_config(CATALOG[hub_id].to_config(), hub_id)
+    candidates = list(PRESETS) + list(CATALOG)
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.4)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    path = Path(name).expanduser()
+    if path.is_dir() or _looks_like_hub_id(name):
+        return _inventory_of_config(_fetch_config(name, path, hint), name)
+    raise UnknownModelError(
+        f"'{name}' is not an embedded preset, a catalog model, a local folder or a hub id of the form "
+        f"'org/name'.{hint} Presets: {', '.join(PRESETS)}; `fastft models` lists the catalog."
+    )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def _fetch_config(name: str, path: Path, hint: str = ""):
+    from transformers import AutoConfig
+
+    source = str(path) if path.is_dir() else name
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        where = (
+            "its folder has no readable config.json" if path.is_dir() else "its config could not be fetched"
+        )
+        raise ModelLoadError(
+            f"'{name}' is not in fastft's catalog and {where} ({type(error).__name__}: {error}).{hint}\n"
+            "Fix: go online (unset HF_HUB_OFFLINE) so only its config.json is downloaded, or pass a local "
+            "folder holding config.json, or a config object: estimate_vram(AutoConfig.from_pretrained(...)). "
+            "For a gated model accept its licence and log in (hf auth login). `fastft models` lists the "
+            "architectures known offline."
+        ) from error
+    return config
+
+
+@functools.lru_cache(maxsize=64)
+def _inventory_of_config_json(model_type: str, config_json: str, name: str) -> ModelInventory:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **json.loads(config_json))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return _walk(model, config, name, loaded=None)
+
+
+def _inventory_of_config(config, name: str) -> ModelInventory:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fields = text_config.to_diff_dict() if hasattr(text_config, "to_diff_dict") else text_config.to_dict()
+    fields = {
+        k: v for k, v in fields.items() if k not in ("model_type", "transformers_version", "architectures")
+    }
+    fields.pop("quantization_config", None)
+    try:
+        return _inventory_of_config_json(
+            text_config.model_type, json.dumps(fields, sort_keys=True, default=str), name
+        )
+    except ValueError as error:
+        raise UnknownModelError(
+            f"'{name}' has model_type '{text_config.model_type}', which is not a causal language model this "
+            f"transformers can build ({error}). Fix: upgrade transformers, or estimate a supported architecture."
+        ) from error
+
+
+def _inventory_of_loaded(model: torch.nn.Module) -> ModelInventory:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    info = getattr(model, "fastft_info", None) or getattr(base, "fastft_info", None)
+    name = getattr(info, "name", None) or getattr(base.config, "name_or_path", "") or base.config.model_type
+    return _walk(base, base.config.get_text_config(), name, loaded=_loaded_state(model, base))
+
+
+# -- walking modules --------------------------------------------------------------------------------
+
+
+def _short_name(full_name: str) -> str:
+    parts = full_name.split(".")
+    return parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
+
+
+def _walk(model: torch.nn.Module, config, name: str, loaded: LoadedModelState | None) -> ModelInventory:
+    from fastft.models.lora import linear_layer_names
+
+    output = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    targetable = set(linear_layer_names(model))
+    linears: list[LinearInfo] = []
+    linear_weights: set[int] = set()
+    linear_biases: set[int] = set()
+    expert_owners: set[str] = set()
+    moe_layers: set[int] = set()
+    for full, module in model.named_modules():
+        if any(part.startswith("lora_") for part in full.split(".")):
+            continue
+        match = _LAYER.search(full + ".")
+        layer = int(match.group(1)) if match else None
+        if full.endswith("experts") and next(module.parameters(recurse=False), None) is not None:
+            expert_owners.add(full)
+            if layer is not None:
+                moe_layers.add(layer)
+        if isinstance(module, torch.nn.Linear) and module is not output:
+            name_ = full.removesuffix(".base_layer")
+            short = _short_name(full)
+            router = short == "router" or (short == "gate" and _has_experts_sibling(model, name_))
+            linears.append(
+                LinearInfo(
+                    name=name_,
+                    short=short,
+                    in_features=module.in_features,
+                    out_features=module.out_features,
+                    bias=module.bias is not None,
+                    layer=layer,
+                    lora_targetable=short in targetable and not router,
+                )
+            )
+            linear_weights.add(id(module.weight))
+            if module.bias is not None:
+                linear_biases.add(id(module.bias))
+
+    linear_params = head_params = embedding_params = expert_params = other_params = 0
+    seen: set[int] = set()  # tied weights count once
+    for full, parameter in model.named_parameters(remove_duplicate=False):
+        if "lora_" in full or id(parameter) in seen or id(parameter) in linear_biases:
+            continue  # adapters are not base weights; linear biases are counted from LinearInfo.bias
+        seen.add(id(parameter))
+        count = _logical_numel(parameter)
+        if embedding is not None and parameter is embedding.weight:
+            embedding_params += count  # a tied head is this same table
+        elif output is not None and parameter is output.weight:
+            head_params += count
+        elif id(parameter) in linear_weights:
+            linear_params += count
+        elif full.rsplit(".", 1)[0] in expert_owners:
+            expert_params += count
+        else:
+            other_params += count
+
+    layers = _layers(model, linears, moe_layers, int(config.hidden_size))
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    q_proj = next((linear for linear in linears if linear.short == "q_proj"), None)
+    head_dim = int(getattr(config, "head_dim", None) or 0) or (
+        q_proj.out_features // heads if q_proj else int(config.hidden_size) // heads
+    )
+    experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+    moe_intermediate = int(
+        getattr(config, "moe_intermediate_size", None)
+        or (getattr(config, "intermediate_size", 0) if experts else 0)
+    )
+    return ModelInventory(
+        name=name,
+        model_type=config.model_type,
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+        num_layers=int(config.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=getattr(config, "max_position_embeddings", None),
+        tied_embeddings=head_params == 0,
+        experts=experts,
+        experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
+        moe_intermediate=moe_intermediate if experts else 0,
+        hidden_act=getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None),
+        linears=tuple(linears),
+        layers=layers,
+        linear_params=linear_params,
+        head_params=head_params,
+        embedding_params=embedding_params,
+        expert_params=expert_params,
+        other_params=other_params,
+        loaded=loaded,
+    )
+
+
+def _has_experts_sibling(model: torch.nn.Module, full_name: str) -> bool:
+    parent = model.get_submodule(full_name.rsplit(".", 1)[0]) if "." in full_name else model
+    return hasattr(parent, "experts")
+
+
+def _logical_numel(parameter: torch.Tensor) -> int:
+    """Elements of the unquantised weight (a packed 4-bit tensor holds two per byte)."""
+    quant_state = getattr(parameter, "quant_state", None)
+    if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+        return int(torch.Size(quant_state.shape).numel())
+    return parameter.numel()
+
+
+def _layers(
+    model: torch.nn.Module, linears: list[LinearInfo], moe_layers: set[int], hidden: int
+) -> tuple[LayerInfo, ...]:
+    by_layer: dict[int, list[LinearInfo]] = {}
+    for linear in linears:
+        if linear.layer is not None:
+            by_layer.setdefault(linear.layer, []).append(linear)
+    norms: dict[int, int] = {}
+    qk_norm: set[int] = set()
+    for full, parameter in model.named_parameters():
+        match = _LAYER.search(full)
+        if not match or "lora_" in full or not full.endswith("norm.weight"):
+            continue
+        index = int(match.group(1))
+        if full.endswith(("q_norm.weight", "k_norm.weight")):
+            qk_norm.add(index)
+        elif parameter.dim() == 1 and parameter.numel() == hidden:
+            norms[index] = norms.get(index, 0) + 1
+    layers = []
+    for index in sorted(set(by_layer) | set(norms)):
+        own = tuple(by_layer.get(index, ()))
+        shared = [
+            linear for linear in own if ".shared_expert." in linear.name and linear.short == "gate_proj"
+        ]
+        layers.append(
+            LayerInfo(
+                index=index,
+                linears=own,
+                norms=norms.get(index, 0),
+                qk_norm=index in qk_norm,
+                moe=index in moe_layers,
+                shared_expert_intermediate=shared[0].out_features if shared else 0,
+            )
+        )
+    return tuple(layers)
+
+
+# -- a loaded model's real state ---------------------------------------------------------------------
+
+
+def _quant_constant_bytes(parameter: torch.Tensor) -> int:
+    """Bytes of a bitsandbytes weight's constants: absmax (and its nested state), codebook, int8 row scales."""
+    total = 0
+    state = getattr(parameter, "quant_state", None)
+    if state is not None:
+        for tensor in (state.absmax, getattr(state, "code", None), getattr(state, "offset", None)):
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+        nested = getattr(state, "state2", None)
+        if nested is not None:
+            for tensor in (nested.absmax, getattr(nested, "code", None)):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+    scales = getattr(parameter, "SCB", None)
+    if isinstance(scales, torch.Tensor):
+        total += scales.numel() * scales.element_size()
+    return total
+
+
+def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelState:
+    quantization = None
+    weight_bytes = constants = upcast_pending = lora_params = lora_bytes = 0
+    dtypes: dict[torch.dtype, int] = {}
+    seen: set[int] = set()
+    for full, parameter in model.named_parameters():
+        if id(parameter) in seen:
+            continue
+        seen.add(id(parameter))
+        nbytes = parameter.numel() * parameter.element_size()
+        if "lora_" in full:
+            lora_params += parameter.numel()
+            lora_bytes += nbytes
+            continue
+        kind = type(parameter).__name__
+        if kind == "Params4bit":
+            quantization = "nf4"
+        elif kind == "Int8Params" or parameter.dtype == torch.int8:
+            quantization = quantization or "int8"
+        else:
+            dtypes[parameter.dtype] = dtypes.get(parameter.dtype, 0) + parameter.numel()
+        weight_bytes += nbytes
+        constants += _quant_constant_bytes(parameter)
+    compute = max(dtypes, key=dtypes.get) if dtypes else torch.bfloat16
+    if quantization:
+        info = getattr(model, "fastft_info", None) or getattr(base, "fastft_info", None)
+        compute = getattr(info, "dtype", None) or torch.bfloat16
+        # for fp16 models add_lora runs peft's prepare_model_for_kbit_training, which casts every 16-bit
+        # parameter that is not 4-bit to fp32 (bf16 models keep bf16); before add_lora they are still 16-bit.
+        embedding = base.get_input_embeddings()
+        if lora_params == 0 and embedding is not None and embedding.weight.dtype == torch.float16:
+            for parameter in model.parameters():
+                if (
+                    parameter.dtype in (torch.float16, torch.bfloat16)
+                    and type(parameter).__name__ != "Params4bit"
+                ):
+                    upcast_pending += parameter.numel()
+    embedding = base.get_input_embeddings()
+    residual = embedding.weight.element_size() if embedding is not None else 2
+    if upcast_pending:
+        residual = 4  # add_lora will upcast the embeddings, and with them the residual stream
+    settings = getattr(model, "fastft_lora", None)
+    peft_config = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
+    r = getattr(settings, "r", None) or getattr(peft_config, "r", None)
+    targets = tuple(
+        getattr(settings, "target_modules", ()) or sorted(getattr(peft_config, "target_modules", ()) or ())
+    )
+    fused = None
+    if lora_params:
+        try:
+            from fastft.models.patch import is_fused
+
+            fused = is_fused(model)
+        except ImportError:
+            fused = False
+    return LoadedModelState(
+        fused=fused,
+        quantization=quantization,
+        compute_dtype=compute,
+        weight_bytes=weight_bytes,
+        quant_constant_bytes=constants,
+        upcast_pending_params=upcast_pending,
+        residual_bytes=residual,
+        lora_params=lora_params,
+        lora_bytes=lora_bytes,
+        lora_r=int(r) if r else None,
+        lora_targets=targets,
+    )

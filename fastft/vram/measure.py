@@ -1,0 +1,336 @@
+"""`measure`: real training steps on CUDA, their peak memory beside the estimate.
+
+The model is the real architecture with random weights (a catalog hub id or a preset; nothing is
+downloaded), quantised in place with bitsandbytes for "nf4"/"int8", wrapped with LoRA by `add_lora`.
+A step mirrors `fastft.engine.trainer.Trainer._train_step`: bf16 autocast, fastft's packed attention
+and loss, backward, gradient clipping (foreach), the optimizer step, ``zero_grad(set_to_none=True)``.
+Peaks are read per phase (forward + loss, backward, optimizer) with ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastft.vram.estimate import VramEstimate, VramEstimateError, _resolve_checkpointing, estimate_vram
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Peak bytes allocated during each phase of one training step (and reserved over the step)."""
+
+    forward: int  # forward and loss
+    backward: int
+    optimizer: int
+    reserved: int
+    seconds: float
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward, self.backward, self.optimizer)
+
+
+@dataclass(frozen=True)
+class VramMeasurement:
+    """Measured peaks of real training steps, beside the estimate of the same run."""
+
+    estimate: VramEstimate
+    peak_allocated: int  # torch.cuda.max_memory_allocated over the steps
+    peak_reserved: int  # torch.cuda.max_memory_reserved over the steps
+    steps: tuple[StepMemory, ...]
+    setup_allocated: int  # weights, adapters and optimizer before the first step
+    context_bytes: int  # device memory in use outside PyTorch's allocator (CUDA context, handles)
+
+    @property
+    def error(self) -> float:
+        """(estimated − measured) / measured for the allocated peak; positive = overestimate."""
+        return (self.estimate.allocated_bytes - self.peak_allocated) / self.peak_allocated
+
+    def to_dict(self) -> dict:
+        return {
+            "estimate": self.estimate.to_dict(),
+            "estimated_allocated": self.estimate.allocated_bytes,
+            "estimated_total": self.estimate.total_bytes,
+            "peak_allocated": self.peak_allocated,
+            "peak_reserved": self.peak_reserved,
+            "error": self.error,
+            "setup_allocated": self.setup_allocated,
+            "context_bytes": self.context_bytes,
+            "steps": [{**step.__dict__, "peak": step.peak} for step in self.steps],
+        }
+
+
+def _require_cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "measure() runs real training steps and needs a CUDA GPU; none is visible. On a CPU use "
+            "estimate_vram(...) (no GPU needed), or run `fastft bench vram` on a GPU machine."
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+# -- the model ----------------------------------------------------------------------------------------
+
+
+def build_random_model(name: str, precision: str = "bf16", device: torch.device | str = "cuda"):
+    """The architecture of `name` (catalog hub id or preset) with random weights on `device`.
+
+    For "nf4" (NF4, double quantisation, blocks of 64: what `load_model(load_in_4bit=True)` asks
+    bitsandbytes for) and "int8", every `nn.Linear` but the output head is replaced by its bitsandbytes
+    layer, quantised from the random weights; the model is then marked as loaded in 4/8-bit, so `add_lora`
+    prepares it exactly as it prepares a quantised hub model.
+    """
+    from fastft.bench.common import build_model
+
+    device = torch.device(device)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
+    model = build_model(name, device, dtype)
+    model.config.use_cache = False
+    if precision in ("nf4", "int8"):
+        _quantize_in_place(model, precision, dtype, device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return model
+
+
+def _quantize_in_place(
+    model: torch.nn.Module, precision: str, dtype: torch.dtype, device: torch.device
+) -> None:
+    try:
+        import bitsandbytes as bnb
+    except ImportError as error:
+        raise RuntimeError(f"{precision} needs bitsandbytes: pip install 'fastft[gpu]'.") from error
+    output = model.get_output_embeddings()
+    for full, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear or module is output:
+            continue
+        bias = module.bias is not None
+        if precision == "nf4":
+            layer = bnb.nn.Linear4bit(
+                module.in_features,
+                module.out_features,
+                bias=bias,
+                compute_dtype=dtype,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="meta",
+            )
+            weight = bnb.nn.Params4bit(
+                module.weight.data,
+                requires_grad=False,
+                compress_statistics=True,
+                quant_type="nf4",
+                blocksize=64,
+                module=layer,
+            )
+            layer.weight = weight.to(device)  # quantises on the way
+        else:
+            layer = bnb.nn.Linear8bitLt(
+                module.in_features,
+                module.out_features,
+                bias=bias,
+                has_fp16_weights=False,
+                threshold=6.0,
+                device="meta",
+            )
+            weight = bnb.nn.Int8Params(module.weight.data, requires_grad=False, has_fp16_weights=False)
+            layer.weight = weight._quantize(device)  # .to() only quantises weights coming from the CPU
+        if bias:
+            layer.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
+        model.set_submodule(full, layer)
+        del module, weight
+    if precision == "nf4":
+        model.is_loaded_in_4bit = True
+    else:
+        model.is_loaded_in_8bit = True
+
+
+# -- training steps ------------------------------------------------------------------------------------
+
+
+def synthetic_batch(tokens: int, seq_len: int, vocab: int, trained_fraction: float = 1.0, seed: int = 0):
+    """A packed batch of `tokens` random tokens in sequences of `seq_len` (the last one shorter)."""
+    from fastft.data.batch import PackedBatch
+
+    rng = np.random.default_rng(seed)
+    lengths = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+    ids, labels = [], []
+    for length in lengths:
+        sequence = rng.integers(3, vocab, size=length).astype(np.int64)
+        label = sequence.copy()
+        label[: int(length * (1 - trained_fraction))] = -100
+        ids.append(sequence)
+        labels.append(label)
+    return PackedBatch.from_sequences(ids, labels)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` means the device ran out of memory (allocator or a library's own allocation)."""
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
+class TrainingProbe:
+    """A random-weight model with LoRA and its optimizer, ready to run training steps of any length."""
+
+    def __init__(
+        self,
+        model: str,
+        precision: str = "bf16",
+        lora_r: int = 16,
+        targets="all-linear",
+        checkpointing: str | bool = "recompute",
+        optimizer: str = "adamw",
+        seed: int = 0,
+        fused: bool = True,
+    ):
+        from fastft.engine.attention import patch_packed_attention
+        from fastft.models.lora import add_lora
+
+        self.device = _require_cuda()
+        self.mode = _resolve_checkpointing(checkpointing)
+        self.precision = precision
+        self.dtype = (
+            torch.float32 if precision == "fp32" else torch.float16 if precision == "fp16" else torch.bfloat16
+        )
+        base = build_random_model(model, precision, self.device)
+        self.vocab = base.config.vocab_size
+        self.model = add_lora(
+            base,
+            r=lora_r,
+            alpha=lora_r,
+            target_modules=targets,
+            gradient_checkpointing={"none": False, "recompute": True, "offload": "offload"}[self.mode],
+            seed=seed,
+            fused=fused,
+        )
+        patch_packed_attention(self.model, "auto")
+        self.model.train()
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        if optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(self.parameters, lr=1e-5, fused=True)
+        elif optimizer == "adamw_8bit":
+            import bitsandbytes as bnb
+
+            self.optimizer = bnb.optim.AdamW8bit(self.parameters, lr=1e-5)
+        elif optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(self.parameters, lr=1e-5)
+        else:
+            raise VramEstimateError(f"optimizer={optimizer!r}: use 'adamw', 'adamw_8bit' or 'sgd'.")
+        self.seed = seed
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        self.setup_allocated = torch.cuda.memory_allocated()
+
+    def step(self, tokens: int, seq_len: int | None = None, trained_fraction: float = 1.0) -> StepMemory:
+        """One optimizer step on `tokens` random tokens; raises torch.OutOfMemoryError when it does not fit."""
+        from fastft.engine.loss import causal_lm_loss_sum
+
+        batch = synthetic_batch(tokens, seq_len or tokens, self.vocab, trained_fraction, self.seed).to(
+            self.device
+        )
+        reserved = 0
+        started = time.perf_counter()
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            with torch.autocast("cuda", dtype=self.dtype, enabled=self.dtype != torch.float32):
+                loss = causal_lm_loss_sum(self.model, batch) / batch.num_trained_tokens
+            torch.cuda.synchronize()
+            forward, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+            loss.backward()
+            del loss
+            torch.cuda.synchronize()
+            backward = torch.cuda.max_memory_allocated()
+            reserved = max(reserved, torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+            torch.nn.utils.clip_grad_norm_(self.parameters, 1.0, foreach=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            optimizer = torch.cuda.max_memory_allocated()
+            reserved = max(reserved, torch.cuda.max_memory_reserved())
+        except RuntimeError as error:  # torch.OutOfMemoryError, or cuBLAS failing to allocate its workspace
+            if not is_out_of_memory(error):
+                raise
+            self.recover()
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
+            raise torch.OutOfMemoryError(str(error)) from error
+        return StepMemory(forward, backward, optimizer, reserved, time.perf_counter() - started)
+
+    def recover(self) -> None:
+        """Drop everything a failed step left behind (gradients, cached blocks)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def context_bytes(self) -> int:
+        """Device memory in use outside PyTorch's allocator (CUDA context, library handles)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(total - free - torch.cuda.memory_reserved(self.device))
+
+    def close(self) -> None:
+        self.model = self.optimizer = self.parameters = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def measure(
+    model: str,
+    seq_len: int = 2048,
+    batch_tokens: int | None = None,
+    precision: str = "bf16",
+    lora_r: int = 16,
+    targets="all-linear",
+    checkpointing: str | bool = "recompute",
+    optimizer: str = "adamw",
+    *,
+    fused: bool = True,
+    trained_fraction: float = 1.0,
+    steps: int = 2,
+    seed: int = 0,
+) -> VramMeasurement:
+    """Run `steps` real training steps (CUDA) and return their peak memory beside `estimate_vram`'s.
+
+    `model` is a catalog hub id or an embedded preset (random weights; nothing is downloaded); the other
+    arguments are `estimate_vram`'s (the loss is whatever fastft's trainer runs: fused with the fused
+    kernels, else eager). The reported peak is the largest over the steps (the optimizer's
+    states exist from the first step on, so the second step is the steady state).
+    """
+    _require_cuda()
+    tokens = batch_tokens or seq_len
+    estimate = estimate_vram(
+        model,
+        seq_len,
+        batch_tokens,
+        precision,
+        lora_r,
+        targets,
+        checkpointing,
+        optimizer,
+        gpu="auto",
+        fused=fused,
+        trained_fraction=trained_fraction,
+    )
+    probe = TrainingProbe(model, precision, lora_r, targets, checkpointing, optimizer, seed, fused)
+    try:
+        setup = probe.setup_allocated
+        results = tuple(probe.step(tokens, seq_len, trained_fraction) for _ in range(steps))
+        context = probe.context_bytes()
+    finally:
+        probe.close()
+    return VramMeasurement(
+        estimate=estimate,
+        peak_allocated=max(step.peak for step in results),
+        peak_reserved=max(step.reserved for step in results),
+        steps=results,
+        setup_allocated=setup,
+        context_bytes=context,
+    )

@@ -1,0 +1,342 @@
+"""The VRAM estimate: components against hand-computed bytes and against what autograd and peft really
+create, monotonicity, the longest context against the verdict, GPU presets, the CLI and its errors.
+
+Everything here runs on the CPU; the estimate's GPU calibration is `fastft bench vram`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import fastft
+from fastft.cli import main
+from fastft.models.catalog import CATALOG
+from fastft.models.loading import ModelLoadError, UnknownModelError
+from fastft.vram import (
+    GPUS,
+    VramEstimateError,
+    capped_gpu,
+    detect_gpu,
+    estimate_vram,
+    fits,
+    get_gpu,
+    max_context,
+    measure,
+)
+from fastft.vram import activations as act
+from fastft.vram.gpus import GiB, MiB
+from fastft.vram.inventory import inventory_of
+
+# tiny-llama: hidden 128, intermediate 344, 4 layers, 4 heads / 2 KV heads of 32, vocabulary 512, untied
+TINY_LINEAR_SHAPES = [(128, 128), (128, 64), (128, 64), (128, 128), (128, 344), (128, 344), (344, 128)]
+TINY_LINEAR_PARAMS = 4 * sum(i * o for i, o in TINY_LINEAR_SHAPES)  # 724,992
+TINY_OTHER_PARAMS = 2 * 512 * 128 + 4 * 2 * 128 + 128  # embedding, head, 8 layer norms, final norm
+
+
+def test_weights_of_tiny_llama_in_bf16_nf4_and_int8_match_hand_computed_bytes():
+    assert TINY_LINEAR_PARAMS == 724_992 and TINY_OTHER_PARAMS == 132_224
+    bf16 = estimate_vram("tiny-llama", 256, gpu=None)
+    assert bf16.parameters == 857_216
+    assert bf16["weights"] == 2 * 857_216 and bf16["quant_constants"] == 0
+
+    nf4 = estimate_vram("tiny-llama", 256, precision="nf4", gpu=None)
+    assert nf4["weights"] == TINY_LINEAR_PARAMS // 2 + 2 * TINY_OTHER_PARAMS  # 4-bit codes; bf16 rest
+    # per linear: an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those, the fp32 offset,
+    # the 16-entry NF4 codebook and the 256-entry map of the nested quantisation (fp32)
+    blocks = [i * o // 64 for i, o in TINY_LINEAR_SHAPES]
+    per_layer = sum(b + 4 * -(-b // 256) + 4 + 4 * 16 + 4 * 256 for b in blocks)
+    assert nf4["quant_constants"] == 4 * per_layer == 42_112
+
+    int8 = estimate_vram("tiny-llama", 256, precision="int8", gpu=None)
+    assert int8["weights"] == TINY_LINEAR_PARAMS + 2 * TINY_OTHER_PARAMS
+    assert int8["quant_constants"] == 4 * 4 * sum(o for _, o in TINY_LINEAR_SHAPES)  # fp32 scale per row
+
+    # fp16 compute (a T4): peft's k-bit preparation upcasts everything not quantised to fp32
+    t4 = estimate_vram("tiny-llama", 256, precision="nf4", gpu="t4")
+    assert t4["weights"] == TINY_LINEAR_PARAMS // 2 + 4 * TINY_OTHER_PARAMS
+
+
+def test_nf4_bytes_equal_a_model_quantised_by_bitsandbytes():
+    bnb = pytest.importorskip("bitsandbytes")
+    from fastft.vram.measure import _quantize_in_place
+
+    model, _ = fastft.load_model("tiny-llama", dtype=torch.bfloat16, device="cpu")
+    try:
+        _quantize_in_place(model, "nf4", torch.bfloat16, torch.device("cpu"))
+    except (RuntimeError, NotImplementedError) as error:  # a bitsandbytes build without CPU kernels
+        pytest.skip(f"bitsandbytes {bnb.__version__} cannot quantise on the CPU: {error}")
+    loaded = estimate_vram(model, 256, gpu=None)
+    named = estimate_vram("tiny-llama", 256, precision="nf4", gpu=None)
+    assert loaded.settings.precision == "nf4"
+    assert loaded["weights"] == named["weights"] and loaded["quant_constants"] == named["quant_constants"]
+
+
+@pytest.mark.parametrize(
+    ("preset", "r", "targets"),
+    [
+        ("tiny-llama", 8, "all-linear"),
+        ("tiny-llama", 5, ["q_proj", "v_proj", "down_proj"]),
+        ("tiny-moe", 4, "all-linear"),
+    ],
+)
+def test_lora_parameters_equal_what_add_lora_creates(preset, r, targets):
+    model, _ = fastft.load_model(preset, dtype=torch.float32, device="cpu")
+    model = fastft.add_lora(model, r=r, target_modules=targets, gradient_checkpointing=False, fused=False)
+    created = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    estimate = estimate_vram(preset, 256, lora_r=r, targets=targets, gpu=None)
+    assert estimate.lora_parameters == created
+    assert estimate_vram(model, 256, gpu=None).lora_parameters == created  # read back from the model
+
+
+def test_optimizer_and_gradient_bytes_follow_the_adapter_count():
+    adamw = estimate_vram("Qwen/Qwen3-8B", 1024, gpu=None)
+    n = adamw.lora_parameters
+    assert n == 43_646_976  # r=16 on q/k/v/o/gate/up/down of 36 layers
+    assert adamw["optimizer"] == 8 * n  # fp32 m and v
+    assert adamw.component("gradients").own_bytes == 4 * n
+    assert estimate_vram("Qwen/Qwen3-8B", 1024, optimizer="adamw_8bit", gpu=None)["optimizer"] == 2 * n
+    assert estimate_vram("Qwen/Qwen3-8B", 1024, optimizer="sgd", gpu=None)["optimizer"] == 0
+    # fused kernels cast adapters on use; peft under autocast keeps a bf16 copy of each
+    assert adamw["lora"] == 4 * n
+    assert estimate_vram("Qwen/Qwen3-8B", 1024, fused=False, gpu=None)["lora"] == 6 * n
+
+
+def _saved_bytes_of_layer(preset: str, fused: bool, tokens: int, layer: int = 1) -> int:
+    """Bytes autograd saves inside one decoder layer (storages counted once, parameters excluded)."""
+    from fastft.data.batch import PackedBatch
+    from fastft.engine.attention import patch_packed_attention
+    from fastft.engine.loss import causal_lm_loss_sum
+
+    model, _ = fastft.load_model(preset, dtype=torch.bfloat16, device="cpu")
+    model = fastft.add_lora(model, r=8, gradient_checkpointing=False, fused=fused)
+    patch_packed_attention(model, "sdpa_segments")
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside = {"now": False}
+    block = model.get_base_model().model.layers[layer]
+    block.register_forward_pre_hook(lambda *_: inside.update(now=True))
+    block.register_forward_hook(lambda *_: inside.update(now=False))
+    seen, total = set(), [0]
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        # tokens is prime: a tensor whose size it does not divide is a weight copy, not an activation;
+        # storages saved earlier (RoPE's cos/sin, shared by every layer) belong to the layer that made them
+        if storage.data_ptr() not in parameters | seen and tensor.numel() % tokens == 0:
+            seen.add(storage.data_ptr())
+            total[0] += storage.nbytes() if inside["now"] else 0
+        return tensor
+
+    ids = np.random.default_rng(0).integers(3, 500, size=tokens)
+    batch = PackedBatch.from_sequences([ids], [ids])
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
+        causal_lm_loss_sum(model, batch)
+    return total[0]
+
+
+@pytest.mark.parametrize(
+    ("preset", "fused"),
+    [("tiny-llama", True), ("tiny-qwen3", True), ("tiny-qwen3", False), ("tiny-moe", False)],
+)
+def test_saved_activations_of_a_layer_equal_what_autograd_saves(preset, fused):
+    tokens = 61
+    measured = _saved_bytes_of_layer(preset, fused, tokens)
+    inventory = inventory_of(preset)
+    profile = act.Profile.of(
+        "bf16", fused=fused, model_type=inventory.model_type, hidden_act=inventory.hidden_act
+    )
+    # on the CPU the fused path runs the plain-PyTorch RMSNorm and q/k-norm (Triton only on a GPU), which save
+    # what transformers' do; the LoRA-fused projections and MLP are the GPU's
+    profile = dataclasses.replace(profile, fused_norms=False)
+    layer = inventory.layers[1]
+    estimated = act.layer_bytes(layer, inventory, profile, set(inventory.lora_target_names()), 8) * tokens
+    if profile.fused_projections:
+        # CPU SDPA returns a heads-major output, so o_proj saves a token-major copy; CUDA's varlen
+        # returns it token-major and o_proj saves nothing beyond what attention saved
+        estimated += 2 * layer.linear("q_proj").out_features * tokens
+    assert measured == estimated
+
+
+def test_memory_grows_with_seq_len_and_shrinks_with_stronger_checkpointing():
+    totals = [estimate_vram("Qwen/Qwen3-8B", n, gpu=None).total_bytes for n in (512, 2048, 8192, 32768)]
+    assert totals == sorted(totals) and len(set(totals)) == 4
+    for model, precision in (
+        ("Qwen/Qwen3-8B", "bf16"),
+        ("Qwen/Qwen3-30B-A3B", "nf4"),
+        ("tiny-llama", "bf16"),
+    ):
+        stored = {
+            mode: estimate_vram(model, 4096, precision=precision, checkpointing=mode, gpu=None)["activations"]
+            for mode in ("none", "recompute", "offload")
+        }
+        assert stored["offload"] < stored["recompute"] < stored["none"]
+    # recompute keeps one bf16 hidden state per layer and token, offload two in all
+    hidden, layers, tokens = 4096, 36, 4096
+    recompute = estimate_vram("Qwen/Qwen3-8B", tokens, checkpointing="recompute", gpu=None)
+    offload = estimate_vram("Qwen/Qwen3-8B", tokens, checkpointing="offload", gpu=None)
+    final_norm = (2 * hidden + 4) * tokens
+    assert recompute["activations"] == layers * hidden * 2 * tokens + final_norm
+    assert offload["activations"] == 2 * hidden * 2 * tokens + final_norm
+
+
+def test_moe_counts_every_expert_weight_and_top_k_routed_activations():
+    spec = CATALOG["Qwen/Qwen3-30B-A3B"]
+    estimate = estimate_vram(spec.hub_id, 2048, checkpointing="none", gpu=None)
+    assert estimate.parameters == spec.parameter_count()  # all 128 experts, not the 3B active
+    assert estimate["weights"] == 2 * spec.parameter_count()
+    config = spec.to_config()
+    config.num_experts_per_tok = 16  # twice the routed pairs
+    doubled = estimate_vram(config, 2048, checkpointing="none", gpu=None)
+    per_pair = (3 * 768 + 2048 + 1) * 2 + 3 * 8 + 3 * 4  # gate/up, act, output, weight; indices; top-k
+    assert doubled["activations"] - estimate["activations"] == 48 * 2048 * 8 * per_pair
+
+
+def test_max_context_is_the_longest_length_fits_accepts():
+    settings = dict(precision="nf4", checkpointing="recompute")
+    longest = max_context("Qwen/Qwen3-8B", "rtx4090", multiple_of=256, **settings)
+    assert longest > 0 and longest % 256 == 0
+    assert fits("Qwen/Qwen3-8B", longest, gpu="rtx4090", **settings)
+    assert not fits("Qwen/Qwen3-8B", longest + 256, gpu="rtx4090", **settings)
+    assert max_context("Qwen/Qwen3-32B", "t4") == 0  # the weights alone do not fit
+
+
+def test_fits_offers_only_fixes_that_fit():
+    verdict = fits("Qwen/Qwen3-8B", 32768, gpu="rtx4090")
+    assert not verdict and not verdict.fits and verdict.fixes
+    descriptions = [fix.description for fix in verdict.fixes]
+    assert "use checkpointing='offload'" in descriptions
+    assert any(d.startswith("lower seq_len to ") for d in descriptions)
+    assert any("nf4" in d for d in descriptions)
+    for fix in verdict.fixes:
+        changes = dict(fix.changes)
+        seq_len = changes.pop("seq_len", 32768)
+        assert estimate_vram("Qwen/Qwen3-8B", seq_len, gpu="rtx4090", **changes).fits
+    assert "Fixes:" in verdict.message and "RTX 4090" in str(verdict)
+    assert fits("tiny-llama", 512, gpu="t4").fits
+
+
+def test_gpu_presets_hold_usable_capacities():
+    assert {
+        "t4",
+        "rtx3090",
+        "rtx4090",
+        "rtx5090",
+        "l4",
+        "a100-40gb",
+        "a100-80gb",
+        "h100",
+        "h200",
+        "b200",
+    } <= set(GPUS)
+    assert GPUS["rtx4090"].capacity_bytes == 24563 * MiB  # what torch reports, not "24 GB"
+    gib = {name: gpu.capacity_gib for name, gpu in GPUS.items()}
+    assert 14 < gib["t4"] < 16 and 79 < gib["h100"] < 80 and 139 < gib["h200"] < 141 and gib["b200"] > 170
+    assert not GPUS["t4"].bf16 and GPUS["h100"].bf16
+    assert get_gpu("RTX 4090") is GPUS["rtx4090"] and get_gpu("A100").name == "a100-80gb"
+    with pytest.raises(ValueError, match="rtx4090"):
+        get_gpu("rtx9090")
+    assert capped_gpu(24 * GiB).context_bytes == 0
+    if not torch.cuda.is_available():
+        assert detect_gpu() is None
+        assert estimate_vram("tiny-llama", 128).gpu is None  # "auto" without a GPU: no verdict
+        with pytest.raises(VramEstimateError, match="rtx4090"):
+            fits("tiny-llama", 128)
+
+
+def test_estimate_from_a_config_and_from_a_loaded_model():
+    by_name = estimate_vram("Qwen/Qwen2.5-1.5B-Instruct", 2048, gpu="l4")
+    by_config = estimate_vram(CATALOG["Qwen/Qwen2.5-1.5B-Instruct"].to_config(), 2048, gpu="l4")
+    assert by_config.total_bytes == by_name.total_bytes
+    assert estimate_vram("qwen/qwen2.5-1.5b-instruct", 2048, gpu="l4").total_bytes == by_name.total_bytes
+
+    model, _ = fastft.load_model("tiny-qwen3", dtype=torch.float32, device="cpu")
+    model = fastft.add_lora(model, r=4, target_modules=["q_proj", "o_proj"], gradient_checkpointing=False)
+    estimate = estimate_vram(model, 256, gpu=None)
+    assert estimate.settings.precision == "fp32" and estimate.settings.lora_r == 4
+    assert estimate.settings.targets == ("q_proj", "o_proj")
+    assert estimate["weights"] == 4 * sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    with pytest.raises(VramEstimateError, match="loaded in fp32"):
+        estimate_vram(model, 256, precision="nf4", gpu=None)
+
+
+def test_breakdown_table_and_dict_add_up():
+    estimate = estimate_vram("Qwen/Qwen3-8B", 8192, precision="nf4", gpu="rtx4090")
+    assert sum(c.bytes for c in estimate.components) == estimate.total_bytes
+    peak = estimate.phase_bytes(estimate.peak_phase)
+    assert (
+        estimate.allocated_bytes
+        == peak
+        == max(estimate.phase_bytes("loss"), estimate.phase_bytes("backward"))
+    )
+    data = json.loads(json.dumps(estimate.to_dict()))
+    assert data["fits"] is True and data["gpu"]["name"] == "rtx4090"
+    assert {c["key"] for c in data["components"]} >= {
+        "weights",
+        "activations",
+        "logits",
+        "optimizer",
+        "context",
+    }
+    table = estimate.table()
+    assert (
+        "model weights" in table and "saved activations" in table and "fits NVIDIA GeForce RTX 4090" in table
+    )
+    assert estimate.with_gpu("t4").gpu.name == "t4"
+
+
+def test_cli_estimate_prints_the_breakdown_and_verdict(capsys):
+    assert main(["estimate", "tiny-llama", "--seq-len", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "component" in out and "saved activations" in out and "total" in out and "tiny-llama" in out
+    assert main(["estimate", "Qwen/Qwen3-8B", "--seq-len", "32768", "--gpu", "rtx4090", "--max-context"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "Fixes:" in out and "Longest context" in out
+    assert main(["estimate", "tiny-llama", "--seq-len", "64", "--json", "--gpu", "h100"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+
+
+def test_unknown_models_and_bad_settings_name_the_fix(capsys):
+    with pytest.raises(UnknownModelError, match="tiny-llama"):
+        estimate_vram("tiny-lama", 512)
+    with pytest.raises(ModelLoadError, match="config.json"):  # offline, and not in the catalog
+        estimate_vram("someorg/not-in-the-catalog", 512)
+    with pytest.raises(VramEstimateError, match="q_proj"):
+        estimate_vram("tiny-llama", 512, targets=["query"])
+    with pytest.raises(VramEstimateError, match="batch_tokens"):
+        estimate_vram("tiny-llama", 512, batch_tokens=256)
+    with pytest.raises(VramEstimateError, match="checkpointing"):
+        estimate_vram("tiny-llama", 512, checkpointing="sometimes")
+    assert main(["estimate", "tiny-lama", "--seq-len", "64"]) == 2
+    assert "Did you mean" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU error only")
+def test_measure_needs_cuda():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        measure("tiny-llama", 128)
+
+
+def test_bench_vram_is_registered_and_plans_at_least_twelve_configurations(capsys):
+    from fastft.bench import BENCHMARKS
+    from fastft.bench import vram as bench
+
+    assert BENCHMARKS["vram"] == "fastft.bench.vram"
+    assert bench.main(["--list"]) == 0
+    peaks = [line for line in capsys.readouterr().out.splitlines() if line.startswith("peak")]
+    assert len(peaks) >= 12
+    configs = bench.PEAK_CONFIGS
+    assert {c.precision for c in configs} >= {"bf16", "nf4"} and {c.checkpointing for c in configs} == {
+        "none",
+        "recompute",
+        "offload",
+    }
+    assert any(CATALOG[c.model].is_moe for c in configs)
+    sizes = [CATALOG[c.model].parameter_count() for c in configs]
+    assert min(sizes) < 0.6e9 and max(sizes) > 30e9
