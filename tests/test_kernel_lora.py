@@ -193,3 +193,37 @@ def test_gpu_fused_mlp_bf16_large(hidden, intermediate):
     assert _rel(y, want) <= 2e-2
     for got, ref in zip(grads, expected, strict=True):
         assert _rel(got, ref) <= 2e-2
+
+
+def test_checkpointed_mlp_skips_the_down_projection_when_recomputing(monkeypatch):
+    """Under activation checkpointing the re-run MLP computes gate and up only (its output is discarded);
+    gradients equal the un-checkpointed ones exactly."""
+    import torch.utils.checkpoint as checkpoint
+
+    from fastft.kernels import lora
+
+    generator = torch.Generator().manual_seed(4)
+    projections = [
+        _projection(48, 16, 4, torch.float32, generator),
+        _projection(48, 16, 4, torch.float32, generator),
+        _projection(16, 48, 4, torch.float32, generator),
+    ]
+    adapters = [(p[1], p[2]) for p in projections]
+    down = projections[2][0]
+    calls = []
+    original = lora._project
+    monkeypatch.setattr(lora, "_project", lambda x2, base, *rest: calls.append(base is down) or original(x2, base, *rest))
+
+    def mlp(x):
+        return lora_mlp(x, *[p[0] for p in projections], (1.0, 2.0, 0.5), "swiglu", adapters) + x
+
+    x = torch.randn(7, 16, generator=generator, device=DEVICE, requires_grad=True)
+    leaves = _leaves(x, projections)
+    plain = torch.autograd.grad(mlp(x).square().sum(), leaves)
+    calls.clear()
+    out = checkpoint.checkpoint(mlp, x, use_reentrant=False)
+    assert calls == [False, False, True]  # forward: gate, up, down
+    checkpointed = torch.autograd.grad(out.square().sum(), leaves)
+    assert calls == [False, False, True, False, False]  # recompute: gate and up only
+    for a, b in zip(checkpointed, plain, strict=True):
+        assert torch.equal(a, b)

@@ -364,9 +364,11 @@ def _cuda_step(model, batch, dtype):
 
     torch.manual_seed(5)
     model.zero_grad(set_to_none=True)
-    with sdpa_kernel(SDPBackend.MATH), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-        loss = causal_lm_loss_sum(model, batch)
-    loss.backward()
+    # the backward (and the recompute inside it) must see the same SDPA backend as the forward
+    with sdpa_kernel(SDPBackend.MATH):
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            loss = causal_lm_loss_sum(model, batch)
+        loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
