@@ -180,7 +180,9 @@ class LoraLinearsFunction(torch.autograd.Function):
         dx = None
         dxa_parts, a_parts, dys = [], [], []
         with torch.autocast(x2.device.type, enabled=False):
-            for i, (base, sl, scale, grad) in enumerate(zip(ctx.bases, ctx.slices, ctx.scales, grads, strict=True)):
+            for i, (base, sl, scale, grad) in enumerate(
+                zip(ctx.bases, ctx.slices, ctx.scales, grads, strict=True)
+            ):
                 if grad is None:
                     continue
                 dy = _rows(grad).to(dtype)
@@ -207,10 +209,8 @@ class LoraLinearsFunction(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 for base, dy in dys:
                     dx = _accumulate(dx, dy, base.dense(dtype))
-        if dx is not None and ctx.needs_input_grad[0]:
+        if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-        else:
-            dx = None
         return (dx, None, None, *grad_adapters)
 
 
@@ -294,7 +294,8 @@ class LoraMLPFunction(torch.autograd.Function):
         dx = dx.view(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         tensors = {"a_g": a_g, "b_g": b_g, "a_u": a_u, "b_u": b_u, "a_d": a_d, "b_d": b_d}
         adapter_grads = [
-            _grad_dtype(grads.get(key), tensors[key]) if tensors[key] is not None and tensors[key].requires_grad
+            _grad_dtype(grads.get(key), tensors[key])
+            if tensors[key] is not None and tensors[key].requires_grad
             else None
             for key in ("a_g", "b_g", "a_u", "b_u", "a_d", "b_d")
         ]

@@ -70,8 +70,15 @@ def test_step_bench_workers_agree_on_the_first_loss(tmp_path):
     results = {}
     for system in ("fastft", "hf"):
         args = argparse.Namespace(
-            system=system, workload="bf16:2x48", attention="auto", folder=str(tmp_path), warmup=1, steps=2,
-            peak_flops=1e12, device="cpu", checkpointing="auto",
+            system=system,
+            workload="bf16:2x48",
+            attention="auto",
+            folder=str(tmp_path),
+            warmup=1,
+            steps=2,
+            peak_flops=1e12,
+            device="cpu",
+            checkpointing="auto",
         )
         results[system] = run_worker(args)
     assert results["fastft"]["losses"][0] == pytest.approx(results["hf"]["losses"][0], rel=1e-5)

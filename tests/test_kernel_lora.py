@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fastft.kernels.lora import (
     FrozenLinear,
     LoraMLPFunction,
@@ -130,7 +129,9 @@ def test_fused_mlp_saves_two_intermediate_tensors_not_four():
         _projection(hidden, intermediate, 2, torch.float32, generator),
     ]
     x = torch.randn(tokens, hidden, generator=generator, device=DEVICE, requires_grad=True)
-    y = lora_mlp(x, *[p[0] for p in projections], (1.0, 1.0, 1.0), "swiglu", [(p[1], p[2]) for p in projections])
+    y = lora_mlp(
+        x, *[p[0] for p in projections], (1.0, 1.0, 1.0), "swiglu", [(p[1], p[2]) for p in projections]
+    )
     assert y.grad_fn.__class__.__name__ == LoraMLPFunction.__name__ + "Backward"
     saved = [t for t in y.grad_fn.saved_tensors if t is not None]
     big = [t for t in saved if t.numel() >= tokens * intermediate]
@@ -182,7 +183,9 @@ def test_gpu_fused_mlp_bf16_large(hidden, intermediate):
         _projection(hidden, intermediate, 16, torch.bfloat16, generator, adapter_dtype=torch.float32),
     ]
     x = torch.randn(1, 1024, hidden, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
-    y = lora_mlp(x, *[p[0] for p in projections], (2.0, 2.0, 2.0), "swiglu", [(p[1], p[2]) for p in projections])
+    y = lora_mlp(
+        x, *[p[0] for p in projections], (2.0, 2.0, 2.0), "swiglu", [(p[1], p[2]) for p in projections]
+    )
     weight = torch.randn(y.shape, generator=generator).cuda()
     grads = torch.autograd.grad((y.float() * weight).sum(), _leaves(x, projections))
     reference = [_fp32(p) for p in projections]
@@ -199,7 +202,6 @@ def test_checkpointed_mlp_skips_the_down_projection_when_recomputing(monkeypatch
     """Under activation checkpointing the re-run MLP computes gate and up only (its output is discarded);
     gradients equal the un-checkpointed ones exactly."""
     import torch.utils.checkpoint as checkpoint
-
     from fastft.kernels import lora
 
     generator = torch.Generator().manual_seed(4)
@@ -212,7 +214,9 @@ def test_checkpointed_mlp_skips_the_down_projection_when_recomputing(monkeypatch
     down = projections[2][0]
     calls = []
     original = lora._project
-    monkeypatch.setattr(lora, "_project", lambda x2, base, *rest: calls.append(base is down) or original(x2, base, *rest))
+    monkeypatch.setattr(
+        lora, "_project", lambda x2, base, *rest: calls.append(base is down) or original(x2, base, *rest)
+    )
 
     def mlp(x):
         return lora_mlp(x, *[p[0] for p in projections], (1.0, 2.0, 0.5), "swiglu", adapters) + x

@@ -43,7 +43,9 @@ def parse_workload(text: str) -> tuple[str, int, int]:
         precision, shape = text.split(":")
         batch, seq = (int(part) for part in shape.lower().split("x"))
     except ValueError as error:
-        raise ValueError(f"workload {text!r}: write PRECISION:BATCHxSEQ, e.g. bf16:2x2048 or nf4:1x16384") from error
+        raise ValueError(
+            f"workload {text!r}: write PRECISION:BATCHxSEQ, e.g. bf16:2x2048 or nf4:1x16384"
+        ) from error
     if precision not in ("bf16", "nf4"):
         raise ValueError(f"workload {text!r}: precision must be bf16 or nf4")
     return precision, batch, seq
@@ -133,7 +135,9 @@ def _fastft_model(folder: str, precision: str, seq: int, attention: str, device,
     model, _ = fastft.load_model(
         folder, max_seq_length=seq, load_in_4bit=precision == "nf4", device=device, dtype=dtype
     )
-    model = fastft.add_lora(model, r=16, alpha=16, target_modules=TARGETS, gradient_checkpointing=checkpointing)
+    model = fastft.add_lora(
+        model, r=16, alpha=16, target_modules=TARGETS, gradient_checkpointing=checkpointing
+    )
     patch_packed_attention(model, attention)
     return model
 
@@ -264,7 +268,9 @@ def _table(results: list[dict]) -> str:
     rows = []
     for result in results:
         if "error" in result:
-            rows.append({"system": result["system"], "workload": result["workload"], "note": result["error"][:160]})
+            rows.append(
+                {"system": result["system"], "workload": result["workload"], "note": result["error"][:160]}
+            )
             continue
         same = [r for r in results if r["workload"] == result["workload"] and "error" not in r]
         reference = {r["system"]: r for r in same}
@@ -291,20 +297,31 @@ def _table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="fastft bench step", description=__doc__.split("\n\n")[0],
+        prog="fastft bench step",
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog architecture (random weights)")
+    parser.add_argument(
+        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog architecture (random weights)"
+    )
     parser.add_argument("--systems", default="fastft,hf", help=f"comma-separated, from {','.join(SYSTEMS)}")
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="PRECISION:BATCHxSEQ, comma-separated")
-    parser.add_argument("--attention", default="auto", help="fastft's packed-attention backend(s), comma-separated")
+    parser.add_argument(
+        "--attention", default="auto", help="fastft's packed-attention backend(s), comma-separated"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--folder", default="/dev/shm/fastft-bench-step", help="where the random checkpoint goes")
-    parser.add_argument("--unsloth-path", default=None, help="site folder put first on PYTHONPATH for Unsloth")
+    parser.add_argument(
+        "--folder", default="/dev/shm/fastft-bench-step", help="where the random checkpoint goes"
+    )
+    parser.add_argument(
+        "--unsloth-path", default=None, help="site folder put first on PYTHONPATH for Unsloth"
+    )
     parser.add_argument("--peak-flops", type=float, default=776e12, help="measured bf16 matmul ceiling")
     parser.add_argument(
-        "--checkpointing", default="auto", choices=("auto", "recompute", "offload"),
+        "--checkpointing",
+        default="auto",
+        choices=("auto", "recompute", "offload"),
         help="fastft's gradient checkpointing (auto: offloaded on a GPU)",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per system and workload")
@@ -345,9 +362,23 @@ def main(argv: list[str] | None = None) -> int:
             attentions = args.attention.split(",") if system == "fastft" else ["sdpa"]
             for attention in attentions:
                 argv_worker = [
-                    "--worker", "--system", system, "--workload", workload, "--attention", attention,
-                    "--folder", str(folder), "--warmup", str(args.warmup), "--steps", str(args.steps),
-                    "--peak-flops", str(args.peak_flops), "--checkpointing", args.checkpointing,
+                    "--worker",
+                    "--system",
+                    system,
+                    "--workload",
+                    workload,
+                    "--attention",
+                    attention,
+                    "--folder",
+                    str(folder),
+                    "--warmup",
+                    str(args.warmup),
+                    "--steps",
+                    str(args.steps),
+                    "--peak-flops",
+                    str(args.peak_flops),
+                    "--checkpointing",
+                    args.checkpointing,
                 ]
                 started = time.perf_counter()
                 result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)
@@ -356,17 +387,27 @@ def main(argv: list[str] | None = None) -> int:
                 result.setdefault("attention", attention)
                 result["wall_s"] = time.perf_counter() - started
                 results.append(result)
-                summary = result.get("error") or f"{result['tokens_per_s']:,.0f} tok/s, {result['peak_gib']:.1f} GiB"
+                _write(
+                    args.out, args.model, environment(), results
+                )  # a later timeout keeps what was measured
+                summary = (
+                    result.get("error")
+                    or f"{result['tokens_per_s']:,.0f} tok/s, {result['peak_gib']:.1f} GiB"
+                )
                 print(f"{workload:>14} {system:>8} {attention:>13}: {summary}", file=sys.stderr, flush=True)
 
+    print(_write(args.out, args.model, environment(), results))
+    return 0
+
+
+def _write(path: str, model: str, env: dict, results: list[dict]) -> str:
     table = _table(results)
-    print(table)
-    output = {"benchmark": "step", "model": args.model, "environment": environment(), "results": results}
-    out = Path(args.out)
+    output = {"benchmark": "step", "model": model, "environment": env, "results": results}
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(output, indent=2) + "\n")
     out.with_suffix(".md").write_text(table + "\n")
-    return 0
+    return table
 
 
 if __name__ == "__main__":

@@ -135,7 +135,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     parts = _projections(self, ("q_proj", "k_proj", "v_proj", "o_proj"))
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if parts is None or cache is not None or args or position_embeddings is None:
-        return self._fastft_original_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        return self._fastft_original_forward(
+            hidden_states, position_embeddings, attention_mask, *args, **kwargs
+        )
     kwargs.pop("cache", None)
     kwargs.pop("past_key_values", None)
     from fastft.kernels.lora import lora_linears
