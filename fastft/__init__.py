@@ -52,6 +52,13 @@ _EXPORTS = {
     "EvalEvent": "fastft.engine.events",
     "evaluate_accuracy": "fastft.engine.evaluate",
     "generate_answers": "fastft.engine.evaluate",
+    # tools
+    "estimate_vram": "fastft.vram",
+    "max_context": "fastft.vram",
+    "fits": "fastft.vram",
+    "GPUS": "fastft.vram",
+    "StepProfile": "fastft.profile",
+    "profile_window": "fastft.profile",
     # faces
     "RunReport": "fastft.report",
     "write_report": "fastft.report",

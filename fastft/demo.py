@@ -170,11 +170,18 @@ def run_demo(config: DemoConfig | None = None, log=print) -> DemoResult:
         accuracy_before=before.per_task,
         accuracy_after=after.per_task,
         samples=samples,
+        timeline=_timeline(trainer),
     )
     report_path = write_report(report, run_dir / "report.html")
     with open(run_dir / "summary.json", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
     return DemoResult(run_dir, report_path, adapter_path, result, before, after, summary)
+
+
+def _timeline(trainer: Trainer) -> list[dict]:
+    """The spans of the run's last profiled step, for the report's step timeline (none when profiling is off)."""
+    timing = trainer.profile.timing() if trainer.profile is not None else None
+    return [asdict(span) for span in timing.spans] if timing is not None else []
 
 
 def _readable(summary: dict) -> dict:

@@ -7,7 +7,7 @@ Events are plain frozen dataclasses of host numbers, safe to keep, plot or seria
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,12 @@ class StepEvent:
     `trained_tokens` counts tokens that carry a label (the ones the loss is averaged over);
     `tokens` counts every token fed to the model. Memory is the peak since the run started:
     CUDA allocator peak on a GPU, the process's peak resident set on a CPU (`memory_kind`).
+
+    `phases` is the step's timing breakdown in milliseconds (`fastft.profile`: ``step``, ``data``,
+    ``forward``, ``loss``, ``backward``, ``optimizer`` and nested phases such as ``layers.attention``,
+    summed over layers and micro-batches); empty when profiling is off. On a GPU it is read from
+    CUDA events once they completed, like the loss: the event of step s (with its phases) is
+    emitted during step s+1.
     """
 
     step: int
@@ -31,6 +37,7 @@ class StepEvent:
     trained_tokens_per_second: float
     peak_memory_bytes: int
     memory_kind: str
+    phases: dict[str, float] = field(default_factory=dict, hash=False)
 
     def as_dict(self) -> dict:
         return asdict(self)

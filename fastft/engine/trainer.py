@@ -34,6 +34,8 @@ from fastft.engine.attention import patch_packed_attention
 from fastft.engine.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from fastft.engine.events import EvalEvent, Event, StepEvent, Subscriber
 from fastft.engine.loss import causal_lm_loss_sum
+from fastft.profile.hooks import detach_profile
+from fastft.profile.steps import NULL_PROFILE, StepProfile
 
 
 class NonFiniteLossError(RuntimeError):
@@ -49,6 +51,8 @@ class TrainConfig:
     detection). `max_steps` wins over `epochs` when set. `warmup` is a step count (int) or a fraction of
     `max_steps` (float below 1). `eval_every` / `save_every` are in optimizer steps (None: only
     at the end / never). `resume_from` is a checkpoint folder or "latest" (in `output_dir`).
+    `profile` times the phases of every step (`fastft.profile.StepProfile`, ``Trainer.profile``;
+    under 2 % of a step) and fills `StepEvent.phases`; False removes the profiler's hooks from the model.
     """
 
     max_steps: int | None = None
@@ -69,6 +73,7 @@ class TrainConfig:
     output_dir: str | None = None
     resume_from: str | None = None
     attention: str | None = "auto"
+    profile: bool = True
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_bins", "grad_accum_steps", "save_total_limit"):
@@ -137,6 +142,7 @@ class Trainer:
     `train_data` is a `PackedDataset` or anything `pack` accepts (then packed to the tokenizer's
     `model_max_length`). Subscribers receive every `StepEvent` / `EvalEvent`; `stop()` and
     `pause()` / `unpause()` are honoured between steps (safe to call from another thread).
+    `profile` is the run's `StepProfile` (phase timings per step; None with `TrainConfig(profile=False)`).
     """
 
     def __init__(
@@ -166,6 +172,11 @@ class Trainer:
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("The model has no trainable parameters: call fastft.add_lora(model, ...) first.")
+        self.profile: StepProfile | None = None
+        if self.config.profile:
+            self.profile = StepProfile(model, self.device)
+        else:
+            detach_profile(model)
         self.bins_per_step = self.config.micro_batch_bins * self.config.grad_accum_steps
         self.max_steps = self.config.max_steps or max(
             1, math.ceil(self.config.epochs * len(self.train_data) / self.bins_per_step)
@@ -225,9 +236,14 @@ class Trainer:
         return [bins[i : i + size] for i in range(0, len(bins), size)]
 
     # -- the loop ------------------------------------------------------------------------------
-    def train(self) -> TrainResult:
-        """Run until `max_steps` (or `stop()`); returns every event of the run."""
+    def train(self, steps: int | None = None) -> TrainResult:
+        """Run until `max_steps` (or `stop()`); returns every event of the run.
+
+        With `steps`, run at most that many more steps and return (events flushed; the final
+        evaluation and checkpoint wait for the run's end); a later `train()` continues the run.
+        """
         config = self.config
+        target = self.max_steps if steps is None else min(self.max_steps, self.step + steps)
         if self.step == 0:  # seed dropout & co. like any trainer; a resume restores the RNG instead
             torch.manual_seed(config.seed)
             np.random.seed(config.seed % 2**32)
@@ -236,8 +252,10 @@ class Trainer:
             self._resume(config.resume_from)
         started = time.perf_counter()
         self.model.train()
+        if self.device.type == "cuda":  # the events' peak memory is this run's, not the process's so far
+            torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            while self.step < self.max_steps:
+            while self.step < target:
                 self._running.wait()
                 if self._stop.is_set():
                     self.result.stopped_early = True
@@ -250,6 +268,8 @@ class Trainer:
                 if config.save_every and self.step % config.save_every == 0:
                     self.save_checkpoint()
             self._flush()
+            if self.step < self.max_steps and not self.result.stopped_early:
+                return self.result  # paused after `steps`: the run is not over
             if self.eval_data is not None and (
                 not self.result.evals or self.result.evals[-1].step != self.step
             ):
@@ -259,6 +279,8 @@ class Trainer:
             if wants_final and not last_saved.endswith(f"checkpoint-{self.step}"):
                 self.save_checkpoint()
         finally:
+            if self.profile is not None:
+                self.profile.cancel()  # a step cut short by an exception leaves no timing half-open
             self.result.seconds += time.perf_counter() - started
         return self.result
 
@@ -269,6 +291,8 @@ class Trainer:
         return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
     def _train_step(self) -> None:
+        phases = self.profile or NULL_PROFILE  # top-level phases follow each other: data → forward → …
+        phases.step_begin()
         micro_batches = [
             self.train_data.batch(bins).to(self.device) for bins in self.bins_for_step(self.step)
         ]
@@ -277,12 +301,15 @@ class Trainer:
         timer = _StepTimer(self.device)
         loss_total = torch.zeros((), device=self.device)
         for batch in micro_batches:
+            phases.begin("forward")  # the final norm's hook hands over to "loss"
             with torch.autocast(
                 self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
             ):
                 loss = causal_lm_loss_sum(self.model, batch) / trained
+            phases.begin("backward")
             (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             loss_total += loss.detach()
+        phases.begin("optimizer")
         if self.grad_scaler:
             self.grad_scaler.unscale_(self.optimizer)
         if self.config.max_grad_norm is not None:
@@ -299,9 +326,12 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        timing = phases.step_end(self.step + 1)
         timer.stop()
         values = torch.stack([loss_total.float(), grad_norm.detach().float().to(self.device)])
-        info = dict(step=self.step + 1, lr=learning_rate, trained=trained, tokens=tokens, timer=timer)
+        info = dict(
+            step=self.step + 1, lr=learning_rate, trained=trained, tokens=tokens, timer=timer, timing=timing
+        )
         self._pending.append(_PendingReadout(values, info))
 
     def _emit_ready(self, wait: bool = False) -> None:
@@ -310,6 +340,8 @@ class Trainer:
             loss, grad_norm = readout.read()
             info = readout.info
             seconds = info["timer"].seconds()
+            timing = info["timing"]  # recorded before the readout: complete once it is
+            phases = self.profile.collect(timing) if timing is not None and self.profile else {}
             event = StepEvent(
                 step=info["step"],
                 max_steps=self.max_steps,
@@ -323,6 +355,7 @@ class Trainer:
                 trained_tokens_per_second=info["trained"] / seconds if seconds > 0 else 0.0,
                 peak_memory_bytes=_peak_memory(self.device),
                 memory_kind="cuda" if self.device.type == "cuda" else "cpu-rss",
+                phases=phases,
             )
             self.result.steps.append(event)
             self._publish(event)

@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from fastft.engine.events import EvalEvent, StepEvent
+from fastft.profile.steps import PhaseSpan, exclusive_phases, group_of
 
 __all__ = [
     "HEIGHT",
@@ -22,9 +23,12 @@ __all__ = [
     "accuracy_figure",
     "learning_rate_figure",
     "loss_figure",
+    "kernels_figure",
     "memory_label",
+    "phases_figure",
     "smooth",
     "throughput_figure",
+    "timeline_figure",
 ]
 
 TEMPLATE = "plotly_white"
@@ -304,4 +308,149 @@ def accuracy_figure(
     fig.update_layout(barmode="group", bargap=0.25, bargroupgap=0.05, hovermode="closest")
     fig.update_yaxes(range=[0, 109], tickvals=[0, 20, 40, 60, 80, 100], ticksuffix="%")
     fig.update_xaxes(type="category")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- step timing
+
+# One colour per phase group (`fastft.profile.group_of`); the parents' "rest" slices are paler.
+PHASE_COLORS = {
+    "data": "#a3acb9",
+    "forward": "#9ecae1",
+    "embed": "#6baed6",
+    "layers.norm": "#17becf",
+    "layers.attention": "#1f6fb4",
+    "layers.mlp": "#2a9d5c",
+    "layers.moe": "#1b7340",
+    "final_norm": "#0e8a9c",
+    "loss": "#e8871e",
+    "backward": "#f4b6c2",
+    "loss_backward": "#f3b170",
+    "layers.backward": "#c9a3e6",
+    "layers.recompute": "#8e5ec9",
+    "offload_wait": "#d62728",
+    "optimizer": "#8c564b",
+    "other": "#dde2e8",
+}
+_REST = {
+    "forward": "forward (rest)",
+    "backward": "backward (rest)",
+    "layers.backward": "layer backward (rest)",
+}
+_EXTRA_COLORS = ("#bcbd22", "#e377c2", "#7f7f7f", "#ff9896", "#98df8a", "#c5b0d5")
+
+
+def _phase_color(group: str, extra: dict[str, str]) -> str:
+    if group in PHASE_COLORS:
+        return PHASE_COLORS[group]
+    return extra.setdefault(group, _EXTRA_COLORS[len(extra) % len(_EXTRA_COLORS)])
+
+
+def phases_figure(steps: Sequence[int], phases: Sequence[Mapping[str, float]]) -> go.Figure:
+    """Where each step's time went: stacked bars (ms) per step of the parts that add up to the step.
+
+    `phases` are summaries as in `StepEvent.phases` (one per entry of `steps`); each bar is split
+    by `fastft.profile.exclusive_phases`: nested phases (``layers.attention``, ``layers.recompute``,
+    …), each parent's remainder ("forward (rest)") and "other" (time outside every phase).
+    One trace per part, in the order a step runs them.
+    """
+    title = "Step time by phase"
+    pairs = [(s, p) for s, p in zip(steps, phases, strict=True) if p]
+    if not pairs:
+        return _empty_figure(title, "no step timings")
+    parts = [exclusive_phases(p) for _, p in pairs]
+    names = list(dict.fromkeys(name for part in parts for name in part))
+    fig = go.Figure()
+    extra: dict[str, str] = {}
+    x = [s for s, _ in pairs]
+    for name in names:
+        label = _REST.get(name, name)
+        fig.add_trace(
+            go.Bar(
+                x=x,
+                y=[part.get(name, 0.0) for part in parts],
+                name=label,
+                marker={"color": _phase_color(name, extra), "line": {"width": 0}},
+                hovertemplate="%{y:.2f} ms<extra>" + label + "</extra>",
+            )
+        )
+    _base_layout(fig, title, "optimizer step", "ms")
+    fig.update_layout(barmode="stack", bargap=0.1 if len(x) <= 60 else 0.0, hovermode="x")
+    fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
+    fig.update_layout(margin={"r": 180})
+    return fig
+
+
+_ROWS = ("step phases", "modules and layers", "recompute and waits")
+
+
+def timeline_figure(spans: Sequence[PhaseSpan | Mapping], step: int | None = None) -> go.Figure:
+    """One step as a Gantt chart (like Nsight Systems): a bar per span, one row per nesting depth.
+
+    Rows from top: top-level phases (data, forward, loss, backward, optimizer), the modules and
+    per-layer backward nested in them, then recompute and waits inside a layer's backward. Bars are
+    coloured by phase group (one legend entry per group); hover names the span and its duration.
+    `spans` are `PhaseSpan`s or mappings with their fields (as saved in a report).
+    """
+    title = "Step timeline" if step is None else f"Step {step} timeline"
+    items = [s if isinstance(s, PhaseSpan) else PhaseSpan(**{k: s[k] for k in ("name", "start_ms", "end_ms", "depth")})
+             for s in spans]  # fmt: skip
+    if not items:
+        return _empty_figure(title, "no step timings")
+    by_group: dict[str, list[PhaseSpan]] = {}
+    for span in items:
+        by_group.setdefault(group_of(span.name), []).append(span)
+    fig = go.Figure()
+    extra: dict[str, str] = {}
+    for group, members in by_group.items():
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                base=[s.start_ms for s in members],
+                x=[max(s.duration_ms, 0.0) for s in members],
+                y=[_ROWS[min(s.depth, len(_ROWS) - 1)] for s in members],
+                customdata=[[s.name, s.start_ms] for s in members],
+                name=group,
+                marker={"color": _phase_color(group, extra), "line": {"width": 0.5, "color": "white"}},
+                hovertemplate="%{customdata[0]}<br>%{x:.3f} ms at %{customdata[1]:.3f} ms<extra></extra>",
+            )
+        )
+    _base_layout(fig, title, "ms since the step started", "")
+    used = [row for row in _ROWS if any(_ROWS[min(s.depth, len(_ROWS) - 1)] == row for s in items)]
+    fig.update_layout(barmode="overlay", hovermode="closest", bargap=0.25)
+    fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
+    fig.update_layout(margin={"r": 180, "l": 150})
+    fig.update_yaxes(categoryorder="array", categoryarray=used, autorange="reversed")
+    fig.update_xaxes(rangemode="tozero")
+    return fig
+
+
+def kernels_figure(
+    kernels: Sequence[Mapping], *, steps: int | None = None, overlap: float | None = None
+) -> go.Figure:
+    """The top kernels of a profiling window as a table (rows: name, calls, total_ms, share).
+
+    With `steps`, a "ms per step" column is added; `overlap` (fraction of copy time overlapped by
+    kernels) goes into the title.
+    """
+    title = "Top kernels" + ("" if overlap is None else f" · copy/compute overlap {overlap:.0%}")
+    if not kernels:
+        return _empty_figure(title, "no profiling window recorded")
+    header = ["kernel", "calls", "total ms", *(["ms per step"] if steps else []), "share"]
+    columns = [
+        [str(k["name"]) for k in kernels],
+        [int(k["calls"]) for k in kernels],
+        [f"{float(k['total_ms']):,.3f}" for k in kernels],
+        *([[f"{float(k['total_ms']) / steps:,.3f}" for k in kernels]] if steps else []),
+        [f"{float(k['share']):.1%}" for k in kernels],
+    ]
+    fig = go.Figure(
+        go.Table(
+            columnwidth=[6, 1, 1.3, *([1.3] if steps else []), 1],
+            header={"values": header, "align": "left", "fill": {"color": "#eef1f5"}, "font": {"size": 12}},
+            cells={"values": columns, "align": ["left", "right"], "font": {"size": 11}},
+        )
+    )
+    _base_layout(fig, title, "", "")
+    fig.update_layout(height=max(HEIGHT, 60 + 24 * len(kernels)))
     return fig

@@ -22,7 +22,15 @@ from plotly.offline import get_plotlyjs
 
 from fastft.atomic import write_text_atomically
 from fastft.engine.events import EvalEvent, StepEvent
-from fastft.report.figures import accuracy_figure, learning_rate_figure, loss_figure, throughput_figure
+from fastft.profile.steps import phase_table
+from fastft.report.figures import (
+    accuracy_figure,
+    learning_rate_figure,
+    loss_figure,
+    phases_figure,
+    throughput_figure,
+    timeline_figure,
+)
 
 __all__ = ["JSON_NAME", "RunReport", "render_report", "write_report"]
 
@@ -48,6 +56,9 @@ class RunReport:
     `summary` the headline facts (model, device, duration_s, final_loss, trainable parameters...),
     `samples` a list of dicts with keys ``prompt``, ``expected``, ``before`` and ``after``
     (completions before/after training), `created` an ISO-8601 time (default: now, local zone).
+    `timeline` holds the spans of one profiled step (dicts with the fields of
+    `fastft.profile.PhaseSpan`) and `kernels` the rows of a profiling window's top kernels (dicts
+    with the fields of `fastft.profile.KernelRow`); both feed the step-timing section.
     """
 
     title: str
@@ -58,6 +69,8 @@ class RunReport:
     accuracy_before: dict[str, float] | None = None
     accuracy_after: dict[str, float] | None = None
     samples: list[dict] = field(default_factory=list)
+    timeline: list[dict] = field(default_factory=list)
+    kernels: list[dict] = field(default_factory=list)
     created: str = field(default_factory=_now)
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,6 +84,8 @@ class RunReport:
             "accuracy_before": self.accuracy_before,
             "accuracy_after": self.accuracy_after,
             "samples": self.samples,
+            "timeline": self.timeline,
+            "kernels": self.kernels,
             "steps": [s.as_dict() for s in self.steps],
             "evals": [e.as_dict() for e in self.evals],
         }
@@ -123,6 +138,7 @@ th { font-weight: 600; color: var(--muted); font-size: 12px; text-transform: upp
 table.kv th { width: 32%; text-transform: none; letter-spacing: 0; font-size: 13px; color: var(--fg);
   font-weight: 500; }
 table.kv td, table.samples td { overflow-wrap: anywhere; }
+table.timing .num { text-align: right; }
 table.samples td { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 12.5px; }
 table.samples .cell { white-space: pre-wrap; max-height: 14em; overflow: auto; }
 tbody tr:nth-child(even) { background: #fafbfc; }
@@ -202,11 +218,65 @@ def _card(title: str, body: str) -> str:
     return f'<section class="card"><h2>{_esc(title)}</h2>{body}</section>'
 
 
+def _table(columns: list[str], rows: list[list[str]], numbers_from: int) -> str:
+    """A table of already formatted cells; columns from index `numbers_from` on are right-aligned numbers."""
+
+    def cls(i: int) -> str:
+        return ' class="num"' if i >= numbers_from else ""
+
+    head = "".join(f"<th{cls(i)}>{_esc(c)}</th>" for i, c in enumerate(columns))
+    body = "".join(
+        "<tr>" + "".join(f"<td{cls(i)}>{_esc(c)}</td>" for i, c in enumerate(row)) + "</tr>" for row in rows
+    )
+    return f'<table class="timing"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _timing_parts(report: RunReport) -> list[str]:
+    """The step-timing section: phases across steps, one step's timeline, median per phase, top kernels."""
+    timed = [s for s in report.steps if s.phases]
+    if not timed and not report.timeline and not report.kernels:
+        return []
+    figures = []
+    if timed:
+        figures.append(("fig-phases", phases_figure([s.step for s in timed], [s.phases for s in timed])))
+    if report.timeline:
+        figures.append(("fig-timeline", timeline_figure(report.timeline)))
+    parts = []
+    if timed:
+        table = phase_table([s.phases for s in (timed[1:] if len(timed) > 1 else timed)])  # step 1 warms up
+        note = (
+            '<p class="muted">Median over steps (the first left out), in milliseconds; nested phases are '
+            "inside the one named in the second column. <code>layers.*</code> sums every decoder layer; "
+            "<code>layers.recompute</code> is activation checkpointing running the layers again in backward."
+            "</p>"
+        )
+        parts.append(_card("Step timing", note + _table(table.columns, table.cells(), 2)))
+    if figures:
+        parts.append(
+            '<div class="figs">'
+            + "".join(
+                f'<section class="card wide">{_figure_div(fig, div_id)}</section>' for div_id, fig in figures
+            )
+            + "</div>"
+        )
+    if report.kernels:
+        rows = [
+            [str(k.get("name")), str(k.get("calls")), f"{float(k.get('total_ms', 0.0)):,.3f}",
+             f"{float(k.get('share', 0.0)):.1%}"]
+            for k in report.kernels
+        ]  # fmt: skip
+        parts.append(
+            _card("Top kernels (profiling window)", _table(["kernel", "calls", "total ms", "share"], rows, 1))
+        )
+    return parts
+
+
 def render_report(report: RunReport) -> str:
     """The report as one self-contained HTML page (plotly.js inlined once; loads nothing from the network).
 
     Sections: title, summary table, figures (loss, throughput/memory, learning rate, and accuracy
-    when either accuracy mapping is given), configuration table, sample completions. Every string
+    when either accuracy mapping is given), step timing (when the steps carry phases, or a timeline
+    or kernels are given), configuration table, sample completions. Every string
     that comes from the report is HTML-escaped.
     """
     figures = [
@@ -228,6 +298,7 @@ def render_report(report: RunReport) -> str:
     if report.summary:
         parts.append(_card("Summary", _kv_table(report.summary)))
     parts.append(f'<div class="figs">{fig_html}</div>')
+    parts.extend(_timing_parts(report))
     if report.config:
         parts.append(_card("Configuration", _kv_table(_flatten(report.config))))
     if report.samples:
