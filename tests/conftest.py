@@ -43,8 +43,14 @@ def _interpreter_for_kernel_tests_only(request, monkeypatch):
     """Kernel and patching tests run the Triton kernels through the interpreter; every other CPU test
     takes the plain-PyTorch references, as a CPU user does (the interpreter is ~100x slower).
     `fastft.kernels.use_triton` reads the variable at each call, so unsetting it here is enough."""
+    if not _INTERPRETER_SET_HERE:
+        return
     module = request.module.__name__.rsplit(".", 1)[-1]
-    if _INTERPRETER_SET_HERE and not (module.startswith("test_kernel_") or module == "test_patch"):
+    if module.startswith("test_kernel_") or module == "test_patch":
+        # set it again rather than trusting it is still there: tokenising with `datasets.map(num_proc=2)`
+        # drops it from this process's environment after the test that ran it has been torn down
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
