@@ -12,12 +12,6 @@ from __future__ import annotations
 
 import os
 
-if __name__ == "kernels":  # found on sys.path as a top-level module: the cwd is a fastft checkout
-    raise ImportError(
-        "'kernels' here is fastft's kernels/ folder, found because the working directory is the fastft "
-        "checkout; fastft installs it as fastft.kernels. Hugging Face's `kernels` package is not installed."
-    )
-
 import torch
 
 
