@@ -9,6 +9,8 @@ The five steps of a run, as plain calls::
     result = fastft.train(model, tokenizer, data, max_steps=100)            # 4. run
     fastft.save_adapter(model, "runs/adapter", tokenizer)                   # 5. keep the result
 
+or with clicks: ``fastft.studio()`` (widget panels for the same five steps).
+
 Names are imported on first use, so ``import fastft`` is quick.
 """
 
@@ -64,11 +66,17 @@ _EXPORTS = {
     "write_report": "fastft.report",
     "run_demo": "fastft.demo",
 }
+# Modules exported as themselves: ``fastft.studio()`` and ``fastft.studio.ModelPanel()``.
+_MODULES = {"studio": "fastft.studio"}
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [*_EXPORTS, *_MODULES, "__version__"]
 
 
 def __getattr__(name: str):
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fastft' has no attribute '{name}'")

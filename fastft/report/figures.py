@@ -26,9 +26,12 @@ __all__ = [
     "kernels_figure",
     "memory_label",
     "phases_figure",
+    "run_dashboard_figure",
+    "sequence_length_figure",
     "smooth",
     "throughput_figure",
     "timeline_figure",
+    "vram_figure",
 ]
 
 TEMPLATE = "plotly_white"
@@ -311,6 +314,59 @@ def accuracy_figure(
     return fig
 
 
+def sequence_length_figure(
+    lengths: Sequence[int], max_seq_length: int | None = None, *, truncated: int = 0, buckets: int = 40
+) -> go.Figure:
+    """Histogram of tokenised sequence lengths (tokens per kept row), with the bin capacity marked.
+
+    Counted here with numpy into at most `buckets` equal-width buckets from 0 to `max_seq_length`
+    (or the longest row), so a million rows send a few dozen bars to the browser, not a million
+    numbers. One trace, "sequences"; a dashed line marks `max_seq_length`; the title gives the
+    count and the median, and how many rows were `truncated` to fit.
+    """
+    import numpy as np
+
+    title = "Sequence lengths"
+    values = np.asarray(lengths, dtype=np.int64).ravel()
+    if values.size == 0:
+        return _empty_figure(title, "no sequences")
+    top = int(max(max_seq_length or 0, int(values.max()), 1))
+    width = max(1, math.ceil(top / buckets))
+    edges = np.arange(0, top + width + 1, width)
+    counts, edges = np.histogram(values, bins=edges)
+    centres = (edges[:-1] + edges[1:]) / 2
+    fig = go.Figure(
+        go.Bar(
+            x=centres.tolist(),
+            y=counts.tolist(),
+            width=[width * 0.95] * len(counts),
+            name="sequences",
+            marker={"color": _BLUE},
+            customdata=np.stack([edges[:-1], edges[1:] - 1], axis=1).tolist(),
+            hovertemplate="%{customdata[0]}–%{customdata[1]} tokens: %{y} sequences<extra></extra>",
+        )
+    )
+    title = f"Sequence lengths: {values.size:,} sequences, median {int(np.median(values)):,} tokens"
+    if truncated:
+        title += f", {truncated:,} truncated"
+    _base_layout(fig, title, "tokens per sequence", "sequences")
+    fig.update_layout(hovermode="closest", bargap=0.05)
+    if max_seq_length:
+        fig.add_vline(x=max_seq_length, line={"color": _RED, "width": 2, "dash": "dash"})
+        fig.add_annotation(
+            x=max_seq_length,
+            y=1.0,
+            yref="paper",
+            text=f"max_seq_length {max_seq_length:,}",
+            showarrow=False,
+            xanchor="right",
+            yanchor="bottom",
+            font={"color": _RED, "size": 11},
+        )
+    fig.update_xaxes(range=[0, top + width])
+    return fig
+
+
 # ---------------------------------------------------------------------------------------------- step timing
 
 # One colour per phase group (`fastft.profile.group_of`); the parents' "rest" slices are paler.
@@ -453,4 +509,179 @@ def kernels_figure(
     )
     _base_layout(fig, title, "", "")
     fig.update_layout(height=max(HEIGHT, 60 + 24 * len(kernels)))
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------ VRAM bar
+
+# The estimate's components (`fastft.vram.VramEstimate.components`) in the five blocks a user reasons about.
+VRAM_GROUPS: dict[str, tuple[str, ...]] = {
+    "weights": ("weights", "quant_constants", "dequant"),
+    "LoRA + optimizer": ("lora", "optimizer", "gradients"),
+    "activations": ("activations", "recompute", "backward_workspace"),
+    "logits": ("logits",),
+    "workspace": ("workspace", "context", "slack"),
+}
+_VRAM_COLORS = {
+    "weights": _GREY,
+    "LoRA + optimizer": _PURPLE,
+    "activations": _BLUE,
+    "logits": _ORANGE,
+    "workspace": "#dde2e8",
+}
+
+
+def vram_figure(estimate) -> go.Figure:
+    """The memory of one training step as a stacked horizontal bar against the GPU's capacity.
+
+    `estimate` is a `fastft.vram.VramEstimate` or its ``to_dict()``. Segments, in order: weights,
+    LoRA + optimizer, activations, logits, workspace (`VRAM_GROUPS` lists the components of each;
+    a component freed before the step's peak counts 0). A dashed red line marks the capacity when the
+    estimate has a GPU; the title gives the total and the verdict. Sizes in GiB.
+    """
+    data = estimate if isinstance(estimate, Mapping) else estimate.to_dict()
+    components = {c["key"]: c for c in data.get("components", ())}
+    title = "VRAM estimate"
+    if not components:
+        return _empty_figure(title, "no estimate")
+    total = float(data["total_bytes"]) / GIB
+    gpu = data.get("gpu")
+    capacity = float(gpu["capacity_bytes"]) / GIB if gpu else None
+    fig = go.Figure()
+    for group, keys in VRAM_GROUPS.items():
+        members = [components[k] for k in keys if k in components]
+        size = sum(float(c["bytes"]) for c in members) / GIB
+        lines = "<br>".join(
+            f"{c['label']}: {float(c['bytes']) / GIB:.2f} GiB"
+            for c in members
+            if c["bytes"] or c["own_bytes"]
+        )
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                x=[size],
+                y=["this run"],
+                name=group,
+                marker={"color": _VRAM_COLORS[group], "line": {"width": 0.5, "color": "white"}},
+                text=[f"{size:.2f}" if total and size / total > 0.06 else ""],
+                textposition="inside",
+                insidetextanchor="middle",
+                hovertemplate=f"<b>{group}</b>: %{{x:.2f}} GiB<br>{lines}<extra></extra>",
+            )
+        )
+    if gpu:
+        fits = total <= capacity
+        verdict = "fits" if fits else f"short by {total - capacity:.2f} GiB"
+        title = f"{total:.2f} GiB of {gpu['label']} ({capacity:.2f} GiB): {verdict}"
+        fig.add_vline(x=capacity, line={"color": _RED, "width": 2, "dash": "dash"})
+        fig.add_annotation(
+            x=capacity,
+            y=1.0,
+            yref="paper",
+            text=f"capacity {capacity:.2f} GiB",
+            showarrow=False,
+            xanchor="right" if fits else "left",
+            yanchor="bottom",
+            font={"color": _RED, "size": 11},
+        )
+    else:
+        title = f"{total:.2f} GiB (no GPU chosen)"
+    _base_layout(fig, title, "GiB", "")
+    top = max(total, capacity or 0.0) * 1.08
+    fig.update_layout(barmode="stack", height=220, hovermode="closest", bargap=0.35)
+    fig.update_xaxes(range=[0, top if top > 0 else 1])
+    fig.update_yaxes(showticklabels=False)
+    return fig
+
+
+# ------------------------------------------------------------------------------------- live run dashboard
+
+# Trace order of `run_dashboard_figure`: a live plot updates these by index.
+DASHBOARD_TRACES = ("loss", "loss (smoothed)", "eval loss", "learning rate", "trained tokens/s", "memory")
+
+
+def run_dashboard_figure(
+    step: Sequence[float] = (),
+    loss: Sequence[float] = (),
+    smoothed: Sequence[float] = (),
+    learning_rate: Sequence[float] = (),
+    tokens_per_second: Sequence[float] = (),
+    memory_gib: Sequence[float] = (),
+    *,
+    eval_step: Sequence[float] = (),
+    eval_loss: Sequence[float] = (),
+    max_steps: int | None = None,
+    memory_kind: str = "cuda",
+) -> go.Figure:
+    """A run at a glance, built from plain arrays (a live plot sets the traces' data afterwards).
+
+    Four panels: loss (raw, smoothed and eval), learning rate, trained tokens/s and peak memory (GiB,
+    labelled by `memory_label`). Traces follow `DASHBOARD_TRACES`; every array of a panel is indexed
+    by `step` (`eval_loss` by `eval_step`). `max_steps` pins the x axes to the whole run.
+    """
+    label = memory_label(memory_kind)
+    fig = make_subplots(
+        rows=2,
+        cols=2,
+        subplot_titles=("Loss", "Learning rate", "Trained tokens / s", f"{label} (GiB)"),
+        horizontal_spacing=0.09,
+        vertical_spacing=0.16,
+    )
+    line = {"mode": "lines", "hoverlabel": {"namelength": -1}}
+    fig.add_trace(
+        go.Scatter(x=step, y=loss, name="loss", line={"color": _BLUE_FAINT, "width": 1}, **line), row=1, col=1
+    )
+    fig.add_trace(
+        go.Scatter(x=step, y=smoothed, name="loss (smoothed)", line={"color": _BLUE, "width": 2.5}, **line),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=eval_step,
+            y=eval_loss,
+            name="eval loss",
+            mode="lines+markers",
+            marker={"color": _RED, "size": 8, "symbol": "diamond"},
+            line={"color": _RED, "width": 1, "dash": "dot"},
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=step, y=learning_rate, name="learning rate", line={"color": _ORANGE, "width": 2}, **line
+        ),
+        row=1,
+        col=2,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=step, y=tokens_per_second, name="trained tokens/s", line={"color": _GREEN, "width": 1.5}, **line
+        ),
+        row=2,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=step, y=memory_gib, name="memory", line={"color": _PURPLE, "width": 2, "shape": "hv"}, **line
+        ),
+        row=2,
+        col=2,
+    )
+    fig.update_layout(
+        template=TEMPLATE,
+        height=2 * HEIGHT - 60,
+        font={"family": FONT_FAMILY, "size": 12},
+        margin={"l": 56, "r": 24, "t": 48, "b": 40},
+        showlegend=True,
+        legend={"orientation": "h", "x": 0.0, "y": -0.08, "yanchor": "top"},
+        hovermode="x unified",
+        uirevision="run",  # keep the user's zoom while the data grows
+    )
+    fig.update_yaxes(tickformat=".1e", rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(rangemode="tozero", row=2, col=2)
+    if max_steps:
+        fig.update_xaxes(range=[0, max_steps])
     return fig

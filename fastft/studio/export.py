@@ -1,0 +1,314 @@
+"""The Export panel: keep the trained adapter, merge it into a 16-bit model, and try a prompt (streamed).
+
+Saving, merging and generating run one at a time on a background thread (`Worker`), so a click returns
+at once; ``panel.wait()`` blocks until the job is done (scripts, tests). None of them runs while a
+training run is active: a step in flight would be caught halfway (the Run panel's Save checkpoint
+writes one between steps instead).
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+
+from fastft.studio.state import StudioState, Worker
+
+__all__ = ["ExportPanel"]
+
+STREAM_INTERVAL = 0.05  # seconds between updates of the streamed answer (≤ 20 a second)
+
+
+def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
+    from fastft.studio.notices import error_html, status_html
+
+    if not text:
+        return ""
+    return error_html(text, title) if kind == "error" else status_html(text, kind)
+
+
+def quantized_base(model) -> str | None:
+    """ "4-bit" / "8-bit" when the model's base weights are quantised (merging is refused), else None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base, "is_loaded_in_4bit", False):
+        return "4-bit"
+    if getattr(base, "is_loaded_in_8bit", False):
+        return "8-bit"
+    return None
+
+
+class ExportPanel:
+    """Save the adapter, merge to 16-bit, and generate from a prompt with the trained model.
+
+    Controls: `adapter_dir` + `save_adapter_button` (`fastft.save_adapter`), `merged_dir` +
+    `merge_button` (`fastft.save_merged`, refused for a 4/8-bit base with the way round it),
+    `prompt`, `max_new_tokens`, `temperature` (0: greedy) + `generate_button`. The answer streams into
+    `answer` token by token (`completion` holds its text); `status` shows what happened or what to fix.
+    """
+
+    def __init__(self, state: StudioState | None = None):
+        import ipywidgets as widgets
+
+        self.state = state if state is not None else StudioState()
+        self.worker = Worker("fastft-export")
+        self.completion = ""
+        self.updates = 0  # how many times the streamed answer was redrawn
+        self.last_saved: str | None = None
+        style = {"description_width": "110px"}
+        wide = widgets.Layout(width="480px")
+        self.adapter_dir = widgets.Text(
+            value="runs/adapter", description="adapter folder", style=style, layout=wide
+        )
+        self.save_adapter_button = widgets.Button(
+            description="Save adapter", icon="save", button_style="primary"
+        )
+        self.merged_dir = widgets.Text(
+            value="runs/merged", description="merged folder", style=style, layout=wide
+        )
+        self.merge_button = widgets.Button(description="Merge to 16-bit", icon="compress")
+        self.prompt = widgets.Textarea(
+            value="Compute 48 plus 8.",
+            description="prompt",
+            style=style,
+            layout=widgets.Layout(width="480px", height="80px"),
+        )
+        self.max_new_tokens = widgets.IntSlider(
+            value=64, min=1, max=1024, description="max new tokens", style=style, layout=wide
+        )
+        self.temperature = widgets.FloatSlider(
+            value=0.0, min=0.0, max=2.0, step=0.05, description="temperature", style=style, layout=wide
+        )
+        self.generate_button = widgets.Button(description="Generate", icon="play", button_style="success")
+        self.answer = widgets.HTML("")
+        self.status = widgets.HTML("")
+        self._defaults = {"adapter": self.adapter_dir.value, "merged": self.merged_dir.value}
+
+        self.save_adapter_button.on_click(self._on_save_adapter)
+        self.merge_button.on_click(self._on_merge)
+        self.generate_button.on_click(self._on_generate)
+        self.state.observe(self._on_state, ("run", "model"))
+        self.widget = widgets.VBox(
+            [
+                widgets.HTML("<b>Keep the result</b>"),
+                widgets.HBox([self.adapter_dir, self.save_adapter_button]),
+                widgets.HBox([self.merged_dir, self.merge_button]),
+                widgets.HTML("<b>Try a prompt</b>"),
+                self.prompt,
+                self.max_new_tokens,
+                self.temperature,
+                self.generate_button,
+                self.answer,
+                self.status,
+            ]
+        )
+        self._on_state("run")
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+    # -- state -------------------------------------------------------------------------------------------
+    def _on_state(self, name: str) -> None:
+        """Follow the run's output folder, unless the user typed their own."""
+        config = getattr(self.state.run, "config", None)
+        output = getattr(config, "output_dir", None)
+        if not output:
+            return
+        output = output.rstrip("/")
+        for key, widget in (("adapter", self.adapter_dir), ("merged", self.merged_dir)):
+            if widget.value == self._defaults[key]:
+                widget.value = self._defaults[key] = f"{output}/{key}"
+
+    def _ready(self) -> str | None:
+        """Why nothing can be exported now, or None."""
+        if self.state.model is None or self.state.tokenizer is None:
+            return (
+                "No model yet. Fix: load one and apply LoRA in the Model tab, then train it in the Run tab."
+            )
+        run = self.state.run
+        if run is not None and getattr(run, "active", False):
+            return (
+                "A run is training this model. Fix: stop it or wait for it to finish (Save checkpoint in the "
+                "Run tab writes one between steps)."
+            )
+        if self.worker.busy:
+            return "Still busy with the last export or generation; wait for it to finish."
+        return None
+
+    def _show(self, text: str, kind: str = "info", title: str | None = None) -> None:
+        self.status.value = _notice(text, kind, title or "Not done")
+
+    def close(self) -> None:
+        """Stop following the state and close the panel's widgets."""
+        from fastft.studio.notices import close_tree
+
+        self.state.unobserve(owner=self)
+        close_tree(self.widget)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the running save, merge or generation is done."""
+        return self.worker.wait(timeout)
+
+    # -- save and merge ------------------------------------------------------------------------------------
+    def _on_save_adapter(self, _button=None) -> None:
+        problem = self._ready()
+        if problem:
+            self._show(problem, "error")
+            return
+        folder = self.adapter_dir.value.strip()
+        if not folder:
+            self._show("Name a folder for the adapter.", "error")
+            return
+        self._show(f"Saving the adapter to {folder}…", "busy")
+        self.worker.start(lambda: self._job(self._save_adapter, folder))
+
+    def _save_adapter(self, folder: str) -> str:
+        from fastft.models.export import save_adapter
+
+        path = save_adapter(self.state.model, folder, self.state.tokenizer)
+        self.last_saved = str(path)
+        return f"Adapter saved to {path}. Load it with peft.PeftModel.from_pretrained(base_model, {str(path)!r})."
+
+    def _on_merge(self, _button=None) -> None:
+        problem = self._ready()
+        if problem:
+            self._show(problem, "error")
+            return
+        bits = quantized_base(self.state.model)
+        if bits:
+            self._show(
+                f"This model's base is loaded in {bits}, and merging into quantised weights is "
+                "lossy. Fix: save the adapter, load the base in 16-bit (precision 16-bit, or "
+                "fastft.load_model(name, load_in_4bit=False)), attach the adapter with "
+                "peft.PeftModel.from_pretrained(base, adapter_folder), then merge.",
+                "error",
+                "Not merged",
+            )
+            return
+        folder = self.merged_dir.value.strip()
+        if not folder:
+            self._show("Name a folder for the merged model.", "error")
+            return
+        self._show(f"Merging into a 16-bit model in {folder}…", "busy")
+        self.worker.start(lambda: self._job(self._merge, folder))
+
+    def _merge(self, folder: str) -> str:
+        from fastft.models.export import save_merged
+
+        path = save_merged(self.state.model, folder, self.state.tokenizer)
+        self.last_saved = str(path)
+        return f"Merged 16-bit model saved to {path}; transformers.AutoModelForCausalLM.from_pretrained loads it."
+
+    def _job(self, function, *args) -> None:
+        try:
+            self._show(function(*args), "ok")
+        except Exception as error:  # noqa: BLE001 - shown with its fix, never raised into the notebook
+            self._show(str(error) or repr(error), "error", type(error).__name__)
+
+    # -- generation ----------------------------------------------------------------------------------------
+    def _on_generate(self, _button=None) -> None:
+        problem = self._ready()
+        if problem:
+            self._show(problem, "error")
+            return
+        prompt = self.prompt.value
+        if not prompt.strip():
+            self._show("Type a prompt first.", "error")
+            return
+        self.completion, self.updates = "", 0
+        self.answer.value = ""
+        self._show("Generating…", "busy")
+        self.worker.start(
+            lambda: self._job(
+                self._generate, prompt, int(self.max_new_tokens.value), float(self.temperature.value)
+            )
+        )
+
+    def _generate(self, prompt: str, max_new_tokens: int, temperature: float) -> str:
+        """Stream the answer into `answer`: generation on its own thread, tokens read here as they come."""
+        import torch
+        from transformers import TextIteratorStreamer
+
+        model, tokenizer = self.state.model, self.state.tokenizer
+        device = next(model.parameters()).device
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
+        else:
+            inputs = tokenizer(prompt, return_tensors="pt").to(device)
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        sampling = (
+            {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        )
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                with torch.no_grad():
+                    model.generate(
+                        **inputs,
+                        max_new_tokens=max_new_tokens,
+                        streamer=streamer,
+                        pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id,
+                        **sampling,
+                    )
+            except BaseException as error:  # noqa: BLE001 - re-raised on the reading side
+                failure.append(error)
+                streamer.end()  # unblock the reader
+
+        was_training = model.training
+        model.eval()
+        started = time.monotonic()
+        try:
+            thread = threading.Thread(target=run, name="fastft-generate", daemon=True)
+            thread.start()
+            last = 0.0
+            for piece in streamer:
+                self.completion += piece
+                now = time.monotonic()
+                if now - last >= STREAM_INTERVAL:
+                    last = now
+                    self._draw_answer()
+            thread.join()
+        finally:
+            model.train(was_training)
+        self._draw_answer()
+        if failure:
+            raise failure[0]
+        tokens = (
+            len(tokenizer(self.completion, add_special_tokens=False)["input_ids"]) if self.completion else 0
+        )
+        seconds = time.monotonic() - started
+        return f"Generated {tokens} tokens in {seconds:.1f} s."
+
+    def _draw_answer(self) -> None:
+        self.updates += 1
+        self.answer.value = (
+            "<pre style='white-space:pre-wrap;margin:0;padding:6px;background:#f6f8fa;border-radius:4px'>"
+            f"{html.escape(self.completion)}</pre>"
+        )
+
+    # -- code -------------------------------------------------------------------------------------------
+    def code(self) -> str:
+        """Saving, merging and a streamed generation in plain Python (after training `model`)."""
+        return (
+            "import fastft\n"
+            "from transformers import TextStreamer\n\n"
+            f"fastft.save_adapter(model, {self.adapter_dir.value.strip()!r}, tokenizer)\n"
+            f"fastft.save_merged(model, {self.merged_dir.value.strip()!r}, tokenizer)  # 16-bit bases only\n\n"
+            f"messages = [{{'role': 'user', 'content': {self.prompt.value!r}}}]\n"
+            "text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)\n"
+            "inputs = tokenizer(text, return_tensors='pt', add_special_tokens=False).to(model.device)\n"
+            "model.eval()\n"
+            f"model.generate(**inputs, max_new_tokens={int(self.max_new_tokens.value)}, "
+            + (
+                f"do_sample=True, temperature={float(self.temperature.value)}, "
+                if self.temperature.value > 0
+                else "do_sample=False, "
+            )
+            + "streamer=TextStreamer(tokenizer, skip_prompt=True))\n"
+        )

@@ -1,0 +1,723 @@
+"""`ModelPanel`: pick a model, see what it is and how fastft runs it, load it with LoRA adapters.
+
+Before Load nothing is downloaded: presets and catalog entries are described from their configs
+(shapes, parameters, whether each part gets fused kernels); a local folder from its config.json.
+Load runs `fastft.load_model` then `fastft.add_lora` on a background thread (`wait()` blocks until
+it is done); afterwards the model's real linear layers become the LoRA target checkboxes and the
+patch report says what runs on fused kernels.
+"""
+
+from __future__ import annotations
+
+import difflib
+import gc
+import html
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ipywidgets as widgets
+
+from fastft.studio.notices import (
+    call_code,
+    close_tree,
+    code_html,
+    error_html,
+    facts_table,
+    py_repr,
+    status_html,
+)
+from fastft.studio.state import CHECKPOINTING_MODES, PRECISIONS, LoraSettings, StudioState, Worker
+
+__all__ = ["ModelFacts", "ModelPanel", "model_choices", "model_facts"]
+
+_CHECKPOINTING_LABELS = {
+    "auto": "auto (offload on a GPU, recompute on the CPU)",
+    "offload": "offload (layer inputs in host memory, prefetched)",
+    "offload-single": "offload-single (one buffer, no prefetch)",
+    "recompute": "recompute (keep layer inputs on the device)",
+    "off": "off (keep every activation)",
+}
+_WIDE = {"description_width": "110px"}
+
+
+@dataclass
+class ModelFacts:
+    """What the picker knows about a model before loading it (nothing downloaded)."""
+
+    name: str
+    source: str  # "preset", "catalog", "local", "hub" or "unknown"
+    model_type: str | None = None
+    description: str = ""
+    parameters: int | None = None
+    active_parameters: int | None = None
+    layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    experts: int = 0
+    context: int | None = None
+    gated: bool = False
+    fused: list[str] = field(default_factory=list)
+    not_fused: list[str] = field(default_factory=list)
+
+    @property
+    def all_fused(self) -> bool:
+        """Whether every part of the model gets fastft's fused kernels."""
+        return bool(self.fused) and not self.not_fused
+
+
+def model_choices() -> list[str]:
+    """Embedded presets first, then the catalog's hub ids: what the picker suggests."""
+    from fastft.models.catalog import CATALOG
+    from fastft.models.presets import PRESETS
+
+    return [*PRESETS, *CATALOG]
+
+
+def model_facts(name: str) -> ModelFacts:
+    """Describe `name` (a preset, a catalog hub id, a local folder or another hub id) offline."""
+    from fastft.models.catalog import CATALOG, ModelSpec
+    from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
+
+    name = name.strip()
+    if name in PRESETS:
+        preset = PRESETS[name]
+        config = dict(preset.config, vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=4096)
+        spec = ModelSpec(name, preset.model_type, preset.model_type, config, gated=False)
+        return _facts_from_spec(spec, "preset", preset.description)
+    if name in CATALOG:
+        spec = CATALOG[name]
+        return _facts_from_spec(spec, "catalog", spec.notes)
+    path = Path(name).expanduser()
+    if name and path.is_dir():
+        return _facts_from_folder(name, path)
+    if _looks_like_hub_id(name):
+        return ModelFacts(name, "hub", description="a Hugging Face hub id not in the catalog")
+    return ModelFacts(name, "unknown")
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def _facts_from_spec(spec, source: str, description: str) -> ModelFacts:
+    config = spec.config
+    facts = ModelFacts(
+        spec.hub_id,
+        source,
+        spec.model_type,
+        description,
+        parameters=spec.parameter_count(),
+        active_parameters=spec.active_parameter_count() if spec.is_moe else None,
+        layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        vocab_size=spec.vocab_size,
+        experts=spec.num_experts,
+        context=config.get("max_position_embeddings"),
+        gated=spec.gated,
+    )
+    facts.fused, facts.not_fused = predicted_fusion(
+        spec.model_type, spec.num_experts, config.get("hidden_act")
+    )
+    return facts
+
+
+def _facts_from_folder(name: str, path: Path) -> ModelFacts:
+    facts = ModelFacts(name, "local", description="a local folder")
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path)).to_dict()
+    except Exception as error:  # noqa: BLE001 - shown as a note; Load reports the real error
+        facts.description = f"a local folder whose config could not be read ({type(error).__name__})"
+        return facts
+    from fastft.models.catalog import ModelSpec
+
+    facts.model_type = config.get("model_type")
+    facts.layers = config.get("num_hidden_layers")
+    facts.hidden_size = config.get("hidden_size")
+    facts.vocab_size = config.get("vocab_size")
+    facts.context = config.get("max_position_embeddings")
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    facts.experts = experts
+    try:
+        facts.parameters = ModelSpec(name, "", facts.model_type, config, gated=False).parameter_count()
+    except (KeyError, TypeError, ValueError):
+        facts.parameters = None  # an architecture the catalog's formula does not cover: counted on Load
+    facts.fused, facts.not_fused = predicted_fusion(facts.model_type, experts, config.get("hidden_act"))
+    return facts
+
+
+def predicted_fusion(
+    model_type: str | None, experts: int, hidden_act: str | None
+) -> tuple[list[str], list[str]]:
+    """(parts on fused kernels, parts left on transformers' modules) as `fastft.patch` will decide."""
+    from fastft.models.patch import SUPPORTED
+
+    if model_type not in SUPPORTED:
+        return [], [
+            f"the {model_type} architecture: it trains on transformers' own modules "
+            f"(fused kernels cover {', '.join(SUPPORTED)})"
+        ]
+    fused = ["RMSNorm", "RoPE", "LoRA-fused Q/K/V/O projections"]
+    not_fused = []
+    if experts:
+        not_fused.append(
+            f"MoE expert blocks ({experts} experts per layer run transformers' experts; not fused yet)"
+        )
+    elif _activation_fused(hidden_act or "silu"):
+        fused.append("gated MLP with LoRA")
+    else:
+        not_fused.append(f"the MLPs (activation {hidden_act!r} has no fused kernel)")
+    fused.append("linear cross-entropy")
+    return fused, not_fused
+
+
+def _activation_fused(hidden_act: str) -> bool:
+    try:
+        from fastft.kernels.swiglu import HIDDEN_ACT_TO_KIND
+    except ImportError:  # no triton on this machine: the table is the same, the kernels are not
+        return hidden_act in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
+    return hidden_act in HIDDEN_ACT_TO_KIND
+
+
+def _count(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}".replace(".00 ", " ")
+    return str(n)
+
+
+def _facts_html(facts: ModelFacts) -> str:
+    name = html.escape(facts.name or "(nothing)")
+    if facts.source == "unknown":
+        return status_html(_unknown_hint(facts.name), "warn")
+    if facts.source == "hub":
+        return status_html(
+            f"<b>{name}</b>: a hub id not in the catalog. Its config and weights are read when you click "
+            "Load model (nothing is downloaded before).",
+            raw=True,
+        )
+    source = {
+        "preset": "embedded preset (no download)",
+        "catalog": "catalog model (downloads its weights on Load)",
+        "local": "local folder",
+    }[facts.source]
+    rows = [("source", source)]
+    if facts.description:
+        rows.append(("about", facts.description))
+    if facts.model_type:
+        rows.append(("architecture", facts.model_type))
+    parameters = _count(facts.parameters)
+    if facts.active_parameters:
+        parameters += f" ({_count(facts.active_parameters)} active per token)"
+    if facts.source == "catalog" and facts.parameters:
+        parameters += f"; about {facts.parameters * 2 / 1e9:.1f} GB to download in 16-bit"
+    rows.append(("parameters", parameters))
+    shape = (
+        f"{facts.layers or '?'} layers, hidden {facts.hidden_size or '?'}, vocab {facts.vocab_size or '?'}"
+    )
+    if facts.experts:
+        shape += f", {facts.experts} experts"
+    if facts.context:
+        shape += f", context {facts.context:,}"
+    rows.append(("shape", shape))
+    rows.append(("fused kernels", _fusion_text(facts.fused, facts.not_fused)))
+    if facts.gated:
+        rows.append(
+            ("licence", "gated: accept its licence on the hub and log in (hf auth login) before Load")
+        )
+    return facts_table(rows)
+
+
+def _fusion_text(fused: list[str], not_fused: list[str]) -> str:
+    if fused and not not_fused:
+        return "✓ every part: " + ", ".join(fused)
+    text = ("fused: " + ", ".join(fused) + "; ") if fused else ""
+    return text + "✗ not fused: " + "; ".join(not_fused)
+
+
+def _unknown_hint(name: str) -> str:
+    if not name:
+        return "Pick a preset or a catalog model, or type a hub id (org/name) or a local folder."
+    close = difflib.get_close_matches(name, model_choices(), n=3, cutoff=0.4)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    return f"'{name}' is not a preset, a catalog model, an existing folder or a hub id (org/name).{hint}"
+
+
+class ModelPanel:
+    """Pick and load a model with LoRA adapters; shares what it loads through `StudioState`.
+
+    Controls: ``model_name`` (Combobox of presets and catalog ids; any hub id or folder can be typed),
+    ``precision``, ``max_seq_length``, ``rank``, ``alpha``, ``dropout``, ``gradient_checkpointing``,
+    ``target_checkboxes`` (filled after Load), ``load_button`` and ``apply_button`` (re-applies LoRA
+    with changed settings to the loaded model). Output: ``info`` (the picked model, before Load),
+    ``summary`` (the loaded model and its fused kernels), ``status``, ``error``, ``code_view``.
+    """
+
+    def __init__(self, state: StudioState | None = None):
+        self.state = state if state is not None else StudioState()
+        self._worker = Worker("fastft-studio-model")
+        self.fused_report = None
+        self.linear_layers: list[str] = []
+        self._loaded_name: str | None = None
+        self._loading = False
+        state = self.state
+        if state.model_name is None:
+            from fastft.models.presets import DEFAULT_PRESET
+
+            state.model_name = DEFAULT_PRESET
+
+        self.model_name = widgets.Combobox(
+            value=state.model_name,
+            options=model_choices(),
+            placeholder="preset, catalog id, org/name or a local folder",
+            description="Model",
+            ensure_option=False,
+            layout=widgets.Layout(width="520px"),
+            style=_WIDE,
+        )
+        self.load_button = widgets.Button(description="Load model", button_style="primary", icon="download")
+        self.apply_button = widgets.Button(
+            description="Apply LoRA",
+            icon="refresh",
+            disabled=True,
+            tooltip="Re-apply the adapters with the settings above to the loaded model",
+        )
+        self.info = widgets.HTML()
+        self.precision = widgets.ToggleButtons(
+            options=list(PRECISIONS),
+            value=state.load_settings.precision,
+            description="Precision",
+            style=_WIDE,
+        )
+        self.max_seq_length = widgets.BoundedIntText(
+            value=state.load_settings.max_seq_length,
+            min=16,
+            max=1 << 20,
+            step=64,
+            description="Max length",
+            layout=widgets.Layout(width="230px"),
+            style=_WIDE,
+        )
+        lora = state.lora_settings
+        self.rank = widgets.BoundedIntText(
+            value=lora.r,
+            min=1,
+            max=4096,
+            description="LoRA rank",
+            layout=widgets.Layout(width="230px"),
+            style=_WIDE,
+        )
+        self.alpha = widgets.BoundedFloatText(
+            value=lora.alpha,
+            min=0.0,
+            max=65536.0,
+            description="Alpha",
+            layout=widgets.Layout(width="230px"),
+            style=_WIDE,
+        )
+        self.dropout = widgets.BoundedFloatText(
+            value=lora.dropout,
+            min=0.0,
+            max=0.9,
+            step=0.05,
+            description="Dropout",
+            layout=widgets.Layout(width="230px"),
+            style=_WIDE,
+        )
+        self.gradient_checkpointing = widgets.Dropdown(
+            options=[(label, mode) for mode, label in _CHECKPOINTING_LABELS.items()],
+            value=lora.gradient_checkpointing,
+            description="Checkpointing",
+            layout=widgets.Layout(width="460px"),
+            style=_WIDE,
+        )
+        self.target_checkboxes: dict[str, widgets.Checkbox] = {}
+        self.targets = widgets.HBox(layout=widgets.Layout(flex_flow="row wrap"))
+        self.targets_note = widgets.HTML()
+        self.status = widgets.HTML()
+        self.error = widgets.HTML()
+        self.summary = widgets.HTML()
+        self.code_view = widgets.HTML()
+        code = widgets.Accordion(children=[self.code_view])
+        code.set_title(0, "Python: the same steps as code")
+        code.selected_index = None
+
+        self.widget = widgets.VBox(
+            [
+                widgets.HTML("<b>1. Pick a model</b>"),
+                widgets.HBox([self.model_name, self.load_button, self.apply_button]),
+                self.info,
+                widgets.HBox([self.precision, self.max_seq_length]),
+                widgets.HTML("<b>LoRA adapters</b>"),
+                widgets.HBox([self.rank, self.alpha, self.dropout]),
+                self.gradient_checkpointing,
+                widgets.HBox([widgets.Label("Targets", layout=widgets.Layout(width="110px")), self.targets]),
+                self.targets_note,
+                self.status,
+                self.error,
+                self.summary,
+                code,
+            ]
+        )
+
+        self.model_name.observe(self._on_pick, names="value")
+        for control in (self.precision, self.max_seq_length):
+            control.observe(self._on_load_settings, names="value")
+        for control in (self.rank, self.alpha, self.dropout, self.gradient_checkpointing):
+            control.observe(self._on_lora_settings, names="value")
+        self.load_button.on_click(lambda _: self.load())
+        self.apply_button.on_click(lambda _: self.apply_lora())
+        state.observe(self._on_state, ("model",))
+
+        self.info.value = _facts_html(model_facts(self.model_name.value))
+        if state.model is not None:  # a studio re-run on a kept state: show what is loaded
+            self._loaded_name = getattr(getattr(state.model, "fastft_info", None), "name", state.model_name)
+            self._show_loaded()
+        else:
+            self._set_targets([])
+        self._refresh()
+
+    # ------------------------------------------------------------------------------------------ actions
+
+    def load(self) -> bool:
+        """Start loading the picked model with LoRA adapters on a background thread.
+
+        Returns False (and starts nothing) while a load is already running. `wait` blocks until done.
+        """
+        name = self.model_name.value.strip()
+        self.error.value = ""
+        if not name:
+            self.error.value = error_html(_unknown_hint(""), "No model")
+            return False
+        if not (self._check_idle() and self._check_targets()):
+            return False
+        if not self._worker.start(lambda: self._load_job(name)):
+            self.status.value = status_html("A load is already running; wait for it to finish.", "warn")
+            return False
+        return True
+
+    def apply_lora(self) -> bool:
+        """Re-apply LoRA with the current settings to the loaded model (on the background thread)."""
+        self.error.value = ""
+        if self.state.model is None:
+            self.error.value = error_html("Load a model first (Load model).", "No model loaded")
+            return False
+        if not (self._check_idle() and self._check_targets()):
+            return False
+        return self._worker.start(self._apply_job)
+
+    def _check_idle(self) -> bool:
+        """False (with the reason shown) while a run is training the loaded model."""
+        run = self.state.run
+        if run is not None and getattr(run, "active", False):
+            self.error.value = error_html(
+                "A run is training the loaded model: stop it in the Run tab before loading another "
+                "model or changing its adapters.",
+                "Run in progress",
+            )
+            return False
+        return True
+
+    def _check_targets(self) -> bool:
+        if self.state.lora_settings.target_modules == []:
+            self.error.value = error_html(
+                "No LoRA target is ticked: tick at least one linear layer (all of them is the usual choice).",
+                "LoraTargetError",
+            )
+            return False
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a running load finishes; False if `timeout` seconds passed first."""
+        return self._worker.wait(timeout)
+
+    @property
+    def busy(self) -> bool:
+        return self._worker.busy
+
+    def code(self) -> str:
+        """The plain-Python calls that the current settings stand for (copy-paste into a cell)."""
+        settings = self.state.load_settings
+        lora = self._lora_settings()
+        name = py_repr(self.model_name.value.strip())
+        load = call_code("model, tokenizer", "fastft.load_model", [name], settings.load_kwargs)
+        adapters = call_code("model", "fastft.add_lora", ["model"], lora.add_lora_kwargs)
+        return f"import fastft\n\n{load}\n{adapters}\n"
+
+    def close(self) -> None:
+        """Stop reacting to the shared state and close the panel's widgets."""
+        self.state.unobserve(owner=self)
+        close_tree(self.widget)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    # ------------------------------------------------------------------------------------------ jobs
+
+    def _load_job(self, name: str) -> None:
+        import fastft
+
+        state = self.state
+        settings = state.load_settings
+        lora = self._lora_settings()
+        self._busy(True, f"Loading {name} ({settings.precision}) and adding LoRA adapters…")
+        try:
+            self._release_model()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model, tokenizer = fastft.load_model(name, **settings.load_kwargs)
+                model = fastft.add_lora(model, **lora.add_lora_kwargs)
+            state.model, state.tokenizer = model, tokenizer
+            self._loaded_name = name
+            self._show_loaded(_notes(caught))
+            state.notify("model")
+        except Exception as error:  # noqa: BLE001 - every failure is shown in the panel, none raised
+            self.error.value = error_html(error)
+        finally:
+            self._busy(False)
+
+    def _apply_job(self) -> None:
+        import fastft
+        from fastft.models.patch import unpatch
+
+        state = self.state
+        lora = self._lora_settings()
+        self._busy(True, "Re-applying LoRA adapters…")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                base = state.model
+                if hasattr(base, "get_base_model"):  # a PeftModel: take its adapters off first
+                    unpatch(base)
+                    base = base.unload()
+                    state.model = None  # the old PeftModel no longer holds adapters
+                state.model = fastft.add_lora(base, **lora.add_lora_kwargs)
+            self._show_loaded(_notes(caught))
+            state.notify("model")
+        except Exception as error:  # noqa: BLE001
+            self.error.value = error_html(error)
+            if state.model is None:  # half-done: nothing usable is left, so say so everywhere
+                self._loaded_name = None
+                self.summary.value = ""
+                state.notify("model")
+        finally:
+            self._busy(False)
+
+    def _release_model(self) -> None:
+        """Drop the previous model before loading the next, so two never share the GPU."""
+        if self.state.model is None:
+            return
+        self.state.model = None
+        self._loaded_name = None
+        self.fused_report = None
+        self.summary.value = ""
+        self.state.notify("model")
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
+
+    # ------------------------------------------------------------------------------------------ display
+
+    def _busy(self, busy: bool, message: str = "") -> None:
+        self._loading = busy
+        self.load_button.disabled = busy
+        self.apply_button.disabled = busy or self.state.model is None
+        if busy:
+            self.status.value = status_html(message, "busy")
+        else:
+            self._refresh()
+
+    def _show_loaded(self, notes: list[str] = ()) -> None:
+        from fastft.models.lora import linear_layer_names, trainable_parameter_count
+
+        model = self.state.model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.linear_layers = linear_layer_names(base)
+        chosen = getattr(getattr(model, "fastft_lora", None), "target_modules", None)
+        self._set_targets(self.linear_layers, chosen)
+        kernels = getattr(base, "fastft_kernels", None)
+        self.fused_report = kernels.report if kernels is not None else None
+        info = getattr(model, "fastft_info", None)
+        trainable, total = trainable_parameter_count(model)
+        config = base.config
+        device = next(model.parameters()).device
+        rows = [
+            ("loaded", f"{self._loaded_name} ({info.source if info else '?'}), {config.model_type}"),
+            (
+                "weights",
+                f"{_dtype_name(info)} on {device.type}; {_count(total - trainable)} parameters, "
+                f"{getattr(config, 'num_hidden_layers', '?')} layers, vocab {getattr(config, 'vocab_size', '?')}",
+            ),
+        ]
+        lora = getattr(model, "fastft_lora", None)
+        if lora is not None:
+            rows.append(
+                (
+                    "LoRA",
+                    f"r={lora.r}, alpha={lora.alpha:g}, dropout={lora.dropout:g} on {', '.join(lora.target_modules)}: "
+                    f"{_count(trainable)} trainable ({trainable / max(total, 1):.2%})",
+                )
+            )
+        rows.append(("fused kernels", self._fused_text(device)))
+        rows += [("note", note) for note in notes]
+        self.summary.value = facts_table(rows)
+        self.apply_button.disabled = False
+        self._refresh()
+
+    def _fused_text(self, device) -> str:
+        report = self.fused_report
+        if report is None:
+            return "✗ not fused (add_lora(fused=False)): transformers' modules"
+        names = {
+            "rms_norm": "RMSNorm",
+            "attention": "attention blocks",
+            "mlp": "MLPs",
+            "cross_entropy": "cross-entropy",
+        }
+        done = ", ".join(
+            f"{count} {names.get(kind, kind)}" if kind != "cross_entropy" else names[kind]
+            for kind, count in report.fused.items()
+        )
+        text = _fusion_text([done] if done else [], list(report.not_fused))
+        if device.type != "cuda" and report.fused:
+            text += " (on the CPU each fused module runs its PyTorch reference; Triton runs on a GPU)"
+        return text
+
+    def _set_targets(self, names: list[str], chosen=None) -> None:
+        chosen = set(names if chosen is None else chosen)
+        for box in self.target_checkboxes.values():
+            box.close()
+        self.target_checkboxes = {
+            name: widgets.Checkbox(
+                value=name in chosen, description=name, indent=False, layout=widgets.Layout(width="130px")
+            )
+            for name in names
+        }
+        for box in self.target_checkboxes.values():
+            box.observe(self._on_lora_settings, names="value")
+        self.targets.children = list(self.target_checkboxes.values())
+        self.targets_note.value = (
+            ""
+            if names
+            else status_html("Every linear layer is targeted; the model's own layers appear here after Load.")
+        )
+
+    def _refresh(self) -> None:
+        """Write the controls into the shared state and update the code preview and hints."""
+        self.code_view.value = code_html(self.code())
+        notes = []
+        if self.precision.value != "16-bit" and not _cuda():
+            notes.append(
+                f"{self.precision.value} loading needs a CUDA GPU with bitsandbytes; none was found. "
+                "On the CPU load in 16-bit."
+            )
+        lora = getattr(self.state.model, "fastft_lora", None)
+        if lora is not None and self._lora_differs(lora):
+            notes.append("LoRA settings changed: click Apply LoRA to re-apply them to the loaded model.")
+        if self._loaded_name and self.model_name.value.strip() != self._loaded_name:
+            notes.append(
+                f"{self._loaded_name} is loaded; click Load model to load {self.model_name.value.strip()}."
+            )
+        if self._loading:
+            return
+        if notes:
+            self.status.value = "".join(status_html(n, "warn") for n in notes)
+        elif self._loaded_name and self.state.model is not None:
+            self.status.value = status_html(f"Loaded {self._loaded_name}.", "ok")
+        else:
+            self.status.value = ""
+
+    def _lora_differs(self, loaded) -> bool:
+        current = self._lora_settings()
+        targets = current.target_modules if current.target_modules is not None else self.linear_layers
+        return (
+            loaded.r != current.r
+            or loaded.alpha != float(current.alpha)
+            or loaded.dropout != float(current.dropout)
+            or loaded.gradient_checkpointing != CHECKPOINTING_MODES[current.gradient_checkpointing]
+            or set(loaded.target_modules) != set(targets or ())
+        )
+
+    def _lora_settings(self) -> LoraSettings:
+        return self.state.lora_settings
+
+    # ------------------------------------------------------------------------------------------ events
+
+    def _on_pick(self, change) -> None:
+        name = (change["new"] or "").strip()
+        self.state.model_name = name
+        if name != self._loaded_name and self.target_checkboxes:
+            self._set_targets([])  # another model: its layers are known after Load
+            self._write_lora()
+        self.info.value = _facts_html(model_facts(name))
+        self.state.notify("model_name")
+        self._refresh()
+
+    def _on_load_settings(self, _change=None) -> None:
+        settings = self.state.load_settings
+        settings.precision = self.precision.value
+        settings.max_seq_length = int(self.max_seq_length.value)
+        self.state.notify("load_settings")
+        self._refresh()
+
+    def _on_lora_settings(self, _change=None) -> None:
+        self._write_lora()
+        self._refresh()
+
+    def _write_lora(self) -> None:
+        lora = self.state.lora_settings
+        lora.r = int(self.rank.value)
+        lora.alpha = float(self.alpha.value)
+        lora.dropout = float(self.dropout.value)
+        lora.gradient_checkpointing = self.gradient_checkpointing.value
+        if self.target_checkboxes:
+            chosen = [name for name, box in self.target_checkboxes.items() if box.value]
+            lora.target_modules = None if len(chosen) == len(self.target_checkboxes) else chosen
+        else:
+            lora.target_modules = None
+        self.state.notify("lora_settings")
+
+    def _on_state(self, name: str) -> None:
+        if name == "model" and self.state.model is None and not self._loading:
+            self.summary.value = ""
+            self.apply_button.disabled = True
+
+
+def _notes(caught) -> list[str]:
+    """Warnings raised while loading, as notes (the fused report already says what is not fused)."""
+    notes = []
+    for warning in caught:
+        if type(warning.message).__name__ == "UnfusedWarning":
+            continue
+        text = str(warning.message)
+        if text not in notes and issubclass(warning.category, UserWarning):
+            notes.append(text)
+    return notes
+
+
+def _dtype_name(info) -> str:
+    if info is None:
+        return "?"
+    if info.quantization:
+        return {"nf4": "4-bit NF4", "int8": "8-bit"}[info.quantization]
+    return str(info.dtype).removeprefix("torch.")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
