@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 from fastft.kernels import use_triton
+from fastft.kernels.rounding import round_to
 
 # NF4 values in nibble order (bitsandbytes ``get_4bit_type("nf4")``, QLoRA's ``create_normal_map``).
 NF4_CODE = (
@@ -388,18 +389,6 @@ def quantize_nf4_reference(
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype`` (nearest, ties to even). ``EMULATE_RNE`` (the CPU interpreter only)
-    rounds to bf16 with integer ops, because the interpreter's own fp32 -> bf16 cast truncates."""
-    if EMULATE_RNE and dtype == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        u = u + (0x7FFF + ((u >> 16) & 1))
-        rounded = ((u >> 16) << 16).to(tl.float32, bitcast=True)
-        x = tl.where(x != x, x, rounded)
-    return x.to(dtype)
-
-
-@triton.jit
 def _nf4_dequantize_kernel(
     Out_ptr,
     Packed_ptr,
@@ -456,7 +445,7 @@ def _nf4_dequantize_kernel(
 
     high = tl.load(Code_ptr + (packed >> 4).to(tl.int32)) * absmax
     low = tl.load(Code_ptr + (packed & 0xF).to(tl.int32)) * absmax
-    values = _round_to(tl.interleave(high, low), Out_ptr.dtype.element_ty, EMULATE_RNE)
+    values = round_to(tl.interleave(high, low), Out_ptr.dtype.element_ty, EMULATE_RNE)
     if EVEN:
         tl.store(Out_ptr + out_idx, values)
     else:

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 from fastft.kernels import use_triton
+from fastft.kernels.rounding import round_to
 
 # Largest power-of-two row the kernels hold in registers at once; wider rows fall back to the reference.
 MAX_BLOCK_SIZE = 65536
@@ -80,21 +81,6 @@ def rms_norm_reference(
 # ----------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype`` (round to nearest, ties to even), returned as ``dtype``.
-
-    ``EMULATE_RNE`` (the CPU interpreter only) rounds to bf16 with integer ops first, because the
-    interpreter's own fp32 -> bf16 cast truncates; on a GPU the native conversion runs.
-    """
-    if EMULATE_RNE and dtype == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        u = u + (0x7FFF + ((u >> 16) & 1))
-        rounded = ((u >> 16) << 16).to(tl.float32, bitcast=True)
-        x = tl.where(x != x, x, rounded)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -136,10 +122,10 @@ def _rms_norm_forward_kernel(
 
     x_hat = x * rstd[:, None]
     if LLAMA_CAST:
-        y = _round_to(x_hat, X_ptr.dtype.element_ty, EMULATE_RNE).to(tl.float32) * w[None, :]
+        y = round_to(x_hat, X_ptr.dtype.element_ty, EMULATE_RNE).to(tl.float32) * w[None, :]
     else:
         y = x_hat * (offset + w)[None, :]
-    y = _round_to(y, Y_ptr.dtype.element_ty, EMULATE_RNE)
+    y = round_to(y, Y_ptr.dtype.element_ty, EMULATE_RNE)
     tl.store(Y_ptr + rows[:, None] * y_row_stride + cols[None, :], y, mask=mask)
 
 
@@ -199,17 +185,17 @@ def _rms_norm_backward_kernel(
         x_hat = x.to(tl.float32) * rstd[:, None]
         g = dy * w[None, :]
         if LLAMA_CAST:
-            g = _round_to(g, X_ptr.dtype.element_ty, EMULATE_RNE).to(tl.float32)
+            g = round_to(g, X_ptr.dtype.element_ty, EMULATE_RNE).to(tl.float32)
         c = tl.sum(g * x_hat, axis=1) / n_cols
         dx = rstd[:, None] * (g - x_hat * c[:, None])
-        dx = _round_to(dx, DX_ptr.dtype.element_ty, EMULATE_RNE)
+        dx = round_to(dx, DX_ptr.dtype.element_ty, EMULATE_RNE)
         tl.store(DX_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx, mask=mask)
 
         if COMPUTE_DW:
             if LLAMA_CAST:
-                prod = dy * _round_to(x_hat, X_ptr.dtype.element_ty, EMULATE_RNE).to(tl.float32)
+                prod = dy * round_to(x_hat, X_ptr.dtype.element_ty, EMULATE_RNE).to(tl.float32)
                 if ROUND_DW_PRODUCT:
-                    prod = _round_to(prod, X_ptr.dtype.element_ty, EMULATE_RNE).to(tl.float32)
+                    prod = round_to(prod, X_ptr.dtype.element_ty, EMULATE_RNE).to(tl.float32)
                 dw_acc += prod
             else:
                 dw_acc += dy * x_hat
