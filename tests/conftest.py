@@ -20,6 +20,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+if _INTERPRETER_SET_HERE:
+    # Triton decides interpreter or compiler when a @triton.jit function is defined: import every kernel
+    # module now, while the variable is set, whichever test happens to import it first.
+    import importlib
+
+    for _name in ("rms_norm", "rope", "swiglu", "rounding", "fused_linear_ce", "nf4", "lora"):
+        importlib.import_module(f"fastft.kernels.{_name}")
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 _real_connect = socket.socket.connect

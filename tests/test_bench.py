@@ -87,3 +87,17 @@ def test_step_bench_workers_agree_on_the_first_loss(tmp_path):
     with pytest.raises(ValueError, match="PRECISION:BATCHxSEQ"):
         parse_workload("2x2048")
     assert flops_per_token(model.config, 48) > 6 * sum(p.numel() for p in model.parameters()) * 0.9
+
+
+def test_convergence_bench_compares_fused_unfused_and_the_noise_floor(tmp_path):
+    from fastft.bench.convergence import main as convergence
+
+    out = tmp_path / "convergence.json"
+    assert convergence(["--steps", "2", "--device", "cpu", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["curves"]) == {"fused", "unfused", "floor"}
+    assert all(len(curve) == 2 for curve in result["curves"].values())
+    # the first loss comes before any update: the three runs differ only by rounding
+    first = [curve[0] for curve in result["curves"].values()]
+    assert max(first) - min(first) <= 1e-3 * max(first)
+    assert result["fused_vs_unfused"]["worst"] >= result["fused_vs_unfused"]["median"] >= 0

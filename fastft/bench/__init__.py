@@ -6,4 +6,5 @@ BENCHMARKS = {
     "offload": "fastft.bench.offload",
     "kernels": "fastft.bench.kernels",
     "vram": "fastft.bench.vram",
+    "convergence": "fastft.bench.convergence",
 }
