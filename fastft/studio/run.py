@@ -829,11 +829,16 @@ class RunPanel:
         parts = [f"{run.status}", f"step {step}/{total}", f"{_duration(elapsed)} elapsed"]
         if run.active and step and total > step:
             parts.append(f"ETA {_duration(elapsed / step * (total - step))}")
-        last = next((e for e in reversed(run.events) if isinstance(e, StepEvent)), None)
-        if last is not None:
+        recent = [e for e in run.events[-50:] if isinstance(e, StepEvent)][-20:]
+        if recent:
+            last = recent[-1]
+            # tokens/s over the last steps, not the last one alone: one step slowed by the notebook's own
+            # work (a plot redraw holding the GIL) would otherwise read as the run's speed
+            seconds = sum(e.step_seconds for e in recent)
+            speed = sum(e.trained_tokens for e in recent) / seconds if seconds > 0 else 0.0
             parts += [
                 f"loss {last.loss:.4f}",
-                f"{last.trained_tokens_per_second:,.0f} trained tok/s",
+                f"{speed:,.0f} trained tok/s",
                 f"{last.peak_memory_bytes / 2**30:.2f} GiB",
             ]
         evals = [e for e in run.events[-50:] if isinstance(e, EvalEvent)]
