@@ -159,11 +159,14 @@ class _CudaCopies:
         return ready
 
     def wait(self, ready) -> None:
+        from fastft.profile.steps import phase  # the step profiler's span (a no-op outside a profiled step)
+
         compute = torch.cuda.current_stream(self.device)
         before, after = self._timed(), self._timed()
         if before is not None:
             before.record(compute)
-        compute.wait_event(ready)
+        with phase("offload_wait"):
+            compute.wait_event(ready)
         if after is not None:
             after.record(compute)  # completes when the wait is over: after - before = time S stood still
             self._pending["wait"].append((before, after))
