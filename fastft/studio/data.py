@@ -17,9 +17,10 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from fastft.studio.notices import (
+    Panel,
     call_code,
-    close_tree,
     code_html,
+    code_section,
     error_html,
     facts_table,
     py_repr,
@@ -65,7 +66,7 @@ def uploaded_files(value) -> list[tuple[str, bytes]]:
     return [(str(item["name"]), bytes(item["content"])) for item in value]
 
 
-class DataPanel:
+class DataPanel(Panel):
     """Load, preview and pack a dataset; shares rows and packed bins through `StudioState`.
 
     Controls: ``source`` (bundled names; any path or hub id can be typed), ``upload``, ``format``,
@@ -142,9 +143,7 @@ class DataPanel:
         self.status = widgets.HTML()
         self.error = widgets.HTML()
         self.code_view = widgets.HTML()
-        code = widgets.Accordion(children=[self.code_view])
-        code.set_title(0, "Python: the same steps as code")
-        code.selected_index = None
+        code = code_section(self.code_view)
 
         self.widget = widgets.VBox(
             [
@@ -297,16 +296,6 @@ class DataPanel:
             else:
                 segments.append(Segment(piece, kind, 1))
         return segments
-
-    def close(self) -> None:
-        """Stop reacting to the shared state and close the panel's widgets."""
-        self.state.unobserve(owner=self)
-        close_tree(self.widget)
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
 
     # ------------------------------------------------------------------------------------------ jobs
 

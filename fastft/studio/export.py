@@ -12,6 +12,7 @@ import html
 import threading
 import time
 
+from fastft.studio.notices import Panel
 from fastft.studio.state import StudioState, Worker
 
 __all__ = ["ExportPanel"]
@@ -37,7 +38,7 @@ def quantized_base(model) -> str | None:
     return None
 
 
-class ExportPanel:
+class ExportPanel(Panel):
     """Save the adapter, merge to 16-bit, and generate from a prompt with the trained model.
 
     Controls: `adapter_dir` + `save_adapter_button` (`fastft.save_adapter`), `merged_dir` +
@@ -103,11 +104,6 @@ class ExportPanel:
         )
         self._on_state("run")
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
-
     # -- state -------------------------------------------------------------------------------------------
     def _on_state(self, name: str) -> None:
         """Follow the run's output folder, unless the user typed their own."""
@@ -138,13 +134,6 @@ class ExportPanel:
 
     def _show(self, text: str, kind: str = "info", title: str | None = None) -> None:
         self.status.value = _notice(text, kind, title or "Not done")
-
-    def close(self) -> None:
-        """Stop following the state and close the panel's widgets."""
-        from fastft.studio.notices import close_tree
-
-        self.state.unobserve(owner=self)
-        close_tree(self.widget)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the running save, merge or generation is done."""

@@ -19,9 +19,10 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from fastft.studio.notices import (
+    Panel,
     call_code,
-    close_tree,
     code_html,
+    code_section,
     error_html,
     facts_table,
     py_repr,
@@ -248,7 +249,7 @@ def _unknown_hint(name: str) -> str:
     return f"'{name}' is not a preset, a catalog model, an existing folder or a hub id (org/name).{hint}"
 
 
-class ModelPanel:
+class ModelPanel(Panel):
     """Pick and load a model with LoRA adapters; shares what it loads through `StudioState`.
 
     Controls: ``model_name`` (Combobox of presets and catalog ids; any hub id or folder can be typed),
@@ -343,9 +344,7 @@ class ModelPanel:
         self.error = widgets.HTML()
         self.summary = widgets.HTML()
         self.code_view = widgets.HTML()
-        code = widgets.Accordion(children=[self.code_view])
-        code.set_title(0, "Python: the same steps as code")
-        code.selected_index = None
+        code = code_section(self.code_view)
 
         self.widget = widgets.VBox(
             [
@@ -448,16 +447,6 @@ class ModelPanel:
         load = call_code("model, tokenizer", "fastft.load_model", [name], settings.load_kwargs)
         adapters = call_code("model", "fastft.add_lora", ["model"], lora.add_lora_kwargs)
         return f"import fastft\n\n{load}\n{adapters}\n"
-
-    def close(self) -> None:
-        """Stop reacting to the shared state and close the panel's widgets."""
-        self.state.unobserve(owner=self)
-        close_tree(self.widget)
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
 
     # ------------------------------------------------------------------------------------------ jobs
 

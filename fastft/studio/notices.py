@@ -118,3 +118,28 @@ def close_tree(widget) -> None:
     for child in getattr(widget, "children", ()) or ():
         close_tree(child)
     widget.close()
+
+
+def code_section(view) -> object:
+    """A closed accordion titled "Python: the same steps as code" around the HTML widget `view`."""
+    import ipywidgets as widgets
+
+    section = widgets.Accordion(children=[view])
+    section.set_title(0, "Python: the same steps as code")
+    section.selected_index = None
+    return section
+
+
+class Panel:
+    """What every studio panel shares: it displays its `widget`, and `close` stops it following the shared
+    `state` and closes its widgets. A panel sets ``self.state`` and ``self.widget``."""
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    def close(self) -> None:
+        """Stop following the shared state and close the panel's widgets."""
+        self.state.unobserve(owner=self)
+        close_tree(self.widget)

@@ -32,6 +32,7 @@ from fastft.studio.live import (
     Ticker,
     frontend,
 )
+from fastft.studio.notices import Panel
 from fastft.studio.state import StudioState
 
 __all__ = ["Run", "RunPanel", "explain"]
@@ -390,7 +391,7 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-class RunPanel:
+class RunPanel(Panel):
     """Hyperparameters, Start / Pause / Stop / Save, live plots and the step timing of a run.
 
     Reads the model, tokenizer and packed data from `state` (an ``eval_packed`` attribute on the state,
@@ -530,11 +531,6 @@ class RunPanel:
         if isinstance(self.state.run, Run):  # a studio shown again: watch the run the state already has
             self._attach(self.state.run)
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
-
     # -- settings and code ---------------------------------------------------------------------------
     def train_config(self):
         """The `TrainConfig` the controls describe (its errors name the field and the fix)."""
@@ -673,10 +669,7 @@ class RunPanel:
         self._closed = True
         if self._ticker is not None:
             self._ticker.stop()
-        self.state.unobserve(owner=self)
-        from fastft.studio.notices import close_tree
-
-        close_tree(self.widget)
+        super().close()
 
     def _fit_warning(self, config) -> list[str]:
         """On a GPU: the estimator's verdict for this run, when it says the run will not fit."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 
+from fastft.studio.notices import Panel
 from fastft.studio.state import CHECKPOINTING_MODES, PRECISIONS, LoadSettings, StudioState
 
 __all__ = ["VramPanel"]
@@ -26,7 +27,7 @@ def _box(text: str, kind: str) -> str:
     return status_html(text, kind)
 
 
-class VramPanel:
+class VramPanel(Panel):
     """GPU, sequence length, batch tokens, LoRA rank → a stacked bar of the step's memory against the card.
 
     Controls: `model_name` (preset, catalog id, local folder or hub id), `gpu` (the presets of
@@ -120,18 +121,6 @@ class VramPanel:
             ]
         )
         self.sync_from_state()
-
-    def close(self) -> None:
-        """Stop following the state and close the panel's widgets."""
-        from fastft.studio.notices import close_tree
-
-        self.state.unobserve(owner=self)
-        close_tree(self.widget)
-
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
 
     # -- state ------------------------------------------------------------------------------------------
     def sync_from_state(self, names: tuple[str, ...] | None = None) -> None:
