@@ -26,11 +26,13 @@ and get one warning naming what was not fused.
 
 from __future__ import annotations
 
+import sys
 import types
 import warnings
 from dataclasses import dataclass, field
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
@@ -178,10 +180,6 @@ _NO_WINDOW = object()
 
 
 def _attention_interface(module):
-    import sys
-
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     implementation = module.config._attn_implementation
     if implementation in (None, "eager"):
         return sys.modules[type(module).__module__].eager_attention_forward
