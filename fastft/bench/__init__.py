@@ -7,4 +7,5 @@ BENCHMARKS = {
     "kernels": "fastft.bench.kernels",
     "vram": "fastft.bench.vram",
     "convergence": "fastft.bench.convergence",
+    "profiler": "fastft.bench.profiler",
 }

@@ -280,8 +280,12 @@ def run(
     cap_gib: float = 24.0,
     only: list[str] | None = None,
     skip_context: bool = False,
+    json_path: str | None = None,
 ) -> dict:
-    """Every configuration the budget allows; returns the environment and both tables' rows."""
+    """Every configuration the budget allows; returns the environment and both tables' rows.
+
+    With `json_path`, the result so far is rewritten there after every configuration, so a run cut
+    short by its caller keeps what it measured."""
     if not torch.cuda.is_available():
         raise RuntimeError("fastft bench vram measures real training steps and needs a CUDA GPU.")
     started = time.perf_counter()
@@ -293,6 +297,17 @@ def run(
         return budget_s - (time.perf_counter() - started)
 
     peaks, contexts = [], []
+
+    def result() -> dict:
+        return {
+            "benchmark": "vram",
+            "environment": environment(),
+            "settings": {"steps": steps, "cap_gib": cap_gib, "budget_s": budget_s},
+            "peaks": peaks,
+            "contexts": contexts,
+            "seconds": time.perf_counter() - started,
+        }
+
     small, large = [], []
     for config in selected(PEAK_CONFIGS):
         (small if _seconds_guess(config, config.seq_len, steps) < 20 else large).append(config)
@@ -329,14 +344,14 @@ def run(
                 else row["status"]
             )
         print(f"  {row['config']:<52} {row['seconds']:6.1f} s  {shown}", flush=True)
-    return {
-        "benchmark": "vram",
-        "environment": environment(),
-        "settings": {"steps": steps, "cap_gib": cap_gib, "budget_s": budget_s},
-        "peaks": peaks,
-        "contexts": contexts,
-        "seconds": time.perf_counter() - started,
-    }
+        if json_path:
+            _write_json(json_path, result())
+    return result()
+
+
+def _write_json(path: str, result: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
 
 
 PEAK_COLUMNS = [
@@ -408,12 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         for config in CONTEXT_CONFIGS + LATE_CONTEXT_CONFIGS:
             print(f"context  {config.name}{config.path}")
         return 0
-    result = run(args.budget_s, args.steps, args.cap_gib, args.only, args.skip_context)
+    result = run(args.budget_s, args.steps, args.cap_gib, args.only, args.skip_context, args.json)
     text = report(result)
     print(text)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        _write_json(args.json, result)
     if args.markdown:
         with open(args.markdown, "w", encoding="utf-8") as f:
             f.write(text + "\n")
