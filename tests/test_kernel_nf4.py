@@ -286,6 +286,24 @@ def test_quant_state_and_params4bit_duck_types(launches):
     assert len(launches) == 3
 
 
+def test_cached_launch_inputs_do_not_keep_the_weight_alive():
+    """A Params4bit holds its quant state; the state's cached launch inputs must not hold the weight (a view's
+    ``_base`` cycle that the garbage collector cannot break leaked every NF4 model's weights)."""
+    import gc
+    import weakref
+
+    packed, state = quantize_nf4_reference(_weight((64, 96), seed=14, dtype=torch.bfloat16), 64)
+    weight = torch.nn.Parameter(packed, requires_grad=False)
+    weight.quant_state = state  # what bitsandbytes' Params4bit does
+    first = dequantize_quant_state(weight, state)
+    _assert_same_bits(dequantize_quant_state(weight, state), first, "cached inputs")
+    assert getattr(state, "_fastft_nf4_inputs", None) is not None  # the second call took the cache
+    alive = weakref.ref(weight)
+    del weight, state, packed
+    gc.collect()
+    assert alive() is None
+
+
 def test_cpu_without_interpreter_runs_the_reference(monkeypatch, launches):
     if DEVICE != "cpu":
         pytest.skip("CPU dispatch only")
