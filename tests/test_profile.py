@@ -20,6 +20,7 @@ from fastft.profile import (
     copy_compute_overlap,
     exclusive_phases,
     nvtx_available,
+    nvtx_tool_attached,
     phase,
     profile_window,
 )
@@ -221,6 +222,22 @@ def test_nvtx_is_never_called_without_cuda(monkeypatch):
         ranges_module.nvtx_available.cache_clear()
 
 
+def test_nvtx_ranges_follow_an_attached_tool(monkeypatch):
+    monkeypatch.delenv("NVTX_INJECTION64_PATH", raising=False)
+    monkeypatch.delenv("NVTX_INJECTION32_PATH", raising=False)
+    assert not nvtx_tool_attached()
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/opt/nvidia/nsight-systems/libToolsInjection64.so")
+    assert nvtx_tool_attached()
+    monkeypatch.setattr(ranges_module, "nvtx_available", lambda: True)  # stand in for a CUDA build
+    from fastft.profile import steps as steps_module
+
+    monkeypatch.setattr(steps_module, "nvtx_available", lambda: True)
+    monkeypatch.setattr(steps_module, "_CudaClock", steps_module._CpuClock)
+    assert StepProfile(device="cuda")._nvtx and not StepProfile(device="cuda", nvtx=False)._nvtx
+    monkeypatch.delenv("NVTX_INJECTION64_PATH")
+    assert not StepProfile(device="cuda")._nvtx and StepProfile(device="cuda", nvtx=True)._nvtx
+
+
 def test_custom_phase_is_timed_inside_a_step_and_free_outside(monkeypatch):
     with phase("offload_wait"):  # no step running: a no-op
         pass
@@ -356,7 +373,8 @@ def test_figures_tables_and_report_build():
 def test_cuda_phases_come_from_events_and_the_window_sees_kernels_and_copies(tmp_path):
     model, tokenizer = _lora_model(device="cuda")
     trainer = _trainer(model, tokenizer, max_steps=8, grad_accum_steps=2)
-    assert trainer.profile._nvtx  # the phases are NVTX ranges too
+    assert bool(trainer.profile._nvtx) == nvtx_tool_attached()  # NVTX ranges when nsys listens
+    assert StepProfile(device="cuda", nvtx=True)._nvtx and not StepProfile(device="cuda", nvtx=False)._nvtx
     seen = []
     trainer.subscribe(seen.append)
     trainer.train(steps=5)

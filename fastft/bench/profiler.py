@@ -61,6 +61,7 @@ def run(
     blocks: int,
     steps_per_block: int,
     lora_r: int = 16,
+    nvtx: bool | None = None,
 ) -> dict:
     from fastft.engine.trainer import TrainConfig, Trainer
     from fastft.models.presets import load_preset_tokenizer
@@ -75,6 +76,10 @@ def run(
         data = random_packed_dataset(vocab, seq_len, bins * (blocks + 2) * steps_per_block * 2)
         config = TrainConfig(max_steps=10**6, micro_batch_bins=bins, learning_rate=1e-5, profile=profiled)
         trainers[profiled] = Trainer(model, tokenizer, data, config=config)
+    if nvtx is not None:  # what `nsys profile` would turn on (the default follows an attached NVTX tool)
+        from fastft.profile import StepProfile
+
+        trainers[True].profile = StepProfile(trainers[True].model, nvtx=nvtx)
 
     def block(trainer) -> float:
         if device.type == "cuda":
@@ -145,9 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bins", type=int, default=2, help="sequences per step")
     parser.add_argument("--blocks", type=int, default=8, help="paired blocks")
     parser.add_argument("--steps-per-block", type=int, default=5)
+    parser.add_argument(
+        "--nvtx", choices=("auto", "on", "off"), default="auto", help="NVTX ranges (auto: when nsys listens)"
+    )
     parser.add_argument("--out", default=None, help="write the result here as JSON")
     args = parser.parse_args(argv)
-    result = run(args.model, args.layers or None, args.seq_len, args.bins, args.blocks, args.steps_per_block)
+    nvtx = {"auto": None, "on": True, "off": False}[args.nvtx]
+    result = run(
+        args.model, args.layers or None, args.seq_len, args.bins, args.blocks, args.steps_per_block, nvtx=nvtx
+    )
     print(report(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2), encoding="utf-8")

@@ -122,7 +122,9 @@ def measure_peak(config: Config, steps: int = 2) -> dict:
     """One configuration: estimated vs measured peak (and the phase peaks), or the error it raised."""
     from fastft.vram.measure import measure
 
-    row = {"config": config.label, **asdict(config)}
+    # Memory still allocated by an earlier configuration would count in this one's peak: recorded, and
+    # shown in the table, so a leak is seen rather than mistaken for an estimation error.
+    row = {"config": config.label, **asdict(config), "leftover_gib": torch.cuda.memory_allocated() / GiB}
     started = time.perf_counter()
     try:
         result = measure(
@@ -185,6 +187,7 @@ def measure_context(config: Config, cap_bytes: int, budget_s: float, granularity
         **asdict(config),
         "cap_gib": cap_bytes / GiB,
         "predicted": predicted,
+        "leftover_gib": torch.cuda.memory_allocated() / GiB,
     }
     started = time.perf_counter()
     probe = None
@@ -367,6 +370,7 @@ PEAK_COLUMNS = [
     ("slack_estimated_gib", "est. slack"),
     ("slack_measured_gib", "meas. slack"),
     ("context_gib", "CUDA context"),
+    ("leftover_gib", "left over GiB"),
     ("step_s", "step s"),
     ("status", "status"),
 ]
@@ -377,6 +381,7 @@ CONTEXT_COLUMNS = [
     ("measured", "longest that trained"),
     ("first_failing", "first OOM"),
     ("error_pct", "error %"),
+    ("leftover_gib", "left over GiB"),
     ("status", "status"),
 ]
 

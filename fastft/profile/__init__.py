@@ -7,7 +7,7 @@ and reports the top kernels, copy/compute overlap and a Chrome/Perfetto trace.
 """
 
 from fastft.profile.hooks import detach_profile, find_backbone
-from fastft.profile.ranges import nvtx_available
+from fastft.profile.ranges import nvtx_available, nvtx_tool_attached
 from fastft.profile.steps import (
     ORDER,
     PARENTS,
@@ -39,6 +39,7 @@ __all__ = [
     "find_backbone",
     "group_of",
     "nvtx_available",
+    "nvtx_tool_attached",
     "phase",
     "phase_table",
     "profile_window",

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastft.profile.ranges import NvtxRanges, RecordFunctionRanges, nvtx_available
+from fastft.profile.ranges import NvtxRanges, RecordFunctionRanges, nvtx_available, nvtx_tool_attached
 
 TOP_LEVEL = ("data", "forward", "loss", "backward", "optimizer")
 # Known nesting of the summary's phases: child → parent (inclusive times; a parent contains its children).
@@ -161,10 +161,11 @@ class _CudaClock:
 
     def __init__(self) -> None:
         self._free: list[torch.cuda.Event] = []
+        self.stream: torch.cuda.Stream | None = None  # the step's stream, set by `StepProfile.step_begin`
 
     def mark(self) -> torch.cuda.Event:
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self.stream)  # a given stream spares a current_stream() lookup per mark
         return event
 
     def ready(self, marks: list) -> bool:
@@ -250,8 +251,9 @@ class StepProfile:
     the median of each phase. `attach(model)` hooks the model's modules (idempotent: a model carries
     the hooks of one profile at a time), `detach()` removes them.
 
-    On a CUDA device the phases are also NVTX ranges (``nsys profile`` shows them by name) unless
-    `nvtx=False`; never on a CPU device.
+    On a CUDA device the phases are also NVTX ranges (``nsys profile`` shows them by name): by default
+    when an NVTX tool is attached to the process (`nvtx_tool_attached`: ``nsys profile python ...``),
+    always with `nvtx=True`, never with `nvtx=False` or on a CPU device.
     """
 
     def __init__(
@@ -267,7 +269,8 @@ class StepProfile:
         self.device = torch.device(device or "cpu")
         self._clock = _CudaClock() if self.device.type == "cuda" else _CpuClock()
         self._mark = self._clock.mark
-        use_nvtx = self.device.type == "cuda" and nvtx is not False and nvtx_available()
+        wanted = nvtx_tool_attached() if nvtx is None else nvtx
+        use_nvtx = self.device.type == "cuda" and wanted and nvtx_available()
         self._nvtx = (NvtxRanges(),) if use_nvtx else ()
         self._ranges: tuple = self._nvtx
         self.phases: list[dict[str, float]] = []
@@ -332,6 +335,8 @@ class StepProfile:
         self._reset()
         self._state = _FORWARD
         _ACTIVE = self
+        if isinstance(self._clock, _CudaClock):
+            self._clock.stream = torch.cuda.current_stream(self.device)
         self._top = ("data", self._now())
         self._push("data")
 
