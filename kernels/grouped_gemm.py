@@ -70,6 +70,10 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Interpreted (CPU tests): small tiles, so the numpy steps stay few on awkward shapes of tens of rows.
 _INTERPRETED_BLOCK = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 _INTERPRETED_DW_BLOCK = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+# fp32 operands on a GPU (IEEE products on the FMA units: a correctness path, not a speed path) take one
+# fixed tile instead of compiling and timing every autotune config for each new shape.
+_FP32_BLOCK = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
+_FP32_DW_BLOCK = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -322,41 +326,87 @@ def _grouped_mm_dw_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-def _fit_configs(configs, named_args, **kwargs):
-    """Shrink each config's column / reduction tiles to the problem (``K = r = 16`` for a LoRA B GEMM, say),
-    never below 16 (``tl.dot``'s minimum); drop duplicates."""
-    n, k = named_args["N"], named_args["K"]
-    fitted, seen = [], set()
-    for config in configs:
-        kw = dict(config.kwargs)
-        kw["BLOCK_N"] = min(kw["BLOCK_N"], max(16, triton.next_power_of_2(n)))
-        kw["BLOCK_K"] = min(kw["BLOCK_K"], max(16, triton.next_power_of_2(k)))
-        key = (tuple(sorted(kw.items())), config.num_warps, config.num_stages)
-        if key not in seen:
-            seen.add(key)
-            fitted.append(triton.Config(kw, num_warps=config.num_warps, num_stages=config.num_stages))
-    return fitted
+def _config(m, n, k, warps, stages, group_m=None):
+    kw = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
+    if group_m is not None:
+        kw["GROUP_M"] = group_m
+    return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
-def _fwd_configs():
-    c = triton.Config
-    return [
-        c(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8), num_warps=8, num_stages=3),
-        c(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8), num_warps=4, num_stages=4),
-        c(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8), num_warps=4, num_stages=4),
-        c(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8), num_warps=8, num_stages=3),
-        c(dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8), num_warps=8, num_stages=3),
-    ]
+# Three regimes, picked by shape: the expert GEMMs themselves ("wide"), and the LoRA low-rank GEMMs, where
+# N = r ("skinny_n": x A^T, dy B) or K = r ("small_k": xa B^T, dxa A) and the work is memory-bound --
+# there, deep reduction tiles or wide output tiles amortise each program's fixed cost (the tile schedule,
+# the index loads).
+_FWD_CONFIGS = {
+    "wide": [
+        _config(128, 128, 64, 8, 3, 8),
+        _config(128, 128, 64, 4, 4, 8),
+        _config(64, 128, 64, 4, 4, 8),
+        _config(128, 256, 64, 8, 3, 8),
+        _config(128, 256, 64, 8, 4, 8),
+        _config(64, 256, 64, 8, 3, 8),
+    ],
+    "skinny_n": [
+        _config(32, 32, 128, 4, 4, 8),
+        _config(64, 32, 128, 4, 4, 8),
+        _config(64, 32, 256, 4, 3, 8),
+        _config(128, 32, 128, 8, 3, 8),
+    ],
+    "small_k": [
+        _config(64, 128, 32, 4, 2, 8),
+        _config(128, 128, 32, 4, 2, 8),
+        _config(64, 256, 32, 4, 2, 8),
+        _config(128, 256, 32, 8, 2, 8),
+    ],
+}
+_DW_CONFIGS = {
+    "wide": [
+        _config(64, 128, 128, 8, 3),
+        _config(128, 128, 128, 8, 3),
+        _config(64, 256, 128, 8, 3),
+        _config(32, 128, 128, 8, 4),
+        _config(64, 128, 64, 4, 4),
+        _config(64, 64, 128, 4, 4),
+    ],
+    "skinny_n": [
+        _config(64, 32, 128, 4, 4),
+        _config(64, 32, 256, 8, 3),
+        _config(128, 32, 128, 8, 3),
+        _config(32, 32, 256, 4, 4),
+    ],
+    "small_k": [
+        _config(64, 128, 32, 4, 4),
+        _config(64, 256, 32, 8, 3),
+        _config(128, 128, 32, 8, 3),
+    ],
+}
 
 
-def _dw_configs():
-    c = triton.Config
-    return [
-        c(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), num_warps=8, num_stages=3),
-        c(dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128), num_warps=8, num_stages=4),
-        c(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), num_warps=4, num_stages=4),
-        c(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128), num_warps=4, num_stages=4),
-    ]
+def _regime(n: int, k: int) -> str:
+    if n <= 32 < k:
+        return "skinny_n"
+    if k <= 32 < n:
+        return "small_k"
+    return "wide"
+
+
+def _pruner(table):
+    def prune(configs, named_args, **kwargs):
+        """The shape's regime's configs, column / reduction tiles shrunk to the problem, never below 16
+        (``tl.dot``'s minimum); duplicates dropped."""
+        n, k = named_args["N"], named_args["K"]
+        fitted, seen = [], set()
+        for config in table[_regime(n, k)]:
+            kw = dict(config.kwargs)
+            kw["BLOCK_N"] = min(kw["BLOCK_N"], max(16, triton.next_power_of_2(n)))
+            kw["BLOCK_K"] = min(kw["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+            key = (tuple(sorted(kw.items())), config.num_warps, config.num_stages)
+            if key not in seen:
+                seen.add(key)
+                fitted.append(triton.Config(kw, num_warps=config.num_warps, num_stages=config.num_stages))
+        return fitted
+
+    return prune
 
 
 _FWD_KEY = ["N", "K", "TOP_K", "HAS_GATHER", "HAS_SCATTER", "HAS_ADD"]
@@ -367,14 +417,15 @@ _tuned: dict[str, object] = {}
 def _tuned_kernel(name: str):
     """The autotuned wrapper of a kernel, built on first GPU use (never under the interpreter)."""
     if name not in _tuned:
-        if name == "fwd":
-            _tuned[name] = triton.autotune(
-                configs=_fwd_configs(), key=_FWD_KEY, prune_configs_by={"early_config_prune": _fit_configs}
-            )(_grouped_mm_kernel)
-        else:
-            _tuned[name] = triton.autotune(
-                configs=_dw_configs(), key=_DW_KEY, prune_configs_by={"early_config_prune": _fit_configs}
-            )(_grouped_mm_dw_kernel)
+        kernel, table, key = (
+            (_grouped_mm_kernel, _FWD_CONFIGS, _FWD_KEY)
+            if name == "fwd"
+            else (_grouped_mm_dw_kernel, _DW_CONFIGS, _DW_KEY)
+        )
+        configs = [config for regime in table.values() for config in regime]
+        _tuned[name] = triton.autotune(
+            configs=configs, key=key, prune_configs_by={"early_config_prune": _pruner(table)}
+        )(kernel)
     return _tuned[name]
 
 
@@ -500,6 +551,8 @@ def grouped_mm_launch(
     with _device_guard(a):
         if config is None and not a.is_cuda:
             config = _INTERPRETED_BLOCK
+        elif config is None and a.dtype == torch.float32:
+            config = _FP32_BLOCK
         if config is not None:
             config = dict(config)
             launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
@@ -557,6 +610,8 @@ def grouped_mm_dw_launch(
     with _device_guard(a):
         if config is None and not a.is_cuda:
             config = _INTERPRETED_DW_BLOCK
+        elif config is None and a.dtype == torch.float32:
+            config = _FP32_DW_BLOCK
         if config is not None:
             config = dict(config)
             launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}

@@ -290,6 +290,19 @@ def test_gpu_qwen3_moe_shapes_match_fp32_loop(skew):
 
 
 @pytest.mark.gpu
+def test_gpu_lora_low_rank_shapes_match_fp32_loop():
+    """The LoRA GEMMs on the experts at r = 16 (their own autotune regimes: N = r and K = r)."""
+    slots, group_end, x, w_gate_up, _ = _qwen3_operands(seed=3)
+    generator = torch.Generator().manual_seed(3)
+    experts, rank = QWEN3_MOE["experts"], 16
+    lora_a = _expert_weight(experts, rank, QWEN3_MOE["hidden"], torch.float32, generator)
+    lora_b = _expert_weight(experts, w_gate_up.shape[1], rank, torch.float32, generator)
+    _compare(torch.bfloat16, x, lora_a, group_end, gather_rows=slots, top_k=QWEN3_MOE["top_k"])
+    xa = torch.randn(slots.shape[0], rank, generator=generator).to(DEVICE)
+    _compare(torch.bfloat16, xa, lora_b, group_end)
+
+
+@pytest.mark.gpu
 def test_gpu_two_runs_are_bit_identical():
     slots, group_end, x, w_gate_up, w_down = _qwen3_operands(seed=1)
     top_k = QWEN3_MOE["top_k"]
