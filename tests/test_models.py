@@ -146,6 +146,7 @@ def test_all_linear_skips_output_head_and_moe_router():
     names = linear_layer_names(model)
     assert "lm_head" not in names and "gate" not in names
     assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(names)
+    assert names[-1] == "experts"  # the stacked expert weights (fastft.models.moe), last
     llama, _ = load_model("tiny-llama")
     assert linear_layer_names(llama) == [
         "q_proj",

@@ -153,10 +153,19 @@ def test_unsupported_architecture_warns_once_and_stays_unchanged():
     assert not any("forward" in vars(module) for module in model.modules())
 
 
-def test_moe_models_fuse_attention_and_name_the_expert_blocks():
-    model, _ = fastft.load_model("tiny-moe")
-    with pytest.warns(UnfusedWarning, match="MoE expert blocks"):
-        fastft.add_lora(model, r=4, gradient_checkpointing=False)
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-mixtral"])
+def test_moe_models_fuse_attention_and_expert_blocks_without_a_warning(name):
+    model, _ = fastft.load_model(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnfusedWarning)
+        model = fastft.add_lora(model, r=4, gradient_checkpointing=False)
+    layers = model.config.num_hidden_layers
+    assert model.get_base_model().fastft_kernels.report.fused == {
+        "rms_norm": 2 * layers + 1,
+        "attention": layers,
+        "moe": layers,
+        "cross_entropy": 1,
+    }
 
 
 def test_patched_adapter_saves_and_reloads(tmp_path):

@@ -8,6 +8,8 @@ accumulation token-weighted: a step's loss does not depend on how its tokens wer
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -27,8 +29,16 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tens
 
     A model switched to packed attention (`fastft.engine.attention.patch_packed_attention`) gets the
     batch itself, so every layer reads its boundaries; any other model gets ``position_ids`` and
-    transformers finds the boundaries itself.
+    transformers finds the boundaries itself. An MoE model whose config sets ``output_router_logits``
+    adds, while training, its router load-balancing loss times ``router_aux_loss_coef`` per trained token.
     """
+    coefficient = router_aux_loss_coefficient(model)
+    if coefficient is not None:
+        return _with_router_aux_loss(model, batch, coefficient)
+    return _loss_sum(model, batch)
+
+
+def _loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     packed = {}
     if is_patched(model):
         choose_backend(model, batch)
@@ -36,6 +46,8 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tens
             "fastft_batch": batch,
             "attention_mask": batch.artifact("mask_marker", lambda: _marker(batch)),
         }
+    if _asks_for_router_logits(model):  # transformers' own aux loss would misread the packed mask marker
+        packed["output_router_logits"] = False
     if is_fused(model):
         loss = _fused_loss_sum(model, batch, packed)
         if loss is not None:
@@ -49,6 +61,49 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tens
     )
     logits = output.logits[0]
     return F.cross_entropy(logits.float(), batch.target_ids, reduction="sum")
+
+
+def _asks_for_router_logits(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    return bool(getattr(getattr(base, "config", None), "output_router_logits", False))
+
+
+def router_aux_loss_coefficient(model: torch.nn.Module) -> float | None:
+    """``router_aux_loss_coef`` when the model's config asks for the router's load-balancing loss
+    (``output_router_logits``, transformers' switch) and the model is training; else None."""
+    from peft import PeftModel
+
+    if not (model.training and _asks_for_router_logits(model)):
+        return None
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    # transformers' MoE heads copy the coefficient from the config at construction and read their copy
+    return float(getattr(base, "router_aux_loss_coef", getattr(base.config, "router_aux_loss_coef", 0.0)))
+
+
+def _with_router_aux_loss(model: torch.nn.Module, batch: PackedBatch, coefficient: float) -> torch.Tensor:
+    """The summed cross-entropy plus ``coefficient * aux * trained tokens``: divided by the trained-token
+    count (as the caller does) this is transformers' ``loss + router_aux_loss_coef * aux_loss``, with the
+    load-balancing loss pooled over every MoE layer of this batch (`fastft.engine.routing`)."""
+    from peft import PeftModel
+
+    from fastft.engine.offload import offloader_of
+    from fastft.engine.routing import load_balancing_loss
+    from fastft.models.moe import collect_moe_router_stats
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    if offloader_of(model) is not None and batch.input_ids.is_cuda:
+        warnings.warn(
+            "the router load-balancing loss is added to the loss, but offloaded checkpointing runs each "
+            "layer's forward without autograd, so its gradient does not reach the model: use "
+            "gradient_checkpointing=True (plain recompute) to train with it",
+            stacklevel=3,
+        )
+    with collect_moe_router_stats(base) as stats:
+        loss = _loss_sum(model, batch)
+    aux = load_balancing_loss(stats, stats[0].counts.numel()) if stats else loss.new_zeros(())
+    return loss + coefficient * batch.num_trained_tokens * aux
 
 
 def _fused_loss_sum(model: torch.nn.Module, batch: PackedBatch, packed: dict) -> torch.Tensor | None:

@@ -50,15 +50,23 @@ def merged_state_dict(model: PeftModel, dtype: torch.dtype = torch.bfloat16) -> 
                     d = module.get_delta_weight(adapter).float()
                     delta = d if delta is None else delta + d
             if delta is not None:
-                deltas[f"{name}.base_layer.weight"] = delta
+                # a PEFT ParamWrapper (LoRA on stacked expert weights) adapts one parameter of the module
+                # it wraps, possibly under further wrappers: the key names the innermost one
+                deltas[_clean(f"{name}.base_layer.{getattr(module, 'parameter_name', 'weight')}")] = delta
     merged: dict[str, torch.Tensor] = {}
     for key, value in base.state_dict().items():
         if "lora_" in key:
             continue
+        key = _clean(key)
         if key in deltas:
             value = value.float() + deltas[key]
-        merged[key.replace(".base_layer.", ".")] = value.detach().to(dtype=dtype, device="cpu")
+        merged[key] = value.detach().to(dtype=dtype, device="cpu")
     return merged
+
+
+def _clean(key: str) -> str:
+    """A state-dict key without PEFT's ``base_layer`` levels (nested for several wrapped parameters)."""
+    return ".".join(part for part in key.split(".") if part != "base_layer")
 
 
 def save_merged(

@@ -3,6 +3,12 @@
 The result is a plain `peft.PeftModel`, so `save_pretrained`, `generate`, HF `Trainer` and TRL all
 accept it. Re-running the same `add_lora` call on the returned model is a no-op, so a notebook
 cell can be run twice.
+
+Mixture-of-experts models list one more target, ``experts``: the stacked expert weights of every sparse
+MoE block (not `nn.Linear` layers in transformers 5, but 3-D ``gate_up_proj [E, 2I, H]`` and
+``down_proj [E, H, I]`` parameters). Targeting it puts one adapter per expert on both (PEFT's
+``target_parameters``, so the adapter saves and reloads with plain PEFT); the router is never a target.
+fastft's fused MoE forward (`fastft.models.moe`) runs those adapters as grouped low-rank GEMMs.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 GRADIENT_CHECKPOINTING_MODES = (True, False, "offload", "offload-single", "unsloth", "auto")
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the stacked expert parameters an ``experts`` target adapts
 
 
 class LoraTargetError(ValueError):
@@ -33,11 +40,12 @@ class LoraSettings:
 
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:
-    """Short names (e.g. ``q_proj``) of the model's linear layers that LoRA can target.
+    """Short names (e.g. ``q_proj``) of the model's linear layers that LoRA can target, then (on MoE
+    models) the short name of the expert modules, ``experts``.
 
     The output head is left out (it is never a LoRA target here), as are MoE routers, which
-    are not `nn.Linear` in transformers' MoE blocks or are named ``gate``/``router`` beside experts.
-    bitsandbytes' 4/8-bit layers subclass `nn.Linear`, so quantised models list the same names.
+    are not `nn.Linear` in transformers' MoE blocks or are named ``gate``/``router``/``shared_expert_gate``
+    beside experts. bitsandbytes' 4/8-bit layers subclass `nn.Linear`, so quantised models list the same names.
     """
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names: list[str] = []
@@ -48,10 +56,30 @@ def linear_layer_names(model: torch.nn.Module) -> list[str]:
         if any(part.startswith("lora_") for part in parts):  # adapters of an already wrapped model
             continue
         short = parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
-        if short in ("lm_head", "router") or (short == "gate" and _is_router(full_name, model)):
+        if short in ("lm_head", "router") or (short in _GATES and _is_router(full_name, model)):
             continue
         if short not in names:
             names.append(short)
+    for short in expert_module_names(model):
+        if short not in names:
+            names.append(short)
+    return names
+
+
+_GATES = ("gate", "shared_expert_gate")
+
+
+def expert_module_names(model: torch.nn.Module) -> list[str]:
+    """Short names (``experts``) of the modules holding stacked expert weights (`fastft.models.moe`)."""
+    from fastft.models.moe import is_expert_module
+
+    names: list[str] = []
+    for full_name, module in model.named_modules():
+        parts = [part for part in full_name.split(".") if part != "base_layer"]
+        if not parts or any(part.startswith("lora_") for part in parts) or not is_expert_module(module):
+            continue
+        if parts[-1] not in names:
+            names.append(parts[-1])
     return names
 
 
@@ -90,8 +118,9 @@ def add_lora(
 ) -> PeftModel:
     """Wrap `model` with LoRA adapters of rank `r` and scale `alpha / r` and freeze the rest.
 
-    `target_modules` is "all-linear" (every linear layer but the output head and MoE routers) or a
-    list of short layer names such as ``["q_proj", "v_proj"]``. `gradient_checkpointing` is True
+    `target_modules` is "all-linear" (every linear layer but the output head and MoE routers, and on
+    MoE models the experts) or a list of short layer names such as ``["q_proj", "v_proj"]``; on MoE
+    models ``"experts"`` adapts every expert's gate/up and down weights (rank `r` per expert). `gradient_checkpointing` is True
     (recompute each layer in backward), False, or "unsloth" (fastft's best available mode).
     `seed` makes the adapters' initialisation reproducible without touching the global RNG.
     `fused` swaps fastft's kernels into the model (`fastft.patch`: Triton RMSNorm, RoPE, SwiGLU,
@@ -109,6 +138,13 @@ def add_lora(
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     targets = resolve_targets(base, target_modules)
+    experts = [name for name in targets if name in expert_module_names(base)]
+    if experts and dropout:
+        raise ValueError(
+            f"LoRA dropout ({dropout}) cannot act on expert weights {experts} (the low-rank term is added per "
+            "expert after routing, and PEFT's expert adapters refuse dropout): use dropout=0, or leave "
+            f"{experts} out of target_modules."
+        )
     settings = LoraSettings(
         r, float(alpha), float(dropout), tuple(targets), bias, use_rslora, gradient_checkpointing, fused
     )
@@ -135,7 +171,8 @@ def add_lora(
         r=r,
         lora_alpha=alpha,
         lora_dropout=dropout,
-        target_modules=targets,
+        target_modules=[name for name in targets if name not in experts],
+        target_parameters=[f"{name}.{weight}" for name in experts for weight in EXPERT_WEIGHTS] or None,
         bias=bias,
         use_rslora=use_rslora,
         task_type="CAUSAL_LM",

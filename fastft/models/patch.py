@@ -9,6 +9,8 @@ What a patched Llama / Mistral / Qwen2 / Qwen3 decoder layer runs (each line one
     o_proj (+LoRA)            LoRA-fused projection
     post_attention_layernorm  Triton RMSNorm
     mlp (+LoRA)               gate/up -> SwiGLU/GeGLU -> down in one function (fastft.kernels.lora.LoraMLPFunction)
+    or sparse MoE (+LoRA)     router -> one routing plan -> grouped GEMMs, LoRA on experts as its own grouped
+                              path (fastft.models.moe; Qwen2-MoE, Qwen3-MoE, Mixtral)
 
 plus the final norm, and (in `fastft.engine.loss`) the fused linear cross-entropy over the output head.
 
@@ -17,9 +19,14 @@ touched, so a patched and an unpatched model live side by side), and the origina
 Patching twice is a no-op. The decoder layers themselves are left alone, so transformers' gradient
 checkpointing and fastft's offloaded checkpointing wrap them as before.
 
+gpt-oss gets its MoE blocks fused and nothing else: its attention adds learned sinks to the softmax and
+its RMSNorm keeps fp32 weights, neither of which the fused attention and norm functions reproduce, so
+those stay transformers' modules and the `UnfusedWarning` names them.
+
 Each fused forward decides per call whether it applies, and otherwise runs the module's original forward:
 a KV cache (generation), several or disabled adapters, DoRA, LoRA dropout while training, 8-bit bases or
-trainable base weights all take the original path, so `model.disable_adapter()`, `merge_adapter()` and
+trainable base weights all take the original path (an MoE block: several active adapters, an adapter PEFT
+must unmerge, quantised expert weights, Mixtral's router jitter while training), so `model.disable_adapter()`, `merge_adapter()` and
 `generate()` behave exactly as without fastft. Architectures outside `SUPPORTED` keep every module as it is
 and get one warning naming what was not fused.
 """
@@ -34,7 +41,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+from fastft.models.moe import moe_block_forward, moe_block_info
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE_ONLY = ("gpt_oss",)  # only the MoE blocks are fused (attention sinks, fp32 norm weights)
 
 
 class UnfusedWarning(UserWarning):
@@ -242,9 +252,9 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
     model_type = getattr(config, "model_type", type(base).__name__)
     report = PatchReport(model_type)
     state = _PatchState(report, [])
-    if model_type not in SUPPORTED:
+    if model_type not in SUPPORTED + MOE_ONLY:
         report.not_fused.append(
-            f"the {model_type} architecture (fused kernels cover {', '.join(SUPPORTED)}); "
+            f"the {model_type} architecture (fused kernels cover {', '.join(SUPPORTED + MOE_ONLY)}); "
             "it trains on transformers' own modules"
         )
         base.fastft_kernels = state
@@ -254,38 +264,38 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
 
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
     kind = HIDDEN_ACT_TO_KIND.get(getattr(config, "hidden_act", None))
-    counts = {"rms_norm": 0, "attention": 0, "mlp": 0}
-    moe_blocks = 0
+    dense = model_type in SUPPORTED
+    counts = {"rms_norm": 0, "attention": 0, "mlp": 0, "moe": 0}
+    moe_blocks = dense_mlps = 0
     for layer in decoder.layers:
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if _is_rms_norm(norm):
-                eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-                _install(norm, _rms_norm_forward, state, eps=float(eps))
-                counts["rms_norm"] += 1
-        attention = layer.self_attn
-        qk_norm = hasattr(attention, "q_norm") and _is_rms_norm(attention.q_norm)
-        _install(
-            attention,
-            _attention_forward,
-            state,
-            qk_norm=qk_norm,
-            sliding_window=_sliding_window(attention, model_type, config),
-        )
-        counts["attention"] += 1
-        if not all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
-            moe_blocks += 1
+        if dense:
+            _patch_attention_and_norms(layer, model_type, config, state, counts)
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            info = moe_block_info(mlp, config)
+            if info is None:
+                moe_blocks += 1
+                continue
+            _install(mlp, moe_block_forward, state, moe=info)
+            counts["moe"] += 1
+            if info.shared_expert:
+                dense_mlps += 1
+                counts["mlp"] += _patch_mlp(mlp.shared_expert, kind, state)
             continue
-        if kind is None:
-            continue
-        _install(layer.mlp, _mlp_forward, state, activation=kind)
-        counts["mlp"] += 1
-    if _is_rms_norm(getattr(decoder, "norm", None)):
+        dense_mlps += 1
+        counts["mlp"] += _patch_mlp(mlp, kind, state)
+    if dense and _is_rms_norm(getattr(decoder, "norm", None)):
         norm = decoder.norm
         _install(norm, _rms_norm_forward, state, eps=float(getattr(norm, "variance_epsilon", 1e-6)))
         counts["rms_norm"] += 1
+    if not dense:
+        report.not_fused.append(
+            f"the attention and RMSNorm of {model_type} (attention sinks, fp32 norm weights: "
+            "transformers' modules)"
+        )
     if moe_blocks:
         report.not_fused.append(f"{moe_blocks} MoE expert blocks (they run transformers' experts)")
-    if kind is None and moe_blocks < len(decoder.layers):
+    if kind is None and dense_mlps:
         report.not_fused.append(f"the MLPs (activation {config.hidden_act!r} has no fused kernel)")
     report.fused = {name: count for name, count in counts.items() if count}
     report.fused["cross_entropy"] = 1
@@ -293,6 +303,32 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
     if warn and report.not_fused:
         warnings.warn(f"fastft.patch: {report}", UnfusedWarning, stacklevel=2)
     return report
+
+
+def _patch_attention_and_norms(layer, model_type: str, config, state: _PatchState, counts: dict) -> None:
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if _is_rms_norm(norm):
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+            _install(norm, _rms_norm_forward, state, eps=float(eps))
+            counts["rms_norm"] += 1
+    attention = layer.self_attn
+    qk_norm = hasattr(attention, "q_norm") and _is_rms_norm(attention.q_norm)
+    _install(
+        attention,
+        _attention_forward,
+        state,
+        qk_norm=qk_norm,
+        sliding_window=_sliding_window(attention, model_type, config),
+    )
+    counts["attention"] += 1
+
+
+def _patch_mlp(mlp: torch.nn.Module, kind: str | None, state: _PatchState) -> int:
+    """Install the fused MLP forward on a gate/up/down MLP; 1 if installed, else 0."""
+    if kind is None or not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+        return 0
+    _install(mlp, _mlp_forward, state, activation=kind)
+    return 1
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """Embedded tiny presets: real `transformers` architectures that need no download.
 
-Each preset is a config of a real architecture (Llama, Qwen3, Mistral, Qwen3-MoE, Mixtral)
+Each preset is a config of a real architecture (Llama, Qwen3, Mistral, Qwen3-MoE, Mixtral, gpt-oss)
 shrunk until it trains on two CPU cores, plus a byte-level BPE tokenizer trained on the bundled
 data (``assets/tokenizer.json``) with a ChatML chat template. Weights are initialised from a
 fixed seed, so ``load_model("tiny-llama")`` gives the same model in every process.
@@ -108,6 +108,21 @@ PRESETS: dict[str, Preset] = {
                 num_local_experts=4,
                 num_experts_per_tok=2,
                 num_hidden_layers=2,
+            ),
+        ),
+        Preset(
+            "tiny-gpt-oss",
+            "gpt_oss",
+            "gpt-oss architecture (attention sinks, biased experts, clamped SwiGLU): 4 experts, top-2, "
+            "2 layers, hidden 96",
+            dict(
+                _ATTENTION,
+                hidden_size=96,
+                intermediate_size=64,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                num_hidden_layers=2,
+                sliding_window=16,
             ),
         ),
     )

@@ -1,0 +1,362 @@
+"""Fused sparse-MoE blocks: one routing plan, grouped GEMMs, LoRA on experts without W + ΔW.
+
+What a fused Qwen3-MoE / Qwen2-MoE / Mixtral / gpt-oss MoE block runs for ``x [T, H]`` (``M = T * k``
+routed slots; shapes of the plan in `fastft.engine.routing`)::
+
+    logits  = x @ W_router.T (+ b_router)                                         [T, E]
+    plan    = build_routing_plan(logits, router_spec(config))                     once per forward
+    g       = grouped_mm(x, W_gu, gather_rows=plan.sorted_slots, top_k=k) (+ b_gu[e])  [M, 2I] expert-sorted
+    h       = act(g)                                                              [M, I]
+    y       = grouped_mm(h, W_down, scatter_rows=plan.sorted_slots) (+ b_down[e])  [M, H] token-major slots
+    out[t]  = sum_j weights[t, j] * y[t * k + j]                                  [T, H] (a batched matmul)
+    (+ sigmoid(x @ w_shared_gate) * shared_expert(x) for Qwen2-MoE)
+
+``act`` is ``act(gate) * up`` over the concatenated ``[gate; up]`` halves (fastft's fused gated-activation
+kernel for SiLU/GELU experts), or the experts module's own ``_apply_gate`` where transformers defines one
+(gpt-oss: interleaved gate/up columns, ``gate`` clamped above at ``limit``, ``up`` to ``±limit``,
+``(up + 1) * gate * sigmoid(alpha * gate)``). Combining is a reshape and a weighted sum over the k
+choices (no scatter-add, no atomics), so the same inputs give bit-identical outputs run to run.
+
+Expert weights are read as transformers stores them: ``[E, N, K]`` (Qwen, Mixtral) or transposed
+``[E, K, N]`` (gpt-oss, passed to the grouped GEMM as a transposed view, never copied).
+
+LoRA on experts. PEFT (0.21) hosts it: ``LoraConfig(target_parameters=["experts.gate_up_proj",
+"experts.down_proj"])`` wraps the experts module in one ``ParamWrapper`` per parameter, stores
+``lora_A`` as ``[E * r, K]`` (expert-major rows) and ``lora_B`` as ``[N, r * E]`` (column ``j * E + e`` is
+rank ``j`` of expert ``e``), and saves/loads them like any adapter. Its own forward, however, folds
+``W + s * B_e A_e`` for every expert into a full-size temporary weight on each call. Here the same
+parameters are read as stacks ``A [E, r, K]`` (a view) and ``B [E, N, r]`` (a permuted view), and the
+low-rank term takes its own grouped path on the same plan::
+
+    y = grouped_mm(x, W) + s * grouped_mm(grouped_mm(x, A), B)        = x (W_e + s B_e A_e)^T per row
+
+so nothing of the experts' size is materialised and the adapter stays a plain PEFT adapter.
+
+Each call decides whether it applies (`expert_weights`); otherwise the block's original forward runs:
+several active adapters, a merged adapter that PEFT must first unmerge, a non-float (quantised) expert
+weight, and Mixtral's router jitter while training take transformers' path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastft.engine.routing import (
+    RouterSpec,
+    build_routing_plan,
+    collect_router_stats,
+    is_collecting,
+    plan_from_top_k,
+    record_router_stats,
+    router_spec,
+)
+
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
+
+
+@dataclass(frozen=True)
+class ExpertLora:
+    """One adapter on one stacked expert weight: ``A [E, r, K]``, ``B [E, N, r]`` and the scale ``s``."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """What the grouped path needs of an experts module this call: weights as ``[E, N, K]`` (views),
+    biases ``[E, N]`` or None, LoRA or None for each projection."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    gate_up_lora: ExpertLora | None
+    down_lora: ExpertLora | None
+
+
+# ------------------------------------------------------------------------------------ the grouped path
+
+
+def expert_projection(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    plan,
+    lora: ExpertLora | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    gather: bool = False,
+    scatter: bool = False,
+) -> torch.Tensor:
+    """One stacked expert projection of the plan's rows: ``[M, K] -> [M, N]`` (``weight [E, N, K]``).
+
+    ``gather``: ``a`` is token-major ``[T, K]`` and row ``m`` reads token ``plan.sorted_slots[m] // k``
+    (fused into the GEMM's loads). ``scatter``: row ``m`` is written to slot ``plan.sorted_slots[m]``
+    (fused into its stores), else rows stay in expert order. The bias rows go in as the base GEMM's
+    ``add``; the LoRA term is two more grouped GEMMs on the same offsets, the second adding the base
+    result before its one rounding, so no separate elementwise pass runs::
+
+        y = add(bias[e]) + a W_e^T;   y = y + ((a A_e^T) * s) B_e^T
+    """
+    from fastft.kernels.grouped_gemm import grouped_mm
+
+    rows = {"gather_rows": plan.sorted_slots, "top_k": plan.top_k} if gather else {}
+    scatter_rows = plan.sorted_slots if scatter else None
+    add = None
+    if bias is not None:
+        add = bias.index_select(0, plan.expert_ids.reshape(-1) if scatter else plan.sorted_experts)
+    y = grouped_mm(a, weight, plan.group_end, scatter_rows=scatter_rows, add=add, **rows)
+    if lora is not None:
+        low = grouped_mm(a, lora.A, plan.group_end, **rows) * lora.scale
+        y = grouped_mm(low, lora.B, plan.group_end, scatter_rows=scatter_rows, add=y)
+    return y
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * y[t * k + j]``: ``y [T * k, H]`` in slot order, ``weights [T, k]``
+    → ``[T, H]`` in ``y``'s dtype (one batched matmul, accumulated in fp32 by the matmul; deterministic)."""
+    tokens, top_k = weights.shape
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
+
+
+def gated(experts: torch.nn.Module, gate_up: torch.Tensor, kind: str | None) -> torch.Tensor:
+    """The experts' activation of ``gate_up [M, 2I]`` → ``[M, I]`` (module docstring)."""
+    if kind is not None:
+        from fastft.kernels.swiglu import gated_activation
+
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gated_activation(gate, up, kind)
+    return experts._apply_gate(gate_up)
+
+
+def moe_experts(
+    x: torch.Tensor, plan, weights: ExpertWeights, experts: torch.nn.Module, kind: str | None
+) -> torch.Tensor:
+    """The routed experts of ``x [T, H]`` under ``plan``, combined: ``[T, H]``."""
+    g = expert_projection(x, weights.gate_up, plan, weights.gate_up_lora, weights.gate_up_bias, gather=True)
+    h = gated(experts, g, kind)
+    y = expert_projection(h, weights.down, plan, weights.down_lora, weights.down_bias, scatter=True)
+    return combine(y, plan.weights)
+
+
+# ------------------------------------------------------------------------------------ module plumbing
+
+
+_FALLBACK = object()
+
+
+def _wrapper_lora(wrapper, num_experts: int):
+    """The active adapter of one PEFT ``ParamWrapper`` as `ExpertLora`; None when the base weight alone
+    is right this call; `_FALLBACK` when PEFT's own forward must run."""
+    if wrapper.disable_adapters:  # PEFT unmerges a merged adapter first: leave that to its forward
+        return _FALLBACK if wrapper.merged else None
+    if wrapper.merged:
+        return None
+    active = [name for name in wrapper.active_adapters if name in wrapper.lora_A]
+    if not active:
+        return None
+    if len(active) > 1 or wrapper.num_experts != num_experts:
+        return _FALLBACK
+    name = active[0]
+    if wrapper.lora_B[name].bias is not None:
+        return _FALLBACK
+    a = wrapper.lora_A[name].weight  # [E * r, K], expert-major rows
+    b = wrapper.lora_B[name].weight  # [N, r * E], column j * E + e
+    rank = a.shape[0] // num_experts
+    return ExpertLora(
+        a.view(num_experts, rank, a.shape[1]),
+        b.view(b.shape[0], rank, num_experts).permute(2, 0, 1),
+        float(wrapper.scaling[name]),
+    )
+
+
+def unwrap_experts(module: torch.nn.Module) -> tuple[torch.nn.Module, list]:
+    """The experts module under any PEFT ``ParamWrapper`` layers, and those wrappers (outermost first)."""
+    from peft.tuners.lora import ParamWrapper
+
+    wrappers = []
+    while isinstance(module, ParamWrapper):
+        wrappers.append(module)
+        module = module.base_layer
+    return module, wrappers
+
+
+def is_expert_module(module: torch.nn.Module) -> bool:
+    """A transformers experts module: stacked 3-D ``gate_up_proj`` and ``down_proj`` parameters."""
+    parameters = dict(module.named_parameters(recurse=False))
+    return all(name in parameters and parameters[name].dim() == 3 for name in ("gate_up_proj", "down_proj"))
+
+
+def _float(weight: torch.Tensor) -> bool:
+    return weight.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def expert_weights(experts_wrapper: torch.nn.Module) -> ExpertWeights | None:
+    """`ExpertWeights` for the grouped path this call, or None when the original forward must run."""
+    experts, wrappers = unwrap_experts(experts_wrapper)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if not (_float(gate_up) and _float(down)):
+        return None
+    num_experts = gate_up.shape[0]
+    loras = {}
+    for wrapper in wrappers:
+        lora = _wrapper_lora(wrapper, num_experts)
+        if lora is _FALLBACK or wrapper.parameter_name not in ("gate_up_proj", "down_proj"):
+            return None
+        loras[wrapper.parameter_name] = lora
+    if getattr(experts, "is_transposed", False):  # stored [E, K, N]: pass [E, N, K] views
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    has_bias = getattr(experts, "has_bias", False)
+    return ExpertWeights(
+        gate_up,
+        down,
+        experts.gate_up_proj_bias if has_bias else None,
+        experts.down_proj_bias if has_bias else None,
+        loras.get("gate_up_proj"),
+        loras.get("down_proj"),
+    )
+
+
+@dataclass(frozen=True)
+class MoeBlockInfo:
+    """What `patch` learns once about a supported MoE block (stored on the instance)."""
+
+    spec: RouterSpec
+    router_name: str  # "gate" (Qwen, Mixtral) or "router" (gpt-oss)
+    kind: str | None  # fused gated-activation kind, or None for the experts' own _apply_gate
+    returns_scores: bool  # gpt-oss blocks return (hidden, router_scores)
+    shared_expert: bool  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+
+
+def moe_block_info(block: torch.nn.Module, config) -> MoeBlockInfo | None:
+    """`MoeBlockInfo` when `block` is a sparse-MoE block the fused forward reproduces, else None."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    from fastft.kernels.swiglu import HIDDEN_ACT_TO_KIND
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MOE_MODEL_TYPES or not hasattr(block, "experts"):
+        return None
+    experts, _ = unwrap_experts(block.experts)
+    if not is_expert_module(experts) or not getattr(experts, "has_gate", True):
+        return None
+    router_name = "router" if model_type == "gpt_oss" else "gate"
+    router = getattr(block, router_name, None)
+    weight = getattr(router, "weight", None)
+    spec = router_spec(config)
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (spec.num_experts, config.hidden_size):
+        return None
+    # transformers' experts decorator gives every experts class without its own gate `_default_apply_gate`
+    # (chunk into [gate; up], act(gate) * up): that one is the fused gated activation when the activation
+    # has a kernel; any other gate (gpt-oss's clamped, interleaved one) runs as the model defines it
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if apply_gate is None:
+        return None
+    kind = None
+    if apply_gate is _default_apply_gate and getattr(experts, "is_concatenated", True):
+        kind = HIDDEN_ACT_TO_KIND.get(getattr(config, "hidden_act", None))
+    shared = model_type == "qwen2_moe"
+    if shared and not (hasattr(block, "shared_expert") and hasattr(block, "shared_expert_gate")):
+        return None
+    return MoeBlockInfo(
+        spec=spec,
+        router_name=router_name,
+        kind=kind,
+        returns_scores=model_type == "gpt_oss",
+        shared_expert=shared,
+    )
+
+
+def _routing_plan(router: torch.nn.Module, x: torch.Tensor, spec: RouterSpec):
+    if router._forward_hooks or router._forward_pre_hooks:
+        # someone watches the router (transformers' output_router_logits capture, a profiler): run the
+        # module itself so they see its call; its outputs are exactly what the builder would compute
+        logits, weights, expert_ids = router(x)
+        return plan_from_top_k(expert_ids, weights, spec.num_experts, router_logits=logits)
+    return build_routing_plan(F.linear(x, router.weight, getattr(router, "bias", None)), spec)
+
+
+def _original_with_stats(self, hidden_states, info: MoeBlockInfo):
+    """The block's original forward; with router statistics being collected, its router's logits are
+    captured on the way (a hook for this call only) so the load-balancing loss still sees the layer."""
+    if not is_collecting():
+        return self._fastft_original_forward(hidden_states)
+    captured = []
+    router = getattr(self, info.router_name)
+    handle = router.register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    try:
+        output = self._fastft_original_forward(hidden_states)
+    finally:
+        handle.remove()
+    for logits in captured:
+        record_router_stats(build_routing_plan(logits, info.spec).stats())
+    return output
+
+
+def moe_block_forward(self, hidden_states: torch.Tensor):
+    """The fused forward installed on a sparse-MoE block instance by `fastft.patch` (module docstring)."""
+    info: MoeBlockInfo = self._fastft_moe
+    weights = expert_weights(self.experts)
+    if weights is None or (self.training and getattr(self, "jitter_noise", 0.0)):  # Mixtral's router jitter
+        return _original_with_stats(self, hidden_states, info)
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    plan = _routing_plan(getattr(self, info.router_name), x, info.spec)
+    if is_collecting():
+        record_router_stats(plan.stats())
+    experts, _ = unwrap_experts(self.experts)
+    out = moe_experts(x, plan, weights, experts, info.kind)
+    if info.shared_expert:
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+    out = out.reshape(shape)
+    return (out, plan.weights) if info.returns_scores else out
+
+
+@contextlib.contextmanager
+def collect_moe_router_stats(model: torch.nn.Module):
+    """Open `collect_router_stats` for one forward of `model` and yield the list it fills: fused MoE
+    blocks record their plans; any MoE block running transformers' forward has its router's logits
+    captured by a hook for the duration, so every layer is counted once, fused or not."""
+    config = getattr(model, "config", None)
+    handles = []
+
+    def record(module, args, output):
+        logits = output[0]
+        # the statistics need only the top-k ids and the softmax: the generic rule picks the same ids
+        spec = RouterSpec(config.num_experts_per_tok, logits.shape[-1])
+        record_router_stats(build_routing_plan(logits, spec).stats())
+
+    with collect_router_stats() as stats:
+        try:
+            for module in model.modules():
+                if not hasattr(module, "experts") or hasattr(module, "_fastft_moe"):
+                    continue
+                router = getattr(module, "router", None) or getattr(module, "gate", None)
+                if router is not None and not isinstance(router, torch.nn.Linear):
+                    handles.append(router.register_forward_hook(record))
+            yield stats
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+__all__ = [
+    "collect_moe_router_stats",
+    "MOE_MODEL_TYPES",
+    "ExpertLora",
+    "ExpertWeights",
+    "MoeBlockInfo",
+    "combine",
+    "expert_projection",
+    "expert_weights",
+    "is_expert_module",
+    "moe_block_forward",
+    "moe_block_info",
+    "moe_experts",
+    "unwrap_experts",
+]
