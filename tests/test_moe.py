@@ -429,6 +429,15 @@ def test_gpt_oss_fuses_its_moe_blocks_and_names_the_rest():
     assert report.fused == {"moe": 2, "cross_entropy": 1}
 
 
+def test_packed_attention_refuses_gpt_oss_sinks_rather_than_dropping_them():
+    from fastft.engine.attention import AttentionBackendError, patch_packed_attention
+
+    model, _ = _lora_model("tiny-gpt-oss")
+    patch_packed_attention(model, "sdpa_masked")
+    with pytest.raises(AttentionBackendError, match="attention=None"):
+        causal_lm_loss_sum(model, _batch())
+
+
 # ------------------------------------------------------------------------------------------- GPU
 
 
@@ -447,6 +456,7 @@ def test_gpu_bf16_fused_moe_model_matches_peft_and_never_syncs(name):
         model, _ = _lora_model(name, fused=fused)
         model.to(device="cuda", dtype=dtype)
         results[dtype, fused] = _loss_and_grads(model, batch)
+    assert model.get_base_model().fastft_kernels.report.fused["moe"] == 2  # the fused blocks did run
     ref_loss, ref = results[torch.float32, False]
     _, unfused = results[torch.bfloat16, False]
     loss, grads = results[torch.bfloat16, True]

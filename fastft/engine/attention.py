@@ -279,6 +279,11 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
         raise AttentionBackendError(
             "attention logit soft-capping is not supported by fastft's packed attention yet"
         )
+    if kwargs.get("s_aux") is not None:  # gpt-oss: dropping the sinks would silently change the model
+        raise AttentionBackendError(
+            "attention sinks (gpt-oss) are not supported by fastft's packed attention yet: train with "
+            "TrainConfig(attention=None) (transformers' attention over the packed position_ids)"
+        )
     backend = module.config._fastft_attention_backend
     return packed_attention(query, key, value, batch, backend, scaling, dropout, sliding_window), None
 

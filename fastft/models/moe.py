@@ -126,12 +126,14 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 def gated(experts: torch.nn.Module, gate_up: torch.Tensor, kind: str | None) -> torch.Tensor:
     """The experts' activation of ``gate_up [M, 2I]`` → ``[M, I]`` (module docstring)."""
+    gate, up = gate_up.chunk(2, dim=-1)
     if kind is not None:
         from fastft.kernels.swiglu import gated_activation
 
-        gate, up = gate_up.chunk(2, dim=-1)
         return gated_activation(gate, up, kind)
-    return experts._apply_gate(gate_up)
+    if hasattr(experts, "_apply_gate"):
+        return experts._apply_gate(gate_up)
+    return experts.act_fn(gate) * up
 
 
 def moe_experts(
@@ -196,7 +198,20 @@ def _float(weight: torch.Tensor) -> bool:
     return weight.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def expert_weights(experts_wrapper: torch.nn.Module) -> ExpertWeights | None:
+@dataclass(frozen=True)
+class MoeBlockInfo:
+    """What `patch` learns once about a supported MoE block (stored on the instance)."""
+
+    spec: RouterSpec
+    router_name: str  # "gate" (Qwen, Mixtral) or "router" (gpt-oss)
+    kind: str | None  # fused gated-activation kind, or None: the experts' own gate (`gated`)
+    transposed: bool  # expert weights stored [E, K, N] (gpt-oss) rather than [E, N, K]
+    bias: bool  # per-expert biases gate_up_proj_bias [E, 2I], down_proj_bias [E, H] (gpt-oss)
+    returns_scores: bool  # gpt-oss blocks return (hidden, router_scores)
+    shared_expert: bool  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+
+
+def expert_weights(experts_wrapper: torch.nn.Module, info: MoeBlockInfo) -> ExpertWeights | None:
     """`ExpertWeights` for the grouped path this call, or None when the original forward must run."""
     experts, wrappers = unwrap_experts(experts_wrapper)
     gate_up, down = experts.gate_up_proj, experts.down_proj
@@ -209,34 +224,20 @@ def expert_weights(experts_wrapper: torch.nn.Module) -> ExpertWeights | None:
         if lora is _FALLBACK or wrapper.parameter_name not in ("gate_up_proj", "down_proj"):
             return None
         loras[wrapper.parameter_name] = lora
-    if getattr(experts, "is_transposed", False):  # stored [E, K, N]: pass [E, N, K] views
+    if info.transposed:  # stored [E, K, N]: pass [E, N, K] views
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    has_bias = getattr(experts, "has_bias", False)
     return ExpertWeights(
         gate_up,
         down,
-        experts.gate_up_proj_bias if has_bias else None,
-        experts.down_proj_bias if has_bias else None,
+        experts.gate_up_proj_bias if info.bias else None,
+        experts.down_proj_bias if info.bias else None,
         loras.get("gate_up_proj"),
         loras.get("down_proj"),
     )
 
 
-@dataclass(frozen=True)
-class MoeBlockInfo:
-    """What `patch` learns once about a supported MoE block (stored on the instance)."""
-
-    spec: RouterSpec
-    router_name: str  # "gate" (Qwen, Mixtral) or "router" (gpt-oss)
-    kind: str | None  # fused gated-activation kind, or None for the experts' own _apply_gate
-    returns_scores: bool  # gpt-oss blocks return (hidden, router_scores)
-    shared_expert: bool  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
-
-
 def moe_block_info(block: torch.nn.Module, config) -> MoeBlockInfo | None:
     """`MoeBlockInfo` when `block` is a sparse-MoE block the fused forward reproduces, else None."""
-    from transformers.integrations.moe import _default_apply_gate
-
     from fastft.kernels.swiglu import HIDDEN_ACT_TO_KIND
 
     model_type = getattr(config, "model_type", None)
@@ -255,11 +256,14 @@ def moe_block_info(block: torch.nn.Module, config) -> MoeBlockInfo | None:
     # (chunk into [gate; up], act(gate) * up): that one is the fused gated activation when the activation
     # has a kernel; any other gate (gpt-oss's clamped, interleaved one) runs as the model defines it
     apply_gate = getattr(type(experts), "_apply_gate", None)
-    if apply_gate is None:
-        return None
+    own_gate = apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate"
     kind = None
-    if apply_gate is _default_apply_gate and getattr(experts, "is_concatenated", True):
+    if not own_gate:
+        if model_type == "gpt_oss" or not getattr(experts, "is_concatenated", True):
+            return None  # an older transformers without the model's own gate function: nothing to call
         kind = HIDDEN_ACT_TO_KIND.get(getattr(config, "hidden_act", None))
+        if kind is None and apply_gate is None and not hasattr(experts, "act_fn"):
+            return None
     shared = model_type == "qwen2_moe"
     if shared and not (hasattr(block, "shared_expert") and hasattr(block, "shared_expert_gate")):
         return None
@@ -267,6 +271,8 @@ def moe_block_info(block: torch.nn.Module, config) -> MoeBlockInfo | None:
         spec=spec,
         router_name=router_name,
         kind=kind,
+        transposed=bool(getattr(experts, "is_transposed", model_type == "gpt_oss")),
+        bias=bool(getattr(experts, "has_bias", hasattr(experts, "gate_up_proj_bias"))),
         returns_scores=model_type == "gpt_oss",
         shared_expert=shared,
     )
@@ -301,7 +307,7 @@ def _original_with_stats(self, hidden_states, info: MoeBlockInfo):
 def moe_block_forward(self, hidden_states: torch.Tensor):
     """The fused forward installed on a sparse-MoE block instance by `fastft.patch` (module docstring)."""
     info: MoeBlockInfo = self._fastft_moe
-    weights = expert_weights(self.experts)
+    weights = expert_weights(self.experts, info)
     if weights is None or (self.training and getattr(self, "jitter_noise", 0.0)):  # Mixtral's router jitter
         return _original_with_stats(self, hidden_states, info)
     shape = hidden_states.shape
