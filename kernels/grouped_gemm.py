@@ -36,6 +36,24 @@ determinism test pins it); passing the slots with ``top_k`` is faster and needs 
 order; experts with no rows get zeros. Only the gradients autograd asks for are computed: with a frozen
 expert weight (LoRA) the backward is one dA launch.
 
+Usage in an MoE layer (routing plan: ``sorted_slots`` [T * top_k], ``group_end`` [E])::
+
+    gate_up = grouped_mm(x, gate_up_proj, group_end, gather_rows=sorted_slots, top_k=top_k)   # sorted
+    h       = act(gate) * up                                                                  # sorted
+    out     = grouped_mm(h, down_proj, group_end, scatter_rows=sorted_slots)                  # slot order
+    y       = (out.view(T, top_k, H) * routing_weights[..., None]).sum(1)
+
+LoRA on the experts (``A [E, r, K]``, ``B [E, N, r]``; a ``B`` stored ``[E, r, N]`` goes in as
+``B.transpose(1, 2)``), never forming ``W + s B A``: the low-rank term first, then the base GEMM adds it in
+its epilogue (``add``, in output order)::
+
+    xa      = grouped_mm(x, A_gu, group_end, gather_rows=sorted_slots, top_k=top_k)          # [M, r]
+    gate_up = grouped_mm(x, gate_up_proj, group_end, gather_rows=sorted_slots, top_k=top_k,
+                         add=grouped_mm(xa * s, B_gu, group_end))
+    ha      = grouped_mm(h, A_d, group_end)                                                   # [M, r]
+    out     = grouped_mm(h, down_proj, group_end, scatter_rows=sorted_slots,
+                         add=grouped_mm(ha * s, B_d, group_end, scatter_rows=sorted_slots))
+
 The kernels. Forward and dA share ``_grouped_mm_kernel``: a 1-D grid sized from host-known bounds
 (``sum_e ceil(M_e / BLOCK_M) < ceil(M / BLOCK_M) + E`` row tiles, times the column tiles); each program
 loads ``group_end`` (E <= a few hundred: one vector), forms the per-expert tile counts and their cumsum in

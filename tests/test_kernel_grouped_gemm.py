@@ -308,17 +308,24 @@ def test_gpu_two_runs_are_bit_identical():
     top_k = QWEN3_MOE["top_k"]
     dy = torch.randn(x.shape, device=DEVICE, dtype=torch.bfloat16)
 
-    def run():
+    def run(token_rows=False):
+        """``token_rows``: gather ``slots // top_k`` with ``top_k = 1`` (rows repeat: the index_put path)."""
         x_, wgu, wd = (
             x.clone().requires_grad_(),
             w_gate_up.clone().requires_grad_(),
             w_down.clone().requires_grad_(),
         )
-        gate_up = grouped_mm(x_, wgu, group_end, gather_rows=slots, top_k=top_k)
+        if token_rows:
+            gate_up = grouped_mm(x_, wgu, group_end, gather_rows=slots // top_k)
+        else:
+            gate_up = grouped_mm(x_, wgu, group_end, gather_rows=slots, top_k=top_k)
         gate, up = gate_up.chunk(2, dim=-1)
         h = torch.nn.functional.silu(gate) * up
         y = grouped_mm(h, wd, group_end, scatter_rows=slots).view(x.shape[0], top_k, -1).sum(1)
         return (y, *torch.autograd.grad(y, (x_, wgu, wd), dy))
+
+    for first, second in zip(run(token_rows=True), run(token_rows=True), strict=True):
+        assert torch.equal(first, second)
 
     for first, second in zip(run(), run(), strict=True):
         assert torch.equal(first, second)
