@@ -415,7 +415,11 @@ def test_experts_are_a_lora_target_and_the_router_is_not():
         fastft.add_lora(llama, target_modules=["experts"])
     moe, _ = fastft.load_model("tiny-moe")
     with pytest.raises(ValueError, match="dropout"):
-        fastft.add_lora(moe, dropout=0.1)
+        fastft.add_lora(moe, target_modules=["q_proj", "experts"], dropout=0.1)
+    with pytest.warns(UserWarning, match="leaves \\['experts'\\] out"):
+        wrapped = fastft.add_lora(moe, dropout=0.1, gradient_checkpointing=False)
+    assert wrapped.fastft_lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    moe, _ = fastft.load_model("tiny-moe")
     only_attention = fastft.add_lora(
         moe, target_modules=["q_proj"], dropout=0.1, gradient_checkpointing=False
     )

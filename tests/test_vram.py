@@ -195,6 +195,7 @@ def test_moe_counts_every_expert_weight_and_top_k_routed_activations():
     config.num_experts_per_tok = 16  # twice the routed pairs
     doubled = estimate_vram(config, 2048, checkpointing="none", gpu=None)
     per_pair = (3 * 768 + 2048 + 1) * 2 + 3 * 8 + 3 * 4  # gate/up, act, output, weight; indices; top-k
+    per_pair += 2 * 16 * 2  # "all-linear" adapts the experts too: the fused block keeps x @ A twice (r = 16)
     assert doubled["activations"] - estimate["activations"] == 48 * 2048 * 8 * per_pair
 
 

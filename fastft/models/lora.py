@@ -139,6 +139,15 @@ def add_lora(
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     targets = resolve_targets(base, target_modules)
     experts = [name for name in targets if name in expert_module_names(base)]
+    if experts and dropout and target_modules == "all-linear":
+        warnings.warn(
+            f"LoRA dropout ({dropout}) cannot act on expert weights (the low-rank term is added per expert "
+            f"after routing, and PEFT's expert adapters refuse dropout): 'all-linear' leaves {experts} out. "
+            "Use dropout=0 to adapt the experts too.",
+            stacklevel=2,
+        )
+        targets = [name for name in targets if name not in experts]
+        experts = []
     if experts and dropout:
         raise ValueError(
             f"LoRA dropout ({dropout}) cannot act on expert weights {experts} (the low-rank term is added per "

@@ -105,12 +105,21 @@ class ModelInventory:
         )
 
     def lora_target_names(self) -> list[str]:
-        """The names ``target_modules="all-linear"`` resolves to, in model order."""
+        """The names ``target_modules="all-linear"`` resolves to, in model order (``experts`` last on MoE
+        models with stacked expert weights, as `fastft.linear_layer_names` lists them)."""
         names: list[str] = []
         for linear in self.linears:
             if linear.lora_targetable and linear.short not in names:
                 names.append(linear.short)
+        if self.expert_params and self.experts:
+            names.append("experts")
         return names
+
+    def expert_lora_params(self, r: int) -> int:
+        """Adapter parameters of LoRA rank `r` on every expert's gate/up ``[2I, H]`` and down ``[H, I]``
+        weights (PEFT ``target_parameters``: ``r * E * (in + out)`` per stacked weight, per MoE layer)."""
+        moe_layers = sum(1 for layer in self.layers if layer.moe)
+        return r * self.experts * (2 * self.hidden_size + 3 * self.moe_intermediate) * moe_layers
 
 
 @dataclass(frozen=True)
