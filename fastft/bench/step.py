@@ -34,6 +34,8 @@ from pathlib import Path
 
 SYSTEMS = ("fastft", "hf", "liger", "unsloth")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION_TARGETS = TARGETS[:4]
+EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]  # PEFT target_parameters on MoE models
 DEFAULT_WORKLOADS = "bf16:2x2048,nf4:2x2048,bf16:1x16384"
 
 
@@ -58,8 +60,14 @@ def flops_per_token(config, seq: int) -> float:
     hidden, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv = config.num_key_value_heads * head_dim
-    inter = config.intermediate_size
-    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter
+    q = config.num_attention_heads * head_dim
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:  # MoE: the router, and the top-k experts each token passes through
+        top_k, inter = config.num_experts_per_tok, config.moe_intermediate_size or config.intermediate_size
+        mlp = hidden * experts + top_k * 3 * hidden * inter
+    else:
+        mlp = 3 * hidden * config.intermediate_size
+    per_layer = hidden * (q + 2 * kv) + q * hidden + mlp
     n = layers * per_layer + config.vocab_size * hidden
     attention = 4 * layers * seq * config.num_attention_heads * head_dim * 3 / 2
     return 6 * n + attention
@@ -75,7 +83,7 @@ def _random_batch(vocab: int, batch: int, seq: int, seed: int = 0):
     return torch.randint(0, vocab, (batch, seq), generator=generator)
 
 
-def _hf_model(folder: str, precision: str, liger: bool, device):
+def _hf_model(folder: str, precision: str, liger: bool, device, lora_targets: str = "all"):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -99,7 +107,17 @@ def _hf_model(folder: str, precision: str, liger: bool, device):
         attn_implementation="sdpa",
         quantization_config=quantization,
     )
-    config = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    moe = any(hasattr(m, "gate_up_proj") for m in model.modules())
+    wanted = ATTENTION_TARGETS if lora_targets == "attention" else TARGETS
+    config = LoraConfig(
+        r=16,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=[name for name in wanted if name in linears],
+        target_parameters=EXPERT_PARAMETERS if moe and lora_targets == "all" else None,
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(model, config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -125,7 +143,9 @@ def _unsloth_model(folder: str, precision: str, seq: int):
     return model
 
 
-def _fastft_model(folder: str, precision: str, seq: int, attention: str, device, checkpointing="auto"):
+def _fastft_model(
+    folder: str, precision: str, seq: int, attention: str, device, checkpointing="auto", lora_targets="all"
+):
     import torch
 
     import fastft
@@ -135,9 +155,10 @@ def _fastft_model(folder: str, precision: str, seq: int, attention: str, device,
     model, _ = fastft.load_model(
         folder, max_seq_length=seq, load_in_4bit=precision == "nf4", device=device, dtype=dtype
     )
-    model = fastft.add_lora(
-        model, r=16, alpha=16, target_modules=TARGETS, gradient_checkpointing=checkpointing
-    )
+    available = fastft.linear_layer_names(model)
+    wanted = ATTENTION_TARGETS if lora_targets == "attention" else [*TARGETS, "experts"]
+    targets = [name for name in wanted if name in available]  # dense: the 7 linears; MoE: + "experts"
+    model = fastft.add_lora(model, r=16, alpha=16, target_modules=targets, gradient_checkpointing=checkpointing)
     patch_packed_attention(model, attention)
     return model
 
@@ -152,9 +173,9 @@ def run_worker(args) -> dict:
     load_start = time.perf_counter()
     if args.system == "fastft":
         mode = {"auto": "auto", "recompute": True, "offload": "offload"}[args.checkpointing]
-        model = _fastft_model(args.folder, precision, seq, args.attention, device, mode)
+        model = _fastft_model(args.folder, precision, seq, args.attention, device, mode, args.lora_targets)
     elif args.system in ("hf", "liger"):
-        model = _hf_model(args.folder, precision, args.system == "liger", device)
+        model = _hf_model(args.folder, precision, args.system == "liger", device, args.lora_targets)
     elif args.system == "unsloth":
         model = _unsloth_model(args.folder, precision, seq)
     else:
@@ -217,15 +238,28 @@ def run_worker(args) -> dict:
     }
 
 
-def save_random_checkpoint(model_id: str, folder: Path) -> None:
-    """The catalog architecture with random bf16 weights, saved with a tokenizer (for Unsloth) to `folder`."""
+def save_random_checkpoint(model_id: str, folder: Path, layers: int | None = None) -> None:
+    """The catalog architecture (cut to its first `layers` decoder layers if given) with random bf16
+    weights, saved with a tokenizer (for Unsloth) to `folder`."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from fastft.bench.common import build_model
+    from fastft.models.catalog import CATALOG
     from fastft.models.presets import load_preset_tokenizer
 
     torch.manual_seed(0)
-    model = build_model(model_id, torch.device("cuda"), torch.bfloat16)
+    if layers:
+        config = CATALOG[model_id].to_config()
+        config.num_hidden_layers = layers
+        for key in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the cut
+            value = getattr(config, key, None)
+            if isinstance(value, list) and key == "layer_types":
+                setattr(config, key, value[:layers])
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    else:
+        model = build_model(model_id, torch.device("cuda"), torch.bfloat16)
     with torch.no_grad():  # transformers' default init gives std 0.02: keep it, but make norms 1
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -324,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "recompute", "offload"),
         help="fastft's gradient checkpointing (auto: offloaded on a GPU)",
     )
+    parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
+    parser.add_argument(
+        "--lora-targets",
+        default="all",
+        choices=("all", "attention"),
+        help="all: every linear (and the experts of MoE models); attention: q/k/v/o only",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per system and workload")
     parser.add_argument("--out", default="benchmarks/step.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -351,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.folder)
     if not (folder / "config.json").exists():
         print(f"saving a random-weight {args.model} to {folder} ...", file=sys.stderr, flush=True)
-        save_random_checkpoint(args.model, folder)
+        save_random_checkpoint(args.model, folder, args.layers)
         torch.cuda.empty_cache()
 
     from fastft.bench.common import environment
@@ -379,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                     str(args.peak_flops),
                     "--checkpointing",
                     args.checkpointing,
+                    "--lora-targets",
+                    args.lora_targets,
                 ]
                 started = time.perf_counter()
                 result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)
