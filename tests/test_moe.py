@@ -449,9 +449,10 @@ def test_packed_attention_refuses_gpt_oss_sinks_rather_than_dropping_them():
 @pytest.mark.parametrize("name", MOE_PRESETS)
 def test_gpu_bf16_fused_moe_model_matches_peft_and_never_syncs(name):
     """bf16 on the GPU with the Triton grouped GEMM, against an fp32 copy of transformers + PEFT: the loss
-    within 2e-2, and each LoRA gradient within 2e-2 or twice the error of transformers + PEFT in bf16
-    (the bf16 noise floor), whichever is larger. Then the fused MoE block's forward and backward on 4096
-    tokens without a host sync."""
+    within 2e-2, and all LoRA gradients together within 2e-2 or 1.5x the error of transformers + PEFT in
+    bf16 (its noise floor: bf16 router logits send a few tokens to other experts, which moves single expert
+    gradients by several per cent in either implementation), whichever is larger. Then the fused MoE
+    block's forward and backward on 4096 tokens without a host sync."""
     from fastft.bench.common import count_syncs
 
     batch = _batch(lengths=(70, 190, 33, 111)).to("cuda")
@@ -461,12 +462,15 @@ def test_gpu_bf16_fused_moe_model_matches_peft_and_never_syncs(name):
         model.to(device="cuda", dtype=dtype)
         results[dtype, fused] = _loss_and_grads(model, batch)
     assert model.get_base_model().fastft_kernels.report.fused["moe"] == 2  # the fused blocks did run
+
+    def flat(grads):
+        return torch.cat([g.float().reshape(-1) for g in grads])
+
     ref_loss, ref = results[torch.float32, False]
-    _, unfused = results[torch.bfloat16, False]
     loss, grads = results[torch.bfloat16, True]
     assert float(loss) == pytest.approx(float(ref_loss), rel=2e-2)
-    for got, floor, want in zip(grads, unfused, ref, strict=True):
-        assert _rel(got.float(), want) <= max(2e-2, 2 * _rel(floor.float(), want))
+    floor = _rel(flat(results[torch.bfloat16, False][1]), flat(ref))
+    assert _rel(flat(grads), flat(ref)) <= max(2e-2, 1.5 * floor)
     block = model.get_base_model().model.layers[0].mlp
     x = torch.randn(
         1, 4096, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True
