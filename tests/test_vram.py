@@ -341,3 +341,14 @@ def test_bench_vram_is_registered_and_plans_at_least_twelve_configurations(capsy
     assert any(CATALOG[c.model].is_moe for c in configs)
     sizes = [CATALOG[c.model].parameter_count() for c in configs]
     assert min(sizes) < 0.6e9 and max(sizes) > 30e9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("model", "precision", "checkpointing", "seq_len"),
+    [("Qwen/Qwen2.5-0.5B-Instruct", "bf16", "recompute", 8192), ("tiny-moe", "bf16", "none", 2048)],
+)
+def test_gpu_estimate_is_within_ten_percent_of_the_measured_peak(model, precision, checkpointing, seq_len):
+    """Two real training steps against the estimate (`fastft bench vram` runs 16 such configurations)."""
+    result = measure(model, seq_len, precision=precision, checkpointing=checkpointing, steps=2)
+    assert abs(result.error) <= 0.10, result.to_dict()

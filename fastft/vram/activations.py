@@ -28,7 +28,7 @@ Two code paths run a decoder layer, and they keep different tensors:
   ``down_proj``'s LoRA input copy.
 
 **Both paths**: flash/varlen attention saves q and k after RoPE, v, the output (16-bit) and the
-logsumexp (fp32 per head and row). MoE experts (transformers' grouped_mm; never fused, never LoRA'd)
+logsumexp (fp32 per head and row). MoE experts (transformers' grouped_mm, or fastft's fused block)
 save per routed (token, expert) pair the gate/up output, the activation, the expert output (kept by the
 routing-weight product), the routing weight and three int64 indices, and per token the router's fp32
 softmax and top-k values/indices.
@@ -203,6 +203,8 @@ def layer_terms(
             terms["qk_norms"] = 4 * (q + kv) + 4 * (model.num_heads + model.num_kv_heads)
     if layer.moe:
         terms["experts"] = moe_bytes(model, profile)
+        if "experts" in targets:
+            terms["expert_lora"] = expert_lora_bytes(model, profile, r)
         if layer.shared_expert_intermediate:
             # gate, up and activation outputs, the shared expert's output and its sigmoid gate
             terms["shared_expert"] = (
@@ -231,6 +233,19 @@ def moe_bytes(model: ModelInventory, profile: Profile) -> int:
     )
     router = 4 * model.experts + 3 * 4 * k + 4  # fp32 softmax over experts; top-k values and indices, sum
     return k * per_pair + router
+
+
+def expert_lora_bytes(model: ModelInventory, profile: Profile, r: int) -> int:
+    """LoRA on every expert (the ``experts`` target), per token.
+
+    fastft's fused MoE block runs the low-rank terms as grouped GEMMs and keeps ``x @ A`` of gate/up and
+    ``h @ A`` of down per routed pair. Unfused, PEFT's ``ParamWrapper`` runs each expert with ``W + dW``, a
+    weight that needs a gradient, so every expert matmul keeps its input: ``x`` and ``h`` per routed pair.
+    """
+    k = model.experts_per_token
+    if profile.fused_norms:  # the fused architectures get the fused MoE block
+        return k * 2 * r * profile.compute
+    return k * (model.hidden_size + model.moe_intermediate) * profile.act
 
 
 def layer_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int) -> int:
