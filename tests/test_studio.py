@@ -165,16 +165,18 @@ def test_picker_describes_catalog_models_without_downloading():
     panel = ModelPanel()
     panel.model_name.value = "Qwen/Qwen3-30B-A3B"
     assert panel.state.model_name == "Qwen/Qwen3-30B-A3B"
-    assert "catalog" in panel.info.value and "MoE expert blocks" in panel.info.value
+    assert "catalog" in panel.info.value and "MoE expert blocks (128 experts" in panel.info.value
     facts = model_facts("Qwen/Qwen3-30B-A3B")
     assert facts.parameters == CATALOG["Qwen/Qwen3-30B-A3B"].parameter_count()
-    assert facts.experts == 128 and not facts.all_fused and facts.layers == 48
+    assert facts.experts == 128 and facts.all_fused and facts.layers == 48
     gated = next(spec.hub_id for spec in CATALOG.values() if spec.gated)
     panel.model_name.value = gated
     assert "licence" in panel.info.value
     assert model_facts("google/gemma-3-1b-it").not_fused  # outside fastft.patch.SUPPORTED
     assert model_facts("someone/some-model").source == "hub"
-    assert model_facts("tiny-moe").experts == 8 and not model_facts("tiny-moe").all_fused
+    assert model_facts("tiny-moe").experts == 8 and model_facts("tiny-moe").all_fused
+    gpt_oss = model_facts("openai/gpt-oss-20b")
+    assert "MoE expert blocks" in gpt_oss.fused[0] and "attention" in gpt_oss.not_fused[0]
 
 
 # ------------------------------------------------------------------------------------------------ data

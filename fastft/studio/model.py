@@ -154,19 +154,21 @@ def predicted_fusion(
     model_type: str | None, experts: int, hidden_act: str | None
 ) -> tuple[list[str], list[str]]:
     """(parts on fused kernels, parts left on transformers' modules) as `fastft.patch` will decide."""
-    from fastft.models.patch import SUPPORTED
+    from fastft.models.patch import MOE_ONLY, SUPPORTED
 
+    if model_type in MOE_ONLY:
+        return [f"MoE expert blocks ({experts} experts per layer: routing plan + grouped GEMM)"], [
+            f"the attention and RMSNorm of {model_type} (transformers' modules)"
+        ]
     if model_type not in SUPPORTED:
         return [], [
             f"the {model_type} architecture: it trains on transformers' own modules "
-            f"(fused kernels cover {', '.join(SUPPORTED)})"
+            f"(fused kernels cover {', '.join(SUPPORTED + MOE_ONLY)})"
         ]
     fused = ["RMSNorm", "RoPE", "LoRA-fused Q/K/V/O projections"]
     not_fused = []
     if experts:
-        not_fused.append(
-            f"MoE expert blocks ({experts} experts per layer run transformers' experts; not fused yet)"
-        )
+        fused.append(f"MoE expert blocks ({experts} experts per layer: routing plan + grouped GEMM)")
     elif _activation_fused(hidden_act or "silu"):
         fused.append("gated MLP with LoRA")
     else:
