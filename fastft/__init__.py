@@ -43,6 +43,7 @@ _EXPORTS = {
     "pack": "fastft.data.packing",
     "pack_shards": "fastft.data.packing",
     "PackedDataset": "fastft.data.packing",
+    "PackedStream": "fastft.data.stream",
     "PackedBatch": "fastft.data.batch",
     # engine
     "train": "fastft.engine.trainer",

@@ -57,7 +57,9 @@ def test_synthetic_sequences_are_chat_shaped_and_seeded():
     assert (labels[: int(len(ids) * 0.4)] == -100).all() and (labels[-1] == ids[-1])
 
 
-@pytest.mark.parametrize(("preset", "lora_targets"), [("tiny-llama", "all"), ("tiny-moe", "all"), ("tiny-moe", "attention")])
+@pytest.mark.parametrize(
+    ("preset", "lora_targets"), [("tiny-llama", "all"), ("tiny-moe", "all"), ("tiny-moe", "attention")]
+)
 def test_step_bench_workers_agree_on_the_first_loss(tmp_path, preset, lora_targets):
     """The step bench's fastft and HF + PEFT workers, run on the CPU on a saved tiny model: both start from the
     same weights and tokens (LoRA B = 0), so their first losses agree -- the comparison is like for like

@@ -30,7 +30,9 @@ def random_packed_dataset(vocab: int, seq_len: int, sequences: int, seed: int = 
 
     rng = np.random.default_rng(seed)
     ids = [rng.integers(0, vocab, seq_len, dtype=np.int64).astype(np.int32) for _ in range(sequences)]
-    data = TokenizedData(input_ids=ids, labels=[row.copy() for row in ids], source_rows=list(range(sequences)))
+    data = TokenizedData(
+        input_ids=ids, labels=[row.copy() for row in ids], source_rows=list(range(sequences))
+    )
     return PackedDataset(data, [[i] for i in range(sequences)], seq_len)
 
 
@@ -142,9 +144,13 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="fastft bench profiler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="fastft bench profiler",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog hub id or preset")
+    parser.add_argument(
+        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog hub id or preset"
+    )
     parser.add_argument("--layers", type=int, default=8, help="decoder layers kept (default 8; 0: all)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--bins", type=int, default=2, help="sequences per step")

@@ -11,7 +11,8 @@ checkpoint and on stop). A non-finite loss stops the run with `NonFiniteLossErro
 are written only after every earlier step was read back finite, so the last one is always good.
 
 Data order is a pure function of (seed, epoch): bins are shuffled per epoch with a seeded
-generator, and step s always reads the same bins. Resume restores adapters, optimizer, scheduler
+generator, and step s always reads the same bins. Data larger than memory comes as a `PackedStream`
+(shards packed as they are read; order a pure function of seed, epoch and shard; needs `max_steps`). Resume restores adapters, optimizer, scheduler
 and RNG, so a resumed run's losses equal the uninterrupted run's.
 """
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from fastft.data.packing import PackedDataset, pack
+from fastft.data.stream import PackedStream, StreamCursor, batch_of
 from fastft.engine.attention import patch_packed_attention
 from fastft.engine.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from fastft.engine.events import EvalEvent, Event, StepEvent, Subscriber
@@ -157,7 +159,18 @@ class Trainer:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or TrainConfig()
-        self.train_data = train_data if isinstance(train_data, PackedDataset) else pack(train_data, tokenizer)
+        if isinstance(train_data, (PackedDataset, PackedStream)):
+            self.train_data = train_data
+        else:
+            self.train_data = pack(train_data, tokenizer)
+        self._cursor = None
+        if isinstance(self.train_data, PackedStream):
+            if not self.config.max_steps:
+                raise ValueError(
+                    "A PackedStream has no length until it has been read: pass max_steps=... "
+                    "(optimizer steps) to train on it."
+                )
+            self._cursor = StreamCursor(self.train_data, self.config.seed)
         self.eval_data = (
             None
             if eval_data is None
@@ -227,8 +240,14 @@ class Trainer:
             self._epoch_orders = {epoch: generator.permutation(len(self.train_data))}
         return self._epoch_orders[epoch]
 
-    def bins_for_step(self, step: int) -> list[list[int]]:
-        """The bins of each micro-batch of optimizer step `step` (0-based); a pure function."""
+    def bins_for_step(self, step: int) -> list[list]:
+        """The bins of each micro-batch of optimizer step `step` (0-based); a pure function.
+
+        Bin indices of the `PackedDataset`; for a `PackedStream`, ``(shard, bin index)`` pairs."""
+        if self._cursor is not None:
+            bins = self._cursor.bins(step * self.bins_per_step, self.bins_per_step)
+            size = self.config.micro_batch_bins
+            return [bins[i : i + size] for i in range(0, len(bins), size)]
         n = len(self.train_data)
         positions = range(step * self.bins_per_step, (step + 1) * self.bins_per_step)
         bins = [int(self._epoch_order(p // n)[p % n]) for p in positions]
@@ -293,9 +312,8 @@ class Trainer:
     def _train_step(self) -> None:
         phases = self.profile or NULL_PROFILE  # top-level phases follow each other: data → forward → …
         phases.step_begin()
-        micro_batches = [
-            self.train_data.batch(bins).to(self.device) for bins in self.bins_for_step(self.step)
-        ]
+        make = batch_of if self._cursor is not None else self.train_data.batch
+        micro_batches = [make(bins).to(self.device) for bins in self.bins_for_step(self.step)]
         trained = sum(b.num_trained_tokens for b in micro_batches)
         tokens = sum(b.num_tokens for b in micro_batches)
         timer = _StepTimer(self.device)
@@ -329,9 +347,15 @@ class Trainer:
         timing = phases.step_end(self.step + 1)
         timer.stop()
         values = torch.stack([loss_total.float(), grad_norm.detach().float().to(self.device)])
+        epoch = (
+            self._cursor.epoch_progress
+            if self._cursor is not None
+            else (self.step + 1) * self.bins_per_step / len(self.train_data)
+        )
         info = dict(
             step=self.step + 1, lr=learning_rate, trained=trained, tokens=tokens, timer=timer, timing=timing
         )
+        info["epoch"] = epoch
         self._pending.append(_PendingReadout(values, info))
 
     def _emit_ready(self, wait: bool = False) -> None:
@@ -345,7 +369,7 @@ class Trainer:
             event = StepEvent(
                 step=info["step"],
                 max_steps=self.max_steps,
-                epoch=info["step"] * self.bins_per_step / len(self.train_data),
+                epoch=info["epoch"],
                 loss=loss,
                 learning_rate=info["lr"],
                 grad_norm=grad_norm,
@@ -477,7 +501,8 @@ def train(
     subscribers: Iterable[Subscriber] = (),
     **config,
 ) -> TrainResult:
-    """Fine-tune `model` on `dataset` (a `PackedDataset`, or rows/`datasets.Dataset` to pack).
+    """Fine-tune `model` on `dataset` (a `PackedDataset`, a `PackedStream` for data larger than memory
+    (with ``max_steps``), or rows/`datasets.Dataset` to pack).
 
     Keyword arguments are `TrainConfig` fields (max_steps, learning_rate, …). With `progress`, a
     tqdm bar shows loss, tokens/s and memory. Returns every `StepEvent` and `EvalEvent`.
