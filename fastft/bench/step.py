@@ -158,7 +158,9 @@ def _fastft_model(
     available = fastft.linear_layer_names(model)
     wanted = ATTENTION_TARGETS if lora_targets == "attention" else [*TARGETS, "experts"]
     targets = [name for name in wanted if name in available]  # dense: the 7 linears; MoE: + "experts"
-    model = fastft.add_lora(model, r=16, alpha=16, target_modules=targets, gradient_checkpointing=checkpointing)
+    model = fastft.add_lora(
+        model, r=16, alpha=16, target_modules=targets, gradient_checkpointing=checkpointing
+    )
     patch_packed_attention(model, attention)
     return model
 
