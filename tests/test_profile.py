@@ -386,3 +386,21 @@ def test_cuda_phases_come_from_events_and_the_window_sees_kernels_and_copies(tmp
     assert window.device == "cuda" and window.kernels and window.kernel_ms > 0
     assert window.copy_ms > 0 and 0.0 <= window.overlap <= 1.0  # the batches' host-to-device copies
     assert trainer.step == 8
+
+
+def test_train_returns_its_profile_and_the_phase_chart_cuts_a_slow_first_step():
+    model, tokenizer = _lora_model()
+    data = fastft.pack(ROWS, tokenizer, 128)
+    result = fastft.train(model, tokenizer, data, max_steps=3, micro_batch_bins=2, progress=False)
+    assert result.profile is not None and result.profile.steps == [1, 2, 3]
+    assert isinstance(result.profile.figure(), go.Figure)
+    off = fastft.train(model, tokenizer, data, max_steps=1, profile=False, progress=False)
+    assert off.profile is None
+
+    steady = {"step": 100.0, "data": 1.0, "forward": 40.0, "loss": 9.0, "backward": 49.0, "optimizer": 1.0}
+    slow_first = [{key: 10 * value for key, value in steady.items()}] + [steady] * 5
+    figure = phases_figure(list(range(1, 7)), slow_first)
+    assert figure.layout.yaxis.range[1] == pytest.approx(2.5 * 100.0 * 1.05)
+    assert [a.text for a in figure.layout.annotations] == ["1,000 ms"]
+    even = phases_figure(list(range(1, 7)), [steady] * 6)
+    assert even.layout.yaxis.range is None and not even.layout.annotations

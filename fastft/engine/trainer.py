@@ -93,11 +93,14 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
+    """Every event of a run; `profile` is the run's step profiler (``result.profile.figure()``), None when off."""
+
     steps: list[StepEvent] = field(default_factory=list)
     evals: list[EvalEvent] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     stopped_early: bool = False
     seconds: float = 0.0
+    profile: StepProfile | None = field(default=None, repr=False, compare=False)
 
     @property
     def final_loss(self) -> float | None:
@@ -211,7 +214,7 @@ class Trainer:
         self.autocast_dtype = self._autocast_dtype()
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
         self.step = 0
-        self.result = TrainResult()
+        self.result = TrainResult(profile=self.profile)
         self._stop = threading.Event()
         self._running = threading.Event()
         self._running.set()

@@ -434,7 +434,27 @@ def phases_figure(steps: Sequence[int], phases: Sequence[Mapping[str, float]]) -
     fig.update_layout(barmode="stack", bargap=0.1 if len(x) <= 60 else 0.0, hovermode="x")
     fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
     fig.update_layout(margin={"r": 180})
+    _cut_outlier_steps(fig, x, [sum(part.values()) for part in parts])
     return fig
+
+
+# A step this many times the median (the first: allocation, compilation, autotuning) is cut off at that height
+# instead of flattening every other bar; the annotation gives its real time.
+OUTLIER_STEP_RATIO = 2.5
+
+
+def _cut_outlier_steps(fig: go.Figure, x: Sequence[int], totals: Sequence[float]) -> None:
+    if len(totals) < 3:
+        return
+    ceiling = OUTLIER_STEP_RATIO * statistics.median(totals)
+    cut = [(step, total) for step, total in zip(x, totals, strict=True) if total > ceiling]
+    if not cut or ceiling <= 0:
+        return
+    fig.update_yaxes(range=[0, ceiling * 1.05])
+    for step, total in cut[:3]:
+        fig.add_annotation(
+            x=step, y=ceiling, text=f"{total:,.0f} ms", showarrow=False, yshift=8, font={"size": 10}
+        )
 
 
 _ROWS = ("step phases", "modules and layers", "recompute and waits")
