@@ -110,3 +110,42 @@ def test_convergence_bench_compares_fused_unfused_and_the_noise_floor(tmp_path):
     first = [curve[0] for curve in result["curves"].values()]
     assert max(first) - min(first) <= 1e-3 * max(first)
     assert result["fused_vs_unfused"]["worst"] >= result["fused_vs_unfused"]["median"] >= 0
+
+
+def test_moe_bench_times_the_block_three_ways_that_agree(tmp_path):
+    from fastft.bench.moe import WAYS, main, run
+
+    result = run("tiny-moe", 40, warmup=1, reps=1)
+    rows = result["rows"]
+    assert [(r["lora"], r["way"]) for r in rows] == [(t, w) for t in ("experts", "attention") for w in WAYS]
+    assert all(r["status"] == "ok" and r["forward_backward_ms"] > 0 for r in rows)
+    assert all(r["max_abs_diff_vs_first"] < 1e-4 for r in rows)  # fp32 on the CPU: the same block output
+    experts = {r["way"]: r["trainable_in_block"] for r in rows if r["lora"] == "experts"}
+    assert experts["fastft"] == experts["transformers loop"] > 0  # LoRA on every expert, whichever way runs
+    assert all(r["trainable_in_block"] == 0 for r in rows if r["lora"] == "attention")
+    routing = result["routing"]
+    assert routing["experts"] == 8 and routing["plan_ms"] > 0
+    assert routing["saved_by_reuse_ms"] == pytest.approx(3 * routing["plan_ms"])
+    out = tmp_path / "moe.json"
+    assert (
+        main(
+            [
+                "--model",
+                "tiny-moe",
+                "--tokens",
+                "16",
+                "--reps",
+                "1",
+                "--warmup",
+                "1",
+                "--lora",
+                "attention",
+                "--ways",
+                "fastft",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert json.loads(out.read_text())["rows"][0]["way"] == "fastft"

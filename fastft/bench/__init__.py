@@ -8,4 +8,5 @@ BENCHMARKS = {
     "vram": "fastft.bench.vram",
     "convergence": "fastft.bench.convergence",
     "profiler": "fastft.bench.profiler",
+    "moe": "fastft.bench.moe",
 }
