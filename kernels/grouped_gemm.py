@@ -566,17 +566,7 @@ def grouped_mm_launch(
         row_tiles = min(triton.cdiv(m, meta["BLOCK_M"]) + n_experts, m)
         return (row_tiles * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    with _device_guard(a):
-        if config is None and not a.is_cuda:
-            config = _INTERPRETED_BLOCK
-        elif config is None and a.dtype == torch.float32:
-            config = _FP32_BLOCK
-        if config is not None:
-            config = dict(config)
-            launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
-            _grouped_mm_kernel[grid(config)](*args, **flags, **config, **launch)
-        else:
-            _tuned_kernel("fwd")[grid](*args, **flags)
+    _run_kernel(a, "fwd", _grouped_mm_kernel, grid, args, flags, config, _INTERPRETED_BLOCK, _FP32_BLOCK)
     return out
 
 
@@ -625,18 +615,26 @@ def grouped_mm_dw_launch(
     def grid(meta):
         return (n_experts * triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"]),)
 
+    _run_kernel(
+        a, "dw", _grouped_mm_dw_kernel, grid, args, flags, config, _INTERPRETED_DW_BLOCK, _FP32_DW_BLOCK
+    )
+    return dw
+
+
+def _run_kernel(a, name, kernel, grid, args, flags, config, interpreted_block, fp32_block) -> None:
+    """Launch `kernel` with a fixed tile (the caller's `config`; else the interpreter's, or fp32's on a GPU)
+    or, for 16-bit on a GPU, through its autotuner `_tuned_kernel(name)`."""
     with _device_guard(a):
         if config is None and not a.is_cuda:
-            config = _INTERPRETED_DW_BLOCK
+            config = interpreted_block
         elif config is None and a.dtype == torch.float32:
-            config = _FP32_DW_BLOCK
-        if config is not None:
-            config = dict(config)
-            launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
-            _grouped_mm_dw_kernel[grid(config)](*args, **flags, **config, **launch)
-        else:
-            _tuned_kernel("dw")[grid](*args, **flags)
-    return dw
+            config = fp32_block
+        if config is None:
+            _tuned_kernel(name)[grid](*args, **flags)
+            return
+        config = dict(config)
+        launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
+        kernel[grid(config)](*args, **flags, **config, **launch)
 
 
 # --------------------------------------------------------------------------------------------------
