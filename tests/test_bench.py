@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import fastft
 from fastft.bench import packing
@@ -149,3 +150,14 @@ def test_moe_bench_times_the_block_three_ways_that_agree(tmp_path):
         == 0
     )
     assert json.loads(out.read_text())["rows"][0]["way"] == "fastft"
+
+
+def test_packing_bench_nf4_needs_a_gpu_and_names_the_fix():
+    from fastft.bench.packing import run
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    with pytest.raises(RuntimeError, match="on a CPU use bf16"):
+        run("tiny-qwen3", 256, precision="nf4")
+    with pytest.raises(ValueError, match="use 'bf16' or 'nf4'"):
+        run("tiny-qwen3", 256, precision="int4")

@@ -107,11 +107,26 @@ def run(
     padded_batch: int = 8,
     backends: list[str] | None = None,
     seed: int = 0,
+    precision: str = "bf16",
 ) -> dict:
-    """Run every variant; returns the environment, the workload and one row per variant."""
+    """Run every variant; returns the environment, the workload and one row per variant.
+
+    `precision` "nf4" quantises the random weights with bitsandbytes as QLoRA loads them (CUDA only; the
+    issue's published anchor is Qwen3-14B QLoRA)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(model_name, device, dtype)
+    if precision == "bf16":
+        model = build_model(model_name, device, dtype)
+    elif precision == "nf4":
+        if device.type != "cuda":
+            raise RuntimeError(
+                "--precision nf4 quantises with bitsandbytes on a CUDA GPU; on a CPU use bf16."
+            )
+        from fastft.vram.measure import build_random_model
+
+        model = build_random_model(model_name, "nf4", device)
+    else:
+        raise ValueError(f"precision={precision!r}: use 'bf16' or 'nf4'.")
     model.config.use_cache = False
     model = add_lora(model, r=lora_r, alpha=lora_r, gradient_checkpointing=True, seed=seed)
     lora = [p for p in model.parameters() if p.requires_grad]
@@ -222,6 +237,7 @@ def run(
         "environment": environment(),
         "workload": {
             "model": model_name,
+            "precision": precision,
             "bin_tokens": bin_tokens,
             "lora_r": lora_r,
             "warmup": warmup,
@@ -257,7 +273,7 @@ COLUMNS = [
 def report(result: dict) -> str:
     env, work = result["environment"], result["workload"]
     head = (
-        f"packing — {work['model']}, bins of {work['bin_tokens']} tokens, LoRA r={work['lora_r']}, "
+        f"packing — {work['model']} ({work.get('precision', 'bf16')}), bins of {work['bin_tokens']} tokens, LoRA r={work['lora_r']}, "
         f"{work['steps']} timed steps ({work['sequences_timed']} sequences); packing {work['packing_efficiency']:.1%} "
         f"full, padding {work['padding_efficiency']:.1%} real tokens; "
         f"'auto' uses {work['attention_chosen_by_auto']}\n"
@@ -281,10 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backends", nargs="*", default=None, help="fastft backends to time (default: all here)"
     )
+    parser.add_argument(
+        "--precision", choices=("bf16", "nf4"), default="bf16", help="nf4: QLoRA weights (CUDA)"
+    )
     parser.add_argument("--json", default=None, help="also write the full result to this file")
     args = parser.parse_args(argv)
     result = run(
-        args.model, args.bin_tokens, args.warmup, args.steps, args.lora_r, args.padded_batch, args.backends
+        args.model,
+        args.bin_tokens,
+        args.warmup,
+        args.steps,
+        args.lora_r,
+        args.padded_batch,
+        args.backends,
+        precision=args.precision,
     )
     print(report(result))
     if args.json:
