@@ -477,3 +477,33 @@ def test_gpu_bf16_fused_moe_model_matches_peft_and_never_syncs(name):
     )
     _first(block(x)).float().square().sum().backward()  # warm up (autotuning, allocator)
     assert count_syncs(lambda: _first(block(x)).float().square().sum().backward()) == 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mode,force", [(True, None), ("offload", "sync"), ("offload-single", "deferred")])
+def test_router_aux_loss_gradient_survives_every_checkpointing_mode(fused, mode, force):
+    """Offloaded checkpointing runs each layer's forward without autograd; the router statistics leave the
+    layer as outputs of its autograd node, so the load-balancing loss trains the same as without
+    checkpointing (the offload protocol runs on CPU tensors through its test stand-ins)."""
+    from fastft.engine import offload
+
+    batch = _batch(lengths=(29, 13))
+    results = {}
+    for checkpointing in (False, mode):
+        model, _ = _lora_model("tiny-moe", fused=fused)
+        base = model.get_base_model()
+        base.router_aux_loss_coef = 0.5
+        base.config.output_router_logits = True
+        if checkpointing:
+            from fastft.models.lora import set_gradient_checkpointing
+
+            set_gradient_checkpointing(model, checkpointing)
+            if force is not None:
+                offload.enable_offload(model, double_buffer=checkpointing == "offload", _force=force)
+        results[checkpointing] = _loss_and_grads(model, batch)
+        if checkpointing and force is not None:
+            assert offload.offloader_of(model).counts["layers_offloaded"] > 0
+    (loss, grads), (want_loss, want) = results[mode], results[False]
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+    for got, expected in zip(grads, want, strict=True):
+        assert _rel(got, expected) <= 1e-5

@@ -8,8 +8,6 @@ accumulation token-weighted: a step's loss does not depend on how its tokens wer
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
@@ -88,21 +86,15 @@ def _with_router_aux_loss(model: torch.nn.Module, batch: PackedBatch, coefficien
     load-balancing loss pooled over every MoE layer of this batch (`fastft.engine.routing`)."""
     from peft import PeftModel
 
-    from fastft.engine.offload import offloader_of
     from fastft.engine.routing import load_balancing_loss
     from fastft.models.moe import collect_moe_router_stats
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    if offloader_of(model) is not None and batch.input_ids.is_cuda:
-        warnings.warn(
-            "the router load-balancing loss is added to the loss, but offloaded checkpointing runs each "
-            "layer's forward without autograd, so its gradient does not reach the model: use "
-            "gradient_checkpointing=True (plain recompute) to train with it",
-            stacklevel=3,
-        )
+    # under offloaded checkpointing each layer hands its statistics out as outputs of its autograd node
+    # (`fastft.engine.offload`), so the gradient reaches the routers in every checkpointing mode
     with collect_moe_router_stats(base) as stats:
         loss = _loss_sum(model, batch)
-    aux = load_balancing_loss(stats, stats[0].counts.numel()) if stats else loss.new_zeros(())
+    aux = load_balancing_loss(stats) if stats else loss.new_zeros(())
     return loss + coefficient * batch.num_trained_tokens * aux
 
 

@@ -47,6 +47,7 @@ memory), the offloader warns once (`OffloadBudgetWarning`) and every layer uses 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import warnings
@@ -327,7 +328,18 @@ class _Saved:
 class _Call:
     """One layer call: what the recompute needs (function, other args, RNG and autocast state)."""
 
-    __slots__ = ("offloader", "function", "rest", "params", "host", "saved", "structure", "rng", "autocast")
+    __slots__ = (
+        "offloader",
+        "function",
+        "rest",
+        "params",
+        "host",
+        "saved",
+        "structure",
+        "rng",
+        "autocast",
+        "router_specs",
+    )
 
     def __init__(self, offloader, function, rest, params, host):
         self.offloader, self.function, self.rest, self.params, self.host = (
@@ -338,6 +350,7 @@ class _Call:
             host,
         )
         self.saved = self.structure = self.rng = self.autocast = None
+        self.router_specs: list = []  # `RouterSpec` of each MoE router this call ran, when collected
 
     def stash_state(self, device: torch.device) -> None:
         self.rng = (
@@ -400,11 +413,20 @@ def _unflatten(tensors, structure):
 
 
 class _OffloadedLayer(torch.autograd.Function):
+    """The layer as one autograd node. MoE router logits recorded inside it (for the load-balancing loss)
+    leave as extra outputs after the layer's own: the forward runs without autograd, so this is how their
+    gradient comes back to the recompute, like the hidden state's."""
+
     @staticmethod
     def forward(ctx, call: _Call, hidden: torch.Tensor, *params: torch.Tensor):
         call.offloader._save(call, hidden)
         call.stash_state(hidden.device)
-        flat, call.structure = _flatten(call.function(hidden, *call.rest))  # no_grad: nothing kept
+        from fastft.engine.routing import is_collecting
+
+        with _router_records_of(is_collecting()) as records:
+            flat, call.structure = _flatten(call.function(hidden, *call.rest))  # no_grad: nothing kept
+        call.router_specs = [r.spec for r in records]
+        flat = (*flat, *(r.logits for r in records))
         ctx.mark_non_differentiable(*(t for t in flat if not t.is_floating_point()))
         ctx.call = call
         return flat
@@ -422,7 +444,9 @@ class _OffloadedLayer(torch.autograd.Function):
         hidden = offloader._load(saved)
         offloader._prefetch(saved)
         hidden = hidden.detach().requires_grad_(ctx.needs_input_grad[1])
-        flat, _ = _flatten(call.recompute(hidden))
+        with _router_records_of(bool(call.router_specs), recompute_of=call) as records:
+            flat, _ = _flatten(call.recompute(hidden))
+        flat = [*flat, *(r.logits for r in records)]
         pairs = [(o, g) for o, g in zip(flat, grads, strict=True) if g is not None and o.requires_grad]
         wanted = ([hidden] if hidden.requires_grad else []) + list(call.params)
         found = (
@@ -436,6 +460,40 @@ class _OffloadedLayer(torch.autograd.Function):
         hidden_grad = found[0] if hidden.requires_grad else None
         param_grads = found[1:] if hidden.requires_grad else found
         return (None, hidden_grad, *param_grads)
+
+
+@contextlib.contextmanager
+def _router_records_of(collect: bool, recompute_of: _Call | None = None):
+    """The router records (`fastft.engine.routing.RouterRecord`) of one layer call, when `collect`: in the
+    forward when the loss collects them, in the recompute (`recompute_of`) when the forward had some, so
+    both give the layer the same extra outputs. Fused MoE blocks record themselves whenever a collection is
+    open; transformers' blocks were watched by the loss's router hooks in the forward, so the recompute
+    watches the layer's routers itself and pairs their logits with the forward's specs."""
+    from fastft.engine.routing import RouterRecord, collect_router_stats
+
+    if not collect:
+        yield []
+        return
+    captured: list[torch.Tensor] = []
+    layer = _module_of(recompute_of.function) if recompute_of is not None else None
+    with collect_router_stats() as records:
+        handles = []
+        if layer is not None:
+            from fastft.models.moe import watch_unfused_routers
+
+            handles = watch_unfused_routers(layer, captured.append)
+        try:
+            yield records
+        finally:
+            for handle in handles:
+                handle.remove()
+    if captured:
+        records.extend(
+            RouterRecord(logits, spec)
+            for logits, spec in zip(captured, recompute_of.router_specs[len(records) :], strict=True)
+        )
+    if any(not isinstance(r, RouterRecord) for r in records):
+        raise TypeError("an offloaded layer can hand out router logits (record_router_logits) only")
 
 
 # -- the offloader --------------------------------------------------------------------------------
@@ -541,6 +599,13 @@ class ActivationOffloader:
             return checkpoint(function, *args, use_reentrant=False)
         call = _Call(self, function, args[1:], params, host)
         flat = _OffloadedLayer.apply(call, hidden, *params)
+        if call.router_specs:  # hand the layer's router logits, now part of the graph, to the loss
+            from fastft.engine.routing import record_router_logits
+
+            extra = len(call.router_specs)
+            for spec, logits in zip(call.router_specs, flat[len(flat) - extra :], strict=True):
+                record_router_logits(logits, spec)
+            flat = flat[: len(flat) - extra]
         return _unflatten(flat, call.structure)
 
     def _offloads(self, device: torch.device) -> bool:

@@ -35,8 +35,10 @@ layer's top-k counts ``c_l`` and softmax probabilities ``p_l`` over ``R = L * T`
 
     aux = E * sum_e (sum_l c_l[e] / R) * (sum_l sum_t p_l[t, e] / R)
 
-Each fused MoE layer records its plan's `RouterStats` (counts, probability sums, rows) while
-`collect_router_stats` is open; `load_balancing_loss` combines them.
+While `collect_router_stats` is open, each MoE layer records its router logits and `RouterSpec`
+(`record_router_logits`: a reference, no computation inside the layer, so a checkpointed layer saves the
+same tensors in its forward and its recompute); `load_balancing_loss` turns each record into
+`RouterStats` (top-k counts, probability sums, rows) outside the layers and combines them.
 """
 
 from __future__ import annotations
@@ -104,6 +106,18 @@ class RouterStats:
     counts: torch.Tensor
     prob_sum: torch.Tensor
     rows: int
+
+
+@dataclass(frozen=True)
+class RouterRecord:
+    """One MoE layer forward's router logits ``[T, E]`` and how that layer routes: what the load-balancing
+    loss needs, kept as a reference and turned into `RouterStats` after the forward."""
+
+    logits: torch.Tensor
+    spec: RouterSpec
+
+    def stats(self) -> RouterStats:
+        return build_routing_plan(self.logits, self.spec).stats()
 
 
 @dataclass(frozen=True)
@@ -227,18 +241,29 @@ def is_collecting() -> bool:
     return getattr(_collecting, "stats", None) is not None
 
 
-def record_router_stats(stats: RouterStats) -> None:
-    """Hand one layer's `RouterStats` to the open `collect_router_stats` block, if any."""
+def record_router_stats(stats: RouterStats | RouterRecord) -> None:
+    """Hand one layer's `RouterStats` (or `RouterRecord`) to the open `collect_router_stats` block, if any."""
     sink = getattr(_collecting, "stats", None)
     if sink is not None:
         sink.append(stats)
 
 
-def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
+def record_router_logits(logits: torch.Tensor, spec: RouterSpec) -> None:
+    """What an MoE layer calls while the loss collects: its router logits, by reference (see `RouterRecord`)."""
+    if getattr(_collecting, "stats", None) is not None:
+        record_router_stats(RouterRecord(logits, spec))
+
+
+def load_balancing_loss(
+    stats: list[RouterStats | RouterRecord], num_experts: int | None = None
+) -> torch.Tensor:
     """``E * sum_e (C_e / R) (P_e / R)`` over all recorded layers (module docstring): transformers'
-    ``load_balancing_loss_func`` for unpadded rows. An fp32 scalar, differentiable through ``prob_sum``."""
+    ``load_balancing_loss_func`` for unpadded rows. An fp32 scalar, differentiable through ``prob_sum``
+    (the router logits). `num_experts` defaults to the statistics' width."""
     if not stats:
         raise RoutingError("no router statistics were recorded: the model ran no fused MoE layer")
+    stats = [s.stats() if isinstance(s, RouterRecord) else s for s in stats]
+    num_experts = num_experts or stats[0].counts.numel()
     rows = float(sum(s.rows for s in stats))
     counts = torch.stack([s.counts for s in stats]).sum(dim=0)
     prob_sum = torch.stack([s.prob_sum for s in stats]).sum(dim=0)
@@ -246,6 +271,7 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Ten
 
 
 __all__ = [
+    "RouterRecord",
     "RouterSpec",
     "RouterStats",
     "RoutingError",
@@ -254,6 +280,7 @@ __all__ = [
     "collect_router_stats",
     "load_balancing_loss",
     "plan_from_top_k",
+    "record_router_logits",
     "record_router_stats",
     "router_spec",
     "top_k_routing",

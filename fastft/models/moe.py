@@ -51,7 +51,7 @@ from fastft.engine.routing import (
     collect_router_stats,
     is_collecting,
     plan_from_top_k,
-    record_router_stats,
+    record_router_logits,
     router_spec,
 )
 
@@ -300,7 +300,7 @@ def _original_with_stats(self, hidden_states, info: MoeBlockInfo):
     finally:
         handle.remove()
     for logits in captured:
-        record_router_stats(build_routing_plan(logits, info.spec).stats())
+        record_router_logits(logits, info.spec)
     return output
 
 
@@ -314,7 +314,7 @@ def moe_block_forward(self, hidden_states: torch.Tensor):
     x = hidden_states.reshape(-1, shape[-1])
     plan = _routing_plan(getattr(self, info.router_name), x, info.spec)
     if is_collecting():
-        record_router_stats(plan.stats())
+        record_router_logits(plan.router_logits, info.spec)
     experts, _ = unwrap_experts(self.experts)
     out = moe_experts(x, plan, weights, experts, info.kind)
     if info.shared_expert:
@@ -329,26 +329,31 @@ def collect_moe_router_stats(model: torch.nn.Module):
     blocks record their plans; any MoE block running transformers' forward has its router's logits
     captured by a hook for the duration, so every layer is counted once, fused or not."""
     config = getattr(model, "config", None)
-    handles = []
 
-    def record(module, args, output):
-        logits = output[0]
+    def record(logits):
         # the statistics need only the top-k ids and the softmax: the generic rule picks the same ids
-        spec = RouterSpec(config.num_experts_per_tok, logits.shape[-1])
-        record_router_stats(build_routing_plan(logits, spec).stats())
+        record_router_logits(logits, RouterSpec(config.num_experts_per_tok, logits.shape[-1]))
 
     with collect_router_stats() as stats:
+        handles = watch_unfused_routers(model, record)
         try:
-            for module in model.modules():
-                if not hasattr(module, "experts") or hasattr(module, "_fastft_moe"):
-                    continue
-                router = getattr(module, "router", None) or getattr(module, "gate", None)
-                if router is not None and not isinstance(router, torch.nn.Linear):
-                    handles.append(router.register_forward_hook(record))
             yield stats
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def watch_unfused_routers(module: torch.nn.Module, on_logits) -> list:
+    """Forward hooks calling ``on_logits(router_logits)`` on the routers of the MoE blocks in `module` that
+    run transformers' forward (fused blocks record their own); returns the handles to remove."""
+    handles = []
+    for block in module.modules():
+        if not hasattr(block, "experts") or hasattr(block, "_fastft_moe"):
+            continue
+        router = getattr(block, "router", None) or getattr(block, "gate", None)
+        if router is not None and not isinstance(router, torch.nn.Linear):
+            handles.append(router.register_forward_hook(lambda m, args, output: on_logits(output[0])))
+    return handles
 
 
 __all__ = [
