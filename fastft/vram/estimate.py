@@ -322,10 +322,15 @@ def estimate_vram(
         stored_per_token += int8_kept
         notes.append("8-bit layers keep their inputs (bitsandbytes ctx.tensors) even when checkpointed")
     if profile.quantized == "int8":
-        # Measured by `fastft bench vram` on the H200: Mistral-7B int8 recompute 2k peaked 12.6 % above this
-        # estimate (13.95 vs 12.19 GiB) while every 16-bit and NF4 configuration was within 4 %. The missing
-        # ~2 GiB is in the forward pass of bitsandbytes' 8-bit matmuls and not yet accounted for.
-        notes.append("8-bit estimates have run up to 13 % low (bench vram); leave that much headroom")
+        # bitsandbytes' 8-bit matmul also keeps, for backward, the input columns holding an outlier (|x| > its
+        # threshold, 6.0): data-dependent, so not counted. With random weights nearly every column of the down
+        # projection's input has one (silu(g) * u is heavy-tailed): `fastft bench vram` measured Mistral-7B
+        # int8 recompute 2k 12.6 % above this estimate on the H200 (13.95 vs 12.19 GiB), about that
+        # projection's whole input per layer; trained models keep far fewer columns.
+        notes.append(
+            "8-bit: outlier columns kept by bitsandbytes are not counted (up to +13 % measured with random "
+            "weights); leave that much headroom"
+        )
     stored = stored_per_token * tokens
 
     # -- the loss phase -----------------------------------------------------------------------------------
