@@ -323,10 +323,10 @@ def estimate_vram(
         notes.append("8-bit layers keep their inputs (bitsandbytes ctx.tensors) even when checkpointed")
     if profile.quantized == "int8":
         # bitsandbytes' 8-bit matmul also keeps, for backward, the input columns holding an outlier (|x| > its
-        # threshold, 6.0): data-dependent, so not counted. With random weights nearly every column of the down
-        # projection's input has one (silu(g) * u is heavy-tailed): `fastft bench vram` measured Mistral-7B
-        # int8 recompute 2k 12.6 % above this estimate on the H200 (13.95 vs 12.19 GiB), about that
-        # projection's whole input per layer; trained models keep far fewer columns.
+        # threshold, 6.0): data-dependent, so not counted. `fastft bench vram` measured Mistral-7B int8
+        # recompute 2k 12.6 % above this estimate on the H200 (13.95 vs 12.19 GiB): the size of the down
+        # projection's whole input (1.75 GiB), which random weights make heavy-tailed (silu(g) * u) — the
+        # likely cause, not yet confirmed by counting columns; trained models keep far fewer.
         notes.append(
             "8-bit: outlier columns kept by bitsandbytes are not counted (up to +13 % measured with random "
             "weights); leave that much headroom"
