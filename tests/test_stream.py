@@ -112,6 +112,10 @@ def test_training_on_a_stream_is_deterministic_and_resumes_exactly(tokenizer, tm
 def test_a_stream_needs_max_steps_and_a_rereadable_source(tokenizer):
     with pytest.raises(ValueError, match="max_steps"):
         _trainer(tokenizer, _stream(tokenizer), max_steps=None)
+    with pytest.raises(ValueError, match="pack a held-out set"):
+        model, _ = fastft.load_model("tiny-llama", max_seq_length=SEQ)
+        model = fastft.add_lora(model, r=4)
+        Trainer(model, tokenizer, _stream(tokenizer), _stream(tokenizer), TrainConfig(max_steps=2))
     with pytest.raises(TypeError, match="function that returns a new one"):
         PackedStream(iter(ROWS), tokenizer, SEQ)
     listed = PackedStream(ROWS, tokenizer, SEQ, shard_rows=40)  # a list can be read again

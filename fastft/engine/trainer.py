@@ -174,6 +174,11 @@ class Trainer:
                     "(optimizer steps) to train on it."
                 )
             self._cursor = StreamCursor(self.train_data, self.config.seed)
+        if isinstance(eval_data, PackedStream):
+            raise ValueError(
+                "eval_data must be a PackedDataset or rows to pack: evaluation reads every bin each time, "
+                "so pack a held-out set with fastft.pack(rows, tokenizer) instead of streaming it."
+            )
         self.eval_data = (
             None
             if eval_data is None
