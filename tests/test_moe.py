@@ -507,3 +507,20 @@ def test_router_aux_loss_gradient_survives_every_checkpointing_mode(fused, mode,
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
     for got, expected in zip(grads, want, strict=True):
         assert _rel(got, expected) <= 1e-5
+
+
+def test_expert_lora_reaches_the_grouped_gemm_as_dense_tiles():
+    """PEFT keeps an expert LoRA B as ``[N, r * E]`` (column ``j * E + e``); the grouped GEMM gets it as one
+    contiguous ``[E, N, r]`` copy, never as the permuted view (whose loads would each touch a cache line)."""
+    from fastft.models.moe import expert_weights
+
+    model, _ = _lora_model("tiny-moe", fused=True)
+    block = model.get_base_model().model.layers[0].mlp
+    weights = expert_weights(block.experts, block._fastft_moe)
+    for lora in (weights.gate_up_lora, weights.down_lora):
+        experts, n, rank = lora.B.shape
+        assert lora.B.is_contiguous() and lora.A.is_contiguous()
+        assert experts == 8 and rank == 4
+    wrapper = block.experts  # the outermost ParamWrapper adapts down_proj
+    b = wrapper.lora_B["default"].weight
+    assert torch.equal(weights.down_lora.B[3, :, 1], b[:, 1 * 8 + 3])  # expert 3, rank 1
