@@ -98,14 +98,19 @@ def _result() -> dict:
 
 def test_report_formats_tables_and_checks_the_issue_bars():
     text = bench.report(_result())
-    assert "| op | direction | fastft ms | GB/s | % of copy | eager ms | liger ms |" in text
+    assert (
+        "| op | direction | fastft ms | GB/s | % of copy | kernel alone % of copy | eager ms | liger ms |"
+        in text
+    )
     # 3.6e9 bytes in 1 ms = 3,600 GB/s = 83.7 % of 4,300; a missing Liger time shows as a dash.
-    assert "| rms_norm | forward | 1.000 | 3,600 | 83.7 % | 3.125 | – | – | – | 0.32 | – | – |" in text
-    assert "| nf4 | dequantize | 0.400 | 2,500 | 58.1 % | 4.000 | – | – | 0.500 | 0.10 | – | 0.80 |" in text
+    assert "| rms_norm | forward | 1.000 | 3,600 | 83.7 % | – | 3.125 | – | – | – | 0.32 | – | – |" in text
+    assert (
+        "| nf4 | dequantize | 0.400 | 2,500 | 58.1 % | – | 4.000 | – | – | 0.500 | 0.10 | – | 0.80 |" in text
+    )
     assert "| flce 16384x128256x4096, weight frozen | fastft | 90.0 | 400 | 1.00 | 0.90 | 0.04 |" in text
     assert "copy_ of 2 GiB" in text and "4,300 GB/s" in text
-    assert "- rms_norm forward: 83.7 % of copy (meets 80 %)" in text
-    assert "- nf4 dequantize: 58.1 % of copy (BELOW 80 %)" in text
+    assert "- rms_norm forward: 83.7 % of copy through autograd (meets 80 %)" in text
+    assert "- nf4 dequantize: 58.1 % of copy through autograd (BELOW 80 %)" in text
     assert (
         "peak extra memory 0.042 x eager (meets <= 1/8)" in text and "time 0.90 x eager (meets <= 1)" in text
     )
@@ -145,3 +150,10 @@ def test_a_tiny_cpu_run_times_fastft_beside_eager(monkeypatch):
         assert row["fastft_ms"] > 0 and row["eager_ms"] > 0, result["notes"]
     assert result["rows"][0]["max_abs_diff_vs_eager"] == 0.0  # RMSNorm follows LlamaRMSNorm's casts exactly
     assert result["copy"]["bytes_moved"] == 2**13
+    assert all(row["fastft_kernel_ms"] is None for row in result["rows"])  # no Triton here: nothing to time
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted, the launchers run alone too
+    result = bench.run(["rms_norm", "swiglu", "rope"], bench.Timing(0, 1, 0, 1), sizes, torch.device("cpu"))
+    assert all(row["fastft_kernel_ms"] > 0 for row in result["rows"]), result["notes"]
+    text = bench.report(result)
+    assert "the kernel alone" in text
