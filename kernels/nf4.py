@@ -32,7 +32,6 @@ intermediate fp32 absmax tensor, one launch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -114,9 +113,10 @@ def _nf4_code(device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Inputs:
-    """Validated, flattened inputs shared by the kernel launcher and the reference."""
+    """Validated, flattened inputs shared by the kernel launcher and the reference: everything but the
+    packed bytes, which the caller passes beside them (`_flat_bytes`), so these can be kept on a quant state
+    without holding its weight."""
 
-    packed: torch.Tensor | None  # uint8 [>= ceil(n / 2)]; None in the copy cached on a quant state
     absmax: torch.Tensor  # fp32 or (nested) uint8 [n_blocks]
     code: torch.Tensor  # fp32 [16]
     nested_code: torch.Tensor | None  # fp32 [256]
@@ -227,7 +227,6 @@ def _prepare(
             )
 
     return _Inputs(
-        packed=packed.contiguous(),
         absmax=absmax.contiguous(),
         code=code.contiguous(),
         nested_code=nested_absmax_code.contiguous() if nested else None,
@@ -311,13 +310,13 @@ def dequantize_nf4_reference(
         offset,
     )
     dest = _output(inputs, out, packed.device)
-    _dequantize_reference(inputs, dest)
+    _dequantize_reference(inputs, _flat_bytes(packed), dest)
     return dest.view(inputs.shape)
 
 
-def _dequantize_reference(inputs: _Inputs, dest: torch.Tensor) -> None:
+def _dequantize_reference(inputs: _Inputs, packed: torch.Tensor, dest: torch.Tensor) -> None:
     n = inputs.numel
-    b = inputs.packed[: (n + 1) // 2]
+    b = packed[: (n + 1) // 2]
     nibbles = torch.stack((b >> 4, b & 0xF), dim=1).reshape(-1)[:n].long()
     scale = _absmax_reference(inputs).repeat_interleave(inputs.blocksize)[:n]
     dest.copy_((inputs.code[nibbles] * scale).to(inputs.dtype))
@@ -457,7 +456,7 @@ def _nf4_dequantize_kernel(
         tl.store(Out_ptr + out_idx, values, mask=out_idx < n_elements)
 
 
-def _launch(inputs: _Inputs, dest: torch.Tensor) -> None:
+def _launch(inputs: _Inputs, packed: torch.Tensor, dest: torch.Tensor) -> None:
     n = inputs.numel
     half = inputs.blocksize // 2
     blocks_per_program = max(1, _BYTES_PER_PROGRAM // half)
@@ -467,7 +466,7 @@ def _launch(inputs: _Inputs, dest: torch.Tensor) -> None:
     grid = (triton.cdiv(n_blocks, blocks_per_program),)
     _nf4_dequantize_kernel[grid](
         dest,
-        inputs.packed,
+        packed,
         inputs.absmax,
         inputs.code,
         inputs.nested_code if nested else inputs.code,  # unused placeholders when not nested
@@ -538,10 +537,11 @@ def dequantize_nf4(
 
 def _run(inputs: _Inputs, out: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
     dest = _output(inputs, out, packed.device)
+    flat = _flat_bytes(packed)
     if inputs.numel > 0 and use_triton(packed):
-        _launch(inputs, dest)
+        _launch(inputs, flat, dest)
     else:
-        _dequantize_reference(inputs, dest)
+        _dequantize_reference(inputs, flat, dest)
     return dest.view(inputs.shape)
 
 
@@ -582,13 +582,13 @@ def dequantize_quant_state(
     # Validating and flattening the state costs ~15 small torch calls (~100 us of host time): a LoRA step
     # dequantises each weight three times (forward, recompute, backward), so the prepared inputs are kept on
     # the state, keyed by where its tensors live (a move or a re-quantisation makes a new key).
-    # The kept inputs never hold the packed weight itself: a view of it references the Params4bit through
-    # ``_base``, which references this state, a cycle the garbage collector cannot see through tensors. It
-    # leaked every NF4 model's weights (14.6 GiB after a 32B model, measured on the H200 by `bench vram`).
+    # The kept inputs never hold the packed weight (`_Inputs` has no field for it): a view of it references
+    # the Params4bit through ``_base``, which references this state, a cycle the garbage collector cannot see
+    # through tensors. It leaked every NF4 model's weights (14.6 GiB after a 32B model, `bench vram`).
     key = (packed.data_ptr(), packed.device, dtype, quant_state.absmax.data_ptr())
     cached = getattr(quant_state, "_fastft_nf4_inputs", None)
     if cached is not None and cached[0] == key:
-        return _run(dataclasses.replace(cached[1], packed=_flat_bytes(packed)), out, packed)
+        return _run(cached[1], out, packed)
     args = _state_arguments(quant_state)
     inputs = _prepare(
         packed,
@@ -603,7 +603,7 @@ def dequantize_quant_state(
         args.get("offset"),
     )
     with contextlib.suppress(AttributeError):  # a state that takes no new attributes: prepare every time
-        quant_state._fastft_nf4_inputs = (key, dataclasses.replace(inputs, packed=None))
+        quant_state._fastft_nf4_inputs = (key, inputs)
     return _run(inputs, out, packed)
 
 

@@ -60,9 +60,9 @@ def launches(monkeypatch):
     calls = []
     real = nf4._launch
 
-    def spy(inputs, dest):
+    def spy(inputs, packed, dest):
         calls.append(inputs)
-        real(inputs, dest)
+        real(inputs, packed, dest)
 
     monkeypatch.setattr(nf4, "_launch", spy)
     return calls
