@@ -61,6 +61,20 @@ class _Clock:
         return (end - start) * 1000.0
 
 
+def time_calls(fn: Callable[[], object], device: torch.device, reps: int) -> list[float]:
+    """Milliseconds of each of `reps` calls of ``fn()``: CUDA events read after the last call (the calls are
+    not separated by syncs), perf_counter on the CPU."""
+    clock = _Clock(device)
+    marks = []
+    for _ in range(reps):
+        start = clock.mark()
+        fn()
+        marks.append((start, clock.mark()))
+    if clock.cuda:
+        torch.cuda.synchronize()
+    return [clock.elapsed_ms(start, end) for start, end in marks]
+
+
 def time_steps(
     forward: Callable[[int], torch.Tensor],
     after_backward: Callable[[], None],

@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from fastft.bench.common import environment, markdown_table
+from fastft.bench.common import environment, markdown_table, time_calls
 
 WAYS = ("fastft", "transformers grouped_mm", "transformers loop")
 TARGETS = {"experts": ["q_proj", "k_proj", "v_proj", "o_proj", "experts"], "attention": ["q_proj", "v_proj"]}
@@ -67,34 +66,6 @@ def _block(model_name: str, way: str, targets: str, device: torch.device, dtype:
     return model, layer.mlp
 
 
-def _timer(device: torch.device):
-    if device.type == "cuda":
-
-        def timed(fn, reps: int) -> list[float]:
-            events = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                for _ in range(reps)
-            ]
-            for start, end in events:
-                start.record()
-                fn()
-                end.record()
-            torch.cuda.synchronize()
-            return [start.elapsed_time(end) for start, end in events]
-
-    else:
-
-        def timed(fn, reps: int) -> list[float]:
-            out = []
-            for _ in range(reps):
-                started = time.perf_counter()
-                fn()
-                out.append((time.perf_counter() - started) * 1000)
-            return out
-
-    return timed
-
-
 def measure_block(
     model_name: str,
     way: str,
@@ -126,10 +97,9 @@ def measure_block(
     def forward_backward():
         torch.autograd.grad(output(), [x, *trainable], dy)
 
-    timed = _timer(device)
-    timed(forward_backward, warmup)
-    fb = timed(forward_backward, reps)
-    fwd = timed(forward, reps)
+    time_calls(forward_backward, device, warmup)
+    fb = time_calls(forward_backward, device, reps)
+    fwd = time_calls(forward, device, reps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -175,9 +145,8 @@ def measure_routing(model_name: str, tokens: int, reps: int = 20, device: torch.
     def plan():
         return build_routing_plan(x @ router.t(), spec)
 
-    timed = _timer(device)
-    timed(plan, 3)
-    once = statistics.median(timed(plan, reps))
+    time_calls(plan, device, 3)
+    once = statistics.median(time_calls(plan, device, reps))
     return {
         "tokens": tokens,
         "experts": experts,

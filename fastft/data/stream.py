@@ -87,16 +87,12 @@ class StreamCursor:
         self._next = 0
 
     def _advance(self) -> tuple[PackedDataset, int]:
-        """The next bin as (shard, bin index), moving to the next shard or epoch when one runs out."""
-        empty_passes = 0
+        """The next bin as (shard, bin index), moving to the next shard or epoch when one runs out (a pass
+        with no trainable row ends in `pack_shards`' own error)."""
         while self._next >= len(self._order):
             shard = next(self._shards, None)
             if shard is None:  # the pass is over
-                if self._pass_bins == 0:
-                    empty_passes += 1
-                    if empty_passes > 1:
-                        raise ValueError("PackedStream: a whole pass over the rows produced no bins.")
-                self.stream.bins_per_pass = self._pass_bins or self.stream.bins_per_pass
+                self.stream.bins_per_pass = self._pass_bins
                 self.epoch += 1
                 self._pass_bins = 0
                 self._start_epoch()
