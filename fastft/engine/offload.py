@@ -57,6 +57,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from fastft.engine.routing import RouterRecord, collect_router_stats, is_collecting, record_router_logits
+
 OFFLOAD_MODES = ("offload", "offload-single")
 HOST_BUDGET_FRACTION = 0.75  # of available host memory
 _HOST_GRANULE = 2 * 2**20  # host slots are rounded up to 2 MiB so nearby sizes reuse them
@@ -421,8 +423,6 @@ class _OffloadedLayer(torch.autograd.Function):
     def forward(ctx, call: _Call, hidden: torch.Tensor, *params: torch.Tensor):
         call.offloader._save(call, hidden)
         call.stash_state(hidden.device)
-        from fastft.engine.routing import is_collecting
-
         with _router_records_of(is_collecting()) as records:
             flat, call.structure = _flatten(call.function(hidden, *call.rest))  # no_grad: nothing kept
         call.router_specs = [r.spec for r in records]
@@ -469,8 +469,6 @@ def _router_records_of(collect: bool, recompute_of: _Call | None = None):
     both give the layer the same extra outputs. Fused MoE blocks record themselves whenever a collection is
     open; transformers' blocks were watched by the loss's router hooks in the forward, so the recompute
     watches the layer's routers itself and pairs their logits with the forward's specs."""
-    from fastft.engine.routing import RouterRecord, collect_router_stats
-
     if not collect:
         yield []
         return
@@ -600,8 +598,6 @@ class ActivationOffloader:
         call = _Call(self, function, args[1:], params, host)
         flat = _OffloadedLayer.apply(call, hidden, *params)
         if call.router_specs:  # hand the layer's router logits, now part of the graph, to the loss
-            from fastft.engine.routing import record_router_logits
-
             extra = len(call.router_specs)
             for spec, logits in zip(call.router_specs, flat[len(flat) - extra :], strict=True):
                 record_router_logits(logits, spec)
