@@ -98,7 +98,19 @@ def test_optimizer_and_gradient_bytes_follow_the_adapter_count():
     n = adamw.lora_parameters
     assert n == 43_646_976  # r=16 on q/k/v/o/gate/up/down of 36 layers
     assert adamw["optimizer"] == 8 * n  # fp32 m and v
-    assert adamw.component("gradients").own_bytes == 4 * n
+    # q and o, k and v, gate and up, down
+    per_layer = 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 2 * (4096 + 12288) + 12288 + 4096)
+    assert 36 * per_layer == n
+    # all gradients exist only at the end of backward; under offload nothing stored is freed before then
+    offload = estimate_vram("Qwen/Qwen3-8B", 1024, checkpointing="offload", gpu=None)
+    assert offload.component("gradients").own_bytes == 4 * n
+    # under recompute each finished layer frees its stored input (1024 × 4096 × 2 B), more than its
+    # gradients (4 B × 1.2M): the peak is the last layer's backward, with only that layer's gradients
+    assert adamw.component("gradients").own_bytes == 4 * per_layer
+    # at 128 tokens a layer input (1 MiB) is smaller: the peak is the first layer's, all gradients made
+    # and 35 layer inputs freed
+    short = estimate_vram("Qwen/Qwen3-8B", 128, gpu=None)
+    assert short.component("gradients").own_bytes == 4 * n - 35 * 128 * 4096 * 2
     assert estimate_vram("Qwen/Qwen3-8B", 1024, optimizer="adamw_8bit", gpu=None)["optimizer"] == 2 * n
     assert estimate_vram("Qwen/Qwen3-8B", 1024, optimizer="sgd", gpu=None)["optimizer"] == 0
     # fused kernels cast adapters on use; peft under autocast keeps a bf16 copy of each
@@ -177,13 +189,13 @@ def test_memory_grows_with_seq_len_and_shrinks_with_stronger_checkpointing():
             for mode in ("none", "recompute", "offload")
         }
         assert stored["offload"] < stored["recompute"] < stored["none"]
-    # recompute keeps one bf16 hidden state per layer and token, offload two in all
+    # recompute keeps one bf16 hidden state per layer and token, offload two in all (the final norm's
+    # input is freed by the loss's backward, before any layer's: it is part of the loss phase)
     hidden, layers, tokens = 4096, 36, 4096
     recompute = estimate_vram("Qwen/Qwen3-8B", tokens, checkpointing="recompute", gpu=None)
     offload = estimate_vram("Qwen/Qwen3-8B", tokens, checkpointing="offload", gpu=None)
-    final_norm = (2 * hidden + 4) * tokens
-    assert recompute["activations"] == layers * hidden * 2 * tokens + final_norm
-    assert offload["activations"] == 2 * hidden * 2 * tokens + final_norm
+    assert recompute["activations"] == layers * hidden * 2 * tokens
+    assert offload["activations"] == 2 * hidden * 2 * tokens
 
 
 def test_moe_counts_every_expert_weight_and_top_k_routed_activations():
@@ -197,6 +209,157 @@ def test_moe_counts_every_expert_weight_and_top_k_routed_activations():
     per_pair = (3 * 768 + 2048 + 1) * 2 + 3 * 8 + 3 * 4  # gate/up, act, output, weight; indices; top-k
     per_pair += 2 * 16 * 2  # "all-linear" adapts the experts too: the fused block keeps x @ A twice (r = 16)
     assert doubled["activations"] - estimate["activations"] == 48 * 2048 * 8 * per_pair
+
+
+def test_fused_loss_holds_one_balanced_logits_chunk_and_the_final_hidden_states():
+    from fastft.kernels.fused_linear_ce import default_chunk_size
+
+    from fastft.vram.estimate import fused_ce_rows
+
+    for rows, vocab, size in (
+        (8192, 151936, 2),
+        (18944, 151936, 2),
+        (2048, 128256, 2),
+        (5, 32000, 4),
+        (1, 7, 2),
+    ):
+        assert fused_ce_rows(rows, vocab, size) == default_chunk_size(rows, vocab, size)
+    assert fused_ce_rows(8192, 151936, 2) == 2731  # 3 chunks, not 3,533-row chunks of 1 GiB
+    tokens, hidden, vocab = 8192, 4096, 151936
+    estimate = estimate_vram("Qwen/Qwen3-8B", tokens, gpu=None)
+    final_norm = (2 * hidden + 4) * tokens  # its saved input (the last layer's output) and fp32 rstd
+    output = 2 * hidden * tokens  # the decoder's output, alive through the loss
+    trained = 2 * 2 * hidden * tokens  # index_select copy of the trained positions, and its gradient
+    assert estimate.component("logits").own_bytes == (
+        final_norm + output + 2731 * vocab * 2 + trained + 4 * tokens
+    )
+
+
+def test_backward_counts_the_recomputed_layer_once_and_the_mlp_backward_buffers():
+    tokens, h, inter = 1000, 4096, 12288
+    inventory = inventory_of("Qwen/Qwen3-8B")
+    profile = act.Profile.of("bf16", fused=True, model_type="qwen3", hidden_act=inventory.hidden_act)
+    targets = set(inventory.lora_target_names())
+    layer = inventory.layers[0]
+    saved = act.layer_bytes(layer, inventory, profile, targets, 16)
+    recompute = estimate_vram("Qwen/Qwen3-8B", tokens, checkpointing="recompute", gpu=None)
+    # the re-run's first norm saves the layer input, which the stored activations already hold
+    assert recompute.component("recompute").own_bytes == (saved - 2 * h) * tokens
+    # an offloaded layer is re-run whole: its output is alive too
+    offload = estimate_vram("Qwen/Qwen3-8B", tokens, checkpointing="offload", gpu=None)
+    assert offload.component("recompute").own_bytes == saved * tokens
+    # the MLP's backward: the gradient arriving (h), dh (I) and its dx (h), bf16; by the attention's
+    # backward the MLP's saved g, u and input are freed, which outweighs FlashAttention's buffers
+    assert recompute.component("backward_workspace").own_bytes == (2 * h + 2 * (inter + h)) * tokens
+    attention = 2 * 2 * h + 4 * h + 2 * (h + 2 * 1024) + 2 * h + 4 * 32
+    freed = act.mlp_side_bytes(layer, inventory, profile, targets, 16)
+    assert freed == 2 * h + 2 * 2 * inter + 2 * 3 * 16 + (2 * h + 4)  # input, g, u, x@A and h@A; norm
+    assert attention - freed < 2 * h + 2 * (inter + h)
+
+
+def test_int8_keeps_every_projection_input_and_the_down_projection_outlier_columns():
+    tokens = 2048
+    h, q, inter, layers = 4096, 4096, 14336, 32
+    estimate = estimate_vram("mistralai/Mistral-7B-Instruct-v0.3", tokens, precision="int8", gpu=None)
+    # per layer: its input (checkpointing), and bitsandbytes' ctx.tensors: the attention input, o_proj's
+    # input, the MLP input, down_proj's input and its outlier columns (worst case: all of them)
+    kept = 2 * (h + q + h + inter) + 2 * inter
+    assert estimate["activations"] == layers * (2 * h + kept) * tokens
+    inventory = inventory_of("mistralai/Mistral-7B-Instruct-v0.3")
+    profile = act.Profile.of("int8", fused=True, model_type="mistral", hidden_act="silu")
+    assert act.int8_shares_inputs(profile) and not profile.fused_projections
+    layer = inventory.layers[0]
+    assert act.int8_outlier_bytes(layer, inventory, profile) == 2 * inter
+    terms = act.layer_terms(layer, inventory, profile, set(inventory.lora_target_names()), 16)
+    # under autocast peft's 8-bit LoRA layer feeds lora_A the input bitsandbytes keeps: no copies
+    assert terms["projection_inputs"] == 0
+    assert terms["int8_inputs"] == 2 * (h + h + inter) and terms["int8_outliers"] == 2 * inter
+    # the peak: down_proj's forward re-run in backward, its outlier columns' weights dequantised in fp32
+    # (int8 gather + two fp32 products per weight) beside its int8 input, and the gradient arriving
+    assert estimate.peak_phase == "backward"
+    assert estimate["dequant"] == tokens * inter + 9 * h * inter
+    assert estimate["backward_workspace"] == 2 * h * tokens
+    assert any("outlier" in note for note in estimate.notes)
+    # offloaded layers run their forward under no_grad: bitsandbytes keeps nothing between the passes
+    offload = estimate_vram(
+        "mistralai/Mistral-7B-Instruct-v0.3", tokens, precision="int8", checkpointing="offload", gpu=None
+    )
+    assert offload["activations"] == 2 * 2 * h * tokens
+
+
+def test_bitsandbytes_8bit_matmul_keeps_input_and_outlier_columns_through_checkpointing():
+    """What `int8_kept_bytes` assumes of ``MatMul8bitLt`` (the CUDA training path; its default kernels run on
+    the CPU too): for a frozen weight it keeps ``(None, A[:, outlier_cols], A)`` as ctx attributes, which
+    non-reentrant checkpointing does not drop and backward does not free."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as bnb_functional
+    from bitsandbytes.autograd._functions import MatMul8bitLt, MatmulLtState
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    rows, width, out = 37, 24, 10
+    weight, scales, _ = bnb_functional.int8_vectorwise_quant(torch.randn(out, width).half())
+    state = MatmulLtState()
+    state.CB, state.SCB, state.threshold = weight, scales, 6.0  # a frozen 8-bit weight, LLM.int8() threshold
+    state.has_fp16_weights, state.is_training = False, True
+    x = torch.randn(rows, width, dtype=torch.bfloat16, requires_grad=True)
+    inputs = []
+
+    def project(x):
+        h = x * 1.0  # a fresh input, as a norm's output is
+        with torch.no_grad():
+            h[[3, 30], [2, 7]] = torch.tensor([9.0, -7.0], dtype=h.dtype)  # outliers in columns 2 and 7
+        inputs.append(h)
+        return MatMul8bitLt.apply(h, weight, None, None, state)
+
+    y = checkpoint(project, x, use_reentrant=False)
+    node = y.grad_fn
+    y.float().sum().backward()
+    assert x.grad is not None
+    no_weight_grad, outliers, kept = node.tensors
+    assert no_weight_grad is None
+    assert kept.untyped_storage().data_ptr() == inputs[0].untyped_storage().data_ptr()  # the input itself
+    assert outliers.shape == (rows, 2) and outliers.dtype == torch.bfloat16
+    assert torch.equal(outliers, inputs[0][:, [2, 7]])
+
+
+def test_recorded_h200_peaks_and_longest_context_are_reproduced():
+    """The estimate against `fastft bench vram`'s H200 run (benchmarks/vram-h200-2026-11-30.json)."""
+    from pathlib import Path
+
+    recorded = json.loads(
+        (Path(__file__).parent.parent / "benchmarks" / "vram-h200-2026-11-30.json").read_text()
+    )
+    errors = {}
+    for row in recorded["peaks"]:
+        targets = None
+        if CATALOG[row["model"]].is_moe:  # run before LoRA on the experts existed: attention only
+            targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        estimate = estimate_vram(
+            row["model"],
+            row["seq_len"],
+            precision=row["precision"],
+            lora_r=row["lora_r"],
+            checkpointing=row["checkpointing"],
+            fused=row["fused"],
+            targets=targets,
+            gpu=None,
+        )
+        errors[row["config"]] = estimate.allocated_bytes / GiB / row["measured_gib"] - 1
+    assert len(errors) == 16 and all(abs(e) < 0.025 for e in errors.values()), errors
+    for row in recorded["contexts"]:
+        if "measured" not in row:
+            continue
+        predicted = max_context(
+            row["model"],
+            capped_gpu(int(row["cap_gib"] * GiB)),
+            precision=row["precision"],
+            lora_r=row["lora_r"],
+            checkpointing=row["checkpointing"],
+            fused=row["fused"],
+            multiple_of=512,
+        )
+        assert row["measured"] * 0.95 <= predicted <= row["measured"], (row["config"], predicted)
 
 
 def test_max_context_is_the_longest_length_fits_accepts():

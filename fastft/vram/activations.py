@@ -19,10 +19,12 @@ Two code paths run a decoder layer, and they keep different tensors:
 
 - A frozen linear saves only its weight (PyTorch saves an input only when the other operand needs a
   gradient): a layer without LoRA keeps no copy of its input. bitsandbytes' 4-bit matmul keeps only the
-  packed weight; its 8-bit matmul keeps its input as a ``ctx`` attribute, which checkpointing cannot drop.
+  packed weight; its 8-bit matmul keeps its input and the input's outlier columns as ``ctx`` attributes,
+  which checkpointing cannot drop and backward does not free (`int8_kept_bytes`).
 - peft casts each LoRA'd layer's input to its fp32 adapters' dtype; autocast casts it back to bf16 for
   ``lora_A``, and that bf16 copy is saved: **one input copy per LoRA'd linear** (q, k, v each their own),
-  plus ``x @ A`` for ``lora_B``. Autocast also keeps a bf16 copy of every adapter weight.
+  plus ``x @ A`` for ``lora_B``. Autocast also keeps a bf16 copy of every adapter weight. peft's 8-bit
+  layer skips the cast under autocast: its ``lora_A`` saves the input bitsandbytes keeps anyway.
 - RMSNorm upcasts its input to fp32 and saves that and ``rsqrt``.
 - The gated MLP saves the gate output, the up output and the activation output; the product only as
   ``down_proj``'s LoRA input copy.
@@ -175,25 +177,61 @@ def lora_input_bytes(linears: list[LinearInfo], profile: Profile) -> int:
     return sum(groups.values())
 
 
-def layer_terms(
+def int8_shares_inputs(profile: Profile) -> bool:
+    """8-bit bases under autocast: peft's `Linear8bitLt` skips its fp32 cast of the input when autocast is
+    on (``requires_conversion = not torch.is_autocast_enabled()``), and the input already is in the
+    autocast dtype, so ``lora_A`` saves the very tensor bitsandbytes keeps: no copy per linear. With an
+    fp32 residual stream (fp16 GPUs upcast by peft) autocast makes an fp16 copy per ``lora_A`` call."""
+    return (
+        profile.quantized == "int8"
+        and not profile.fused_projections
+        and profile.residual == profile.compute == profile.act
+    )
+
+
+def _int8_input_width(linear: LinearInfo, profile: Profile) -> int:
+    # the residual stream feeds the norms' outputs to q/k/v and gate/up; down_proj reads an MLP product
+    return linear.in_features * (profile.act if linear.short == "down_proj" else profile.residual)
+
+
+def int8_outlier_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile) -> int:
+    """The outlier sub-matrix bitsandbytes' 8-bit matmul keeps for backward, per token (worst case).
+
+    ``MatMul8bitLt`` (threshold 6.0) finds the input columns holding any ``|x| >= 6`` and keeps
+    ``subA = A[:, outlier_cols]`` (the input's dtype) in ``ctx.tensors`` beside ``A`` itself, even when the
+    weight is frozen and backward never reads it. How many columns qualify depends on the data, and grows
+    with the tokens (one outlier in any row marks the column). Counted as every column for the input no
+    norm bounds, down_proj's ``act(g) * u``: a product of two projections, heavy-tailed (Mistral-7B's first
+    MLP with the bench's random weights, std 0.02, over 2048 tokens, simulated on the CPU: 0.34 % of the
+    elements and 14,319 of 14,336 columns). None for the normalised inputs of q/k/v and gate/up (trained
+    models show a handful of outlier features there) nor for o_proj's, a convex mix of v rows.
+    """
+    if profile.quantized != "int8" or profile.fused_projections:
+        return 0
+    return sum(_int8_input_width(linear, profile) for linear in layer.linears if linear.short == "down_proj")
+
+
+def _attention_terms(
     layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int
 ) -> dict[str, int]:
-    """Saved bytes per token of one decoder layer, by term (what a non-checkpointed layer keeps)."""
     h = model.hidden_size
     q, kv = _attention_widths(layer, model)
     c = profile.compute
-    lora = _lora_linears(layer, targets)
-    attention_lora = [linear for linear in lora if linear.short in _ATTENTION_INPUT | {"o_proj"}]
-    mlp_lora = [linear for linear in lora if linear not in attention_lora]
+    lora = [
+        linear for linear in _lora_linears(layer, targets) if linear.short in _ATTENTION_INPUT | {"o_proj"}
+    ]
     xa = 2 if profile.lora_copy else 4  # x @ A: bf16 under autocast, else fp32
-    terms = {"norms": layer.norms * norm_bytes(h, profile)}
+    terms: dict[str, int] = {}
     if profile.fused_projections:
         # q/k/v input once, in the compute dtype; o_proj reads the saved attention output; x @ A per LoRA
         terms["projection_inputs"] = c * h
-        terms["lora_xa"] = c * r * len(attention_lora)
+        terms["lora_xa"] = c * r * len(lora)
     else:
-        terms["projection_inputs"] = lora_input_bytes(attention_lora, profile)
-        terms["lora_xa"] = xa * r * len(attention_lora)
+        terms["projection_inputs"] = 0 if int8_shares_inputs(profile) else lora_input_bytes(lora, profile)
+        terms["lora_xa"] = xa * r * len(lora)
+    if profile.quantized == "int8" and not profile.fused_projections:
+        # bitsandbytes keeps the q/k/v input (o_proj's is the attention output, counted below)
+        terms["int8_inputs"] = h * profile.residual if any(layer.linear(s) for s in _ATTENTION_INPUT) else 0
     # q, k (after RoPE), v and the output in 16-bit; logsumexp in fp32 per query head
     terms["attention"] = 2 * (q + 2 * kv) + 2 * q + 4 * model.num_heads
     if layer.qk_norm:
@@ -201,6 +239,22 @@ def layer_terms(
             terms["qk_norms"] = c * (q + kv)
         else:  # RMSNorm per head: its fp32 input and one rsqrt per head
             terms["qk_norms"] = 4 * (q + kv) + 4 * (model.num_heads + model.num_kv_heads)
+    return terms
+
+
+def _mlp_terms(
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int
+) -> dict[str, int]:
+    h = model.hidden_size
+    c = profile.compute
+    lora = [
+        linear
+        for linear in _lora_linears(layer, targets)
+        if linear.short not in _ATTENTION_INPUT | {"o_proj"}
+    ]
+    xa = 2 if profile.lora_copy else 4
+    shared = int8_shares_inputs(profile)
+    terms: dict[str, int] = {}
     if layer.moe:
         terms["experts"] = moe_bytes(model, profile)
         if "experts" in targets:
@@ -210,18 +264,63 @@ def layer_terms(
             terms["shared_expert"] = (
                 3 * layer.shared_expert_intermediate * profile.act + (h + 2) * profile.act
             )
-            terms["projection_inputs"] += lora_input_bytes(mlp_lora, profile)
-            terms["lora_xa"] += xa * r * len(mlp_lora)
+            terms["projection_inputs"] = 0 if shared else lora_input_bytes(lora, profile)
+            terms["lora_xa"] = xa * r * len(lora)
     elif profile.fused_mlp:
         # input (compute dtype), gate and up outputs; x @ [A_g; A_u] and h @ A_d
         terms["mlp"] = c * h + 2 * c * _width(layer, "gate_proj", 0)
-        terms["lora_xa"] += c * r * len(mlp_lora)
+        terms["lora_xa"] = c * r * len(lora)
     else:
         intermediate = _width(layer, "gate_proj", 0) or _width(layer, "up_proj", 0)
         terms["mlp"] = 3 * intermediate * profile.act  # gate output, up output, activation output
-        terms["projection_inputs"] += lora_input_bytes(mlp_lora, profile)
-        terms["lora_xa"] += xa * r * len(mlp_lora)
+        terms["projection_inputs"] = 0 if shared else lora_input_bytes(lora, profile)
+        terms["lora_xa"] = xa * r * len(lora)
+    if profile.quantized == "int8" and not profile.fused_projections:
+        inputs: dict[str, int] = {}  # each distinct input once: gate/up share theirs
+        for linear in layer.linears:
+            if linear.short in _ATTENTION_INPUT or linear.short == "o_proj":
+                continue
+            key = "mlp_input" if linear.short in _MLP_INPUT else linear.name
+            inputs[key] = _int8_input_width(linear, profile)
+        terms["int8_inputs"] = sum(inputs.values())
+        terms["int8_outliers"] = int8_outlier_bytes(layer, model, profile)
     return terms
+
+
+def layer_terms(
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int
+) -> dict[str, int]:
+    """Saved bytes per token of one decoder layer, by term (what a non-checkpointed layer keeps).
+
+    8-bit bases (bitsandbytes, on the transformers path): ``int8_inputs`` are the distinct projection inputs
+    the 8-bit matmuls keep in ``ctx.tensors`` (o_proj's is the attention output, already in ``attention``),
+    which under autocast are also what ``lora_A`` saves; ``int8_outliers`` their outlier columns
+    (`int8_outlier_bytes`)."""
+    terms = {"norms": layer.norms * norm_bytes(model.hidden_size, profile)}
+    for side in (
+        _attention_terms(layer, model, profile, targets, r),
+        _mlp_terms(layer, model, profile, targets, r),
+    ):
+        for key, value in side.items():
+            terms[key] = terms.get(key, 0) + value
+    return terms
+
+
+def mlp_side_bytes(
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int
+) -> int:
+    """What the MLP half of a layer saves, its norm included (per token): freed once the MLP's backward has
+    run, before the attention's. bitsandbytes' ``ctx.tensors`` are not freed (see `int8_kept_bytes`)."""
+    terms = _mlp_terms(layer, model, profile, targets, r)
+    freed = sum(value for key, value in terms.items() if key not in ("int8_inputs", "int8_outliers"))
+    return freed + (norm_bytes(model.hidden_size, profile) if layer.norms >= 2 else 0)
+
+
+def first_norm_reads_stored_input(profile: Profile) -> bool:
+    """Whether a layer's first norm saves the layer input itself (the tensor checkpointing stores): the
+    fused RMSNorm does, and so does transformers' when the residual stream is already fp32 (its upcast
+    ``.to(float32)`` is then no copy)."""
+    return profile.fused_norms or profile.residual == 4
 
 
 def moe_bytes(model: ModelInventory, profile: Profile) -> int:
@@ -253,9 +352,15 @@ def layer_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile, targe
 
 
 def int8_kept_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile) -> int:
-    """bitsandbytes 8-bit matmuls keep their input (``ctx.tensors``) once per distinct input, outside the
-    saved-tensor hooks, so in every checkpointing mode: attention input and output, MLP input and product."""
-    if profile.quantized != "int8":
+    """What bitsandbytes' 8-bit matmuls keep per token, outside autograd's saved tensors.
+
+    ``MatMul8bitLt.forward`` stores ``ctx.tensors = (CAt, subA, A)``: ``CAt`` is None for a frozen weight,
+    ``A`` is the input itself (one per distinct input: attention input and output, MLP input and product),
+    ``subA`` its outlier columns (`int8_outlier_bytes`). ``ctx`` attributes are neither packed by
+    checkpointing's saved-tensor hooks nor released when the node runs its backward (autograd frees only
+    ``save_for_backward``'s tensors), so with non-reentrant checkpointing every layer's live until the whole
+    graph is freed after backward. Offloaded layers run their forward under no_grad: nothing is kept."""
+    if profile.quantized != "int8" or profile.fused_projections:
         return 0
     kept: dict[str, int] = {}
     for linear in layer.linears:
@@ -265,27 +370,74 @@ def int8_kept_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile) -
             key = "mlp_input"
         else:
             key = linear.name
-        width = profile.act if linear.short == "down_proj" else profile.residual
-        kept[key] = linear.in_features * width
-    return sum(kept.values())
+        kept[key] = _int8_input_width(linear, profile)
+    return sum(kept.values()) + int8_outlier_bytes(layer, model, profile)
 
 
-def backward_workspace_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile) -> int:
-    """Gradient buffers alive while one layer runs backward, per token.
+def int8_forward_transient_bytes(
+    layer: LayerInfo, model: ModelInventory, profile: Profile, tokens: int
+) -> int:
+    """The largest transient of one 8-bit projection's forward (``MatMul8bitLt``, threshold 6.0), in bytes
+    for `tokens` rows (weight-sized terms do not scale with tokens).
 
-    The gradients flowing into and out of the layer (residual width), plus the larger of the MLP's and
-    attention's. MLP, fused: ``dh`` (the other ``[N, I]`` gradients are written over saved buffers) and
-    ``dx``; transformers: gradients of the gate, up and activation outputs. Attention: FlashAttention's fp32
-    dq accumulator, dq/dk/dv and d(out) in 16-bit, one fp32 per head and row.
+    For input ``A [N, in]`` with ``c`` outlier columns and weight ``[out, in]``, three moments:
+
+    - quantising the input: its fp16 copy, ``|A|`` in fp16 and the ``|A| >= 6`` mask: 5 B per input element;
+    - the outlier columns' weights, dequantised by bitsandbytes' default op as ``CB[:, cols] * SCB * (1/127)``:
+      the int8 gather (1 B) and two fp32 products (4 + 4 B) per ``out × c`` element, beside the int8 ``CA``
+      (1 B per input element);
+    - the int8 GEMM: its int32 output and the fp16 and 16-bit copies it is converted through
+      (4 + 2 + 2 B per ``N × out`` element), beside ``CA`` and the 16-bit outlier weights (2 B per ``out × c``).
+
+    ``c`` is every column for down_proj (the worst case, see `int8_outlier_bytes`), none elsewhere.
+    """
+    if profile.quantized != "int8" or profile.fused_projections:
+        return 0
+    largest = 0
+    for linear in layer.linears:
+        n_in, n_out = tokens * linear.in_features, tokens * linear.out_features
+        c = linear.in_features if linear.short == "down_proj" else 0
+        weights = linear.out_features * c
+        largest = max(largest, 5 * n_in, n_in + 9 * weights, n_in + 2 * weights + 8 * n_out)
+    return largest
+
+
+def backward_workspace_bytes(
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int
+) -> int:
+    """Gradient buffers beyond the saved tensors while one layer runs backward, per token: the larger of
+    two moments (the MLP's backward runs first, the attention's after it).
+
+    MLP: the gradient arriving at the layer and the MLP's own buffers: fused, ``dh [N, I]`` and the MLP's
+    ``dx`` (the other ``[N, I]`` gradients are written over the saved ``g`` and ``u``); transformers, the
+    gradient leaving the layer and the gradients of the gate, up and activation outputs. Attention: the
+    gradients into and out of the layer, FlashAttention's fp32 dq accumulator, dq/dk/dv and d(out) in
+    16-bit, one fp32 per head and row -- by then the MLP's saved tensors and its norm's are freed
+    (`mlp_side_bytes`), so they count against it.
     """
     h = model.hidden_size
     q, kv = _attention_widths(layer, model)
-    attention = 4 * q + 2 * (q + 2 * kv) + 2 * q + 4 * model.num_heads
+    attention = 2 * h * profile.residual + 4 * q + 2 * (q + 2 * kv) + 2 * q + 4 * model.num_heads
     if layer.moe:
         k, inter = model.experts_per_token, model.moe_intermediate
-        mlp = k * (3 * inter + h) * profile.expert + 3 * layer.shared_expert_intermediate * profile.act
+        mlp = (
+            2 * h * profile.residual
+            + k * (3 * inter + h) * profile.expert
+            + 3 * layer.shared_expert_intermediate * profile.act
+        )
     elif profile.fused_mlp:
-        mlp = profile.compute * (_width(layer, "gate_proj", 0) + h)
+        mlp = h * profile.residual + profile.compute * (_width(layer, "gate_proj", 0) + h)
     else:
-        mlp = 3 * (_width(layer, "gate_proj", 0) or _width(layer, "up_proj", 0)) * profile.act
-    return 2 * h * profile.residual + max(mlp, attention)
+        mlp = (
+            2 * h * profile.residual
+            + 3 * (_width(layer, "gate_proj", 0) or _width(layer, "up_proj", 0)) * profile.act
+        )
+    return max(mlp, attention - mlp_side_bytes(layer, model, profile, targets, r))
+
+
+def layer_lora_params(layer: LayerInfo, model: ModelInventory, targets: set[str], r: int) -> int:
+    """Adapter parameters of one decoder layer (its gradients appear when its backward runs)."""
+    params = sum(r * (linear.in_features + linear.out_features) for linear in _lora_linears(layer, targets))
+    if layer.moe and "experts" in targets and model.experts:
+        params += r * model.experts * (2 * model.hidden_size + 3 * model.moe_intermediate)
+    return params

@@ -3,9 +3,14 @@
 The estimate is a sum of named components, each an explicit formula over the architecture (see
 `fastft.vram.activations` for the activations). A training step has two memory peaks, and the larger wins:
 
-- **loss**: every stored activation plus the logits and the loss's buffers, just before backward starts;
-- **backward**: every stored activation plus, for checkpointed layers, one layer recomputed, the gradient
-  buffers of the layer running backward, dequantised weights (4/8-bit) and the LoRA gradients.
+- **loss**: every stored activation plus the logits and the loss's buffers (and the final norm's saved
+  input, which the loss's backward frees before any layer's), just before backward starts;
+- **backward**: the layer whose backward holds the most (the last one, unless stored activations are
+  freed more slowly than LoRA gradients appear): every stored activation; for checkpointed layers, one
+  layer recomputed; the larger of two moments inside that layer -- its backward (gradient buffers and a
+  dequantised 4/8-bit weight) or, on 8-bit bases, its forward re-run reaching an 8-bit projection (outlier
+  columns' weights dequantised in fp32) -- and the LoRA gradients made by then beyond the activations
+  already freed.
 
 Components of the phase that is not the peak are listed with their own size but add nothing to the total.
 ``allocated_bytes`` is what ``torch.cuda.max_memory_allocated`` reports; ``total_bytes`` adds the CUDA
@@ -36,8 +41,11 @@ NF4_NESTED_BLOCK = 256
 # The fused linear cross-entropy (kernels/fused_linear_ce.py) keeps one chunk of logits of at most this
 # many bytes (its LOGITS_CHUNK_BYTES), in the hidden states' dtype.
 FUSED_CE_CHUNK_BYTES = 2**30
-# cuBLAS/cuBLASLt workspaces PyTorch allocates through its caching allocator (32 MiB on Hopper and newer).
-CUBLAS_WORKSPACE_BYTES = 32 * MiB
+# cuBLAS workspaces PyTorch allocates through its caching allocator and keeps for the process: 32 MiB on
+# Hopper and newer, one per (cuBLAS handle, stream), and handles are per thread -- the forward runs on the
+# Python thread, backward on autograd's device thread: two. `fastft bench vram` saw 0.0645 GiB stay
+# allocated once the first configuration was freed, in every later one.
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * MiB
 # Caching-allocator slack at the peak (reserved − allocated): a fraction of what is allocated and freed
 # during the step, plus a floor. To be calibrated from `fastft bench vram` (its "reserved" column).
 SLACK_FRACTION = 0.05
@@ -301,35 +309,36 @@ def estimate_vram(
 
     # -- activations kept from forward to backward ------------------------------------------------------
     targets_set = set(target_names)
-    per_layer = [act.layer_bytes(layer, inventory, profile, targets_set, r) for layer in inventory.layers]
+    layers = inventory.layers
+    per_layer = [act.layer_bytes(layer, inventory, profile, targets_set, r) for layer in layers]
+    # bitsandbytes' 8-bit matmuls keep their inputs (and outlier columns) as ctx attributes: outside the
+    # checkpoint's saved-tensor hooks, and alive until the whole graph is freed after backward
+    kept = [act.int8_kept_bytes(layer, inventory, profile) for layer in layers]
     h = inventory.hidden_size
     final_norm = act.norm_bytes(h, profile)
     layer_input = h * profile.residual
-    int8_kept = sum(act.int8_kept_bytes(layer, inventory, profile) for layer in inventory.layers)
     if mode == "none":
         # the first layer's input norm saves nothing: the embeddings need no gradient
-        stored_per_token = sum(per_layer) - act.norm_bytes(h, profile) + final_norm
+        stored_per_token = sum(per_layer) - (act.norm_bytes(h, profile) if per_layer else 0)
+        released = [b - k for b, k in zip(per_layer, kept, strict=True)]
         stored_note = f"all {len(per_layer)} layers' saved tensors (no checkpointing)"
     elif mode == "recompute":
-        stored_per_token = len(per_layer) * layer_input + final_norm
+        stored_per_token = len(per_layer) * layer_input + sum(kept)
+        released = [layer_input] * len(per_layer)
         stored_note = f"one input per layer ({len(per_layer)} × hidden × {profile.residual} B per token)"
     else:
-        stored_per_token = 2 * layer_input + final_norm
+        stored_per_token = 2 * layer_input
+        released = [0] * len(per_layer)
         stored_note = "layer inputs in host memory; two layer-input buffers on the device"
         host = len(per_layer) * layer_input * tokens / GiB
         notes.append(f"offload keeps {host:.2f} GiB of layer inputs in pinned host memory")
-    if mode != "offload" and int8_kept:
-        stored_per_token += int8_kept
-        notes.append("8-bit layers keep their inputs (bitsandbytes ctx.tensors) even when checkpointed")
-    if profile.quantized == "int8":
-        # bitsandbytes' 8-bit matmul also keeps, for backward, the input columns holding an outlier (|x| > its
-        # threshold, 6.0): data-dependent, so not counted. `fastft bench vram` measured Mistral-7B int8
-        # recompute 2k 12.6 % above this estimate on the H200 (13.95 vs 12.19 GiB): the size of the down
-        # projection's whole input (1.75 GiB), which random weights make heavy-tailed (silu(g) * u) — the
-        # likely cause, not yet confirmed by counting columns; trained models keep far fewer.
+    if mode != "offload" and sum(kept):
+        outliers = sum(act.int8_outlier_bytes(layer, inventory, profile) for layer in layers) * tokens
+        stored_note += "; bitsandbytes' 8-bit inputs and outlier columns"
         notes.append(
-            "8-bit: outlier columns kept by bitsandbytes are not counted (up to +13 % measured with random "
-            "weights); leave that much headroom"
+            "8-bit: bitsandbytes keeps every projection's input and its outlier columns (|x| >= 6) for "
+            "backward even when checkpointed; counted as all of down_proj's input columns, the worst case "
+            f"(random weights reach it): {outliers / GiB:.2f} GiB here. Trained weights keep fewer"
         )
     stored = stored_per_token * tokens
 
@@ -340,35 +349,84 @@ def estimate_vram(
     head_copy = (
         (inventory.head_params or inventory.embedding_params) * 2 if head_fp32 and loss == "eager" else 0
     )
+    # the final norm's saved input (the last layer's output) and rstd live until the loss's backward
+    # reaches it, before any layer's: a loss-phase tensor
     if loss == "eager":
         # bf16 logits (2) → fp32 copy (4) → log-softmax output (4, saved); in backward the saved output,
         # its incoming gradient and the gradient it produces (4 + 4 + 4) are alive at once
-        logits = trained * vocab * 12 + head_copy
+        logits = trained * vocab * 12 + head_copy + final_norm * tokens
         logits_note = (
             f"{trained:,} trained positions × vocab {vocab:,} × 12 B (fp32 log-softmax and its grads)"
         )
     else:
-        # one reused [chunk, vocab] logits buffer in the hidden states' dtype; the trained positions'
-        # hidden states and their gradient (computed in the forward), both [trained, hidden]
-        chunk = min(trained, max(1, FUSED_CE_CHUNK_BYTES // (vocab * profile.residual)))
-        logits = chunk * vocab * profile.residual + 2 * trained * h * profile.residual
-        logits_note = f"one chunk of {chunk:,} rows × vocab {vocab:,} (fused linear cross-entropy)"
+        # the decoder's output (the final norm's, all tokens), the trained positions' copy of it
+        # (index_select) and its gradient (computed in the forward), the fp32 row losses, and one reused
+        # [rows, vocab] logits buffer in the hidden states' dtype
+        rows = fused_ce_rows(trained, vocab, profile.residual)
+        logits = (
+            (final_norm + layer_input) * tokens
+            + rows * vocab * profile.residual
+            + 2 * trained * h * profile.residual
+            + 4 * trained
+        )
+        logits_note = (
+            f"one chunk of {rows:,} rows × vocab {vocab:,} (fused linear cross-entropy), the final norm's "
+            "input and output, the trained hidden states and their gradient"
+        )
     if head_copy:
         logits_note += "; bf16 copy of the fp32 head"
     attention_ws = 2 * inventory.head_dim * profile.residual * tokens + CUBLAS_WORKSPACE_BYTES
 
     # -- the backward phase -------------------------------------------------------------------------------
-    recompute = 0 if mode == "none" else max(per_layer, default=0) * tokens
+    # The recomputed layer's first norm saves the layer input, which the stored activations already hold.
+    # An offloaded layer is re-run whole (its output is the root of the gradients taken through it);
+    # checkpointing stops the re-run at the last tensor backward needs, before the output exists.
+    reuse = layer_input if act.first_norm_reads_stored_input(profile) else 0
+    rerun_output = layer_input if mode == "offload" else 0
+    recompute = (
+        0
+        if mode == "none"
+        else max(
+            (b - (reuse if layer.norms else 0) for b, layer in zip(per_layer, layers, strict=True)), default=0
+        )
+        * tokens
+        + rerun_output * tokens
+    )
     backward_ws = (
         max(
-            (act.backward_workspace_bytes(layer, inventory, profile) for layer in inventory.layers), default=0
+            (act.backward_workspace_bytes(layer, inventory, profile, targets_set, r) for layer in layers),
+            default=0,
         )
         * tokens
     )
     dequant = _dequant_bytes(inventory, profile)
+    workspace_note = "gradients flowing through the layer in backward"
+    dequant_note = "largest quantised linear, unpacked for its matmul" if dequant else "no quantised weights"
+    # An 8-bit projection's forward (re-run in backward under checkpointing) can outweigh the layer's
+    # backward buffers: its outlier columns' weights are dequantised in fp32. The moment is then that
+    # forward beside the gradient arriving at the layer.
+    int8_forward = max(
+        (act.int8_forward_transient_bytes(layer, inventory, profile, tokens) for layer in layers), default=0
+    )
+    if int8_forward and layer_input * tokens + int8_forward > backward_ws + dequant:
+        backward_ws, dequant = layer_input * tokens, int8_forward
+        workspace_note = "the gradient arriving at the layer whose 8-bit forward is the peak"
+        dequant_note = (
+            "an 8-bit projection's forward: its int8 input, down_proj's outlier columns' weights in fp32 "
+            "(worst case: all) or the int32 GEMM output"
+        )
+    # LoRA gradients appear layer by layer while backward frees each layer's stored activations: at the
+    # backward peak only those beyond the activations already freed count
+    layer_grads = [4 * act.layer_lora_params(layer, inventory, targets_set, r) for layer in layers]
+    gradients = min(gradient_bytes, _gradients_at_peak(layer_grads, released, tokens, gradient_bytes))
+    gradients_note = f"fp32, {gradient_bytes / GiB:.2f} GiB in all" + (
+        "; made layer by layer as backward frees stored activations, so few exist at the peak"
+        if gradients < gradient_bytes
+        else ""
+    )
 
     loss_phase = stored + logits
-    backward_phase = stored + recompute + backward_ws + dequant + gradient_bytes
+    backward_phase = stored + recompute + backward_ws + dequant + gradients
     peak = "loss" if loss_phase > backward_phase else "backward"
     persistent = weights + constants + lora_bytes + optimizer_bytes + attention_ws
     allocated = persistent + max(loss_phase, backward_phase)
@@ -413,10 +471,10 @@ def estimate_vram(
         VramComponent(
             "gradients",
             "LoRA gradients",
-            at_peak(gradient_bytes, "backward"),
-            gradient_bytes,
+            at_peak(gradients, "backward"),
+            gradients,
             "backward",
-            "fp32, one per adapter parameter",
+            gradients_note,
         ),
         VramComponent(
             "recompute",
@@ -432,7 +490,7 @@ def estimate_vram(
             at_peak(backward_ws, "backward"),
             backward_ws,
             "backward",
-            "gradients flowing through the layer in backward",
+            workspace_note,
         ),
         VramComponent(
             "dequant",
@@ -440,7 +498,7 @@ def estimate_vram(
             at_peak(dequant, "backward"),
             dequant,
             "backward",
-            "largest quantised linear, unpacked for its matmul" if dequant else "no quantised weights",
+            dequant_note,
         ),
         VramComponent(
             "workspace",
@@ -622,6 +680,34 @@ def _dequant_bytes(inventory: ModelInventory, profile: Profile) -> int:
         # dequantize_4bit → bf16 weight, and the fp32 absmax it first expands from the nested state
         return largest * 2 + 4 * math.ceil(largest / NF4_BLOCK)
     return largest * profile.act  # int8: CB cast to the input's dtype for the input gradient
+
+
+def fused_ce_rows(trained: int, vocab: int, element_size: int) -> int:
+    """Rows of the fused linear cross-entropy's logits buffer, as `fastft.kernels.fused_linear_ce`'s
+    ``default_chunk_size`` picks them: as many as keep a chunk within ``FUSED_CE_CHUNK_BYTES``, balanced
+    over the chunks that takes (at 8,192 rows and Qwen3's 151,936 words: 3 chunks of 2,731 rows, 0.77 GiB,
+    not 3,533 rows and 1 GiB)."""
+    max_rows = max(1, FUSED_CE_CHUNK_BYTES // (vocab * element_size))
+    chunks = -(-max(trained, 1) // max_rows)
+    return max(1, -(-trained // chunks))
+
+
+def _gradients_at_peak(layer_grads: list[int], released: list[int], tokens: int, total: int) -> int:
+    """LoRA gradient bytes at the backward peak, beyond the stored activations freed by then.
+
+    Backward runs the layers last to first; when layer i runs, the gradients of layers i..L-1 exist and
+    the activations layers i+1..L-1 stored (``released`` per token each) are freed. The largest surplus of
+    the first over the second is what the gradients add to a peak that counts every stored activation:
+    one layer's under recompute (a layer input per token outweighs a layer's adapters), all of them under
+    offload (nothing stored on the device is freed). Adapters outside the layers count from the start.
+    """
+    outside = max(0, total - sum(layer_grads))
+    best = grads = freed = 0
+    for grad, free in zip(reversed(layer_grads), reversed(released), strict=True):
+        grads += grad
+        best = max(best, grads - freed)
+        freed += free * tokens
+    return best + outside
 
 
 # -- the longest context, and what to change when it does not fit --------------------------------------
