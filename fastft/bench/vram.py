@@ -9,7 +9,9 @@ optimizer phase peaks (calibrate the loss and backward phases) and the CUDA cont
 
 Part 2, longest context: under a per-process cap (``torch.cuda.set_per_process_memory_fraction``, 24 GiB
 by default, standing in for an RTX 4090), `max_context`'s prediction against the longest sequence that
-really trains, found by trying lengths (bisection around the prediction; one step per trial).
+really trains, found by trying lengths (bisection around the prediction; one step per trial). Each trial
+that trains records its allocated and reserved peaks: the allocator's slack near a cap, which the estimate's
+`SLACK_FRACTION` stands for.
 
 Configurations run cheapest first and stop starting new ones once `--budget-s` is spent (the rest are
 listed as skipped), so one call fits a 10-minute device slot. Memory is freed between configurations.
@@ -79,7 +81,7 @@ CONTEXT_CONFIGS = (
     Config("Qwen/Qwen3-8B", precision="nf4", checkpointing="recompute", fused=False),
     Config("Qwen/Qwen3-8B", checkpointing="recompute"),
 )
-# Run last, when the budget still allows (predicted ~38k tokens: its trials are the slowest).
+# Run last, when the budget still allows (predicted ~40k tokens: its trials are the slowest).
 LATE_CONTEXT_CONFIGS = (Config("Qwen/Qwen3-8B", precision="nf4", checkpointing="recompute"),)
 
 
@@ -191,7 +193,8 @@ def measure_context(config: Config, cap_bytes: int, budget_s: float, granularity
     }
     started = time.perf_counter()
     probe = None
-    trials: list[tuple[int, bool]] = []
+    # (length, trained, allocated peak GiB, reserved peak GiB)
+    trials: list[tuple[int, bool, float | None, float | None]] = []
     try:
         probe = TrainingProbe(
             config.model,
@@ -207,14 +210,15 @@ def measure_context(config: Config, cap_bytes: int, budget_s: float, granularity
         def trains(length: int) -> bool:
             _free()
             try:
-                probe.step(length)
-                ok = True
+                memory = probe.step(length)
             except RuntimeError as error:
                 if not is_out_of_memory(error):
                     raise
-                ok = False
-            trials.append((length, ok))
-            return ok
+                trials.append((length, False, None, None))
+                return False
+            # allocated and reserved peaks near the cap: what the allocator's slack really is there
+            trials.append((length, True, memory.peak / GiB, memory.reserved / GiB))
+            return True
 
         # the first step creates the optimizer states, as in a real run; nothing fits if it does not
         if not trains(granularity):
