@@ -191,21 +191,33 @@ def run_worker(args) -> dict:
     cuda = device.type == "cuda"
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
 
+    graph_stats = None
     if args.system == "fastft":
         from fastft.data.batch import PackedBatch
+        from fastft.engine.graph import StepGraph
         from fastft.engine.loss import causal_lm_loss_sum
 
         rows = [row.cpu().numpy() for row in ids]
         packed = PackedBatch.from_sequences(rows, [row.copy() for row in rows]).to(device)
         trained = packed.num_trained_tokens
+        # as fastft's Trainer runs a micro-batch: under bf16 autocast on a GPU, replayed from a CUDA graph
+        # once its shape has repeated (TrainConfig(cuda_graph=True), the default)
+        graph = StepGraph(parameters, enabled=args.cuda_graph == "on")
 
-        def loss_fn():  # as fastft's Trainer runs it: under bf16 autocast on a GPU
+        def micro_batch_loss(batch):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                return causal_lm_loss_sum(model, packed) / trained
-    else:
+                return causal_lm_loss_sum(model, batch) / trained
 
-        def loss_fn():
-            return model(input_ids=ids, labels=ids, use_cache=False).loss
+        def forward_backward():
+            graph.mode(packed, trained, first_micro_batch=True)
+            return graph.forward_backward(packed, micro_batch_loss)
+    else:
+        graph = None
+
+        def forward_backward():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            return loss.detach()
 
     synchronize()
     if cuda:
@@ -215,14 +227,16 @@ def run_worker(args) -> dict:
     for step in range(args.warmup + args.steps):
         synchronize()
         start = time.perf_counter()
-        loss = loss_fn()
-        loss.backward()
+        loss = forward_backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not (graph and graph.holds_gradients))
         synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-        losses.append(loss.detach())
+        losses.append(loss.clone())
+    if graph is not None:
+        graph_stats = graph.stats
+        graph.release()
     median = statistics.median(times)
     config = model.config if hasattr(model, "config") else model.get_base_model().config
     tokens = batch * seq
@@ -236,6 +250,7 @@ def run_worker(args) -> dict:
         "mfu": flops_per_token(config, seq) * tokens / median / args.peak_flops,
         "load_s": load_seconds,
         "losses": [float(x) for x in losses],
+        "cuda_graph": graph_stats,
         "step_ms_all": [t * 1000 for t in times],
     }
 
@@ -367,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("all", "attention"),
         help="all: every linear (and the experts of MoE models); attention: q/k/v/o only",
     )
+    parser.add_argument(
+        "--cuda-graph",
+        default="on",
+        choices=("on", "off"),
+        help="fastft replays each step's forward and backward from a CUDA graph (its Trainer's default)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per system and workload")
     parser.add_argument("--out", default="benchmarks/step.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -424,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.checkpointing,
                     "--lora-targets",
                     args.lora_targets,
+                    "--cuda-graph",
+                    args.cuda_graph,
                 ]
                 started = time.perf_counter()
                 result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)

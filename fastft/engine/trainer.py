@@ -35,6 +35,7 @@ from fastft.data.stream import PackedStream, StreamCursor, batch_of
 from fastft.engine.attention import patch_packed_attention
 from fastft.engine.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from fastft.engine.events import EvalEvent, Event, StepEvent, Subscriber
+from fastft.engine.graph import EAGER, StepGraph
 from fastft.engine.loss import causal_lm_loss_sum
 from fastft.profile.hooks import detach_profile
 from fastft.profile.steps import NULL_PROFILE, StepProfile
@@ -55,6 +56,9 @@ class TrainConfig:
     at the end / never). `resume_from` is a checkpoint folder or "latest" (in `output_dir`).
     `profile` times the phases of every step (`fastft.profile.StepProfile`, ``Trainer.profile``;
     under 2 % of a step) and fills `StepEvent.phases`; False removes the profiler's hooks from the model.
+    `cuda_graph` replays a micro-batch's forward and backward from a CUDA graph when its batches repeat one
+    shape (fixed-length rows; `fastft.engine.graph`): on a GPU the step stops waiting for the host. Packed
+    bins whose sequence lengths vary train eagerly either way; False never captures.
     """
 
     max_steps: int | None = None
@@ -76,6 +80,7 @@ class TrainConfig:
     resume_from: str | None = None
     attention: str | None = "auto"
     profile: bool = True
+    cuda_graph: bool = True
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_bins", "grad_accum_steps", "save_total_limit"):
@@ -218,6 +223,8 @@ class Trainer:
         )
         self.autocast_dtype = self._autocast_dtype()
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
+        # fp16's loss scaling changes between steps outside the graph's view: those runs stay eager
+        self.step_graph = StepGraph(self.parameters, enabled=self.config.cuda_graph and self.grad_scaler is None)
         self.step = 0
         self.result = TrainResult(profile=self.profile)
         self._stop = threading.Event()
@@ -296,7 +303,8 @@ class Trainer:
                     self.save_checkpoint()
             self._flush()
             if self.step < self.max_steps and not self.result.stopped_early:
-                return self.result  # paused after `steps`: the run is not over
+                return self.result  # paused after `steps`: the run is not over (a captured graph stays)
+            self.step_graph.release()  # the run is over: the graph's memory pool goes back
             if self.eval_data is not None and (
                 not self.result.evals or self.result.evals[-1].step != self.step
             ):
@@ -305,6 +313,9 @@ class Trainer:
             wants_final = config.output_dir and (config.save_every or self.result.stopped_early)
             if wants_final and not last_saved.endswith(f"checkpoint-{self.step}"):
                 self.save_checkpoint()
+        except BaseException:
+            self.step_graph.release()
+            raise
         finally:
             if self.profile is not None:
                 self.profile.cancel()  # a step cut short by an exception leaves no timing half-open
@@ -317,6 +328,17 @@ class Trainer:
         dtype = getattr(getattr(self.model, "fastft_info", None), "dtype", None)
         return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
+    def _micro_batch_loss(self, trained: int):
+        """``loss_fn(batch)``: a micro-batch's summed loss over the step's `trained` tokens, under autocast."""
+
+        def loss_fn(batch):
+            with torch.autocast(
+                self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+            ):
+                return causal_lm_loss_sum(self.model, batch) / trained
+
+        return loss_fn
+
     def _train_step(self) -> None:
         phases = self.profile or NULL_PROFILE  # top-level phases follow each other: data → forward → …
         phases.step_begin()
@@ -326,12 +348,13 @@ class Trainer:
         tokens = sum(b.num_tokens for b in micro_batches)
         timer = _StepTimer(self.device)
         loss_total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
+        for index, batch in enumerate(micro_batches):
+            if self.step_graph.mode(batch, trained, first_micro_batch=index == 0) != EAGER:
+                with phases.opaque("graph"):
+                    loss_total += self.step_graph.forward_backward(batch, self._micro_batch_loss(trained))
+                continue
             phases.begin("forward")  # the final norm's hook hands over to "loss"
-            with torch.autocast(
-                self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
-            ):
-                loss = causal_lm_loss_sum(self.model, batch) / trained
+            loss = self._micro_batch_loss(trained)(batch)
             phases.begin("backward")
             (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             loss_total += loss.detach()
@@ -350,7 +373,8 @@ class Trainer:
             self.grad_scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # a captured backward accumulates into the gradients' own memory: keep it, zeroed
+        self.optimizer.zero_grad(set_to_none=not self.step_graph.holds_gradients)
         self.scheduler.step()
         timing = phases.step_end(self.step + 1)
         timer.stop()

@@ -10,6 +10,8 @@ loss and backward spans; a step's value is their sum. Inside them, module hooks
 ``loss_backward`` (loss, head and final norm), ``layers.N.backward`` (from the gradient reaching
 the layer's output to the gradient of its input, recompute included) and ``layers.N.recompute``
 (the layer's modules run again by activation checkpointing, counted here and never as forward).
+A micro-batch replayed from a CUDA graph (`fastft.engine.graph`) is one top-level phase, ``graph``
+(its forward, loss and backward in one launch); no hook fires inside it.
 
 Clocks: perf_counter on a CPU; on a GPU one CUDA event per boundary, recorded without waiting and
 read once the step's last event has completed (`StepProfile.collect`), like the trainer's loss
@@ -23,6 +25,7 @@ carries. Every value is in milliseconds.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import re
 import statistics
@@ -34,7 +37,7 @@ import torch
 
 from fastft.profile.ranges import NvtxRanges, RecordFunctionRanges, nvtx_available, nvtx_tool_attached
 
-TOP_LEVEL = ("data", "forward", "loss", "backward", "optimizer")
+TOP_LEVEL = ("data", "forward", "loss", "backward", "graph", "optimizer")
 # Known nesting of the summary's phases: child → parent (inclusive times; a parent contains its children).
 PARENTS = {
     "embed": "forward",
@@ -64,6 +67,7 @@ ORDER = (
     "layers.backward",
     "layers.recompute",
     "offload_wait",
+    "graph",
     "optimizer",
 )
 _LAYER = re.compile(r"^layers\.\d+\.")
@@ -354,6 +358,17 @@ class StepProfile:
         else:
             self._state = _FORWARD
 
+    @contextlib.contextmanager
+    def opaque(self, name: str):
+        """A top-level phase whose inside is not instrumented (a CUDA graph replay): the module hooks stay
+        silent until it ends (the next `begin` or `step_end` closes it)."""
+        self.begin(name)
+        state, self._state = self._state, _IDLE
+        try:
+            yield
+        finally:
+            self._state = state
+
     def _close(self, mark: int) -> None:
         if self._state == _BACKWARD:
             self._end_backward(mark)
@@ -489,6 +504,10 @@ class NullProfile:
 
     def begin(self, name: str) -> None:
         pass
+
+    @contextlib.contextmanager
+    def opaque(self, name: str):
+        yield
 
     def step_end(self, step: int) -> None:
         return None

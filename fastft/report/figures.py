@@ -385,6 +385,7 @@ PHASE_COLORS = {
     "layers.backward": "#c9a3e6",
     "layers.recompute": "#8e5ec9",
     "offload_wait": "#d62728",
+    "graph": "#5b8def",
     "optimizer": "#8c564b",
     "other": "#dde2e8",
 }
