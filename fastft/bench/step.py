@@ -124,7 +124,7 @@ def _hf_model(folder: str, precision: str, liger: bool, device, lora_targets: st
     return model
 
 
-def _unsloth_model(folder: str, precision: str, seq: int):
+def _unsloth_model(folder: str, precision: str, seq: int, lora_targets: str = "all"):
     import torch
     from unsloth import FastLanguageModel
 
@@ -136,7 +136,8 @@ def _unsloth_model(folder: str, precision: str, seq: int):
         r=16,
         lora_alpha=16,
         lora_dropout=0.0,
-        target_modules=TARGETS,
+        # on an MoE model Unsloth maps gate/up/down onto the experts' stacked weights itself
+        target_modules=ATTENTION_TARGETS if lora_targets == "attention" else TARGETS,
         use_gradient_checkpointing="unsloth",
         random_state=3407,
     )
@@ -179,7 +180,7 @@ def run_worker(args) -> dict:
     elif args.system in ("hf", "liger"):
         model = _hf_model(args.folder, precision, args.system == "liger", device, args.lora_targets)
     elif args.system == "unsloth":
-        model = _unsloth_model(args.folder, precision, seq)
+        model = _unsloth_model(args.folder, precision, seq, args.lora_targets)
     else:
         raise ValueError(f"unknown system {args.system!r}")
     load_seconds = time.perf_counter() - load_start
