@@ -50,6 +50,20 @@ class GraphCaptureWarning(UserWarning):
     """A CUDA graph capture failed; the run continues eagerly."""
 
 
+def graph_blocker(model: torch.nn.Module) -> str | None:
+    """Why `model`'s step cannot be captured, or None. Offloaded checkpointing (`fastft.engine.offload`)
+    cannot yet: its copy stream's timing events are polled from the host and its device buffers outlive
+    a step, neither of which a capture allows (on the H200 the capture failed); recompute and no
+    checkpointing can."""
+    from fastft.engine.offload import offloader_of
+
+    offloader = offloader_of(model)
+    device = next(model.parameters()).device
+    if offloader is not None and offloader._offloads(device):
+        return "offloaded gradient checkpointing (use gradient_checkpointing=True for CUDA graphs)"
+    return None
+
+
 def batch_signature(batch: PackedBatch, divisor: float) -> tuple:
     """Every host value a forward and backward of `batch` (loss divided by `divisor`) can read."""
     return (
@@ -243,4 +257,5 @@ __all__ = [
     "GraphPolicy",
     "StepGraph",
     "batch_signature",
+    "graph_blocker",
 ]

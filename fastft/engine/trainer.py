@@ -35,7 +35,7 @@ from fastft.data.stream import PackedStream, StreamCursor, batch_of
 from fastft.engine.attention import patch_packed_attention
 from fastft.engine.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from fastft.engine.events import EvalEvent, Event, StepEvent, Subscriber
-from fastft.engine.graph import EAGER, StepGraph
+from fastft.engine.graph import EAGER, StepGraph, graph_blocker
 from fastft.engine.loss import causal_lm_loss_sum
 from fastft.profile.hooks import detach_profile
 from fastft.profile.steps import NULL_PROFILE, StepProfile
@@ -58,7 +58,8 @@ class TrainConfig:
     under 2 % of a step) and fills `StepEvent.phases`; False removes the profiler's hooks from the model.
     `cuda_graph` replays a micro-batch's forward and backward from a CUDA graph when its batches repeat one
     shape (fixed-length rows; `fastft.engine.graph`): on a GPU the step stops waiting for the host. Packed
-    bins whose sequence lengths vary train eagerly either way; False never captures.
+    bins whose sequence lengths vary train eagerly either way, and so does a model with offloaded
+    checkpointing (``gradient_checkpointing=True`` or False can be captured); False never captures.
     """
 
     max_steps: int | None = None
@@ -224,7 +225,8 @@ class Trainer:
         self.autocast_dtype = self._autocast_dtype()
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
         # fp16's loss scaling changes between steps outside the graph's view: those runs stay eager
-        self.step_graph = StepGraph(self.parameters, enabled=self.config.cuda_graph and self.grad_scaler is None)
+        graphs = self.config.cuda_graph and self.grad_scaler is None and graph_blocker(model) is None
+        self.step_graph = StepGraph(self.parameters, enabled=graphs)
         self.step = 0
         self.result = TrainResult(profile=self.profile)
         self._stop = threading.Event()
