@@ -121,7 +121,8 @@ def test_gpu_graph_replays_train_like_eager_steps(preset, checkpointing):
     # steps 1-2 eager (warm-up), step 3 captured and replayed, then replays
     assert stats == dict(captures=1, replays=steps - 3, eager=2, drops=0)
     np.testing.assert_allclose(graphed, eager, rtol=2e-2)
-    assert graphed[-1] < graphed[0]  # it trains
+    # every replay read its own batch (random tokens: eight different losses, eagerly and replayed alike)
+    assert len(set(graphed)) == steps
 
 
 @gpu
