@@ -73,6 +73,10 @@ PEAK_CONFIGS = (
     Config("Qwen/Qwen3-30B-A3B", checkpointing="recompute", seq_len=4096),
     Config("Qwen/Qwen3-32B", precision="nf4", checkpointing="recompute", seq_len=4096),
     Config("Qwen/Qwen3-32B", checkpointing="offload", seq_len=8192),
+    # held out: added after the estimator was revised against the rows above, to check it on new ground
+    Config("mistralai/Mistral-7B-Instruct-v0.3", precision="int8", checkpointing="recompute", seq_len=4096),
+    Config("meta-llama/Llama-3.1-8B-Instruct", checkpointing="recompute", seq_len=16384),
+    Config("Qwen/Qwen3-14B", precision="nf4", checkpointing="offload", seq_len=16384),
 )
 
 CONTEXT_CONFIGS = (
