@@ -51,10 +51,12 @@ class GraphCaptureWarning(UserWarning):
 
 
 def graph_blocker(model: torch.nn.Module) -> str | None:
-    """Why `model`'s step cannot be captured, or None. Offloaded checkpointing (`fastft.engine.offload`)
-    cannot yet: its copy stream's timing events are polled from the host and its device buffers outlive
-    a step, neither of which a capture allows (on the H200 the capture failed); recompute and no
-    checkpointing can."""
+    """Why `model`'s step cannot be captured, or None. Offloaded checkpointing (`fastft.engine.offload`):
+    the first capture on the H200 failed (its copy stream polled timing events and waited on an event
+    recorded before the capture, neither of which a capture allows). The copy stream no longer does either;
+    until ``tests/test_graph.py::test_gpu_capture_replays_each_checkpointing_mode_like_eager`` has held on a
+    GPU, the trainer keeps offloaded runs eager. Recompute and no checkpointing are captured.
+    """
     from fastft.engine.offload import offloader_of
 
     offloader = offloader_of(model)

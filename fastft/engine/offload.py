@@ -53,6 +53,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -121,8 +122,22 @@ def host_memory_available() -> int | None:
 
 
 # -- copy engines: the CUDA copy stream, and CPU stand-ins that let tests run the same protocol --------
+class _Mark(NamedTuple):
+    """An ordering event on the compute stream, and whether it was recorded during a graph capture."""
+
+    event: torch.cuda.Event
+    captured: bool
+
+
 class _CudaCopies:
-    """A dedicated copy stream on one CUDA device, its events and (optionally) their timings."""
+    """A dedicated copy stream on one CUDA device, its events and (optionally) their timings.
+
+    Safe inside a CUDA graph capture (`fastft.engine.graph`): no timing events are recorded and none is
+    polled while the stream captures, and an ordering event recorded on the other side of a capture's
+    boundary (eagerly before it, or inside a graph that has since been replayed) is never waited on: the copy
+    stream waits for the whole compute stream instead, which a capture allows and which orders at least as
+    strongly. `mark` returns a `_Mark`: the event and whether it was recorded while capturing.
+    """
 
     def __init__(self, device: torch.device, timing: bool):
         self.device = device
@@ -131,8 +146,22 @@ class _CudaCopies:
         self._pending: dict[str, collections.deque] = {k: collections.deque() for k in ("d2h", "h2d", "wait")}
         self.ms = dict.fromkeys(self._pending, 0.0)
 
+    @staticmethod
+    def _capturing() -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
     def _timed(self):
-        return torch.cuda.Event(enable_timing=True) if self.timing else None
+        return torch.cuda.Event(enable_timing=True) if self.timing and not self._capturing() else None
+
+    def _after(self, mark: _Mark | None) -> None:
+        """The copy stream waits for `mark`'s event, or for the whole compute stream when the event was
+        recorded on the other side of a capture boundary."""
+        if mark is None:
+            return
+        if mark.captured == self._capturing():
+            self.stream.wait_event(mark.event)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def to_host(self, host: torch.Tensor, source: torch.Tensor) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the source is fully written
@@ -147,10 +176,9 @@ class _CudaCopies:
         source.record_stream(self.stream)  # its memory is not reused by S before C has read it
 
     def to_device(self, target: torch.Tensor, host: torch.Tensor, free) -> torch.cuda.Event:
-        if free is not None:
-            self.stream.wait_event(free)  # S has finished reading the previous contents of `target`
+        self._after(free)  # S has finished reading the previous contents of `target`
         start, end = self._timed(), self._timed()
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event()  # recorded and waited for within one backward pass
         with torch.cuda.stream(self.stream):
             if start is not None:
                 start.record()
@@ -174,16 +202,19 @@ class _CudaCopies:
             after.record(compute)  # completes when the wait is over: after - before = time S stood still
             self._pending["wait"].append((before, after))
 
-    def mark(self) -> torch.cuda.Event:
+    def mark(self) -> _Mark:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        return event
+        return _Mark(event, self._capturing())
 
     def protect(self, buffer: torch.Tensor) -> None:
         buffer.record_stream(self.stream)  # the allocator waits for C before reusing a dropped buffer
 
     def drain(self, block: bool) -> None:
-        """Fold finished timings into `ms` (all of them, synchronising, when `block`)."""
+        """Fold finished timings into `ms` (all of them, synchronising, when `block`); nothing while a
+        graph is being captured (an event may not be queried then)."""
+        if self._capturing():
+            return
         if block:
             self.stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
