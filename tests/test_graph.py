@@ -78,6 +78,16 @@ def test_off_cuda_every_micro_batch_runs_eagerly_and_gives_the_plain_loss():
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
+def test_trainer_on_a_cpu_runs_every_micro_batch_eagerly_and_says_so():
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(model, r=4)
+    data = _fixed_length_data(model.config.vocab_size, rows=8, length=32)
+    trainer = Trainer(model, tokenizer, data, config=TrainConfig(max_steps=3, warmup=0))
+    result = trainer.train()
+    assert result.cuda_graph == dict(captures=0, replays=0, eager=3, drops=0)
+    assert not trainer.step_graph.holds_gradients
+
+
 def _fixed_length_data(vocab: int, rows: int, length: int, seed: int = 0) -> PackedDataset:
     """`rows` sequences of exactly `length` tokens, every token trained, one sequence per bin: every
     batch has the same shape, the case a CUDA graph replays."""
@@ -100,7 +110,8 @@ def _train(preset: str, cuda_graph: bool, steps: int, checkpointing="auto", **co
         config=TrainConfig(max_steps=steps, warmup=0, cuda_graph=cuda_graph, learning_rate=1e-3, **config),
     )
     result = trainer.train()
-    return [event.loss for event in result.steps], trainer.step_graph.stats, result.steps[-1].phases
+    assert result.cuda_graph == trainer.step_graph.stats
+    return [event.loss for event in result.steps], result.cuda_graph, result.steps[-1].phases
 
 
 @gpu

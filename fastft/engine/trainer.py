@@ -99,7 +99,8 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """Every event of a run; `profile` is the run's step profiler (``result.profile.figure()``), None when off."""
+    """Every event of a run; `profile` is the run's step profiler (``result.profile.figure()``), None when off;
+    `cuda_graph` counts how its micro-batches ran (``captures``, ``replays``, ``eager``, ``drops``)."""
 
     steps: list[StepEvent] = field(default_factory=list)
     evals: list[EvalEvent] = field(default_factory=list)
@@ -107,6 +108,7 @@ class TrainResult:
     stopped_early: bool = False
     seconds: float = 0.0
     profile: StepProfile | None = field(default=None, repr=False, compare=False)
+    cuda_graph: dict[str, int] = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float | None:
@@ -322,6 +324,7 @@ class Trainer:
             if self.profile is not None:
                 self.profile.cancel()  # a step cut short by an exception leaves no timing half-open
             self.result.seconds += time.perf_counter() - started
+            self.result.cuda_graph = self.step_graph.stats
         return self.result
 
     def _autocast_dtype(self) -> torch.dtype | None:
