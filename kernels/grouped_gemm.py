@@ -72,6 +72,7 @@ once, where autograd through ``index_select`` accumulates in the input dtype.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 
 import torch
@@ -430,6 +431,10 @@ def _pruner(table):
 _FWD_KEY = ["N", "K", "TOP_K", "HAS_GATHER", "HAS_SCATTER", "HAS_ADD"]
 _DW_KEY = ["N", "K", "TOP_K", "HAS_GATHER", "HAS_SCATTER"]
 _tuned: dict[str, object] = {}
+# Triton >= 3.4 keeps autotuning results in its cache folder, keyed by the kernel's source, the GPU and the key
+# values: a new process (a restarted notebook, each `fastft bench step` worker) reuses them instead of
+# re-timing every config for tens of seconds. Older Tritons (some Colab images) lack the option.
+_DISK_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def _tuned_kernel(name: str):
@@ -442,7 +447,10 @@ def _tuned_kernel(name: str):
         )
         configs = [config for regime in table.values() for config in regime]
         _tuned[name] = triton.autotune(
-            configs=configs, key=key, prune_configs_by={"early_config_prune": _pruner(table)}
+            configs=configs,
+            key=key,
+            prune_configs_by={"early_config_prune": _pruner(table)},
+            **_DISK_CACHE,
         )(kernel)
     return _tuned[name]
 

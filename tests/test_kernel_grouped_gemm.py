@@ -250,6 +250,27 @@ def test_cpu_without_interpreter_takes_the_reference(monkeypatch):
     assert y.grad_fn.name() != FUNCTION_NAME
 
 
+def test_autotuning_results_are_kept_on_disk_where_triton_can():
+    """Each new process (a notebook restart, every bench worker) reuses the timed configs instead of
+    re-timing them; Tritons without the option (< 3.4) still get an autotuner. Checked in a process
+    without the interpreter, which turns Triton's disk cache off."""
+    import inspect
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    supported = "cache_results" in inspect.signature(triton.autotune).parameters
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    probe = (
+        "from fastft.kernels.grouped_gemm import _tuned_kernel; "
+        "print([bool(getattr(_tuned_kernel(n), 'cache_results', False)) for n in ('fwd', 'dw')])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == str([supported, supported])
+
+
 def test_bad_inputs_name_the_fix():
     a = torch.randn(6, 24, device=DEVICE)
     with pytest.raises(ValueError, match="transpose"):
