@@ -130,22 +130,17 @@ class GraphPolicy:
         return dict(captures=self.captures, replays=self.replays, eager=self.eager_runs, drops=self.drops)
 
 
+# The batch tensors a step reads: cloned once as the graph's inputs, refilled before every replay.
+_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "target_positions", "target_ids")
+
+
 def _static_copy(batch: PackedBatch) -> PackedBatch:
     """The batch with its own tensors and no cached artefacts: the graph's inputs, filled on every replay."""
-    return replace(
-        batch,
-        input_ids=batch.input_ids.clone(),
-        labels=batch.labels.clone(),
-        position_ids=batch.position_ids.clone(),
-        cu_seqlens=batch.cu_seqlens.clone(),
-        target_positions=batch.target_positions.clone(),
-        target_ids=batch.target_ids.clone(),
-        _artifacts={},
-    )
+    return replace(batch, **{name: getattr(batch, name).clone() for name in _INPUTS}, _artifacts={})
 
 
 def _fill(static: PackedBatch, batch: PackedBatch) -> None:
-    for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "target_positions", "target_ids"):
+    for name in _INPUTS:
         getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
 
 
@@ -172,7 +167,7 @@ class StepGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._static: PackedBatch | None = None
         self._loss: torch.Tensor | None = None
-        self._planned: tuple | None = None
+        self._planned = EAGER
 
     @property
     def holds_gradients(self) -> bool:
@@ -189,17 +184,14 @@ class StepGraph:
         if self.policy.must_drop(signature):
             self.release()
             self.policy.dropped()
-        decision = self.policy.decide(signature, first_micro_batch)
-        self._planned = (decision, signature)
-        return decision
+        self._planned = self.policy.decide(signature, first_micro_batch)
+        return self._planned
 
     def forward_backward(
-        self, batch: PackedBatch, loss_fn: Callable[[PackedBatch], torch.Tensor], backward=None
+        self, batch: PackedBatch, loss_fn: Callable[[PackedBatch], torch.Tensor]
     ) -> torch.Tensor:
-        """Run the micro-batch as `mode` decided; returns its loss, detached. `backward(loss)` replaces
-        ``loss.backward()`` in the eager path (a gradient scaler's scaled backward)."""
-        decision = self._planned[0] if self._planned else EAGER
-        self._planned = None
+        """Run the micro-batch as `mode` decided; returns its loss, detached."""
+        decision, self._planned = self._planned, EAGER
         if decision == REPLAY:
             _fill(self._static, batch)
             self._graph.replay()
@@ -220,7 +212,7 @@ class StepGraph:
                     stacklevel=2,
                 )
         loss = loss_fn(batch)
-        (backward or torch.Tensor.backward)(loss)
+        loss.backward()
         return loss.detach()
 
     def _capture(self, batch: PackedBatch, loss_fn) -> torch.Tensor:
