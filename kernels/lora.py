@@ -357,11 +357,18 @@ def lora_linears(x, bases, scales, adapters) -> tuple[torch.Tensor, ...]:
     return LoraLinearsFunction.apply(x, tuple(bases), tuple(float(s) for s in scales), *flat)
 
 
-def lora_mlp(x, gate, up, down, scales, kind, adapters) -> torch.Tensor:
-    """The fused gated MLP; `adapters` is ``[(A_g, B_g), (A_u, B_u), (A_d, B_d)]`` (None pairs allowed)."""
+def lora_mlp(x, gate, up, down, scales, kind, adapters, output_discarded_in_recompute=False) -> torch.Tensor:
+    """The fused gated MLP; `adapters` is ``[(A_g, B_g), (A_u, B_u), (A_d, B_d)]`` (None pairs allowed).
+
+    ``output_discarded_in_recompute``: the caller promises that nothing saves this output for backward (a
+    decoder layer's MLP whose output only enters the residual add), so when activation checkpointing
+    re-runs it the down projection is skipped. Where anything else reads the output -- Qwen2-MoE's gated
+    shared expert, whose product saves it -- the output must be real in recompute too: leave it False.
+    """
     flat = [t for pair in adapters for t in pair]
     scales = tuple(float(s) for s in scales)
-    return LoraMLPFunction.apply(x, gate, up, down, scales, kind, _in_recompute(), *flat)
+    skip = output_discarded_in_recompute and _in_recompute()
+    return LoraMLPFunction.apply(x, gate, up, down, scales, kind, skip, *flat)
 
 
 __all__ = [

@@ -125,10 +125,6 @@ def test_gpu_graph_replays_train_like_eager_steps(preset, checkpointing):
     eager, eager_stats, _ = _train(preset, False, steps, checkpointing)
     graphed, stats, _ = _train(preset, True, steps, checkpointing)
     assert eager_stats["captures"] == 0
-    if checkpointing == "offload":  # not captured (yet): the trainer keeps it eager
-        assert stats["captures"] == 0
-        np.testing.assert_allclose(graphed, eager, rtol=2e-2)
-        return
     # steps 1-2 eager (warm-up), step 3 captured and replayed, then replays
     assert stats == dict(captures=1, replays=steps - 3, eager=2, drops=0)
     np.testing.assert_allclose(graphed, eager, rtol=2e-2)
@@ -190,8 +186,7 @@ def test_gpu_graph_is_dropped_for_another_shape_and_its_memory_returns():
 @pytest.mark.parametrize("mode", ["offload", "offload-single", True])
 def test_gpu_capture_replays_each_checkpointing_mode_like_eager(mode):
     """Forward and backward replayed against eager ones on the same weights, batch after batch: the loss
-    and every LoRA gradient. Offloaded checkpointing under capture is checked here, on the StepGraph
-    itself: the Trainer keeps it eager (`graph_blocker`) until this has held on a GPU."""
+    and every LoRA gradient, for the offloaded modes too (their copy stream's work is captured)."""
     from fastft.engine.loss import causal_lm_loss_sum
 
     torch.manual_seed(0)

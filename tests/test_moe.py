@@ -208,9 +208,12 @@ def test_patched_moe_model_matches_transformers_and_peft(name, checkpointing, mo
         assert _rel(got, want) <= 1e-5, name_
 
 
-def test_qwen2_moe_with_a_shared_expert_matches_transformers_and_peft(monkeypatch):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_qwen2_moe_with_a_shared_expert_matches_transformers_and_peft(monkeypatch, checkpointing):
     """Qwen2-MoE (no preset: built from a small config): routed experts fused, the shared expert's MLP on
-    the fused LoRA MLP, its sigmoid gate left out of the LoRA targets like the router."""
+    the fused LoRA MLP, its sigmoid gate left out of the LoRA targets like the router. Recomputed in
+    backward too: the gate's product saves the shared expert's output, so the re-run must produce it
+    (it once skipped that down projection, and the gradients read uninitialised memory)."""
     from transformers import AutoModelForCausalLM
 
     config = AutoConfig.for_model(
@@ -231,7 +234,11 @@ def test_qwen2_moe_with_a_shared_expert_matches_transformers_and_peft(monkeypatc
     for fused in (False, True):
         torch.manual_seed(7)
         model = fastft.add_lora(
-            AutoModelForCausalLM.from_config(config), r=4, alpha=8, gradient_checkpointing=False, fused=fused
+            AutoModelForCausalLM.from_config(config),
+            r=4,
+            alpha=8,
+            gradient_checkpointing=checkpointing and fused,
+            fused=fused,
         )
         with torch.no_grad():
             generator = torch.Generator().manual_seed(1)

@@ -149,6 +149,26 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_good_checkpoint(tmp_p
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder
 
 
+def test_a_non_finite_gradient_stops_the_run_at_its_own_step():
+    """A finite loss with a NaN gradient: clipping would spread the NaN into every weight, so the run stops
+    at that step, naming the gradient, rather than one step later at the loss it ruined."""
+    model, tokenizer = _lora_model()
+    data = fastft.pack(ROWS, tokenizer, 128)
+    lora_b = next(p for name, p in model.named_parameters() if "lora_B" in name)
+    calls = {"n": 0}
+
+    def poison(grad):
+        calls["n"] += 1
+        return grad * float("nan") if calls["n"] == 4 else grad
+
+    lora_b.register_hook(poison)
+    trainer = Trainer(model, tokenizer, data, config=TrainConfig(max_steps=10))
+    with pytest.raises(NonFiniteLossError) as error:
+        trainer.train()
+    assert "gradient norm became nan at step 4" in str(error.value)
+    assert [math.isfinite(event.loss) for event in trainer.result.steps] == [True] * 4
+
+
 def test_checkpoints_rotate_and_load_with_weights_only(tmp_path):
     model, tokenizer = _lora_model()
     data = fastft.pack(ROWS, tokenizer, 128)

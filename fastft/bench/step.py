@@ -195,7 +195,7 @@ def run_worker(args) -> dict:
     graph_stats = None
     if args.system == "fastft":
         from fastft.data.batch import PackedBatch
-        from fastft.engine.graph import StepGraph, graph_blocker
+        from fastft.engine.graph import StepGraph
         from fastft.engine.loss import causal_lm_loss_sum
 
         rows = [row.cpu().numpy() for row in ids]
@@ -203,7 +203,7 @@ def run_worker(args) -> dict:
         trained = packed.num_trained_tokens
         # as fastft's Trainer runs a micro-batch: under bf16 autocast on a GPU, replayed from a CUDA graph
         # once its shape has repeated (TrainConfig(cuda_graph=True), the default)
-        graph = StepGraph(parameters, enabled=args.cuda_graph == "on" and graph_blocker(model) is None)
+        graph = StepGraph(parameters, enabled=args.cuda_graph == "on")
 
         def micro_batch_loss(batch):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):

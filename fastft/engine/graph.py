@@ -50,22 +50,6 @@ class GraphCaptureWarning(UserWarning):
     """A CUDA graph capture failed; the run continues eagerly."""
 
 
-def graph_blocker(model: torch.nn.Module) -> str | None:
-    """Why `model`'s step cannot be captured, or None. Offloaded checkpointing (`fastft.engine.offload`):
-    the first capture on the H200 failed (its copy stream polled timing events and waited on an event
-    recorded before the capture, neither of which a capture allows). The copy stream no longer does either;
-    until ``tests/test_graph.py::test_gpu_capture_replays_each_checkpointing_mode_like_eager`` has held on a
-    GPU, the trainer keeps offloaded runs eager. Recompute and no checkpointing are captured.
-    """
-    from fastft.engine.offload import offloader_of
-
-    offloader = offloader_of(model)
-    device = next(model.parameters()).device
-    if offloader is not None and offloader._offloads(device):
-        return "offloaded gradient checkpointing (use gradient_checkpointing=True for CUDA graphs)"
-    return None
-
-
 def batch_signature(batch: PackedBatch, divisor: float) -> tuple:
     """Every host value a forward and backward of `batch` (loss divided by `divisor`) can read."""
     return (
@@ -251,5 +235,4 @@ __all__ = [
     "GraphPolicy",
     "StepGraph",
     "batch_signature",
-    "graph_blocker",
 ]

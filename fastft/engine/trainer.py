@@ -35,7 +35,7 @@ from fastft.data.stream import PackedStream, StreamCursor, batch_of
 from fastft.engine.attention import patch_packed_attention
 from fastft.engine.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from fastft.engine.events import EvalEvent, Event, StepEvent, Subscriber
-from fastft.engine.graph import EAGER, StepGraph, graph_blocker
+from fastft.engine.graph import EAGER, StepGraph
 from fastft.engine.loss import causal_lm_loss_sum
 from fastft.profile.hooks import detach_profile
 from fastft.profile.steps import NULL_PROFILE, StepProfile
@@ -58,8 +58,8 @@ class TrainConfig:
     under 2 % of a step) and fills `StepEvent.phases`; False removes the profiler's hooks from the model.
     `cuda_graph` replays a micro-batch's forward and backward from a CUDA graph when its batches repeat one
     shape (fixed-length rows; `fastft.engine.graph`): on a GPU the step stops waiting for the host. Packed
-    bins whose sequence lengths vary train eagerly either way, and so does a model with offloaded
-    checkpointing (``gradient_checkpointing=True`` or False can be captured); False never captures.
+    bins whose sequence lengths vary train eagerly either way. Every checkpointing mode is captured,
+    offloaded ones included (their copies become graph nodes on the copy stream); False never captures.
     """
 
     max_steps: int | None = None
@@ -227,7 +227,7 @@ class Trainer:
         self.autocast_dtype = self._autocast_dtype()
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
         # fp16's loss scaling changes between steps outside the graph's view: those runs stay eager
-        graphs = self.config.cuda_graph and self.grad_scaler is None and graph_blocker(model) is None
+        graphs = self.config.cuda_graph and self.grad_scaler is None
         self.step_graph = StepGraph(self.parameters, enabled=graphs)
         self.step = 0
         self.result = TrainResult(profile=self.profile)
@@ -420,15 +420,18 @@ class Trainer:
             )
             self.result.steps.append(event)
             self._publish(event)
-            if not math.isfinite(loss):
+            # a non-finite gradient norm has already been applied (clipping scales by it): stop at this
+            # step, not at the next one whose loss it ruins
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._pending.clear()
                 last = self.result.checkpoints[-1] if self.result.checkpoints else None
                 keep = f"The last good checkpoint is {last}." if last else "No checkpoint was written yet."
+                what = f"loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
                 raise NonFiniteLossError(
-                    f"The loss became {loss} at step {event.step} (learning rate {event.learning_rate:.3g}, "
-                    f"gradient norm {grad_norm:.3g}). Training stopped. {keep} Fix: lower the learning "
-                    "rate, keep max_grad_norm on, or check the data of this step; resume with "
-                    "resume_from=<checkpoint>."
+                    f"The {what} at step {event.step} (loss {loss:.4g}, learning rate "
+                    f"{event.learning_rate:.3g}, gradient norm {grad_norm:.3g}). Training stopped. {keep} Fix: "
+                    "lower the learning rate, keep max_grad_norm on, or check the data of this step; resume "
+                    "with resume_from=<checkpoint>."
                 )
 
     def _flush(self) -> None:

@@ -203,7 +203,9 @@ def _mlp_forward(self, hidden_states):
     from fastft.kernels.lora import lora_mlp
 
     bases, scales, adapters = _split(parts)
-    return lora_mlp(hidden_states, *bases, scales, self._fastft_activation, adapters)
+    return lora_mlp(
+        hidden_states, *bases, scales, self._fastft_activation, adapters, self._fastft_output_only_added
+    )
 
 
 # --------------------------------------------------------------------------------------------- patching
@@ -280,10 +282,11 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
             counts["moe"] += 1
             if info.shared_expert:
                 dense_mlps += 1
-                counts["mlp"] += _patch_mlp(mlp.shared_expert, kind, state)
+                # its output is scaled by a gate, and the product saves it for backward
+                counts["mlp"] += _patch_mlp(mlp.shared_expert, kind, state, output_only_added=False)
             continue
         dense_mlps += 1
-        counts["mlp"] += _patch_mlp(mlp, kind, state)
+        counts["mlp"] += _patch_mlp(mlp, kind, state, output_only_added=True)
     if dense and _is_rms_norm(getattr(decoder, "norm", None)):
         norm = decoder.norm
         _install(norm, _rms_norm_forward, state, eps=float(getattr(norm, "variance_epsilon", 1e-6)))
@@ -323,11 +326,13 @@ def _patch_attention_and_norms(layer, model_type: str, config, state: _PatchStat
     counts["attention"] += 1
 
 
-def _patch_mlp(mlp: torch.nn.Module, kind: str | None, state: _PatchState) -> int:
-    """Install the fused MLP forward on a gate/up/down MLP; 1 if installed, else 0."""
+def _patch_mlp(mlp: torch.nn.Module, kind: str | None, state: _PatchState, output_only_added: bool) -> int:
+    """Install the fused MLP forward on a gate/up/down MLP; 1 if installed, else 0. `output_only_added`:
+    the MLP's output only goes into the residual add, which saves nothing for backward, so a recompute may
+    skip the down projection (`fastft.kernels.lora_mlp`); False where anything else reads it."""
     if kind is None or not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
         return 0
-    _install(mlp, _mlp_forward, state, activation=kind)
+    _install(mlp, _mlp_forward, state, activation=kind, output_only_added=output_only_added)
     return 1
 
 
