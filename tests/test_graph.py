@@ -100,7 +100,9 @@ def _fixed_length_data(vocab: int, rows: int, length: int, seed: int = 0) -> Pac
 def _train(preset: str, cuda_graph: bool, steps: int, checkpointing="auto", **config):
     torch.manual_seed(0)
     model, tokenizer = fastft.load_model(preset, device="cuda", dtype=torch.bfloat16)
-    targets = "all-linear" if "moe" not in preset and "mixtral" not in preset else ["q_proj", "v_proj", "experts"]
+    targets = (
+        "all-linear" if "moe" not in preset and "mixtral" not in preset else ["q_proj", "v_proj", "experts"]
+    )
     model = fastft.add_lora(model, r=8, target_modules=targets, gradient_checkpointing=checkpointing)
     data = _fixed_length_data(model.config.vocab_size, rows=64, length=96)
     trainer = Trainer(

@@ -426,7 +426,9 @@ class Trainer:
                 self._pending.clear()
                 last = self.result.checkpoints[-1] if self.result.checkpoints else None
                 keep = f"The last good checkpoint is {last}." if last else "No checkpoint was written yet."
-                what = f"loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
+                what = (
+                    f"loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
+                )
                 raise NonFiniteLossError(
                     f"The {what} at step {event.step} (loss {loss:.4g}, learning rate "
                     f"{event.learning_rate:.3g}, gradient norm {grad_norm:.3g}). Training stopped. {keep} Fix: "

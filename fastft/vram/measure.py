@@ -21,7 +21,8 @@ from fastft.vram.estimate import VramEstimate, VramEstimateError, _resolve_check
 
 @dataclass(frozen=True)
 class StepMemory:
-    """Peak bytes allocated during each phase of one training step (and reserved over the step)."""
+    """Peak bytes allocated during each phase of one training step (and reserved over the step), counted
+    above what the process held before the probe was built (another model in the same notebook)."""
 
     forward: int  # forward and loss
     backward: int
@@ -39,8 +40,8 @@ class VramMeasurement:
     """Measured peaks of real training steps, beside the estimate of the same run."""
 
     estimate: VramEstimate
-    peak_allocated: int  # torch.cuda.max_memory_allocated over the steps
-    peak_reserved: int  # torch.cuda.max_memory_reserved over the steps
+    peak_allocated: int  # torch.cuda.max_memory_allocated over the steps, less what was there before
+    peak_reserved: int  # torch.cuda.max_memory_reserved over the steps, less what was there before
     steps: tuple[StepMemory, ...]
     setup_allocated: int  # weights, adapters and optimizer before the first step
     context_bytes: int  # device memory in use outside PyTorch's allocator (CUDA context, handles)
@@ -192,6 +193,12 @@ class TrainingProbe:
         from fastft.models.lora import add_lora
 
         self.device = _require_cuda()
+        # whatever else lives in this process (another model in the notebook, earlier tests) is not ours:
+        # every figure below is counted from here
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.baseline_allocated = torch.cuda.memory_allocated(self.device)
+        self.baseline_reserved = torch.cuda.memory_reserved(self.device)
         self.mode = _resolve_checkpointing(checkpointing)
         self.precision = precision
         self.dtype = (
@@ -225,7 +232,7 @@ class TrainingProbe:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
-        self.setup_allocated = torch.cuda.memory_allocated()
+        self.setup_allocated = torch.cuda.memory_allocated(self.device) - self.baseline_allocated
 
     def step(self, tokens: int, seq_len: int | None = None, trained_fraction: float = 1.0) -> StepMemory:
         """One optimizer step on `tokens` random tokens; raises torch.OutOfMemoryError when it does not fit."""
@@ -263,7 +270,14 @@ class TrainingProbe:
             if isinstance(error, torch.OutOfMemoryError):
                 raise
             raise torch.OutOfMemoryError(str(error)) from error
-        return StepMemory(forward, backward, optimizer, reserved, time.perf_counter() - started)
+        base, base_reserved = self.baseline_allocated, self.baseline_reserved
+        return StepMemory(
+            forward - base,
+            backward - base,
+            optimizer - base,
+            reserved - base_reserved,
+            time.perf_counter() - started,
+        )
 
     def recover(self) -> None:
         """Drop everything a failed step left behind (gradients, cached blocks)."""
