@@ -128,6 +128,18 @@ def _fill(static: PackedBatch, batch: PackedBatch) -> None:
         getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
 
 
+_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """One warm-up stream per device for every capture: cuBLAS keeps a workspace (64 MiB on an H200) for
+    each stream it has run on, for the life of the process, so a new stream per capture leaked one."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _WARMUP_STREAMS[index]
+
+
 class StepGraph:
     """Forward + backward of micro-batches, replayed from a CUDA graph when the signature allows.
 
@@ -205,7 +217,7 @@ class StepGraph:
                 parameter.grad = torch.zeros_like(parameter)
         # one pass on a side stream first (PyTorch's recipe: lazy initialisation and the allocator's
         # per-stream pools settle outside the capture); its gradients are discarded (they were zero)
-        side = torch.cuda.Stream(device=batch.device)
+        side = _warmup_stream(batch.device)
         side.wait_stream(torch.cuda.current_stream(batch.device))
         with torch.cuda.stream(side):
             loss_fn(batch).backward()
