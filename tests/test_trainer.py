@@ -169,6 +169,29 @@ def test_a_non_finite_gradient_stops_the_run_at_its_own_step():
     assert [math.isfinite(event.loss) for event in trainer.result.steps] == [True] * 4
 
 
+def test_a_finished_run_lets_its_model_be_freed():
+    """Nothing fastft keeps (the profiler's hook registry, the CUDA-graph stream) holds a model once the
+    user drops it: the profile once held its model strongly as the value of a WeakKeyDictionary keyed by
+    that model's backbone, so every profiled model lived until the kernel restarted (on the H200 the GPU
+    tests' memory grew with each run)."""
+    import gc
+    import weakref
+
+    def run():
+        model, tokenizer = _lora_model()
+        trainer = Trainer(
+            model, tokenizer, fastft.pack(ROWS, tokenizer, 128), config=TrainConfig(max_steps=2)
+        )
+        trainer.train()
+        assert trainer.profile is not None and trainer.profile.attached
+        return weakref.ref(model), weakref.ref(trainer)
+
+    _lora_model()  # first use imports fastft's modules, whose import-time tracebacks keep the caller's frame
+    model, trainer = run()
+    gc.collect()
+    assert model() is None and trainer() is None
+
+
 def test_checkpoints_rotate_and_load_with_weights_only(tmp_path):
     model, tokenizer = _lora_model()
     data = fastft.pack(ROWS, tokenizer, 128)

@@ -30,6 +30,7 @@ import functools
 import re
 import statistics
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -282,7 +283,9 @@ class StepProfile:
         self.timings: collections.deque[StepTiming] = collections.deque(maxlen=keep)
         self.instrumented: list[str] = []  # names of the hooked modules' phases
         self._handles: list = []
-        self._model: torch.nn.Module | None = None
+        # weak: `fastft.profile.hooks` maps the model's backbone to this profile in a WeakKeyDictionary, and a
+        # value that held its key strongly would keep every profiled model alive for the whole session
+        self._model: weakref.ref[torch.nn.Module] | None = None
         self._reset()
         self._state = _IDLE
         if model is not None:
@@ -295,7 +298,7 @@ class StepProfile:
 
         self.detach()
         self._handles, self.instrumented = instrument(model, self)
-        self._model = model
+        self._model = weakref.ref(model)
         return self
 
     def detach(self) -> None:
@@ -304,8 +307,9 @@ class StepProfile:
 
         for handle in self._handles:
             handle.remove()
-        if self._model is not None:
-            release(self._model, self)
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            release(model, self)
         self._handles, self._model, self.instrumented = [], None, []
 
     @property
