@@ -421,8 +421,10 @@ class Trainer:
             self.result.steps.append(event)
             self._publish(event)
             # a non-finite gradient norm has already been applied (clipping scales by it): stop at this
-            # step, not at the next one whose loss it ruins
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # step, not at the next one whose loss it ruins. fp16's loss scaler is the exception: it skips
+            # that step's update itself and lowers its scale
+            scaled = self.grad_scaler is not None
+            if not (math.isfinite(loss) and (math.isfinite(grad_norm) or scaled)):
                 self._pending.clear()
                 last = self.result.checkpoints[-1] if self.result.checkpoints else None
                 keep = f"The last good checkpoint is {last}." if last else "No checkpoint was written yet."
