@@ -172,16 +172,28 @@ def _loss_and_grads(model, batch):
 
 
 def _count_grouped_mm(monkeypatch) -> list:
+    """Record each grouped GEMM call ("mm") and each down projection + combine ("down", with its `skip`)."""
     from fastft.kernels import grouped_gemm
 
     calls = []
-    original = grouped_gemm.grouped_mm
+    inside_down = []  # off the GPU the down side composes grouped_mm itself: count it once, as "down"
+    original, original_down = grouped_gemm.grouped_mm, grouped_gemm.down_combine
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        if not inside_down:
+            calls.append("mm")
         return original(*args, **kwargs)
 
+    def counted_down(*args, **kwargs):
+        calls.append("down, skipped" if kwargs.get("skip") else "down")
+        inside_down.append(1)
+        try:
+            return original_down(*args, **kwargs)
+        finally:
+            inside_down.pop()
+
     monkeypatch.setattr(grouped_gemm, "grouped_mm", counted)
+    monkeypatch.setattr(grouped_gemm, "down_combine", counted_down)
     return calls
 
 
@@ -200,8 +212,11 @@ def test_patched_moe_model_matches_transformers_and_peft(name, checkpointing, mo
     assert report.fused["moe"] == 2
     calls = _count_grouped_mm(monkeypatch)
     loss, grads = _loss_and_grads(model, batch)
-    # per layer: gate/up, down, and two per adapted projection; recompute runs the forward again
-    assert len(calls) == 2 * 6 * (2 if checkpointing else 1)
+    # per layer: the gate/up GEMM and its adapter's two, then the down projection + combine (its adapter
+    # inside); recompute runs the forward again, skipping the down side whose output it discards
+    layer = ["mm"] * 3 + ["down"]
+    recomputed = ["mm"] * 3 + ["down, skipped"]
+    assert calls == 2 * layer + (2 * recomputed if checkpointing else [])
     assert float(loss) == pytest.approx(float(expected_loss), rel=1e-5)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for name_, got, want in zip(names, grads, expected, strict=True):
@@ -380,7 +395,7 @@ def test_mixtral_router_jitter_while_training_takes_transformers_path(monkeypatc
     assert calls == []
     model.eval()
     causal_lm_loss_sum(model, _batch())
-    assert len(calls) == 2 * 6
+    assert calls == 2 * (["mm"] * 3 + ["down"])
 
 
 def test_router_aux_loss_joins_the_loss_when_the_config_asks():

@@ -206,9 +206,15 @@ def test_moe_counts_every_expert_weight_and_top_k_routed_activations():
     config = spec.to_config()
     config.num_experts_per_tok = 16  # twice the routed pairs
     doubled = estimate_vram(config, 2048, checkpointing="none", gpu=None)
-    per_pair = (3 * 768 + 2048 + 1) * 2 + 3 * 8 + 3 * 4  # gate/up, act, output, weight; indices; top-k
+    # gate/up, act, weight (the fused block keeps no expert output); indices; top-k
+    per_pair = (3 * 768 + 1) * 2 + 3 * 8 + 3 * 4
     per_pair += 2 * 16 * 2  # "all-linear" adapts the experts too: the fused block keeps x @ A twice (r = 16)
     assert doubled["activations"] - estimate["activations"] == 48 * 2048 * 8 * per_pair
+    # transformers' grouped_mm path keeps each pair's expert output for the routing-weight product
+    unfused = estimate_vram(config, 2048, checkpointing="none", gpu=None, fused=False)
+    unfused_half = estimate_vram(spec.hub_id, 2048, checkpointing="none", gpu=None, fused=False)
+    unfused_pair = (3 * 768 + 2048 + 1) * 2 + 3 * 8 + 3 * 4 + (2048 + 768) * 2  # + PEFT keeps x and h
+    assert unfused["activations"] - unfused_half["activations"] == 48 * 2048 * 8 * unfused_pair
 
 
 def test_fused_loss_holds_one_balanced_logits_chunk_and_the_final_hidden_states():

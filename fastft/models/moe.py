@@ -17,6 +17,11 @@ kernel for SiLU/GELU experts), or the experts module's own ``_apply_gate`` where
 ``(up + 1) * gate * sigmoid(alpha * gate)``). Combining is a reshape and a weighted sum over the k
 choices (no scatter-add, no atomics), so the same inputs give bit-identical outputs run to run.
 
+The down projection and the combine are one autograd node (`fastft.kernels.grouped_gemm.down_combine`):
+its backward takes the routing weights' gradient from ``h`` and the unweighted ``dh`` it computes anyway,
+so the ``[M, H]`` expert outputs are never saved, and when activation checkpointing re-runs the block
+(whose output only enters additions) the node skips its GEMMs.
+
 Expert weights are read as transformers stores them: ``[E, N, K]`` (Qwen, Mixtral) or transposed
 ``[E, K, N]`` (gpt-oss, passed to the grouped GEMM as a transposed view, never copied).
 
@@ -137,13 +142,36 @@ def gated(experts: torch.nn.Module, gate_up: torch.Tensor, kind: str | None) -> 
 
 
 def moe_experts(
-    x: torch.Tensor, plan, weights: ExpertWeights, experts: torch.nn.Module, kind: str | None
+    x: torch.Tensor,
+    plan,
+    weights: ExpertWeights,
+    experts: torch.nn.Module,
+    kind: str | None,
+    output_discarded_in_recompute: bool = False,
 ) -> torch.Tensor:
-    """The routed experts of ``x [T, H]`` under ``plan``, combined: ``[T, H]``."""
+    """The routed experts of ``x [T, H]`` under ``plan``, combined: ``[T, H]``.
+
+    The down projection and the combine are one autograd node (`fastft.kernels.grouped_gemm.down_combine`)
+    that saves ``h`` but not the ``[T * k, H]`` expert outputs. ``output_discarded_in_recompute``: the
+    caller's output only enters additions (a decoder layer's residual), so when activation checkpointing
+    re-runs the layer, that node skips its GEMMs (about a third of the experts' FLOPs).
+    """
+    from fastft.kernels.grouped_gemm import down_combine
+    from fastft.kernels.lora import _in_recompute
+
     g = expert_projection(x, weights.gate_up, plan, weights.gate_up_lora, weights.gate_up_bias, gather=True)
     h = gated(experts, g, kind)
-    y = expert_projection(h, weights.down, plan, weights.down_lora, weights.down_bias, scatter=True)
-    return combine(y, plan.weights)
+    lora = weights.down_lora
+    return down_combine(
+        h,
+        weights.down,
+        plan.group_end,
+        plan.sorted_slots,
+        plan.weights,
+        weights.down_bias,
+        None if lora is None else (lora.A, lora.B, lora.scale),
+        skip=output_discarded_in_recompute and _in_recompute(),
+    )
 
 
 # ------------------------------------------------------------------------------------ module plumbing
@@ -320,7 +348,8 @@ def moe_block_forward(self, hidden_states: torch.Tensor):
     if is_collecting():
         record_router_logits(plan.router_logits, info.spec)
     experts, _ = unwrap_experts(self.experts)
-    out = moe_experts(x, plan, weights, experts, info.kind)
+    # the block's output only enters additions (the shared expert's, the residual): discarded in a re-run
+    out = moe_experts(x, plan, weights, experts, info.kind, output_discarded_in_recompute=True)
     if info.shared_expert:
         out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
     out = out.reshape(shape)

@@ -31,8 +31,9 @@ Two code paths run a decoder layer, and they keep different tensors:
 
 **Both paths**: flash/varlen attention saves q and k after RoPE, v, the output (16-bit) and the
 logsumexp (fp32 per head and row). MoE experts (transformers' grouped_mm, or fastft's fused block)
-save per routed (token, expert) pair the gate/up output, the activation, the expert output (kept by the
-routing-weight product), the routing weight and three int64 indices, and per token the router's fp32
+save per routed (token, expert) pair the gate/up output, the activation, the routing weight and three
+int64 indices (transformers also the expert output, kept by the routing-weight product; fastft's fused
+block computes that weight's gradient from the activation instead), and per token the router's fp32
 softmax and top-k values/indices.
 
 **QLoRA / 8-bit**: a bf16 model keeps its non-quantised weights (embeddings, norms, head, fused MoE
@@ -324,10 +325,14 @@ def first_norm_reads_stored_input(profile: Profile) -> bool:
 
 
 def moe_bytes(model: ModelInventory, profile: Profile) -> int:
-    """Routed experts of one MoE layer, per token (transformers' grouped_mm path)."""
+    """Routed experts of one MoE layer, per token. transformers' grouped_mm path keeps each pair's expert
+    output for the routing-weight product; fastft's fused block does not (its down projection and combine
+    are one node whose backward needs only the activation)."""
     k, inter, h = model.experts_per_token, model.moe_intermediate, model.hidden_size
+    expert_output = 0 if profile.fused_norms else h
     per_pair = (
-        (2 * inter + inter + h + 1) * profile.expert  # gate/up output, activation, expert output, weight
+        (2 * inter + inter + expert_output + 1)
+        * profile.expert  # gate/up output, activation, (output), weight
         + 3 * 8  # int64: the gather index, the weight permutation, the inverse permutation
     )
     router = 4 * model.experts + 3 * 4 * k + 4  # fp32 softmax over experts; top-k values and indices, sum
