@@ -122,13 +122,6 @@ def expert_projection(
     return y
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * y[t * k + j]``: ``y [T * k, H]`` in slot order, ``weights [T, k]``
-    → ``[T, H]`` in ``y``'s dtype (one batched matmul, accumulated in fp32 by the matmul; deterministic)."""
-    tokens, top_k = weights.shape
-    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
-
-
 def gated(experts: torch.nn.Module, gate_up: torch.Tensor, kind: str | None) -> torch.Tensor:
     """The experts' activation of ``gate_up [M, 2I]`` → ``[M, I]`` (module docstring)."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -395,7 +388,6 @@ __all__ = [
     "ExpertLora",
     "ExpertWeights",
     "MoeBlockInfo",
-    "combine",
     "expert_projection",
     "expert_weights",
     "is_expert_module",
