@@ -26,7 +26,7 @@ from fastft.profile import (
 )
 from fastft.profile import ranges as ranges_module
 from fastft.report import RunReport, render_report
-from fastft.report.figures import kernels_figure, phases_figure, timeline_figure
+from fastft.report.figures import GRAPH_NOTE, kernels_figure, phases_figure, timeline_figure
 
 ROWS = list(generate(160, seed=23))
 FORWARD_PARTS = ("embed", "layers.norm", "layers.attention", "layers.mlp", "layers.moe", "final_norm")
@@ -53,7 +53,15 @@ def _inside(span, spans) -> bool:
 
 def _assert_phases_nest(event) -> None:
     phases = event.phases
-    expected = {*TOP_LEVEL, "step", "embed", "layers.norm", "layers.attention", "layers.mlp", "final_norm"} - {"graph"}
+    expected = {
+        *TOP_LEVEL,
+        "step",
+        "embed",
+        "layers.norm",
+        "layers.attention",
+        "layers.mlp",
+        "final_norm",
+    } - {"graph"}
     expected |= {"loss_backward", "layers.backward", "layers.recompute"}  # add_lora checkpoints by default
     assert expected <= set(phases), sorted(expected - set(phases))
     assert all(value >= 0 for value in phases.values())
@@ -404,3 +412,9 @@ def test_train_returns_its_profile_and_the_phase_chart_cuts_a_slow_first_step():
     assert [a.text for a in figure.layout.annotations] == ["1,000 ms"]
     even = phases_figure(list(range(1, 7)), [steady] * 6)
     assert even.layout.yaxis.range is None and not even.layout.annotations
+    # a step replayed from a CUDA graph has one opaque phase: both figures say why
+    replayed = {"step": 60.0, "data": 1.0, "graph": 58.0, "optimizer": 1.0}
+    graphed = phases_figure([1, 2], [steady, replayed])
+    assert [a.text for a in graphed.layout.annotations] == [GRAPH_NOTE]
+    spans = [{"name": "graph", "start_ms": 1.0, "end_ms": 59.0, "depth": 0}]
+    assert [a.text for a in timeline_figure(spans).layout.annotations] == [GRAPH_NOTE]

@@ -436,7 +436,23 @@ def phases_figure(steps: Sequence[int], phases: Sequence[Mapping[str, float]]) -
     fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
     fig.update_layout(margin={"r": 180})
     _cut_outlier_steps(fig, x, [sum(part.values()) for part in parts])
+    _note_graph_replays(fig, names)
     return fig
+
+
+GRAPH_NOTE = (
+    "graph: forward and backward replayed from a CUDA graph, untimed inside "
+    "(TrainConfig(cuda_graph=False) times each layer)"
+)
+
+
+def _note_graph_replays(fig: go.Figure, names: Iterable[str]) -> None:
+    """Say under the title why a replayed step has no per-layer phases."""
+    if "graph" in names:
+        fig.add_annotation(
+            text=GRAPH_NOTE, xref="paper", yref="paper", x=0.0, y=1.0, yanchor="bottom", xanchor="left",
+            showarrow=False, font={"size": 11, "color": "#555"},
+        )  # fmt: skip
 
 
 # A step this many times the median (the first: allocation, compilation, autotuning) is cut off at that height
@@ -499,6 +515,7 @@ def timeline_figure(spans: Sequence[PhaseSpan | Mapping], step: int | None = Non
     fig.update_layout(margin={"r": 180, "l": 150})
     fig.update_yaxes(categoryorder="array", categoryarray=used, autorange="reversed")
     fig.update_xaxes(rangemode="tozero")
+    _note_graph_replays(fig, [span.name for span in items])
     return fig
 
 
