@@ -43,6 +43,10 @@ Usage in an MoE layer (routing plan: ``sorted_slots`` [T * top_k], ``group_end``
     out     = grouped_mm(h, down_proj, group_end, scatter_rows=sorted_slots)                  # slot order
     y       = (out.view(T, top_k, H) * routing_weights[..., None]).sum(1)
 
+``down_combine`` runs those last two lines as one autograd node that saves ``h`` but not ``out`` (the
+routing weights' gradient is taken from ``h`` and the unweighted ``dh``), and skips both when activation
+checkpointing re-runs a layer whose output it discards.
+
 LoRA on the experts (``A [E, r, K]``, ``B [E, N, r]``; a ``B`` stored ``[E, r, N]`` goes in as
 ``B.transpose(1, 2)``), never forming ``W + s B A``: the low-rank term first, then the base GEMM adds it in
 its epilogue (``add``, in output order)::

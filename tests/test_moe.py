@@ -108,9 +108,9 @@ def test_fused_block_matches_transformers_block(model_type):
         assert _rel(g, w) <= 1e-5, name
 
 
-def test_grouped_projection_gathers_scatters_and_adds_the_low_rank_term():
-    """One expert projection against a per-row loop: row m reads token sorted_slots[m] // k and lands in
-    slot sorted_slots[m]; W_e + s B_e A_e is never formed by the fused path but is the per-row reference."""
+def test_grouped_projection_gathers_and_adds_the_low_rank_term():
+    """The experts' first projection against a per-row loop: row m (expert order) reads token
+    sorted_slots[m] // k; W_e + s B_e A_e is never formed by the fused path but is the per-row reference."""
     from fastft.models.moe import ExpertLora
 
     generator = torch.Generator().manual_seed(13)
@@ -124,12 +124,12 @@ def test_grouped_projection_gathers_scatters_and_adds_the_low_rank_term():
         torch.randn(experts, n_out, rank, generator=generator),
         0.7,
     )
-    got = expert_projection(x, weight, plan, lora, bias, gather=True, scatter=True)
+    got = expert_projection(x, weight, plan, lora, bias)
     want = torch.empty(tokens * 2, n_out)
-    for slot in range(tokens * 2):
-        e = int(plan.expert_ids.reshape(-1)[slot])
+    for m, slot in enumerate(plan.sorted_slots.tolist()):
+        e = int(plan.sorted_experts[m])
         w = weight[e] + lora.scale * lora.B[e] @ lora.A[e]
-        want[slot] = x[slot // 2] @ w.T + bias[e]
+        want[m] = x[slot // 2] @ w.T + bias[e]
     assert _rel(got, want) <= 1e-6
 
 

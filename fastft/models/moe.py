@@ -89,36 +89,28 @@ class ExpertWeights:
 
 
 def expert_projection(
-    a: torch.Tensor,
+    x: torch.Tensor,
     weight: torch.Tensor,
     plan,
     lora: ExpertLora | None = None,
     bias: torch.Tensor | None = None,
-    *,
-    gather: bool = False,
-    scatter: bool = False,
 ) -> torch.Tensor:
-    """One stacked expert projection of the plan's rows: ``[M, K] -> [M, N]`` (``weight [E, N, K]``).
+    """The experts' first projection of token-major ``x [T, K]``: ``[M, N]`` in expert order
+    (``weight [E, N, K]``); row ``m`` reads token ``plan.sorted_slots[m] // k``, fused into the GEMM's loads.
+    The bias rows go in as the base GEMM's ``add``; the LoRA term is two more grouped GEMMs on the same
+    offsets, the second adding the base result before its one rounding, so no separate elementwise pass
+    runs::
 
-    ``gather``: ``a`` is token-major ``[T, K]`` and row ``m`` reads token ``plan.sorted_slots[m] // k``
-    (fused into the GEMM's loads). ``scatter``: row ``m`` is written to slot ``plan.sorted_slots[m]``
-    (fused into its stores), else rows stay in expert order. The bias rows go in as the base GEMM's
-    ``add``; the LoRA term is two more grouped GEMMs on the same offsets, the second adding the base
-    result before its one rounding, so no separate elementwise pass runs::
-
-        y = add(bias[e]) + a W_e^T;   y = y + ((a A_e^T) * s) B_e^T
+        y = add(bias[e]) + x W_e^T;   y = y + ((x A_e^T) * s) B_e^T
     """
     from fastft.kernels.grouped_gemm import grouped_mm
 
-    rows = {"gather_rows": plan.sorted_slots, "top_k": plan.top_k} if gather else {}
-    scatter_rows = plan.sorted_slots if scatter else None
-    add = None
-    if bias is not None:
-        add = bias.index_select(0, plan.expert_ids.reshape(-1) if scatter else plan.sorted_experts)
-    y = grouped_mm(a, weight, plan.group_end, scatter_rows=scatter_rows, add=add, **rows)
+    rows = {"gather_rows": plan.sorted_slots, "top_k": plan.top_k}
+    add = None if bias is None else bias.index_select(0, plan.sorted_experts)
+    y = grouped_mm(x, weight, plan.group_end, add=add, **rows)
     if lora is not None:
-        low = grouped_mm(a, lora.A, plan.group_end, **rows) * lora.scale
-        y = grouped_mm(low, lora.B, plan.group_end, scatter_rows=scatter_rows, add=y)
+        low = grouped_mm(x, lora.A, plan.group_end, **rows) * lora.scale
+        y = grouped_mm(low, lora.B, plan.group_end, add=y)
     return y
 
 
@@ -152,7 +144,7 @@ def moe_experts(
     from fastft.kernels.grouped_gemm import down_combine
     from fastft.kernels.lora import _in_recompute
 
-    g = expert_projection(x, weights.gate_up, plan, weights.gate_up_lora, weights.gate_up_bias, gather=True)
+    g = expert_projection(x, weights.gate_up, plan, weights.gate_up_lora, weights.gate_up_bias)
     h = gated(experts, g, kind)
     lora = weights.down_lora
     return down_combine(
