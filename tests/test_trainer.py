@@ -149,19 +149,24 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_good_checkpoint(tmp_p
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder
 
 
-def test_a_non_finite_gradient_stops_the_run_at_its_own_step():
-    """A finite loss with a NaN gradient: clipping would spread the NaN into every weight, so the run stops
-    at that step, naming the gradient, rather than one step later at the loss it ruined."""
-    model, tokenizer = _lora_model()
-    data = fastft.pack(ROWS, tokenizer, 128)
+def _poison_one_gradient(model, at_step: int, value: float) -> None:
+    """Multiply the first LoRA B's gradient by `value` in backward number `at_step` (one per step here)."""
     lora_b = next(p for name, p in model.named_parameters() if "lora_B" in name)
     calls = {"n": 0}
 
     def poison(grad):
         calls["n"] += 1
-        return grad * float("nan") if calls["n"] == 4 else grad
+        return grad * value if calls["n"] == at_step else grad
 
     lora_b.register_hook(poison)
+
+
+def test_a_non_finite_gradient_stops_the_run_at_its_own_step():
+    """A finite loss with a NaN gradient: clipping would spread the NaN into every weight, so the run stops
+    at that step, naming the gradient, rather than one step later at the loss it ruined."""
+    model, tokenizer = _lora_model()
+    data = fastft.pack(ROWS, tokenizer, 128)
+    _poison_one_gradient(model, at_step=4, value=float("nan"))
     trainer = Trainer(model, tokenizer, data, config=TrainConfig(max_steps=10))
     with pytest.raises(NonFiniteLossError) as error:
         trainer.train()
@@ -173,14 +178,7 @@ def test_an_fp16_loss_scaler_skips_an_overflowing_step_and_the_run_goes_on():
     """Under fp16 autocast a loss scaler owns overflow: an infinite gradient skips that update and the run
     goes on (here a stand-in scaler on the CPU, which has no fp16 loss scaling)."""
     model, tokenizer = _lora_model()
-    lora_b = next(p for name, p in model.named_parameters() if "lora_B" in name)
-    calls = {"n": 0}
-
-    def overflow(grad):
-        calls["n"] += 1
-        return grad * float("inf") if calls["n"] == 2 else grad
-
-    lora_b.register_hook(overflow)
+    _poison_one_gradient(model, at_step=2, value=float("inf"))
 
     class SkippingScaler:
         skipped = 0
