@@ -755,22 +755,28 @@ def grouped_mm(
 # --------------------------------------------------------------------------------------------------
 
 
-def down_combine_reference(h, weight, group_end, sorted_slots, route_weights, bias=None, lora=None, mm=None):
+def _check_bias(bias, sorted_experts) -> None:
+    if bias is not None and sorted_experts is None:
+        raise ValueError(
+            "down_combine: a bias needs sorted_experts (the routing plan's expert of each sorted row)"
+        )
+
+
+def down_combine_reference(
+    h, weight, group_end, sorted_slots, route_weights, bias=None, lora=None, *, sorted_experts=None, mm=None
+):
     """Plain PyTorch: ``y = h W_e^T (+ b_e) (+ s (h A_e^T) B_e^T)`` scattered to slot order, then
     ``out[t] = sum_j route_weights[t, j] * y[t * k + j]``. ``h [M, I]`` expert-sorted, ``weight [E, H, I]``,
-    ``route_weights [T, k]``, ``bias [E, H]``, ``lora = (A [E, r, I], B [E, H, r], s)``. Returns ``[T, H]``.
-    ``mm`` is the grouped GEMM to compose (default `grouped_mm_reference`)."""
+    ``route_weights [T, k]``, ``bias [E, H]`` (with ``sorted_experts [M]``, each sorted row's expert),
+    ``lora = (A [E, r, I], B [E, H, r], s)``. Returns ``[T, H]``. ``mm`` is the grouped GEMM to compose
+    (default `grouped_mm_reference`)."""
+    _check_bias(bias, sorted_experts)
     mm = mm or grouped_mm_reference
     tokens, top_k = route_weights.shape
     add = None
-    if bias is not None:  # slot order: expert of slot sorted_slots[m] is the m-th sorted row's expert
-        ends = group_end.long()
-        experts = torch.repeat_interleave(
-            torch.arange(ends.numel(), device=h.device),
-            torch.diff(ends, prepend=ends.new_zeros(1)),
-            output_size=sorted_slots.shape[0],
-        )
-        add = torch.empty_like(bias[experts]).index_copy(0, sorted_slots.long(), bias[experts]).to(h.dtype)
+    if bias is not None:  # in slot order, where the GEMM scatters its rows
+        rows = bias[sorted_experts]
+        add = torch.empty_like(rows).index_copy(0, sorted_slots.long(), rows).to(h.dtype)
     y = mm(h, weight, group_end, scatter_rows=sorted_slots, add=add)
     if lora is not None:
         a, b, scale = lora
@@ -782,8 +788,9 @@ def down_combine_reference(h, weight, group_end, sorted_slots, route_weights, bi
 class DownCombineFunction(torch.autograd.Function):
     """The experts' down projection and the weighted top-k sum, whose backward never reads ``y``.
 
-    ``apply(h, weight, bias, lora_a, lora_b, scale, group_end, sorted_slots, route_weights, skip)``; shapes
-    as in `down_combine_reference` (``bias``, ``lora_a``/``lora_b`` may be None). The gradient of a routing
+    ``apply(h, weight, bias, lora_a, lora_b, scale, group_end, sorted_slots, sorted_experts, route_weights,
+    skip)``; shapes as in `down_combine_reference` (``bias`` with ``sorted_experts``, ``lora_a``/``lora_b``
+    may be None). The gradient of a routing
     weight is ``<dout[t], y[slot]> = <dout[t] W_e + s (dout[t] B_e) A_e, h[m]> (+ <dout[t], b_e>)``: the
     unweighted ``dh`` the backward computes anyway, dotted with the saved ``h``. So ``y [T * k, H]`` is
     never saved (the combine in PyTorch saved it), and ``skip`` -- set by a caller whose output is
@@ -803,7 +810,20 @@ class DownCombineFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, lora_a, lora_b, scale, group_end, sorted_slots, route_weights, skip):
+    def forward(
+        ctx,
+        h,
+        weight,
+        bias,
+        lora_a,
+        lora_b,
+        scale,
+        group_end,
+        sorted_slots,
+        sorted_experts,
+        route_weights,
+        skip,
+    ):
         dtype = _compute_dtype(h)
         tokens, top_k = route_weights.shape
         m, hidden = sorted_slots.shape[0], weight.shape[1]
@@ -814,13 +834,6 @@ class DownCombineFunction(torch.autograd.Function):
             low = torch.empty((m, a_c.shape[1]), dtype=dtype, device=h.device)
             grouped_mm_launch(h_c, a_c, group_end, low)
             low.mul_(scale)
-        sorted_experts = None
-        if bias is not None:
-            ends = group_end.long()
-            counts = torch.diff(ends, prepend=ends.new_zeros(1))
-            sorted_experts = torch.repeat_interleave(
-                torch.arange(group_end.numel(), device=h.device), counts, output_size=m
-            )
         if skip:
             out = torch.empty((tokens, hidden), dtype=dtype, device=h.device)
         else:
@@ -840,7 +853,7 @@ class DownCombineFunction(torch.autograd.Function):
         ctx.lora_dtypes = None if lora_a is None else (lora_a.dtype, lora_b.dtype)
         ctx.save_for_backward(
             h_c, w_c, None if bias is None else bias.to(dtype), a_c, b_c, low, group_end, sorted_slots,
-            sorted_experts, route_weights,
+            None if bias is None else sorted_experts, route_weights,
         )  # fmt: skip
         return out
 
@@ -865,7 +878,7 @@ class DownCombineFunction(torch.autograd.Function):
             grouped_mm_launch(u * scale, a.transpose(1, 2), group_end, dh_lora, add=dh_u)
             dh_u = dh_lora
         d_route = None
-        if need[8]:
+        if need[9]:
             # products in the compute dtype, summed in fp32: no [M, I] fp32 temporaries (the combine's own
             # backward, a 16-bit bmm, rounded the same way)
             dots = (dh_u * h).sum(1, dtype=torch.float32)
@@ -891,20 +904,40 @@ class DownCombineFunction(torch.autograd.Function):
             d_b = torch.empty(b.shape, dtype=ctx.lora_dtypes[1], device=h.device)
             low_w = (low.float() * row_weight[:, None]).to(h.dtype)
             grouped_mm_dw_launch(low_w, dout, group_end, d_b.transpose(1, 2), **gathered)
-        return dh, d_weight, d_bias, d_a, d_b, None, None, None, d_route, None
+        return dh, d_weight, d_bias, d_a, d_b, None, None, None, None, d_route, None
 
 
-def down_combine(h, weight, group_end, sorted_slots, route_weights, bias=None, lora=None, skip=False):
+def down_combine(
+    h,
+    weight,
+    group_end,
+    sorted_slots,
+    route_weights,
+    bias=None,
+    lora=None,
+    *,
+    sorted_experts=None,
+    skip=False,
+):
     """`DownCombineFunction` where the Triton kernels run (CUDA, or the interpreter), else the reference.
     ``skip``: the caller's output is discarded in an activation-checkpointing re-run (see the Function)."""
+    _check_bias(bias, sorted_experts)
     if use_triton(h):
         a, b, scale = lora if lora is not None else (None, None, 1.0)
         return DownCombineFunction.apply(
-            h, weight, bias, a, b, float(scale), group_end, sorted_slots, route_weights, skip
+            h, weight, bias, a, b, float(scale), group_end, sorted_slots, sorted_experts, route_weights, skip
         )
     # the module's `grouped_mm` (looked up at call time): the reference off the GPU
     return down_combine_reference(
-        h, weight, group_end, sorted_slots, route_weights, bias, lora, mm=grouped_mm
+        h,
+        weight,
+        group_end,
+        sorted_slots,
+        route_weights,
+        bias,
+        lora,
+        sorted_experts=sorted_experts,
+        mm=grouped_mm,
     )
 
 

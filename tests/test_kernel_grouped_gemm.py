@@ -276,6 +276,10 @@ def test_autotuning_results_are_kept_on_disk_where_triton_can():
 
 def test_bad_inputs_name_the_fix():
     a = torch.randn(6, 24, device=DEVICE)
+    slots, ends = torch.arange(6, device=DEVICE), torch.tensor([2, 6], device=DEVICE)
+    with pytest.raises(ValueError, match="sorted_experts"):
+        down_combine(a, torch.randn(2, 8, 24, device=DEVICE), ends, slots, torch.ones(6, 1, device=DEVICE),
+                     bias=torch.zeros(2, 8, device=DEVICE))  # fmt: skip
     with pytest.raises(ValueError, match="transpose"):
         grouped_mm(a, torch.randn(2, 24, 18, device=DEVICE), torch.tensor([2, 6], device=DEVICE))
     with pytest.raises(ValueError, match="group_end"):
@@ -308,7 +312,7 @@ def _qwen3_operands(seed=0, skew=False):
 
 def _down_operands(dtype, tokens=29, top_k=3, experts=6, hidden=40, inter=24, rank=4, bias=True, seed=21):
     """``h`` in expert order, the down weight, routing weights, and optionally biases and a LoRA pair;
-    experts 1 and 4 get no token."""
+    experts 1 and 4 get no token. Also each sorted row's expert, as the routing plan carries it."""
     generator = torch.Generator().manual_seed(seed)
     slots, group_end = _routing(tokens, top_k, experts, generator, empty=(1, 4))
     m = tokens * top_k
@@ -323,7 +327,9 @@ def _down_operands(dtype, tokens=29, top_k=3, experts=6, hidden=40, inter=24, ra
             torch.randn(experts, hidden, rank, generator=generator) * 0.1,
             0.7,
         )
-    return slots, group_end, h, weight, route, b, lora
+    counts = torch.diff(group_end.long().cpu(), prepend=torch.zeros(1, dtype=torch.long))
+    sorted_experts = torch.repeat_interleave(torch.arange(experts), counts).to(DEVICE)
+    return slots, group_end, sorted_experts, h, weight, route, b, lora
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -332,14 +338,14 @@ def test_down_combine_matches_the_reference_in_every_gradient(dtype, bias, rank)
     """Output and the gradients of ``h``, the weight, the bias, both LoRA factors and the routing weights,
     the last computed from ``h`` and the unweighted ``dh`` (no ``y`` saved), against autograd through the
     reference on fp32 copies."""
-    slots, group_end, h, weight, route, b, lora = _down_operands(dtype, bias=bias, rank=rank)
+    slots, group_end, sorted_experts, h, weight, route, b, lora = _down_operands(dtype, bias=bias, rank=rank)
     tensors = [h, weight, route] + ([b] if bias else []) + (list(lora[:2]) if rank else [])
 
     def run(leaves, fn):
         h_, w_, r_ = leaves[:3]
         b_ = leaves[3] if bias else None
         lora_ = (leaves[-2], leaves[-1], lora[2]) if rank else None
-        return fn(h_, w_, group_end, slots, r_, b_, lora_)
+        return fn(h_, w_, group_end, slots, r_, b_, lora_, sorted_experts=sorted_experts)
 
     leaves = [t.to(DEVICE, dtype).requires_grad_() for t in tensors]
     out = run(leaves, down_combine)
@@ -363,7 +369,7 @@ def test_down_combine_skips_its_gemms_only_when_told_its_output_is_discarded(mon
     forward's, bit for bit."""
     from fastft.kernels import grouped_gemm
 
-    slots, group_end, h, weight, route, b, lora = _down_operands(torch.float32, bias=True, rank=4)
+    slots, group_end, sorted_experts, h, weight, route, b, lora = _down_operands(torch.float32, rank=4)
     h, weight, route = h.to(DEVICE), weight.to(DEVICE), route.to(DEVICE)
     b = b.to(DEVICE)
     lora = (lora[0].to(DEVICE).requires_grad_(), lora[1].to(DEVICE).requires_grad_(), lora[2])
@@ -376,7 +382,9 @@ def test_down_combine_skips_its_gemms_only_when_told_its_output_is_discarded(mon
     for skip in (False, True):
         launches.clear()
         h_, r_ = h.clone().requires_grad_(), route.clone().requires_grad_()
-        out = down_combine(h_, weight, group_end, slots, r_, b, lora, skip=skip)
+        out = down_combine(
+            h_, weight, group_end, slots, r_, b, lora, sorted_experts=sorted_experts, skip=skip
+        )
         assert len(launches) == (1 if skip else 3)  # h A^T; then h W^T and low B^T unless skipped
         upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
         grads[skip] = torch.autograd.grad(out, [h_, r_, lora[0], lora[1]], upstream)

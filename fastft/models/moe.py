@@ -155,6 +155,7 @@ def moe_experts(
         plan.weights,
         weights.down_bias,
         None if lora is None else (lora.A, lora.B, lora.scale),
+        sorted_experts=plan.sorted_experts,
         skip=output_discarded_in_recompute and _in_recompute(),
     )
 
