@@ -39,10 +39,13 @@ No host-device sync anywhere: no ``.item()``, no boolean-mask indexing, no ``non
 from the host-known ``N``. Targets outside ``[0, V)`` other than ``ignore_index`` are not checked (that
 would need a sync): the kernel never reads outside the row, and such a row's loss is its ``lse``.
 
-Memory (the default chunk). A chunk's logits take at most ``LOGITS_CHUNK_BYTES`` = 1 GiB:
-``max_rows = 2**30 // (V * element_size)``, then the rows are balanced over ``cdiv(N, max_rows)`` chunks.
-At ``N = 16384``, ``V = 128256``, ``H = 4096`` in bf16: ``max_rows = 4186`` -> 4 chunks of 4096 rows, a
-1.05 GB logits buffer; plus ``grad_h`` (``N * H * 2`` = 134 MB), the fp32 row losses (64 KB) and, when the
+Memory (the default chunk). A chunk's logits take at most ``LOGITS_CHUNK_BYTES`` = 256 MiB while the
+weight is frozen (LoRA: the loss is the step's memory peak when the chunk is large, and a 1,024-row chunk
+still keeps the GEMM efficient), ``TRAINED_WEIGHT_CHUNK_BYTES`` = 1 GiB when it trains (see ``grad_W``
+precision): ``max_rows = budget // (V * element_size)``, then the rows are balanced over
+``cdiv(N, max_rows)`` chunks. At ``N = 16384``, ``V = 128256``, ``H = 4096`` in bf16 with a trained
+weight: ``max_rows = 4186`` -> 4 chunks of 4096 rows, a 1.05 GB logits buffer (frozen: 16 chunks of
+1024 rows, 263 MB); plus ``grad_h`` (``N * H * 2`` = 134 MB), the fp32 row losses (64 KB) and, when the
 weight trains, ``grad_W`` in the weight's dtype (``V * H * 2`` = 1.05 GB, which eager autograd allocates
 too). Eager ``F.cross_entropy(logits.float())`` holds the bf16 logits (4.2 GB), their fp32 copy and
 log-softmax (8.4 GB each) and in backward two more fp32 ``[N, V]`` tensors: ~25 GB at its peak.
@@ -70,8 +73,10 @@ from . import use_triton
 Reduction = Literal["sum", "mean", "none"]
 REDUCTIONS = ("sum", "mean", "none")
 
-# Bytes one chunk's logits may take (the default chunk size is derived from it; see the module docstring).
-LOGITS_CHUNK_BYTES = 2**30
+# Bytes one chunk's logits may take (the default chunk size is derived from it; see the module docstring):
+# 256 MiB while the head is frozen (LoRA), 1 GiB when its weight trains (fewer roundings of grad_W).
+LOGITS_CHUNK_BYTES = 2**28
+TRAINED_WEIGHT_CHUNK_BYTES = 2**30
 # Vocab columns a program holds per step of its two passes over a row (GPU: 4096 x 4 B fp32 in registers
 # over 8 warps = 16 elements per thread). Not yet tuned by measurement. The interpreter takes whole rows up
 # to 8192 columns: fewer, larger numpy steps.
@@ -267,10 +272,12 @@ def cross_entropy_chunk_(
     )
 
 
-def default_chunk_size(n_rows: int, vocab: int, element_size: int) -> int:
-    """Rows per chunk: as many as keep a chunk's logits within ``LOGITS_CHUNK_BYTES``, balanced over the
-    chunks that takes (16384 rows at V=128256 bf16: 4 chunks of 4096 rather than 3 x 4186 + 3826)."""
-    max_rows = max(1, LOGITS_CHUNK_BYTES // (vocab * element_size))
+def default_chunk_size(n_rows: int, vocab: int, element_size: int, weight_trained: bool = False) -> int:
+    """Rows per chunk: as many as keep a chunk's logits within ``LOGITS_CHUNK_BYTES`` (or
+    ``TRAINED_WEIGHT_CHUNK_BYTES`` when the weight trains), balanced over the chunks that takes (16384 rows
+    at V=128256 bf16, frozen head: 16 chunks of 1024 rows rather than 15 x 1046 + 694)."""
+    budget = TRAINED_WEIGHT_CHUNK_BYTES if weight_trained else LOGITS_CHUNK_BYTES
+    max_rows = max(1, budget // (vocab * element_size))
     n_chunks = triton.cdiv(max(n_rows, 1), max_rows)
     return max(1, triton.cdiv(n_rows, n_chunks))
 
@@ -485,7 +492,9 @@ def fused_linear_cross_entropy(
     h2 = hidden.reshape(-1, n_cols)
     t1 = targets.reshape(-1).contiguous()
     if chunk_size is None:
-        chunk_size = default_chunk_size(h2.shape[0], weight.shape[0], hidden.element_size())
+        chunk_size = default_chunk_size(
+            h2.shape[0], weight.shape[0], hidden.element_size(), weight_trained=weight.requires_grad
+        )
     requires_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and requires_grad:
         loss = FusedLinearCrossEntropyFunction.apply(
@@ -554,6 +563,7 @@ def _check_reduction(reduction: str) -> None:
 __all__ = [
     "FusedLinearCrossEntropyFunction",
     "LOGITS_CHUNK_BYTES",
+    "TRAINED_WEIGHT_CHUNK_BYTES",
     "cross_entropy_chunk_",
     "default_chunk_size",
     "fused_linear_cross_entropy",

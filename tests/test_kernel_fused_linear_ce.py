@@ -398,17 +398,22 @@ def test_empty_input_gives_zero_loss():
 
 
 def test_default_chunk_size_bounds_the_logits_bytes():
-    """1 GiB of logits per chunk, rows balanced over the chunks (the memory math of the module docstring)."""
-    assert default_chunk_size(16384, 128256, 2) == 4096  # 4 chunks of 4096 rows: 1.05 GB bf16 logits
-    assert default_chunk_size(16384, 32001, 2) == 16384  # one chunk, 1.05 GB
-    assert default_chunk_size(16384, 128256, 4) == 2048  # fp32: 8 chunks
+    """256 MiB of logits per chunk for a frozen head, 1 GiB for a trained one (fewer roundings of its
+    gradient), rows balanced over the chunks (the memory math of the module docstring)."""
+    assert default_chunk_size(16384, 128256, 2) == 1024  # 16 chunks of 1024 rows: 263 MB bf16 logits
+    assert default_chunk_size(16384, 32001, 2) == 4096  # 4 chunks, 262 MB
+    assert default_chunk_size(16384, 128256, 4) == 512  # fp32: 32 chunks
+    assert default_chunk_size(16384, 128256, 2, weight_trained=True) == 4096  # 4 chunks, 1.05 GB
+    assert default_chunk_size(16384, 32001, 2, weight_trained=True) == 16384  # one chunk, 1.05 GB
     assert default_chunk_size(3, 151936, 2) == 3
-    for n, v, size in ((16384, 128256, 2), (10000, 151936, 2), (5, 10**9, 4)):
-        rows = default_chunk_size(n, v, size)
-        assert rows * v * size <= max(fused_linear_ce.LOGITS_CHUNK_BYTES, v * size)
-        assert triton.cdiv(n, rows) == triton.cdiv(
-            n, max(1, fused_linear_ce.LOGITS_CHUNK_BYTES // (v * size))
-        )
+    for trained, budget in (
+        (False, fused_linear_ce.LOGITS_CHUNK_BYTES),
+        (True, fused_linear_ce.TRAINED_WEIGHT_CHUNK_BYTES),
+    ):
+        for n, v, size in ((16384, 128256, 2), (10000, 151936, 2), (5, 10**9, 4)):
+            rows = default_chunk_size(n, v, size, weight_trained=trained)
+            assert rows * v * size <= max(budget, v * size)
+            assert triton.cdiv(n, rows) == triton.cdiv(n, max(1, budget // (v * size)))
 
 
 # ------------------------------------------------------------------------------------------------------------

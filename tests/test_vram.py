@@ -230,14 +230,14 @@ def test_fused_loss_holds_one_balanced_logits_chunk_and_the_final_hidden_states(
         (1, 7, 2),
     ):
         assert fused_ce_rows(rows, vocab, size) == default_chunk_size(rows, vocab, size)
-    assert fused_ce_rows(8192, 151936, 2) == 2731  # 3 chunks, not 3,533-row chunks of 1 GiB
+    assert fused_ce_rows(8192, 151936, 2) == 820  # 10 balanced chunks, not 883-row chunks of 256 MiB
     tokens, hidden, vocab = 8192, 4096, 151936
     estimate = estimate_vram("Qwen/Qwen3-8B", tokens, gpu=None)
     final_norm = (2 * hidden + 4) * tokens  # its saved input (the last layer's output) and fp32 rstd
     output = 2 * hidden * tokens  # the decoder's output, alive through the loss
     trained = 2 * 2 * hidden * tokens  # index_select copy of the trained positions, and its gradient
     assert estimate.component("logits").own_bytes == (
-        final_norm + output + 2731 * vocab * 2 + trained + 4 * tokens
+        final_norm + output + 820 * vocab * 2 + trained + 4 * tokens
     )
 
 

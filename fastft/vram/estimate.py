@@ -39,8 +39,8 @@ LOSSES = ("auto", "eager", "fused")
 NF4_BLOCK = 64
 NF4_NESTED_BLOCK = 256
 # The fused linear cross-entropy (kernels/fused_linear_ce.py) keeps one chunk of logits of at most this
-# many bytes (its LOGITS_CHUNK_BYTES), in the hidden states' dtype.
-FUSED_CE_CHUNK_BYTES = 2**30
+# many bytes (its LOGITS_CHUNK_BYTES for a frozen head, as LoRA leaves it), in the hidden states' dtype.
+FUSED_CE_CHUNK_BYTES = 2**28
 # cuBLAS workspaces PyTorch allocates through its caching allocator and keeps for the process: 32 MiB on
 # Hopper and newer, one per (cuBLAS handle, stream), and handles are per thread -- the forward runs on the
 # Python thread, backward on autograd's device thread: two. `fastft bench vram` saw 0.0645 GiB stay
@@ -685,8 +685,8 @@ def _dequant_bytes(inventory: ModelInventory, profile: Profile) -> int:
 def fused_ce_rows(trained: int, vocab: int, element_size: int) -> int:
     """Rows of the fused linear cross-entropy's logits buffer, as `fastft.kernels.fused_linear_ce`'s
     ``default_chunk_size`` picks them: as many as keep a chunk within ``FUSED_CE_CHUNK_BYTES``, balanced
-    over the chunks that takes (at 8,192 rows and Qwen3's 151,936 words: 3 chunks of 2,731 rows, 0.77 GiB,
-    not 3,533 rows and 1 GiB)."""
+    over the chunks that takes (at 8,192 rows and Qwen3's 151,936 words: 10 chunks of 820 rows, 0.23 GiB,
+    not 883 rows and 0.25 GiB)."""
     max_rows = max(1, FUSED_CE_CHUNK_BYTES // (vocab * element_size))
     chunks = -(-max(trained, 1) // max_rows)
     return max(1, -(-trained // chunks))
