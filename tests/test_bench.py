@@ -58,6 +58,24 @@ def test_synthetic_sequences_are_chat_shaped_and_seeded():
     assert (labels[: int(len(ids) * 0.4)] == -100).all() and (labels[-1] == ids[-1])
 
 
+def test_step_bench_keeps_one_random_checkpoint_per_model_and_layer_cut(tmp_path):
+    """A later `fastft bench step` for another model (or another --layers) never loads an earlier run's
+    checkpoint: it once timed a 12-layer MoE and recorded it as Llama-3.1-8B."""
+    from fastft.bench.step import checkpoint_folder
+
+    folders = {
+        checkpoint_folder(tmp_path, model, layers)
+        for model, layers in (
+            ("meta-llama/Llama-3.1-8B-Instruct", None),
+            ("Qwen/Qwen3-30B-A3B", 12),
+            ("Qwen/Qwen3-30B-A3B", None),
+            ("Qwen/Qwen3-30B-A3B", 24),
+        )
+    }
+    assert len(folders) == 4 and all(folder.parent == tmp_path for folder in folders)
+    assert checkpoint_folder(tmp_path, "Qwen/Qwen3-30B-A3B", 12) == tmp_path / "Qwen--Qwen3-30B-A3B-12-layers"
+
+
 @pytest.mark.parametrize(
     ("preset", "lora_targets"), [("tiny-llama", "all"), ("tiny-moe", "all"), ("tiny-moe", "attention")]
 )

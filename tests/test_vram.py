@@ -330,7 +330,9 @@ def test_bitsandbytes_8bit_matmul_keeps_input_and_outlier_columns_through_checkp
 
 
 def test_recorded_h200_peaks_and_longest_context_are_reproduced():
-    """The estimate against `fastft bench vram`'s H200 run (benchmarks/vram-h200-2026-11-30.json)."""
+    """The estimate against `fastft bench vram`'s H200 run (benchmarks/vram-h200-2026-11-30.json): every
+    peak within 2.5 %, every longest context at most the one that trained and at most one 512-token step
+    (or 5 %) below it -- the prediction is rounded down to whole steps, so a 1 % error can cost one."""
     from pathlib import Path
 
     recorded = json.loads(
@@ -338,9 +340,6 @@ def test_recorded_h200_peaks_and_longest_context_are_reproduced():
     )
     errors = {}
     for row in recorded["peaks"]:
-        targets = None
-        if CATALOG[row["model"]].is_moe:  # run before LoRA on the experts existed: attention only
-            targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
         estimate = estimate_vram(
             row["model"],
             row["seq_len"],
@@ -348,14 +347,13 @@ def test_recorded_h200_peaks_and_longest_context_are_reproduced():
             lora_r=row["lora_r"],
             checkpointing=row["checkpointing"],
             fused=row["fused"],
-            targets=targets,
             gpu=None,
         )
         errors[row["config"]] = estimate.allocated_bytes / GiB / row["measured_gib"] - 1
-    assert len(errors) == 16 and all(abs(e) < 0.025 for e in errors.values()), errors
-    for row in recorded["contexts"]:
-        if "measured" not in row:
-            continue
+    assert len(errors) == 19 and all(abs(e) < 0.025 for e in errors.values()), errors
+    measured_contexts = [row for row in recorded["contexts"] if "measured" in row]
+    assert len(measured_contexts) == 4
+    for row in measured_contexts:
         predicted = max_context(
             row["model"],
             capped_gpu(int(row["cap_gib"] * GiB)),
@@ -365,7 +363,8 @@ def test_recorded_h200_peaks_and_longest_context_are_reproduced():
             fused=row["fused"],
             multiple_of=512,
         )
-        assert row["measured"] * 0.95 <= predicted <= row["measured"], (row["config"], predicted)
+        slack = max(512, 0.05 * row["measured"])
+        assert row["measured"] - slack <= predicted <= row["measured"], (row["config"], predicted)
 
 
 def test_max_context_is_the_longest_length_fits_accepts():

@@ -256,6 +256,12 @@ def run_worker(args) -> dict:
     }
 
 
+def checkpoint_folder(root: Path, model_id: str, layers: int | None) -> Path:
+    """Where the random checkpoint of `model_id` (cut to `layers`) lives under `root`: one sub-folder per
+    architecture and cut, so a later run for another model never loads an earlier run's weights."""
+    return root / f"{model_id.replace('/', '--')}-{layers or 'all'}-layers"
+
+
 def save_random_checkpoint(model_id: str, folder: Path, layers: int | None = None) -> None:
     """The catalog architecture (cut to its first `layers` decoder layers if given) with random bf16
     weights, saved with a tokenizer (for Unsloth) to `folder`."""
@@ -364,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
-        "--folder", default="/dev/shm/fastft-bench-step", help="where the random checkpoint goes"
+        "--folder",
+        default="/dev/shm/fastft-bench-step",
+        help="where the random checkpoints go (one sub-folder per model and layer cut, reused by later runs)",
     )
     parser.add_argument(
         "--unsloth-path", default=None, help="site folder put first on PYTHONPATH for Unsloth"
@@ -413,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for workload in workloads:
         parse_workload(workload)
-    folder = Path(args.folder)
+    folder = checkpoint_folder(Path(args.folder), args.model, args.layers)
     if not (folder / "config.json").exists():
         print(f"saving a random-weight {args.model} to {folder} ...", file=sys.stderr, flush=True)
         save_random_checkpoint(args.model, folder, args.layers)
