@@ -86,6 +86,37 @@ def test_flex_backend_forward_equals_sdpa_per_sequence_on_cpu(window):
     torch.testing.assert_close(out, _reference(q, k, v, LENGTHS, window), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lengths, window", [((32, 32, 32), None), ((96,), None), ((48, 48), 48)])
+def test_uniform_bins_run_as_one_causal_batch_equal_to_per_sequence(lengths, window):
+    """Equal-length bins skip varlen for one batched causal SDPA call (cuDNN on Hopper): same numbers."""
+    batch = _batch(lengths)
+    assert attention._uniform_length(batch) == lengths[0]
+    q, k, v = _qkv(batch.num_tokens)
+    out = attention._sdpa_uniform(q, k, v, lengths[0], None)
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    expected = _reference(q2, k2, v2, lengths, window)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q2, k2, v2), upstream), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert attention._uniform_length(_batch((32, 31))) is None
+
+
+def test_token_major_view_has_no_index_backward():
+    """``t[0]`` would make autograd zero-fill and copy the whole q / k / v gradient in every layer."""
+    q = torch.randn(1, 4, 10, 8, requires_grad=True)
+    view = attention._token_major(q, q.dtype)
+    assert view.shape == (10, 4, 8) and view.data_ptr() == q.data_ptr()
+    names, stack = set(), [view.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            names.add(type(node).__name__)
+            stack.extend(fn for fn, _ in node.next_functions)
+    assert not any("Select" in n for n in names), names
+
+
 def test_artefacts_are_built_once_per_batch():
     batch = _batch()
     q, k, v = _qkv(batch.num_tokens)

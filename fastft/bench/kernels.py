@@ -19,7 +19,9 @@ the traffic a kernel really moves. Workloads (bf16, Llama-3-8B shapes):
   4096 tokens x 4096 x 14336, forward + backward time and peak memory.
 
 Timing: CUDA events around each call, a 256 MiB buffer zeroed before every call so no input sits in L2,
-warm-up calls first (Triton compiles there), then the median of the timed calls. Forward and backward are
+warm-up calls first (Triton compiles there), then the median of the timed calls. On a GPU each kernel-row
+call is a CUDA graph replay of the system's Python call (see `_Run.time`): device time, host work excluded,
+for every system alike; the matmul-heavy rows (flce, lora_mlp) are timed eagerly. Forward and backward are
 timed apart: the forward with grad mode on and inputs that require grad, as in training; the backward as
 ``torch.autograd.grad`` over a graph built once (``retain_graph``). Liger's RoPE and SwiGLU backward and
 RMSNorm backward write into their inputs or incoming gradients (their in-place design), so Liger runs last
@@ -335,7 +337,13 @@ class _Run:
         return self.device.type == "cuda"
 
     def time(self, fn: Callable[[], object], big: bool = False) -> float:
-        """Median ms of ``fn()`` over the timed calls, after the warm-up calls."""
+        """Median ms of ``fn()`` over the timed calls, after the warm-up calls.
+
+        On a GPU the kernel rows (``big=False``) replay ``fn`` from a CUDA graph, so the time is the device
+        time of its kernels: a Python call with autograd costs tens of microseconds on the host, as much as
+        a 128 MiB RMSNorm pass on an H200, and timed eagerly it would bound the kernel by the host. Every
+        system is timed the same way; one that cannot be captured is timed eagerly, with a note.
+        """
         warmup = self.timing.big_warmup if big else self.timing.warmup
         reps = self.timing.big_reps if big else self.timing.reps
         for _ in range(warmup):
@@ -347,6 +355,8 @@ class _Run:
                 fn()
                 times.append((time.perf_counter() - start) * 1000.0)
             return statistics.median(times)
+        graph = None if big else self._capture(fn)
+        call = graph.replay if graph is not None else fn
         torch.cuda.synchronize()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -354,10 +364,29 @@ class _Run:
             if self.flush is not None:
                 self.flush.zero_()  # evict the inputs from L2; also gives the host a head start
             start.record()
-            fn()
+            call()
             end.record()
         torch.cuda.synchronize()
+        del graph
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+    def _capture(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
+        """``fn`` captured in a CUDA graph (already warmed up eagerly), or None with a note if it cannot be."""
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            return graph
+        except Exception as error:  # timed eagerly instead
+            first = (str(error).strip().splitlines() or [""])[0][:160]
+            self.notes.append(f"timed eagerly (host work included), no CUDA graph: {type(error).__name__}: {first}")
+            torch.cuda.synchronize()
+            return None
 
     def peak_extra(self, fn: Callable[[], object]) -> int | None:
         """Bytes allocated at the peak of one ``fn()`` beyond those allocated before it (None on the CPU)."""

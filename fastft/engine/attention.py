@@ -12,7 +12,11 @@ backends below on the batch's ``cu_seqlens`` / host lengths / cached artefacts. 
 Backends (all causal within each sequence, sliding windows honoured, GQA without repeat):
 - ``sdpa_masked``: SDPA with a block-diagonal causal boolean mask built once per batch (CPU default).
 - ``sdpa_segments``: SDPA with ``is_causal`` per sequence, reading host lengths (no mask at all).
-- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch; CUDA).
+- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch; CUDA). A bin whose
+  sequences all have one length (fixed-length blocks, or one long sequence) runs as a ``[n, heads, len, dim]``
+  batch through SDPA's causal kernel instead, which PyTorch sends to cuDNN's fused attention on Hopper:
+  1.48× faster forward + backward than FA2 varlen at 2×2048 and 1.69× at 1×16384 on the H200
+  (BENCHMARKS.md, "attention kernels"); elsewhere it picks FlashAttention-2, the same kernel as varlen.
 - ``flash_attn``: ``flash_attn_varlen_func`` when the flash-attn package is installed (CUDA).
 - ``flex``: ``flex_attention`` with a document-causal BlockMask built once per batch.
 ``"auto"`` follows the whole-step measurements recorded in BENCHMARKS.md (`choose_backend`):
@@ -120,6 +124,31 @@ def _flash_dtype(query: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
 
 
+def _token_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, heads, T, dim] -> [T, heads, dim]`` as a view of the projection's token-major output.
+
+    ``squeeze``, not ``t[0]``: autograd answers an index with a zero-filled copy of the whole gradient,
+    transposed into head-major memory, which the projection's backward then copies back (three copies
+    and three fills per layer, ~5 % of a graphed 8B step on the H200).
+    """
+    return t.squeeze(0).transpose(0, 1).to(dtype)
+
+
+def _uniform_length(batch: PackedBatch) -> int | None:
+    """The one sequence length of a bin made of equal-length sequences (host numbers), else None."""
+    if batch.num_sequences and batch.max_seqlen * batch.num_sequences == batch.num_tokens:
+        return batch.max_seqlen
+    return None
+
+
+def _sdpa_uniform(query, key, value, length, scaling):
+    """Equal-length sequences as a batch ``[n, heads, length, dim]``: one causal SDPA call (views only)."""
+    n, dim = query.shape[2] // length, query.shape[-1]
+    q, k, v = (t.squeeze(0).unflatten(1, (n, length)).transpose(0, 1) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).reshape(1, n * length, query.shape[1], dim)
+
+
 def _varlen(query, key, value, batch, scaling, dropout, window):
     from torch.nn.attention.varlen import varlen_attn
 
@@ -128,7 +157,11 @@ def _varlen(query, key, value, batch, scaling, dropout, window):
             "the varlen backend has no attention dropout: use sdpa_masked/sdpa_segments"
         )
     dtype = _flash_dtype(query)
-    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [T, heads, dim]
+    length = _uniform_length(batch)
+    if length is not None and (window is None or window >= length):
+        q, k, v = (t.to(dtype) for t in (query, key, value))
+        return _sdpa_uniform(q, k, v, length, scaling).to(query.dtype)
+    q, k, v = (_token_major(t, dtype) for t in (query, key, value))
     extra = {"enable_gqa": True} if _varlen_takes_enable_gqa() else {}
     cu = batch.cu_seqlens
     out = varlen_attn(
@@ -150,7 +183,7 @@ def _flash_attn(query, key, value, batch, scaling, dropout, window):
     from flash_attn import flash_attn_varlen_func
 
     dtype = _flash_dtype(query)
-    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
+    q, k, v = (_token_major(t, dtype) for t in (query, key, value))
     cu = batch.cu_seqlens
     out = flash_attn_varlen_func(
         q,
