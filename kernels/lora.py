@@ -112,10 +112,18 @@ def _project(x2, base: FrozenLinear, xa, b_weight, scale, dtype) -> torch.Tensor
     bias = None if base.bias is None else base.bias.to(dtype)
     if b_weight is None:
         return F.linear(x2, weight, bias)
-    xa_scaled = xa * scale
+    xa_scaled = _scaled(xa, scale)
     b_t = b_weight.to(dtype).t()
     y = torch.mm(xa_scaled, b_t) if bias is None else torch.addmm(bias, xa_scaled, b_t)
     return y.addmm_(x2, weight.t())
+
+
+def _scaled(t: torch.Tensor, scale: float, inplace: bool = False) -> torch.Tensor:
+    """``t * scale``, skipped at ``scale == 1`` (alpha = r): an [N, r] multiply costs a launch, not bandwidth,
+    and the layers of a graphed 8B step launch about a hundred of them."""
+    if scale == 1.0:
+        return t
+    return t.mul_(scale) if inplace else t * scale
 
 
 def _accumulate(out: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -191,8 +199,8 @@ class LoraLinearsFunction(torch.autograd.Function):
                     continue
                 a_weight, b_weight = a_list[i], b_list[i]
                 if b_weight.requires_grad:
-                    grad_adapters[2 * i + 1] = torch.mm(dy.t(), xa[:, sl]).mul_(scale).to(b_weight.dtype)
-                dxa_parts.append(torch.mm(dy, b_weight.to(dtype)).mul_(scale))
+                    grad_adapters[2 * i + 1] = _scaled(torch.mm(dy.t(), xa[:, sl]), scale, True).to(b_weight.dtype)
+                dxa_parts.append(_scaled(torch.mm(dy, b_weight.to(dtype)), scale, True))
                 a_parts.append((i, a_weight))
             if dxa_parts:
                 dxa = torch.cat(dxa_parts, 1) if len(dxa_parts) > 1 else dxa_parts[0]
@@ -260,8 +268,8 @@ class LoraMLPFunction(torch.autograd.Function):
             dy = _rows(grad).to(dtype)
             dh = None
             if a_d is not None:
-                dha = torch.mm(dy, b_d.to(dtype)).mul_(s_d)
-                grads["b_d"] = torch.mm(dy.t(), ha).mul_(s_d)
+                dha = _scaled(torch.mm(dy, b_d.to(dtype)), s_d, True)
+                grads["b_d"] = _scaled(torch.mm(dy.t(), ha), s_d, True)
                 dh = torch.mm(dha, a_d.to(dtype))
             dh = _accumulate(dh, dy, down.dense(dtype))
             del dy
@@ -278,8 +286,8 @@ class LoraMLPFunction(torch.autograd.Function):
             ):
                 if a_weight is None:
                     continue
-                grads["b_" + name] = torch.mm(d.t(), xa[:, sl]).mul_(scale)
-                dxa_parts.append(torch.mm(d, b_weight.to(dtype)).mul_(scale))
+                grads["b_" + name] = _scaled(torch.mm(d.t(), xa[:, sl]), scale, True)
+                dxa_parts.append(_scaled(torch.mm(d, b_weight.to(dtype)), scale, True))
                 a_parts.append((name, a_weight))
             if dxa_parts:
                 dxa = torch.cat(dxa_parts, 1) if len(dxa_parts) > 1 else dxa_parts[0]
