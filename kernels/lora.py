@@ -199,7 +199,9 @@ class LoraLinearsFunction(torch.autograd.Function):
                     continue
                 a_weight, b_weight = a_list[i], b_list[i]
                 if b_weight.requires_grad:
-                    grad_adapters[2 * i + 1] = _scaled(torch.mm(dy.t(), xa[:, sl]), scale, True).to(b_weight.dtype)
+                    grad_adapters[2 * i + 1] = _scaled(torch.mm(dy.t(), xa[:, sl]), scale, True).to(
+                        b_weight.dtype
+                    )
                 dxa_parts.append(_scaled(torch.mm(dy, b_weight.to(dtype)), scale, True))
                 a_parts.append((i, a_weight))
             if dxa_parts:

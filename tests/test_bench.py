@@ -180,3 +180,28 @@ def test_packing_bench_nf4_needs_a_gpu_and_names_the_fix():
         run("tiny-qwen3", 256, precision="nf4")
     with pytest.raises(ValueError, match="use 'bf16' or 'nf4'"):
         run("tiny-qwen3", 256, precision="int4")
+
+
+def test_attention_bench_cases_parse_and_every_method_agrees(tmp_path):
+    from fastft.bench import attention as attention_bench
+
+    label, lengths, q, kv = attention_bench.parse_case("ragged3000:8/2")
+    assert (label, q, kv) == ("ragged3000:8/2", 8, 2) and sum(lengths) == 3000
+    assert all(100 <= n < 1500 for n in lengths[:-1]) and lengths[-1] > 0
+    assert attention_bench.parse_case("2x64:4/4")[1] == [64, 64]
+    for bad in ("2x64", "2x64:5/2", "tenx64:4/2"):
+        with pytest.raises(ValueError, match="bad case"):
+            attention_bench.parse_case(bad)
+    out = tmp_path / "attention.json"
+    argv = ["bench", "attention", "--cases", "3x40:4/2,ragged1700:4/1", "--head-dim", "16"]
+    assert main([*argv, "--warmup", "0", "--reps", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    by_case = {}
+    for row in rows:
+        by_case.setdefault(row["case"], []).append(row["method"])
+        assert "error" not in row and row["max_diff"] < 1e-5 and row["forward_backward_ms"] > 0
+    assert by_case == {  # equal-length bins add the batched SDPA call; on the CPU "auto" is sdpa_masked
+        "3x40:4/2": ["fastft", "sdpa_default", "sdpa_segments"],
+        "ragged1700:4/1": ["fastft", "sdpa_segments"],
+    }
+    assert out.with_suffix(".md").read_text().startswith("| bin:heads |")

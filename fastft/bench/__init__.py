@@ -9,4 +9,5 @@ BENCHMARKS = {
     "convergence": "fastft.bench.convergence",
     "profiler": "fastft.bench.profiler",
     "moe": "fastft.bench.moe",
+    "attention": "fastft.bench.attention",
 }

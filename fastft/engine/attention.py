@@ -15,8 +15,8 @@ Backends (all causal within each sequence, sliding windows honoured, GQA without
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch; CUDA). A bin whose
   sequences all have one length (fixed-length blocks, or one long sequence) runs as a ``[n, heads, len, dim]``
   batch through SDPA's causal kernel instead, which PyTorch sends to cuDNN's fused attention on Hopper:
-  1.48× faster forward + backward than FA2 varlen at 2×2048 and 1.69× at 1×16384 on the H200
-  (BENCHMARKS.md, "attention kernels"); elsewhere it picks FlashAttention-2, the same kernel as varlen.
+  forward + backward 1.49× faster than FlashAttention-2 at 2×2048 and 1.69× at 1×16384 on the H200
+  (BENCHMARKS.md, "Attention kernels"; `fastft bench attention`); elsewhere PyTorch picks FlashAttention-2.
 - ``flash_attn``: ``flash_attn_varlen_func`` when the flash-attn package is installed (CUDA).
 - ``flex``: ``flex_attention`` with a document-causal BlockMask built once per batch.
 ``"auto"`` follows the whole-step measurements recorded in BENCHMARKS.md (`choose_backend`):
