@@ -17,8 +17,24 @@ Names are imported on first use, so ``import fastft`` is quick.
 from __future__ import annotations
 
 import importlib
+import logging
 
 __version__ = "0.1.0"
+
+
+class _BitsandbytesCpuKernelNotice(logging.Filter):
+    """Drops one bitsandbytes warning: on a CPU with AVX512-BF16, importing bitsandbytes (peft does, for any
+    LoRA) tries the hub package ``kernels`` for a CPU 4-bit GEMM and warns when it is absent. fastft never
+    calls that GEMM (NF4 is dequantised by its own kernels), so the warning told every ``fastft demo`` on such
+    a CPU about a package it does not need. Only this message is dropped; the logger is otherwise untouched."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(
+            "Failed to load CPU gemm_4bit_forward from kernels-community"
+        )
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BitsandbytesCpuKernelNotice())
 
 _EXPORTS = {
     # models

@@ -382,6 +382,8 @@ class _Run:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 fn()
+            graph.replay()  # a capture that went wrong fails here, for this row, not at the next capture
+            torch.cuda.synchronize()
             return graph
         except Exception as error:  # timed eagerly instead
             first = (str(error).strip().splitlines() or [""])[0][:160]
