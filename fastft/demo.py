@@ -69,6 +69,7 @@ class DemoResult:
             f"(eval {s['first_eval_loss']:.4f} → {s['final_eval_loss']:.4f})",
             f"  throughput            {s['median_trained_tokens_per_second']:,.0f} trained tokens/s (median), "
             f"peak memory {s['peak_memory_gib']:.2f} GiB ({s['memory_kind']})",
+            f"  attention             {s['attention'] or 'the model’s own'}",
             f"  accuracy              {s['accuracy_before']:.1%} → {s['accuracy_after']:.1%} "
             f"on {s['eval_samples']} held-out questions",
         ]
@@ -147,6 +148,7 @@ def run_demo(config: DemoConfig | None = None, log=print) -> DemoResult:
         "median_trained_tokens_per_second": speeds[len(speeds) // 2],
         "peak_memory_gib": max(s.peak_memory_bytes for s in steps) / 2**30,
         "memory_kind": steps[-1].memory_kind,
+        "attention": result.attention,
         "accuracy_before": before.overall,
         "accuracy_after": after.overall,
         "eval_samples": len(questions),
@@ -198,5 +200,6 @@ def _readable(summary: dict) -> dict:
         "held-out accuracy": f"{s['accuracy_before']:.1%} → {s['accuracy_after']:.1%} ({s['eval_samples']} questions)",
         "trained tokens/s (median)": f"{s['median_trained_tokens_per_second']:,.0f}",
         "peak memory": f"{s['peak_memory_gib']:.2f} GiB ({'GPU' if s['memory_kind'] == 'cuda' else 'CPU RSS'})",
+        "attention": s["attention"] or "the model’s own",
         "duration": f"{s['duration_s']:.1f} s",
     }

@@ -40,6 +40,10 @@ def test_demo_trains_evaluates_saves_and_reports(tmp_path):
     text = result.text()
     for needle in ("loss", "accuracy", "trained tokens/s", "report", str(run_dir / "report.html")):
         assert needle in text
+    # the attention the run resolved to is said, in the text, the summary and the report (CPU: masked SDPA)
+    assert result.train.attention == "sdpa_masked (SDPA with a block-diagonal causal mask)"
+    assert f"attention             {result.train.attention}" in text
+    assert summary["attention"] == data["summary"]["attention"] == result.train.attention
 
 
 def test_every_demo_option_is_a_documented_flag():

@@ -131,6 +131,7 @@ def test_run_panel_trains_on_a_background_thread_and_plots_every_loss(tmp_path):
     assert panel.plots.figure.data[1].y[-1] != losses[-1]  # the smoothed curve
     assert panel.progress.value == 6 and "step 6/6" in panel.progress_text.value
     assert "Finished 6 steps" in _text(panel.status) and not panel.start_button.disabled
+    assert "Attention: sdpa_masked (SDPA with a block-diagonal causal mask)." in _text(panel.status)
     assert "forward" in panel.timing_table.value and len(panel.timing_figure.figure.data) > 3
 
     again = RunPanel(state, live="text")  # the studio shown again finds the state's run

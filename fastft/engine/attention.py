@@ -374,6 +374,25 @@ def _set_resolved(model: torch.nn.Module, backend: str) -> None:
         config._fastft_attention_backend = backend
 
 
+_KERNELS = {
+    "sdpa_masked": "SDPA with a block-diagonal causal mask",
+    "sdpa_segments": "SDPA per sequence",
+    "varlen": "FlashAttention-2 varlen; equal-length bins as one causal SDPA batch, cuDNN on Hopper",
+    "flash_attn": "flash-attn varlen",
+    "flex": "flex_attention with a document-causal mask",
+}
+
+
+def describe_backend(model: torch.nn.Module) -> str | None:
+    """The packed-attention backend this model resolved to and the kernels it runs, for run summaries:
+    e.g. ``"varlen (FlashAttention-2 varlen; ...)"``. None when not patched or not resolved yet."""
+    state = getattr(model, "fastft_attention", None)
+    if state is None or state.resolved is None:
+        return None
+    kernels = _KERNELS.get(state.resolved)
+    return f"{state.resolved} ({kernels})" if kernels else state.resolved
+
+
 def choose_backend(model: torch.nn.Module, batch: PackedBatch) -> str:
     """The backend this model uses for packed batches (resolved once, on the first batch).
 

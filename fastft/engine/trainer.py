@@ -32,7 +32,7 @@ import torch
 
 from fastft.data.packing import PackedDataset, pack
 from fastft.data.stream import PackedStream, StreamCursor, batch_of
-from fastft.engine.attention import patch_packed_attention
+from fastft.engine.attention import describe_backend, patch_packed_attention
 from fastft.engine.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from fastft.engine.events import EvalEvent, Event, StepEvent, Subscriber
 from fastft.engine.graph import EAGER, StepGraph
@@ -100,7 +100,9 @@ class TrainConfig:
 @dataclass
 class TrainResult:
     """Every event of a run; `profile` is the run's step profiler (``result.profile.figure()``), None when off;
-    `cuda_graph` counts how its micro-batches ran (``captures``, ``replays``, ``eager``, ``drops``)."""
+    `cuda_graph` counts how its micro-batches ran (``captures``, ``replays``, ``eager``, ``drops``);
+    `attention` names the packed-attention backend the run resolved to and its kernels (None: the model's own
+    attention ran)."""
 
     steps: list[StepEvent] = field(default_factory=list)
     evals: list[EvalEvent] = field(default_factory=list)
@@ -109,6 +111,7 @@ class TrainResult:
     seconds: float = 0.0
     profile: StepProfile | None = field(default=None, repr=False, compare=False)
     cuda_graph: dict[str, int] = field(default_factory=dict)
+    attention: str | None = None
 
     @property
     def final_loss(self) -> float | None:
@@ -325,6 +328,7 @@ class Trainer:
                 self.profile.cancel()  # a step cut short by an exception leaves no timing half-open
             self.result.seconds += time.perf_counter() - started
             self.result.cuda_graph = self.step_graph.stats
+            self.result.attention = describe_backend(self.model)
         return self.result
 
     def _autocast_dtype(self) -> torch.dtype | None:

@@ -871,7 +871,11 @@ class RunPanel(Panel):
             final = run.result.final_loss
             where = f" Checkpoint: {run.checkpoints[-1]}." if run.checkpoints else ""
             loss = f" with loss {final:.4f}" if final is not None and math.isfinite(final) else ""
-            self._show(f"Finished {run.step} steps in {_duration(run.elapsed_seconds)}{loss}.{where}", "ok")
+            attention = f" Attention: {run.result.attention}." if run.result.attention else ""
+            self._show(
+                f"Finished {run.step} steps in {_duration(run.elapsed_seconds)}{loss}.{where}{attention}",
+                "ok",
+            )
         self._update_buttons()
         self.state.notify("run")
 
