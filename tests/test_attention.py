@@ -243,7 +243,7 @@ def test_auto_picks_sdpa_on_the_cpu_and_rejects_unknown_backends():
     assert attention.describe_backend(model) is None  # patched, not resolved yet
     assert choose_backend(model, batch) == "sdpa_masked" == model.fastft_attention.resolved
     assert attention.describe_backend(model).startswith("sdpa_masked (SDPA with a block-diagonal")
-    assert set(attention._KERNELS) == set(attention.BACKENDS)
+    assert set(attention.BACKEND_KERNELS) == set(attention.BACKENDS) == set(attention._BACKEND_FUNCTIONS)
     assert available_backends("cpu") == ["sdpa_masked", "sdpa_segments"]
     with pytest.raises(AttentionBackendError, match="unknown attention backend"):
         patch_packed_attention(model, "flashy")

@@ -12,7 +12,7 @@ Each case is a bin of sequence lengths with ``q_heads / kv_heads`` (GQA) of ``--
   (``flash``, ``cudnn``, ``efficient``; CUDA) or left to PyTorch (``default``), GQA by ``enable_gqa``.
 - ``sdpa_segments``: fastft's causal SDPA per sequence (any device).
 
-Times are the median of ``--reps`` calls between CUDA events (perf_counter on the CPU); ``max_diff`` is the
+Times are the median of ``--reps`` calls (`fastft.bench.common.time_calls`: CUDA events, perf_counter on the CPU); ``max_diff`` is the
 largest absolute difference of the output and of the gradients from the case's first method.
 
     fastft bench attention --cases 2x2048:32/8,2x2048:32/4,1x16384:32/8,ragged8192:32/8
@@ -25,11 +25,12 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from fastft.bench.common import time_calls
 
 DEFAULT_CASES = "2x2048:32/8,2x2048:32/4,1x16384:32/8,ragged8192:32/8"
 SDPA_KERNELS = ("flash", "cudnn", "efficient", "default")
@@ -58,14 +59,12 @@ def parse_case(text: str, seed: int = 0) -> tuple[str, list[int], int, int]:
     return text, lengths, q_heads, kv_heads
 
 
-def _methods(lengths: list[int], q_heads: int, scale: float, cuda: bool, batch) -> dict[str, Callable]:
-    """name -> ``f(q, k, v) -> [T, q_heads, dim]`` for q / k / v ``[T, heads, dim]``."""
-    import torch.nn.functional as F
-
-    from fastft.engine.attention import packed_attention
+def _methods(lengths: list[int], scale: float, cuda: bool, batch) -> dict[str, Callable]:
+    """name -> ``f(q, k, v) -> [T, q heads, dim]`` for q / k / v ``[T, heads, dim]``."""
+    from fastft.engine.attention import _sdpa_uniform, packed_attention
 
     uniform = len(set(lengths)) == 1
-    n, length = len(lengths), lengths[0]
+    length = lengths[0]
     methods: dict[str, Callable] = {}
 
     def packed(backend: str) -> Callable:
@@ -94,14 +93,11 @@ def _methods(lengths: list[int], q_heads: int, scale: float, cuda: bool, batch) 
             "efficient": SDPBackend.EFFICIENT_ATTENTION,
         }
 
-        def batched(backend) -> Callable:
+        def batched(backend) -> Callable:  # fastft's equal-length path, with the SDPA kernel pinned or not
             def run(q, k, v):
-                qb, kb, vb = (t.unflatten(0, (n, length)).transpose(1, 2) for t in (q, k, v))
+                heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
                 with contextlib.nullcontext() if backend is None else sdpa_kernel(backend):
-                    out = F.scaled_dot_product_attention(
-                        qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True
-                    )
-                return out.transpose(1, 2).reshape(n * length, q_heads, -1)
+                    return _sdpa_uniform(*heads_first, length, scale)[0]
 
             return run
 
@@ -111,33 +107,23 @@ def _methods(lengths: list[int], q_heads: int, scale: float, cuda: bool, batch) 
     return methods
 
 
-def _median_ms(fn: Callable[[], object], cuda: bool, warmup: int, reps: int) -> float:
+def _median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(times)
+    return statistics.median(time_calls(fn, device, reps))
 
 
-def _time_method(method, qkv, inputs, upstream, cuda: bool, warmup: int, reps: int) -> dict:
+def _time_method(method, qkv, inputs, upstream, device: torch.device, warmup: int, reps: int) -> dict:
     with torch.no_grad():
-        forward_ms = _median_ms(lambda: method(*qkv), cuda, warmup, reps)
+        forward_ms = _median_ms(lambda: method(*qkv), device, warmup, reps)
 
     def forward_backward():
         torch.autograd.grad(method(*inputs), inputs, upstream)
 
-    return {"forward_ms": forward_ms, "forward_backward_ms": _median_ms(forward_backward, cuda, warmup, reps)}
+    return {
+        "forward_ms": forward_ms,
+        "forward_backward_ms": _median_ms(forward_backward, device, warmup, reps),
+    }
 
 
 def bench_case(case: str, head_dim: int, device: torch.device, warmup: int, reps: int) -> list[dict]:
@@ -156,7 +142,7 @@ def bench_case(case: str, head_dim: int, device: torch.device, warmup: int, reps
     )
     upstream = torch.randn(total, q_heads, head_dim, device=device, dtype=dtype, generator=generator)
     rows, reference = [], None
-    for name, method in _methods(lengths, q_heads, head_dim**-0.5, cuda, batch).items():
+    for name, method in _methods(lengths, head_dim**-0.5, cuda, batch).items():
         row = {"case": label, "method": name, "sequences": len(lengths), "tokens": total}
         try:
             inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -168,7 +154,7 @@ def bench_case(case: str, head_dim: int, device: torch.device, warmup: int, reps
                 float((a.float() - b).abs().max())
                 for a, b in zip([out.detach(), *grads], [reference[0], *reference[1]], strict=True)
             )
-            row.update(_time_method(method, (q, k, v), inputs, upstream, cuda, warmup, reps))
+            row.update(_time_method(method, (q, k, v), inputs, upstream, device, warmup, reps))
         except Exception as error:  # one kernel that does not run here must not lose the others
             row["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
         rows.append(row)
