@@ -328,6 +328,66 @@ def test_the_deferred_stand_in_catches_a_missing_wait(monkeypatch):
     assert not _max_relative_error(grads, _reference("tiny-llama")[1]) <= 1e-3  # wrong, or NaN
 
 
+def _keep_step(name, mode, force, keep, lengths=(24, 24, 24), budget=None):
+    """A step through the ``varlen`` backend, whose equal-length bins run as one SDPA batch (CPU too)."""
+    model = _model(name, mode)
+    offload.enable_offload(
+        model, double_buffer=mode == "offload", _force=force, keep_attention=keep, host_budget_bytes=budget
+    )
+    patch_packed_attention(model, "varlen")
+    return model, _step(model, _batch(lengths))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("mode,force", FORCED)
+def test_kept_attention_gives_the_recomputed_gradients_bit_for_bit(name, mode, force):
+    """The recompute hands the forward's attention output and log-sum-exp to the kernel's backward instead
+    of running the attention again: same kernel, same numbers, every LoRA gradient bit-identical."""
+    _, (reference_loss, reference) = _keep_step(name, mode, force, keep=False)
+    model, (loss, grads) = _keep_step(name, mode, force, keep=True)
+    assert loss == reference_loss
+    assert all(torch.equal(grads[n], reference[n]) for n in reference)
+    config, layers = model.config, model.config.num_hidden_layers
+    heads, dim, tokens = config.num_attention_heads, config.head_dim, 72
+    # the output in the flash kernel's dtype (bf16: `_flash_dtype`), the fp32 log-sum-exp per head and token
+    kept = layers * (tokens * heads * dim * 2 + heads * tokens * 4)
+    stats = offload.offload_stats(model)
+    assert stats.bytes_kept == kept and stats.bytes_loaded == stats.bytes_offloaded
+    assert stats.bytes_offloaded == kept + layers * tokens * config.hidden_size * 4
+    again = _step(model, _batch((24, 24, 24)))  # the second step reuses the buffers and host slots
+    assert again[0] == reference_loss and all(torch.equal(again[1][n], reference[n]) for n in reference)
+
+
+@pytest.mark.parametrize("layers_kept", [0, 2])
+def test_a_short_host_budget_keeps_what_fits_and_stays_exact(layers_kept):
+    """Host memory goes to the layer inputs first; attention outputs are kept while room is left, and the
+    layers past it recompute their attention."""
+    _, (loss, reference) = _keep_step("tiny-llama", "offload", "sync", keep=False)
+    inputs, per_layer = 4 * 72 * 128 * 4, 72 * 4 * 32 * 2 + 4 * 72 * 4  # 4 layers' inputs; output + lse
+    budget = inputs + int((layers_kept + 0.5) * per_layer)
+    model, (kept_loss, grads) = _keep_step("tiny-llama", "offload", "sync", keep=True, budget=budget)
+    assert kept_loss == loss and all(torch.equal(grads[n], reference[n]) for n in reference)
+    assert offload.offload_stats(model).bytes_kept == layers_kept * per_layer
+
+
+def test_a_kept_layout_comes_back_with_its_strides():
+    transposed = torch.arange(24.0).reshape(2, 3, 4).transpose(0, 1)
+    assert offload._dense(transposed) and not offload._dense(transposed[:, :, :2])
+    saved = offload._Saved(
+        offload.ActivationOffloader(), offload._Part(None, 0, 40, torch.uint8, (40,), (1,)), None
+    )
+    part = saved.add(None, transposed)
+    assert part.offset == offload._ALIGN and saved.nbytes == offload._ALIGN + 96
+    buffer = torch.zeros(saved.nbytes, dtype=torch.uint8)
+    part.view(buffer).copy_(transposed)
+    buffer[part.offset : part.offset + part.nbytes].view(torch.float32).copy_(
+        offload._storage_order(transposed)
+    )
+    back = part.view(buffer)
+    assert torch.equal(back, transposed) and back.stride() == transposed.stride()
+    saved.done = True
+
+
 def test_offload_bench_reports_every_mode_and_keeps_to_its_time_budget(tmp_path):
     from fastft.cli import main
 
@@ -391,6 +451,46 @@ def test_cuda_bf16_offload_gradients_are_bit_identical_to_recompute(fused):
         assert stats.layers_offloaded == 2 * layers and stats.fallback_calls == 0
         assert stats.prefetched == (2 * (layers - 1) if mode == "offload" else 0)
         assert stats.h2d_ms > 0 and stats.d2h_ms > 0 and 0.0 <= stats.hidden_fraction <= 1.0
+
+
+def _default_sdpa_step(model, batch):
+    """`_cuda_step` with SDPA free to pick its kernel (cuDNN or FlashAttention-2, as in training)."""
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = causal_lm_loss_sum(model, batch)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(1024, 1024), (3000,), (700, 1500, 333, 2000)])
+def test_cuda_kept_attention_is_bit_identical_to_recomputing_it(lengths):
+    """Equal-length bins keep SDPA's kernel (cuDNN on Hopper), ragged ones FlashAttention-2 varlen; GQA and
+    head dim 128 as in Llama-3.1-8B."""
+    from transformers import LlamaConfig
+
+    from fastft.engine.attention import _sdpa_kernel
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+    )  # fmt: skip
+    batch = _batch(lengths, device="cuda")
+    results = {}
+    for keep in (False, True):
+        model = _cuda_model("offload", torch.bfloat16, fused=True, backend="varlen", config=config)
+        offload.enable_offload(model, keep_attention=keep)
+        results[keep] = [_default_sdpa_step(model, batch) for _ in range(2)]
+        outputs = 2 * config.num_hidden_layers * sum(lengths) * 4 * 128 * 2  # two steps of bf16 outputs
+        kept = offload.offload_stats(model).bytes_kept
+        assert kept >= outputs if keep else kept == 0
+    for step in range(2):
+        for name, grad in results[False][step].items():
+            assert torch.equal(results[True][step][name], grad), (lengths, step, name)
+    if torch.cuda.get_device_capability() >= (9, 0) and len(set(lengths)) == 1:
+        q = torch.zeros(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
+        assert _sdpa_kernel(q, q[:, :2], q[:, :2], None).name == "cuDNN"
 
 
 @pytest.mark.gpu

@@ -145,7 +145,14 @@ def _unsloth_model(folder: str, precision: str, seq: int, lora_targets: str = "a
 
 
 def _fastft_model(
-    folder: str, precision: str, seq: int, attention: str, device, checkpointing="auto", lora_targets="all"
+    folder: str,
+    precision: str,
+    seq: int,
+    attention: str,
+    device,
+    checkpointing="auto",
+    lora_targets="all",
+    keep_attention=True,
 ):
     import torch
 
@@ -163,6 +170,11 @@ def _fastft_model(
         model, r=16, alpha=16, target_modules=targets, gradient_checkpointing=checkpointing
     )
     patch_packed_attention(model, attention)
+    from fastft.engine.offload import enable_offload, offloader_of
+
+    offloader = offloader_of(model)
+    if offloader is not None and not keep_attention:
+        enable_offload(model, double_buffer=offloader.double_buffer, keep_attention=False)
     return model
 
 
@@ -176,7 +188,16 @@ def run_worker(args) -> dict:
     load_start = time.perf_counter()
     if args.system == "fastft":
         mode = {"auto": "auto", "recompute": True, "offload": "offload"}[args.checkpointing]
-        model = _fastft_model(args.folder, precision, seq, args.attention, device, mode, args.lora_targets)
+        model = _fastft_model(
+            args.folder,
+            precision,
+            seq,
+            args.attention,
+            device,
+            mode,
+            args.lora_targets,
+            keep_attention=args.keep_attention == "on",
+        )
     elif args.system in ("hf", "liger"):
         model = _hf_model(args.folder, precision, args.system == "liger", device, args.lora_targets)
     elif args.system == "unsloth":
@@ -384,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "recompute", "offload"),
         help="fastft's gradient checkpointing (auto: offloaded on a GPU)",
     )
+    parser.add_argument(
+        "--keep-attention",
+        default="on",
+        choices=("on", "off"),
+        help="offloaded checkpointing keeps each layer's attention output for the recompute (off: the "
+        "recompute runs attention again; one buffer's worth less device memory)",
+    )
     parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
     parser.add_argument(
         "--lora-targets",
@@ -456,12 +484,16 @@ def main(argv: list[str] | None = None) -> int:
                     args.lora_targets,
                     "--cuda-graph",
                     args.cuda_graph,
+                    "--keep-attention",
+                    args.keep_attention,
                 ]
                 started = time.perf_counter()
                 result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)
                 result.setdefault("system", system)
                 result.setdefault("workload", workload)
                 result.setdefault("attention", attention)
+                if system == "fastft":
+                    result["keep_attention"] = args.keep_attention == "on"
                 result["wall_s"] = time.perf_counter() - started
                 results.append(result)
                 _write(

@@ -153,8 +153,182 @@ def _sdpa_uniform(query, key, value, length, scaling):
     """Equal-length sequences as a batch ``[n, heads, length, dim]``: one causal SDPA call (views only)."""
     n, dim = query.shape[2] // length, query.shape[-1]
     q, k, v = (t.squeeze(0).unflatten(1, (n, length)).transpose(0, 1) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    out = _kept_attention(q, k, v, scaling, _sdpa_kernel)
+    if out is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).reshape(1, n * length, query.shape[1], dim)
+
+
+# -- attention kept for the recompute ------------------------------------------------------------
+# Under offloaded checkpointing (`fastft.engine.offload`) a layer's forward keeps its attention output and
+# log-sum-exp beside its input (`KeptTensors`: host memory, back on the device with the input), and the
+# recompute hands them to the kernel's own backward instead of running the attention forward again. The
+# kernel is the one SDPA / varlen would run (`_fused_sdp_choice`), called through its ATen op, so the
+# forward output and every gradient are bit-identical to recomputing (tests/test_attention.py).
+@dataclass(frozen=True)
+class _Kernel:
+    """An attention kernel's forward (``(q, k, v) -> out, lse, state``) and backward
+    (``(grad_out, q, k, v, out, lse, state) -> dq, dk, dv``); ``state``: its other outputs (RNG state,
+    sequence offsets: small device tensors and ints), kept on the device by reference."""
+
+    name: str
+    forward: object
+    backward: object
+
+
+def _sdpa_flash_cpu(scale):
+    op = torch.ops.aten
+
+    def forward(q, k, v):
+        out, lse = op._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, ()
+
+    def backward(grad, q, k, v, out, lse, state):
+        return op._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, True, scale=scale
+        )
+
+    return _Kernel("flash (CPU)", forward, backward)
+
+
+def _sdpa_flash_cuda(scale):
+    op = torch.ops.aten
+
+    def forward(q, k, v):
+        out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _ = op._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale
+        )
+        return out, lse, (cum_q, cum_k, max_q, max_k, rng, unused)
+
+    def backward(grad, q, k, v, out, lse, state):
+        cum_q, cum_k, max_q, max_k, rng, unused = state
+        return op._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale
+        )
+
+    return _Kernel("FlashAttention-2", forward, backward)
+
+
+def _sdpa_cudnn(scale):
+    op = torch.ops.aten
+
+    def forward(q, k, v):
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = op._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale
+        )
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+    def backward(grad, q, k, v, out, lse, state):
+        cum_q, cum_k, max_q, max_k, seed, offset = state
+        return op._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+        )
+
+    return _Kernel("cuDNN", forward, backward)
+
+
+_FLASH, _CUDNN = 1, 3  # torch.nn.attention.SDPBackend values, as `_fused_sdp_choice` returns them
+
+
+def _sdpa_kernel(q, k, v, scale) -> _Kernel | None:
+    """The kernel causal SDPA would run on these ``[n, heads, length, dim]`` inputs in training (what
+    `_fused_sdp_choice` picks for inputs that require grad), when it is one whose op fastft calls."""
+    probe = q.detach().requires_grad_()
+    choice = torch.ops.aten._fused_sdp_choice(probe, k, v, None, 0.0, True, scale=scale, enable_gqa=True)
+    if choice == _FLASH:
+        return _sdpa_flash_cpu(scale) if q.device.type == "cpu" else _sdpa_flash_cuda(scale)
+    if choice == _CUDNN:
+        return _sdpa_cudnn(scale)
+    return None  # memory-efficient or math kernels: recomputed as before
+
+
+def _varlen_kernel(cu_seqlens, max_seqlen, window):
+    """FlashAttention-2 varlen through its ATen op, as `varlen_attn` runs it (token-major ``[T, heads, dim]``)."""
+    op = torch.ops.aten
+    sliding = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
+
+    def choose(q, k, v, scale):
+        def forward(q, k, v):
+            out, lse, rng, unused, _ = op._flash_attention_forward(
+                q,
+                k,
+                v,
+                cu_seqlens,
+                cu_seqlens,
+                max_seqlen,
+                max_seqlen,
+                0.0,
+                True,
+                False,
+                scale=scale,
+                **sliding,
+            )
+            return out, lse, (rng, unused)
+
+        def backward(grad, q, k, v, out, lse, state):
+            rng, unused = state
+            return op._flash_attention_backward(
+                grad,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                cu_seqlens,
+                cu_seqlens,
+                max_seqlen,
+                max_seqlen,
+                0.0,
+                True,
+                rng,
+                unused,
+                scale=scale,
+                **sliding,
+            )
+
+        return _Kernel("FlashAttention-2 varlen", forward, backward)
+
+    return choose
+
+
+class _AttentionFromKept(torch.autograd.Function):
+    """Attention whose forward ran in the layer's offloaded forward: hands back the kept output and runs
+    the kernel's backward on it."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, out, lse, kernel, state):
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.kernel, ctx.state = kernel, state
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(grad, query, key, value, out, lse, ctx.state)
+        return dq, dk, dv, None, None, None, None
+
+
+def _kept_attention(q, k, v, scale, choose) -> torch.Tensor | None:
+    """Causal attention through a kept output (see above), or None where the caller computes it as usual:
+    outside an offloaded layer, with a kernel fastft does not call, or where the keep was declined."""
+    from fastft.engine.offload import kept_tensors
+
+    kept = kept_tensors()
+    if kept is None:
+        return None
+    if not kept.recording:
+        entry = kept.take()
+        if entry is None:
+            return None
+        (out, lse), (kernel, state) = entry
+        return _AttentionFromKept.apply(q, k, v, out, lse, kernel, state)
+    kernel = choose(q, k, v, scale)
+    if kernel is None:
+        kept.decline()
+        return None
+    out, lse, state = kernel.forward(q, k, v)
+    kept.keep((out, lse), (kernel, state))
+    return out
 
 
 def _varlen(query, key, value, batch, scaling, dropout, window):
@@ -170,6 +344,9 @@ def _varlen(query, key, value, batch, scaling, dropout, window):
         q, k, v = (t.to(dtype) for t in (query, key, value))
         return _sdpa_uniform(q, k, v, length, scaling).to(query.dtype)
     q, k, v = (_token_major(t, dtype) for t in (query, key, value))
+    kept = _kept_attention(q, k, v, scaling, _varlen_kernel(batch.cu_seqlens, batch.max_seqlen, window))
+    if kept is not None:
+        return kept.unsqueeze(0).to(query.dtype)
     extra = {"enable_gqa": True} if _varlen_takes_enable_gqa() else {}
     cu = batch.cu_seqlens
     out = varlen_attn(

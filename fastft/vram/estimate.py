@@ -232,6 +232,7 @@ def estimate_vram(
     fused: bool = True,
     loss: str = "auto",
     trained_fraction: float = 1.0,
+    keep_attention: bool = True,
 ) -> VramEstimate:
     """Estimate the GPU memory of LoRA/QLoRA training with fastft's trainer, component by component.
 
@@ -248,7 +249,9 @@ def estimate_vram(
     ``add_lora(fused=True)`` (the default) swaps them in for Llama/Mistral/Qwen2/Qwen3(-MoE)/Mixtral; False
     for transformers + peft modules. `loss`: "auto" (fused linear cross-entropy with the fused kernels, else
     eager), "eager" (logits of trained positions, fp32 log-softmax) or "fused". `trained_fraction`: share
-    of tokens that carry a label (1.0, every token, is the worst case).
+    of tokens that carry a label (1.0, every token, is the worst case). `keep_attention`: with "offload",
+    each layer's attention output travels with its input so the recompute skips the attention forward
+    (`fastft.engine.offload.enable_offload`'s default); False for an offloader that recomputes it.
     """
     inventory = inventory_of(model)
     loaded = inventory.loaded
@@ -317,6 +320,8 @@ def estimate_vram(
     h = inventory.hidden_size
     final_norm = act.norm_bytes(h, profile)
     layer_input = h * profile.residual
+    offload_keeps = mode == "offload" and keep_attention
+    kept_attention = inventory.num_heads * (inventory.head_dim * 2 + 4) if offload_keeps else 0
     if mode == "none":
         # the first layer's input norm saves nothing: the embeddings need no gradient
         stored_per_token = sum(per_layer) - (act.norm_bytes(h, profile) if per_layer else 0)
@@ -327,11 +332,15 @@ def estimate_vram(
         released = [layer_input] * len(per_layer)
         stored_note = f"one input per layer ({len(per_layer)} × hidden × {profile.residual} B per token)"
     else:
-        stored_per_token = 2 * layer_input
+        # each layer's attention output (16-bit) and fp32 log-sum-exp travel with its input, so the
+        # recompute skips the attention forward (`fastft.engine.offload.KeptTensors`)
+        stored_per_token = 2 * (layer_input + kept_attention)
         released = [0] * len(per_layer)
-        stored_note = "layer inputs in host memory; two layer-input buffers on the device"
-        host = len(per_layer) * layer_input * tokens / GiB
-        notes.append(f"offload keeps {host:.2f} GiB of layer inputs in pinned host memory")
+        stored_note = "layer inputs and attention outputs in host memory; two buffers for them on the device"
+        host = len(per_layer) * (layer_input + kept_attention) * tokens / GiB
+        notes.append(
+            f"offload keeps {host:.2f} GiB of layer inputs and attention outputs in pinned host memory"
+        )
     if mode != "offload" and sum(kept):
         outliers = sum(act.int8_outlier_bytes(layer, inventory, profile) for layer in layers) * tokens
         stored_note += "; bitsandbytes' 8-bit inputs and outlier columns"
@@ -383,6 +392,9 @@ def estimate_vram(
     # checkpointing stops the re-run at the last tensor backward needs, before the output exists.
     reuse = layer_input if act.first_norm_reads_stored_input(profile) else 0
     rerun_output = layer_input if mode == "offload" else 0
+    # ... but not its attention output and log-sum-exp: the recompute reads them from the buffer
+    if mode == "offload":
+        rerun_output -= kept_attention
     recompute = (
         0
         if mode == "none"
