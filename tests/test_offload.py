@@ -328,6 +328,14 @@ def test_the_deferred_stand_in_catches_a_missing_wait(monkeypatch):
     assert not _max_relative_error(grads, _reference("tiny-llama")[1]) <= 1e-3  # wrong, or NaN
 
 
+@pytest.fixture
+def keep_short(monkeypatch):
+    """Kept attention from the first token on (it starts at 4,096 tokens, where it pays)."""
+    from fastft.engine import attention
+
+    monkeypatch.setattr(attention, "KEEP_FROM_LENGTH", 1)
+
+
 def _keep_step(name, mode, force, keep, lengths=(24, 24, 24), budget=None):
     """A step through the ``varlen`` backend, whose equal-length bins run as one SDPA batch (CPU too)."""
     model = _model(name, mode)
@@ -340,7 +348,7 @@ def _keep_step(name, mode, force, keep, lengths=(24, 24, 24), budget=None):
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 @pytest.mark.parametrize("mode,force", FORCED)
-def test_kept_attention_gives_the_recomputed_gradients_bit_for_bit(name, mode, force):
+def test_kept_attention_gives_the_recomputed_gradients_bit_for_bit(name, mode, force, keep_short):
     """The recompute hands the forward's attention output and log-sum-exp to the kernel's backward instead
     of running the attention again: same kernel, same numbers, every LoRA gradient bit-identical."""
     _, (reference_loss, reference) = _keep_step(name, mode, force, keep=False)
@@ -359,7 +367,7 @@ def test_kept_attention_gives_the_recomputed_gradients_bit_for_bit(name, mode, f
 
 
 @pytest.mark.parametrize("layers_kept", [0, 2])
-def test_a_short_host_budget_keeps_what_fits_and_stays_exact(layers_kept):
+def test_a_short_host_budget_keeps_what_fits_and_stays_exact(layers_kept, keep_short):
     """Host memory goes to the layer inputs first; attention outputs are kept while room is left, and the
     layers past it recompute their attention."""
     _, (loss, reference) = _keep_step("tiny-llama", "offload", "sync", keep=False)
@@ -368,6 +376,14 @@ def test_a_short_host_budget_keeps_what_fits_and_stays_exact(layers_kept):
     model, (kept_loss, grads) = _keep_step("tiny-llama", "offload", "sync", keep=True, budget=budget)
     assert kept_loss == loss and all(torch.equal(grads[n], reference[n]) for n in reference)
     assert offload.offload_stats(model).bytes_kept == layers_kept * per_layer
+
+
+def test_sequences_shorter_than_the_threshold_keep_nothing():
+    from fastft.engine import attention
+
+    assert attention.KEEP_FROM_LENGTH == 4096
+    model, _ = _keep_step("tiny-llama", "offload", "sync", keep=True)
+    assert offload.offload_stats(model).bytes_kept == 0
 
 
 def test_a_kept_layout_comes_back_with_its_strides():
@@ -464,10 +480,11 @@ def _default_sdpa_step(model, batch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(1024, 1024), (3000,), (700, 1500, 333, 2000)])
+@pytest.mark.parametrize("lengths", [(4096, 4096), (5000,), (700, 4100, 333, 2000)])
 def test_cuda_kept_attention_is_bit_identical_to_recomputing_it(lengths):
-    """Equal-length bins keep SDPA's kernel (cuDNN on Hopper), ragged ones FlashAttention-2 varlen; GQA and
-    head dim 128 as in Llama-3.1-8B."""
+    """Equal-length bins keep SDPA's kernel (cuDNN on Hopper): bit-identical. Ragged ones keep
+    FlashAttention-2 varlen, whose backward sums dq with atomics (two runs differ in the last bits): within
+    bf16's 2e-2. GQA and head dim 128 as in Llama-3.1-8B."""
     from transformers import LlamaConfig
 
     from fastft.engine.attention import _sdpa_kernel
@@ -486,8 +503,11 @@ def test_cuda_kept_attention_is_bit_identical_to_recomputing_it(lengths):
         kept = offload.offload_stats(model).bytes_kept
         assert kept >= outputs if keep else kept == 0
     for step in range(2):
-        for name, grad in results[False][step].items():
-            assert torch.equal(results[True][step][name], grad), (lengths, step, name)
+        if len(set(lengths)) == 1:
+            for name, grad in results[False][step].items():
+                assert torch.equal(results[True][step][name], grad), (lengths, step, name)
+        else:
+            assert _max_relative_error(results[True][step], results[False][step]) <= 2e-2
     if torch.cuda.get_device_capability() >= (9, 0) and len(set(lengths)) == 1:
         q = torch.zeros(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
         assert _sdpa_kernel(q, q[:, :2], q[:, :2], None).name == "cuDNN"

@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from fastft.engine.attention import KEEP_FROM_LENGTH
 from fastft.vram import activations as act
 from fastft.vram.activations import Profile
 from fastft.vram.gpus import DEFAULT_CONTEXT_BYTES, GiB, GpuSpec, MiB, detect_gpu, get_gpu
@@ -251,7 +252,8 @@ def estimate_vram(
     eager), "eager" (logits of trained positions, fp32 log-softmax) or "fused". `trained_fraction`: share
     of tokens that carry a label (1.0, every token, is the worst case). `keep_attention`: with "offload",
     each layer's attention output travels with its input so the recompute skips the attention forward
-    (`fastft.engine.offload.enable_offload`'s default); False for an offloader that recomputes it.
+    (`fastft.engine.offload.enable_offload`'s default, for sequences of ``KEEP_FROM_LENGTH`` tokens and
+    more); False for an offloader that recomputes it.
     """
     inventory = inventory_of(model)
     loaded = inventory.loaded
@@ -320,7 +322,8 @@ def estimate_vram(
     h = inventory.hidden_size
     final_norm = act.norm_bytes(h, profile)
     layer_input = h * profile.residual
-    offload_keeps = mode == "offload" and keep_attention
+    # (from `KEEP_FROM_LENGTH` tokens on, where it pays)
+    offload_keeps = mode == "offload" and keep_attention and seq_len >= KEEP_FROM_LENGTH
     kept_attention = inventory.num_heads * (inventory.head_dim * 2 + 4) if offload_keeps else 0
     if mode == "none":
         # the first layer's input norm saves nothing: the embeddings need no gradient
@@ -336,11 +339,10 @@ def estimate_vram(
         # recompute skips the attention forward (`fastft.engine.offload.KeptTensors`)
         stored_per_token = 2 * (layer_input + kept_attention)
         released = [0] * len(per_layer)
-        stored_note = "layer inputs and attention outputs in host memory; two buffers for them on the device"
+        what = "layer inputs and attention outputs" if kept_attention else "layer inputs"
+        stored_note = f"{what} in host memory; two buffers for them on the device"
         host = len(per_layer) * (layer_input + kept_attention) * tokens / GiB
-        notes.append(
-            f"offload keeps {host:.2f} GiB of layer inputs and attention outputs in pinned host memory"
-        )
+        notes.append(f"offload keeps {host:.2f} GiB of {what} in pinned host memory")
     if mode != "offload" and sum(kept):
         outliers = sum(act.int8_outlier_bytes(layer, inventory, profile) for layer in layers) * tokens
         stored_note += "; bitsandbytes' 8-bit inputs and outlier columns"
