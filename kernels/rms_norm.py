@@ -56,6 +56,7 @@ _BACKWARD_TILE = 2048
 # 16384 x 4096 bf16 backward 2.2 -> 3.1 TB/s, 16384 x 1000 1.0 -> 1.9 TB/s, counting x, dy and dx).
 _PROGRAMS_PER_SM = 8
 _PREFETCH = True  # load the next row block before this one's math (see the backward kernel)
+_EVICT = ""  # eviction policy of the backward's x / dy loads ("" or "evict_first")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -153,6 +154,7 @@ def _rms_norm_backward_kernel(
     ROUND_DW_PRODUCT: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
     PREFETCH: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     """One program walks ``rows_per_program`` rows, ``BLOCK_ROWS`` at a time, recomputing
     ``x_hat = x * rstd``. With ``PREFETCH`` the next block's ``x`` and ``dy`` are loaded before this one's
@@ -177,8 +179,15 @@ def _rms_norm_backward_kernel(
     if PREFETCH:
         rows = row_start + tl.arange(0, BLOCK_ROWS)
         mask = (rows < row_end)[:, None] & col_mask[None, :]
-        x_next = tl.load(X_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-        dy_next = tl.load(DY_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+        x_next = tl.load(
+            X_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT
+        )
+        dy_next = tl.load(
+            DY_ptr + rows[:, None] * dy_row_stride + cols[None, :],
+            mask=mask,
+            other=0.0,
+            eviction_policy=EVICT,
+        )
 
     for block_start in range(row_start, row_end, BLOCK_ROWS):
         rows = block_start + tl.arange(0, BLOCK_ROWS)
@@ -189,13 +198,28 @@ def _rms_norm_backward_kernel(
             x, dy = x_next, dy_next
             following = rows + BLOCK_ROWS
             ahead = (following < row_end)[:, None] & col_mask[None, :]
-            x_next = tl.load(X_ptr + following[:, None] * x_row_stride + cols[None, :], mask=ahead, other=0.0)
+            x_next = tl.load(
+                X_ptr + following[:, None] * x_row_stride + cols[None, :],
+                mask=ahead,
+                other=0.0,
+                eviction_policy=EVICT,
+            )
             dy_next = tl.load(
                 DY_ptr + following[:, None] * dy_row_stride + cols[None, :], mask=ahead, other=0.0
             )
         else:
-            x = tl.load(X_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-            dy = tl.load(DY_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+            x = tl.load(
+                X_ptr + rows[:, None] * x_row_stride + cols[None, :],
+                mask=mask,
+                other=0.0,
+                eviction_policy=EVICT,
+            )
+            dy = tl.load(
+                DY_ptr + rows[:, None] * dy_row_stride + cols[None, :],
+                mask=mask,
+                other=0.0,
+                eviction_policy=EVICT,
+            )
         dy = dy.to(tl.float32)
         rstd = tl.load(RSTD_ptr + rows, mask=row_mask, other=0.0)
 
@@ -353,6 +377,7 @@ def rms_norm_backward(
         ROUND_DW_PRODUCT=weight.dtype == x_rows.dtype and x_rows.dtype != torch.float32,
         EMULATE_RNE=not x_rows.is_cuda,
         PREFETCH=_PREFETCH,
+        EVICT=_EVICT,
         num_warps=num_warps,
     )
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
