@@ -52,11 +52,13 @@ MAX_BLOCK_SIZE = 65536
 # Elements per program tile: short rows are packed several to a program up to this many elements.
 _FORWARD_TILE = 4096
 _BACKWARD_TILE = 2048
-# Backward programs per SM on a GPU, each writing one fp32 row of dW partials (8 measured best on an H200:
-# 16384 x 4096 bf16 backward 2.2 -> 3.1 TB/s, 16384 x 1000 1.0 -> 1.9 TB/s, counting x, dy and dx).
-_PROGRAMS_PER_SM = 8
-_PREFETCH = True  # load the next row block before this one's math (see the backward kernel)
-_EVICT = ""  # eviction policy of the backward's x / dy loads ("" or "evict_first")
+# Backward programs per SM on a GPU, each writing one fp32 row of dW partials, and whether each loads its
+# next row block before this one's math. H200, 16384 x 4096 bf16 backward, graph-replayed, counting x, dy,
+# dx, w and dw: 8 per SM without prefetch 3.13 TB/s; with prefetch 2 per SM 3.37 TB/s (16 warps 3.38),
+# 4 per SM 3.16, 8 per SM 3.22, 1 per SM 2.75 (`fastft bench kernels`: 81 % of copy bandwidth).
+_PROGRAMS_PER_SM = 2
+_PREFETCH = True
+_BACKWARD_WARPS = 16  # for row blocks of 4,096 elements and more (8 warps: 3.35 TB/s above)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -154,7 +156,6 @@ def _rms_norm_backward_kernel(
     ROUND_DW_PRODUCT: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
     PREFETCH: tl.constexpr,
-    EVICT: tl.constexpr,
 ):
     """One program walks ``rows_per_program`` rows, ``BLOCK_ROWS`` at a time, recomputing
     ``x_hat = x * rstd``. With ``PREFETCH`` the next block's ``x`` and ``dy`` are loaded before this one's
@@ -179,14 +180,11 @@ def _rms_norm_backward_kernel(
     if PREFETCH:
         rows = row_start + tl.arange(0, BLOCK_ROWS)
         mask = (rows < row_end)[:, None] & col_mask[None, :]
-        x_next = tl.load(
-            X_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT
-        )
+        x_next = tl.load(X_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
         dy_next = tl.load(
             DY_ptr + rows[:, None] * dy_row_stride + cols[None, :],
             mask=mask,
             other=0.0,
-            eviction_policy=EVICT,
         )
 
     for block_start in range(row_start, row_end, BLOCK_ROWS):
@@ -202,7 +200,6 @@ def _rms_norm_backward_kernel(
                 X_ptr + following[:, None] * x_row_stride + cols[None, :],
                 mask=ahead,
                 other=0.0,
-                eviction_policy=EVICT,
             )
             dy_next = tl.load(
                 DY_ptr + following[:, None] * dy_row_stride + cols[None, :], mask=ahead, other=0.0
@@ -212,13 +209,11 @@ def _rms_norm_backward_kernel(
                 X_ptr + rows[:, None] * x_row_stride + cols[None, :],
                 mask=mask,
                 other=0.0,
-                eviction_policy=EVICT,
             )
             dy = tl.load(
                 DY_ptr + rows[:, None] * dy_row_stride + cols[None, :],
                 mask=mask,
                 other=0.0,
-                eviction_policy=EVICT,
             )
         dy = dy.to(tl.float32)
         rstd = tl.load(RSTD_ptr + rows, mask=row_mask, other=0.0)
@@ -344,6 +339,8 @@ def rms_norm_backward(
     dy_rows = _as_rows(dy, n_cols)
     w = weight.contiguous()
     block_size, block_rows, num_warps = _settings(n_cols, _BACKWARD_TILE)
+    if block_size * block_rows >= 4096:
+        num_warps = max(num_warps, _BACKWARD_WARPS)
 
     programs = num_programs if num_programs is not None else _num_programs(x_rows.device)
     programs = max(1, min(programs, triton.cdiv(n_rows, block_rows)))
@@ -377,7 +374,6 @@ def rms_norm_backward(
         ROUND_DW_PRODUCT=weight.dtype == x_rows.dtype and x_rows.dtype != torch.float32,
         EMULATE_RNE=not x_rows.is_cuda,
         PREFETCH=_PREFETCH,
-        EVICT=_EVICT,
         num_warps=num_warps,
     )
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None

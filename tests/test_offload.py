@@ -481,10 +481,11 @@ def _default_sdpa_step(model, batch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [(4096, 4096), (5000,), (700, 4100, 333, 2000)])
-def test_cuda_kept_attention_is_bit_identical_to_recomputing_it(lengths):
-    """Equal-length bins keep SDPA's kernel (cuDNN on Hopper): bit-identical. Ragged ones keep
-    FlashAttention-2 varlen, whose backward sums dq with atomics (two runs differ in the last bits): within
-    bf16's 2e-2. GQA and head dim 128 as in Llama-3.1-8B."""
+def test_cuda_kept_attention_matches_recomputing_it(lengths):
+    """Equal-length bins keep SDPA's training kernel (cuDNN on Hopper), ragged ones FlashAttention-2 varlen;
+    GQA and head dim 128 as in Llama-3.1-8B. Within bf16's 2e-2, not bit for bit as on the CPU: without
+    keeping, the forward runs SDPA without grad, where PyTorch may pick another kernel than the recompute's
+    (seen from 4,096 tokens on the H200), and FlashAttention-2's backward sums dq with atomics."""
     from transformers import LlamaConfig
 
     from fastft.engine.attention import _sdpa_kernel
@@ -503,11 +504,7 @@ def test_cuda_kept_attention_is_bit_identical_to_recomputing_it(lengths):
         kept = offload.offload_stats(model).bytes_kept
         assert kept >= outputs if keep else kept == 0
     for step in range(2):
-        if len(set(lengths)) == 1:
-            for name, grad in results[False][step].items():
-                assert torch.equal(results[True][step][name], grad), (lengths, step, name)
-        else:
-            assert _max_relative_error(results[True][step], results[False][step]) <= 2e-2
+        assert _max_relative_error(results[True][step], results[False][step]) <= 2e-2, (lengths, step)
     if torch.cuda.get_device_capability() >= (9, 0) and len(set(lengths)) == 1:
         q = torch.zeros(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
         assert _sdpa_kernel(q, q[:, :2], q[:, :2], None).name == "cuDNN"

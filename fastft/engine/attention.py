@@ -163,8 +163,11 @@ def _sdpa_uniform(query, key, value, length, scaling):
 # Under offloaded checkpointing (`fastft.engine.offload`) a layer's forward keeps its attention output and
 # log-sum-exp beside its input (`KeptTensors`: host memory, back on the device with the input), and the
 # recompute hands them to the kernel's own backward instead of running the attention forward again. The
-# kernel is the one SDPA / varlen would run (`_fused_sdp_choice`), called through its ATen op, so the
-# forward output and every gradient are bit-identical to recomputing (tests/test_offload.py). It pays
+# kernel is the one SDPA / varlen would run in training (`_fused_sdp_choice`), called through its ATen
+# op, so the forward and the backward see one kernel's output. On the CPU every gradient is bit-identical
+# to recomputing (tests/test_offload.py); on the GPU within bf16 rounding, because without keeping the
+# no-grad forward may run another kernel than the recompute (cuDNN vs FlashAttention-2 from 4,096 tokens
+# on the H200) and FlashAttention-2's backward sums dq with atomics. It pays
 # where attention is a large share of the step: Llama-3.1-8B on the H200, 1 x 16,384 tokens: +7.5 %
 # tokens/s; 2 x 2,048: +0.1 %, within noise, for 2 x 33 MiB of device buffers. So only bins whose longest
 # sequence reaches `KEEP_FROM_LENGTH` keep theirs.

@@ -34,7 +34,8 @@ gradients are bit-identical to plain recompute. The hidden-state tensor is offlo
 Kept attention (`KeptTensors`, on by default): the layer's attention output and log-sum-exp travel with
 its input (one more device→host copy in the forward, in the same buffer on the way back), and the
 recompute hands them to the attention kernel's backward instead of running the attention forward again
-(`fastft.engine.attention`). Same kernel, same numbers: gradients stay bit-identical. It saves the
+(`fastft.engine.attention`): the kernel's own backward on the output the forward really produced
+(bit-identical gradients on the CPU; on the GPU within bf16 rounding, see there). It saves the
 attention forward of every layer's recompute (FLOPs quadratic in sequence length) for one attention
 output per buffer of device memory (Llama-3.1-8B at 4,096 tokens: 2 × 33 MiB).
 
