@@ -386,6 +386,26 @@ def test_sequences_shorter_than_the_threshold_keep_nothing():
     assert offload.offload_stats(model).bytes_kept == 0
 
 
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "varlen", "varlen-window"])
+def test_the_cuda_kernels_ops_bind_their_arguments(kernel):
+    """The CUDA kernels' ATen ops (private: their signatures move between torch releases) called on meta
+    tensors, forward then backward, with GQA: shapes come back as each op's schema says."""
+    from fastft.engine import attention
+
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    if kernel.startswith("varlen"):
+        q, kv = torch.empty(64, 4, 128, **meta), torch.empty(64, 2, 128, **meta)
+        cu = torch.empty(3, device="meta", dtype=torch.int32)
+        chosen = attention._varlen_kernel(cu, 40, 16 if kernel == "varlen-window" else None)(q, kv, kv, None)
+    else:
+        q, kv = torch.empty(2, 4, 64, 128, **meta), torch.empty(2, 2, 64, 128, **meta)
+        chosen = (attention._sdpa_cudnn if kernel == "cudnn" else attention._sdpa_flash_cuda)(0.1)
+    out, lse, state = chosen.forward(q, kv, kv)
+    assert out.shape == q.shape and lse.numel() == q.numel() // 128
+    grads = chosen.backward(out, q, kv, kv, out, lse, state)
+    assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
+
+
 def test_a_kept_layout_comes_back_with_its_strides():
     transposed = torch.arange(24.0).reshape(2, 3, 4).transpose(0, 1)
     assert offload._dense(transposed) and not offload._dense(transposed[:, :, :2])

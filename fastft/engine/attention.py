@@ -255,44 +255,19 @@ def _varlen_kernel(cu_seqlens, max_seqlen, window):
     """FlashAttention-2 varlen through its ATen op, as `varlen_attn` runs it (token-major ``[T, heads, dim]``)."""
     op = torch.ops.aten
     sliding = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
+    # cu_seqlens and longest length of queries and keys, dropout 0, causal
+    packing = (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True)
 
     def choose(q, k, v, scale):
         def forward(q, k, v):
             out, lse, rng, unused, _ = op._flash_attention_forward(
-                q,
-                k,
-                v,
-                cu_seqlens,
-                cu_seqlens,
-                max_seqlen,
-                max_seqlen,
-                0.0,
-                True,
-                False,
-                scale=scale,
-                **sliding,
+                q, k, v, *packing, False, scale=scale, **sliding
             )
             return out, lse, (rng, unused)
 
         def backward(grad, q, k, v, out, lse, state):
-            rng, unused = state
             return op._flash_attention_backward(
-                grad,
-                q,
-                k,
-                v,
-                out,
-                lse,
-                cu_seqlens,
-                cu_seqlens,
-                max_seqlen,
-                max_seqlen,
-                0.0,
-                True,
-                rng,
-                unused,
-                scale=scale,
-                **sliding,
+                grad, q, k, v, out, lse, *packing, *state, scale=scale, **sliding
             )
 
         return _Kernel("FlashAttention-2 varlen", forward, backward)
