@@ -528,6 +528,8 @@ class KeptTensors:
         self.call.kept.append(None)
 
     def take(self) -> tuple[tuple[torch.Tensor, ...], object] | None:
+        if self.position >= len(self.call.kept):  # more calls than the forward made: compute them
+            return None
         entry = self.call.kept[self.position]
         self.position += 1
         if entry is None:
