@@ -830,9 +830,13 @@ class ActivationOffloader:
                 if sum(sizes) > self._keep_room:
                     return False
                 self._keep_room -= sum(sizes)
+            slots = []
             try:
-                slots = [self._host.take(n, count=max(1, self.layers - self._live + 1)) for n in sizes]
+                for n in sizes:
+                    slots.append(self._host.take(n, count=max(1, self.layers - self._live + 1)))
             except RuntimeError:  # pinning failed: keep nothing more, recompute instead
+                for slot in slots:
+                    self._host.give(slot)
                 self.keep = False
                 return False
             parts = [saved.add(slot, t) for slot, t in zip(slots, tensors, strict=True)]
@@ -974,7 +978,8 @@ def enable_offload(
     Checkpointing must already be on (``set_gradient_checkpointing(model, "offload")`` does both). Calling
     it again with the same settings keeps the offloader (and its buffers); other settings replace it.
     `timing` records CUDA events for `offload_stats`. `keep_attention`: each layer's attention output and
-    log-sum-exp travel with its input, so the recompute skips the attention forward (`KeptTensors`). Returns the offloader, also at
+    log-sum-exp travel with its input, so the recompute skips the attention forward (`KeptTensors`; from
+    ``fastft.engine.attention.KEEP_FROM_LENGTH`` tokens on). Returns the offloader, also at
     ``model.fastft_offload``.
     """
     base = _base(model)
