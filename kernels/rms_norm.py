@@ -52,12 +52,11 @@ MAX_BLOCK_SIZE = 65536
 # Elements per program tile: short rows are packed several to a program up to this many elements.
 _FORWARD_TILE = 4096
 _BACKWARD_TILE = 2048
-# Backward programs per SM on a GPU, each writing one fp32 row of dW partials, and whether each loads its
-# next row block before this one's math. H200, 16384 x 4096 bf16 backward, graph-replayed, counting x, dy,
-# dx, w and dw: 8 per SM without prefetch 3.13 TB/s; with prefetch 2 per SM 3.37 TB/s (16 warps 3.38),
-# 4 per SM 3.16, 8 per SM 3.22, 1 per SM 2.75 (`fastft bench kernels`: 81 % of copy bandwidth).
+# Backward programs per SM on a GPU, each writing one fp32 row of dW partials. H200, 16384 x 4096 bf16
+# backward, graph-replayed, counting x, dy, dx, w and dw: before the kernel loaded its next row block ahead
+# of the current one's math, 8 per SM was best at 3.13 TB/s; loading ahead, 2 per SM 3.37 TB/s (16 warps
+# 3.38), 4 per SM 3.16, 8 per SM 3.22, 1 per SM 2.75 (`fastft bench kernels`: 81 % of copy bandwidth).
 _PROGRAMS_PER_SM = 2
-_PREFETCH = True
 _BACKWARD_WARPS = 16  # for row blocks of 4,096 elements and more (8 warps: 3.35 TB/s above)
 
 
@@ -155,11 +154,10 @@ def _rms_norm_backward_kernel(
     COMPUTE_DW: tl.constexpr,
     ROUND_DW_PRODUCT: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """One program walks ``rows_per_program`` rows, ``BLOCK_ROWS`` at a time, recomputing
-    ``x_hat = x * rstd``. With ``PREFETCH`` the next block's ``x`` and ``dy`` are loaded before this one's
-    math, so their latency overlaps it (loop-carried registers).
+    ``x_hat = x * rstd``. The next block's ``x`` and ``dy`` are loaded before this one's math, so their
+    latency overlaps it (loop-carried registers; see ``_PROGRAMS_PER_SM`` for what it gained).
 
     ``g = dy * (offset + w)``, ``dx = rstd * (g - x_hat * mean(g * x_hat))``; with ``COMPUTE_DW`` it also sums
     ``dy * x_hat`` over its rows in fp32 into row ``pid`` of ``DW`` (the host sums those partials).
@@ -177,44 +175,21 @@ def _rms_norm_backward_kernel(
     if not LLAMA_CAST:
         w = w + offset
     dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_SIZE), dtype=tl.float32)
-    if PREFETCH:
-        rows = row_start + tl.arange(0, BLOCK_ROWS)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
-        x_next = tl.load(X_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-        dy_next = tl.load(
-            DY_ptr + rows[:, None] * dy_row_stride + cols[None, :],
-            mask=mask,
-            other=0.0,
-        )
+    rows = row_start + tl.arange(0, BLOCK_ROWS)
+    mask = (rows < row_end)[:, None] & col_mask[None, :]
+    x_next = tl.load(X_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    dy_next = tl.load(DY_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
 
     for block_start in range(row_start, row_end, BLOCK_ROWS):
         rows = block_start + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
 
-        if PREFETCH:
-            x, dy = x_next, dy_next
-            following = rows + BLOCK_ROWS
-            ahead = (following < row_end)[:, None] & col_mask[None, :]
-            x_next = tl.load(
-                X_ptr + following[:, None] * x_row_stride + cols[None, :],
-                mask=ahead,
-                other=0.0,
-            )
-            dy_next = tl.load(
-                DY_ptr + following[:, None] * dy_row_stride + cols[None, :], mask=ahead, other=0.0
-            )
-        else:
-            x = tl.load(
-                X_ptr + rows[:, None] * x_row_stride + cols[None, :],
-                mask=mask,
-                other=0.0,
-            )
-            dy = tl.load(
-                DY_ptr + rows[:, None] * dy_row_stride + cols[None, :],
-                mask=mask,
-                other=0.0,
-            )
+        x, dy = x_next, dy_next  # and the next block's loads go out before this block's math
+        ahead = rows + BLOCK_ROWS
+        ahead_mask = (ahead < row_end)[:, None] & col_mask[None, :]
+        x_next = tl.load(X_ptr + ahead[:, None] * x_row_stride + cols[None, :], mask=ahead_mask, other=0.0)
+        dy_next = tl.load(DY_ptr + ahead[:, None] * dy_row_stride + cols[None, :], mask=ahead_mask, other=0.0)
         dy = dy.to(tl.float32)
         rstd = tl.load(RSTD_ptr + rows, mask=row_mask, other=0.0)
 
@@ -373,7 +348,6 @@ def rms_norm_backward(
         COMPUTE_DW=compute_dw,
         ROUND_DW_PRODUCT=weight.dtype == x_rows.dtype and x_rows.dtype != torch.float32,
         EMULATE_RNE=not x_rows.is_cuda,
-        PREFETCH=_PREFETCH,
         num_warps=num_warps,
     )
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
