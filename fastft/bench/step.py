@@ -158,6 +158,7 @@ def _fastft_model(
 
     import fastft
     from fastft.engine.attention import patch_packed_attention
+    from fastft.engine.offload import enable_offload, offloader_of
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, _ = fastft.load_model(
@@ -170,8 +171,6 @@ def _fastft_model(
         model, r=16, alpha=16, target_modules=targets, gradient_checkpointing=checkpointing
     )
     patch_packed_attention(model, attention)
-    from fastft.engine.offload import enable_offload, offloader_of
-
     offloader = offloader_of(model)
     if offloader is not None and not keep_attention:
         enable_offload(model, double_buffer=offloader.double_buffer, keep_attention=False)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from fastft.data.batch import PackedBatch
+from fastft.engine.offload import kept_tensors
 
 IMPLEMENTATION = "fastft_packed"
 # Each backend and the kernels it runs (run summaries name them: `describe_backend`).
@@ -296,8 +297,6 @@ def _kept_attention(q, k, v, scale, choose, longest: int) -> torch.Tensor | None
     """Causal attention through a kept output (see above), or None where the caller computes it as usual:
     outside an offloaded layer, sequences shorter than `KEEP_FROM_LENGTH`, a kernel fastft does not call,
     or where the offloader declined the keep."""
-    from fastft.engine.offload import kept_tensors
-
     kept = kept_tensors()
     if kept is None:
         return None

@@ -393,10 +393,8 @@ def estimate_vram(
     # An offloaded layer is re-run whole (its output is the root of the gradients taken through it);
     # checkpointing stops the re-run at the last tensor backward needs, before the output exists.
     reuse = layer_input if act.first_norm_reads_stored_input(profile) else 0
-    rerun_output = layer_input if mode == "offload" else 0
-    # ... but not its attention output and log-sum-exp: the recompute reads them from the buffer
-    if mode == "offload":
-        rerun_output -= kept_attention
+    # ... but not a kept attention output and log-sum-exp: the recompute reads them from the buffer
+    rerun_output = layer_input - kept_attention if mode == "offload" else 0
     recompute = (
         0
         if mode == "none"
