@@ -332,10 +332,21 @@ class _Run:
     notes: list[str] = field(default_factory=list)
     flush: torch.Tensor | None = None
     label: str = ""  # what `attempt` is measuring, for notes
+    _stream: torch.cuda.Stream | None = None
 
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The side stream every graph is captured on (None on the CPU). A backward row's forward graph is
+        built on it too: autograd runs each backward node on its forward's stream, and one built on the
+        default stream makes a capture fail ("would make the legacy stream depend on a capturing
+        blocking stream")."""
+        if self._stream is None and self.cuda:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
 
     def time(self, fn: Callable[[], object], big: bool = False, graph: bool = True) -> float:
         """Median ms of ``fn()`` over the timed calls, after the warm-up calls.
@@ -374,13 +385,13 @@ class _Run:
     def _capture(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
         """``fn`` captured in a CUDA graph (already warmed up eagerly), or None with a note if it cannot be."""
         try:
-            side = torch.cuda.Stream()
+            side = self.stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 fn()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=side):
                 fn()
             graph.replay()  # a capture that went wrong fails here, for this row, not at the next capture
             torch.cuda.synchronize()
@@ -428,9 +439,16 @@ def _outputs(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _backward_call(forward: Callable[[], object], inputs, grads) -> Callable[[], object]:
-    """Build the graph once; the returned call runs its backward (``autograd.grad``, graph retained)."""
-    outs = _outputs(forward())
+def _backward_call(run: _Run, forward: Callable[[], object], inputs, grads) -> Callable[[], object]:
+    """Build the graph once (on the capture stream, `_Run.stream`); the returned call runs its backward
+    (``autograd.grad``, graph retained)."""
+    if run.stream is None:
+        outs = _outputs(forward())
+    else:
+        run.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(run.stream):
+            outs = _outputs(forward())
+        torch.cuda.current_stream().wait_stream(run.stream)
     return lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True)
 
 
@@ -460,7 +478,9 @@ def _forward_backward_rows(
         name: run.attempt(f"{op} forward {name}", lambda f=f: run.time(f)) for name, f in systems.items()
     }
     backward = {
-        name: run.attempt(f"{op} backward {name}", lambda f=f: run.time(_backward_call(f, inputs, grads)))
+        name: run.attempt(
+            f"{op} backward {name}", lambda f=f: run.time(_backward_call(run, f, inputs, grads))
+        )
         for name, f in systems.items()
     }
     if launchers is not None:
