@@ -57,6 +57,7 @@ _BACKWARD_TILE = 2048
 # of the current one's math, 8 per SM was best at 3.13 TB/s; loading ahead, 2 per SM 3.37 TB/s (16 warps
 # 3.38), 4 per SM 3.16, 8 per SM 3.22, 1 per SM 2.75 (`fastft bench kernels`: 81 % of copy bandwidth).
 _PROGRAMS_PER_SM = 2
+_SUM_COLS = 32  # dW columns per program of the partials' sum: 128 programs at hidden 4096
 _BACKWARD_WARPS = 16  # for row blocks of 4,096 elements and more (8 warps: 3.35 TB/s above)
 
 
@@ -160,7 +161,7 @@ def _rms_norm_backward_kernel(
     latency overlaps it (loop-carried registers; see ``_PROGRAMS_PER_SM`` for what it gained).
 
     ``g = dy * (offset + w)``, ``dx = rstd * (g - x_hat * mean(g * x_hat))``; with ``COMPUTE_DW`` it also sums
-    ``dy * x_hat`` over its rows in fp32 into row ``pid`` of ``DW`` (the host sums those partials).
+    ``dy * x_hat`` over its rows in fp32 into row ``pid`` of ``DW`` (`_sum_partials_kernel` sums those partials).
     ``LLAMA_CAST`` reproduces autograd through ``w * x_hat.to(x.dtype)``: ``g`` is rounded to ``x.dtype``,
     ``x_hat`` is rounded to ``x.dtype`` in ``dw``, and with ``ROUND_DW_PRODUCT`` (``w`` and ``x`` of one
     16-bit dtype) so is each ``dy * x_hat`` product before it is summed.
@@ -213,6 +214,23 @@ def _rms_norm_backward_kernel(
 
     if COMPUTE_DW:
         tl.store(DW_ptr + pid * dw_row_stride + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    P_ptr, p_row_stride, OUT_ptr, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_COLS: tl.constexpr
+):
+    """``OUT[c] = sum_p P[p, c]`` in fp32, cast to ``OUT``'s dtype on the store: the backward's dW from its
+    per-program partial rows, in one launch (a ``sum(0)`` then a cast would be two) and a fixed order, so
+    dW is the same bit for bit run to run."""
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    acc = tl.zeros((BLOCK_P, BLOCK_COLS), dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(P_ptr + rows[:, None] * p_row_stride + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT_ptr + cols, tl.sum(acc, axis=0).to(OUT_ptr.dtype.element_ty), mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -350,7 +368,12 @@ def rms_norm_backward(
         EMULATE_RNE=not x_rows.is_cuda,
         num_warps=num_warps,
     )
-    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
+    dw = None
+    if compute_dw:
+        dw = torch.empty(n_cols, dtype=weight.dtype, device=x_rows.device)
+        _sum_partials_kernel[(triton.cdiv(n_cols, _SUM_COLS),)](
+            dw_partial, dw_partial.stride(0), dw, programs, n_cols, BLOCK_P=32, BLOCK_COLS=_SUM_COLS
+        )
     return dx.view(dy.shape), dw
 
 
