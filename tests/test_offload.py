@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import fastft
 from fastft.engine import offload
-from fastft.engine.attention import patch_packed_attention
+from fastft.engine.attention import patch_packed_attention, unpatch_packed_attention
 from fastft.engine.loss import causal_lm_loss_sum
 from fastft.models.lora import is_checkpointing, set_gradient_checkpointing
 from fastft.models.presets import PRESETS
@@ -376,6 +376,40 @@ def test_a_short_host_budget_keeps_what_fits_and_stays_exact(layers_kept, keep_s
     model, (kept_loss, grads) = _keep_step("tiny-llama", "offload", "sync", keep=True, budget=budget)
     assert kept_loss == loss and all(torch.equal(grads[n], reference[n]) for n in reference)
     assert offload.offload_stats(model).bytes_kept == layers_kept * per_layer
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-mixtral", "tiny-gpt-oss"])
+@pytest.mark.parametrize("force", ["sync", "deferred"])
+@pytest.mark.parametrize("aux", [False, True])
+def test_the_recompute_rebuilds_each_routing_plan_from_the_kept_order(name, force, aux, monkeypatch):
+    """An offloaded MoE layer keeps its routing order (int32 sorted slots and the expert offsets) with its
+    input; the recompute rebuilds the plan from it instead of a top-k and a sort: the plan is built once
+    per layer, and the loss and every LoRA gradient (through the load-balancing loss too, `aux`) are
+    bit-identical to building it again."""
+    from fastft.models import moe
+
+    built = []
+    original = moe.build_routing_plan
+    monkeypatch.setattr(moe, "build_routing_plan", lambda *a, **k: built.append(1) or original(*a, **k))
+
+    def run(keep):
+        built.clear()
+        model = _model(name, "offload", fused=True)
+        offload.enable_offload(model, double_buffer=True, _force=force, keep_attention=keep)
+        model.get_base_model().config.output_router_logits = aux
+        if name == "tiny-gpt-oss":  # attention sinks: transformers' attention over the packed positions
+            unpatch_packed_attention(model)
+        return model, _step(model, _batch((24, 17, 31))), len(built)
+
+    _, (reference_loss, reference), built_twice = run(keep=False)
+    model, (loss, grads), built_once = run(keep=True)
+    assert loss == reference_loss
+    assert all(torch.equal(grads[n], reference[n]) for n in reference)
+    assert built_once > 0 and built_twice == 2 * built_once  # forward and recompute, or the forward alone
+    config = model.config
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    per_layer = 72 * config.num_experts_per_tok * 4 + experts * 4  # int32 sorted slots, int32 offsets
+    assert offload.offload_stats(model).bytes_kept == built_once * per_layer
 
 
 def test_sequences_shorter_than_the_threshold_keep_nothing():

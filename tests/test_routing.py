@@ -17,6 +17,7 @@ from fastft.engine.routing import (
     build_routing_plan,
     collect_router_stats,
     load_balancing_loss,
+    plan_from_order,
     plan_from_top_k,
     record_router_stats,
     router_spec,
@@ -204,6 +205,44 @@ class SyncTrap(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+SPECS = [
+    RouterSpec(3, 7),
+    RouterSpec(3, 7, renormalize=False),
+    RouterSpec(3, 7, weights_in_logits_dtype=False),
+    RouterSpec(3, 7, scoring="topk_softmax"),
+    RouterSpec(7, 7),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_plan_rebuilt_from_its_order_is_the_plan_bit_for_bit(spec, dtype):
+    """What the offloaded recompute does (`plan_from_order`, from the kept sorted slots and offsets): every
+    field, and the router logits' gradient through the weights, equal to building the plan again."""
+    generator = torch.Generator().manual_seed(8)
+    logits = torch.randn(37, 7, generator=generator).to(dtype).requires_grad_(True)
+    upstream = torch.randn(37, spec.top_k, generator=generator)
+    plan = build_routing_plan(logits, spec)
+    rebuilt = plan_from_order(logits, spec, plan.sorted_slots.to(torch.int32), plan.group_end)
+    for field in ("expert_ids", "weights", "sorted_slots", "sorted_experts", "counts", "group_end"):
+        assert torch.equal(getattr(rebuilt, field), getattr(plan, field)), field
+    assert (rebuilt.probs is None) == (plan.probs is None)
+    assert plan.probs is None or torch.equal(rebuilt.probs, plan.probs)
+    (grad,) = torch.autograd.grad((plan.weights.float() * upstream).sum(), logits)
+    (rebuilt_grad,) = torch.autograd.grad((rebuilt.weights.float() * upstream).sum(), logits)
+    assert torch.equal(rebuilt_grad, grad)
+
+
+def test_rebuilding_a_plan_from_its_order_never_waits_for_the_device(monkeypatch):
+    logits = torch.randn(37, 7, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    spec = RouterSpec(3, 7)
+    plan = build_routing_plan(logits, spec)
+    with SyncTrap() as trap:
+        rebuilt = plan_from_order(logits, spec, plan.sorted_slots.to(torch.int32), plan.group_end)
+        rebuilt.weights.sum().backward()
+    assert trap.syncs == []
+
+
 def test_building_a_plan_never_waits_for_the_device(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail(".tolist() in the routing plan"))
     logits = torch.randn(37, 7, generator=torch.Generator().manual_seed(6), requires_grad=True)
@@ -225,5 +264,9 @@ def test_building_a_plan_on_the_gpu_has_no_sync():
 
     logits = torch.randn(4096, 128, device="cuda", requires_grad=True)
     spec = RouterSpec(8, 128)
-    build_routing_plan(logits, spec)  # warm up
+    plan = build_routing_plan(logits, spec)  # warm up
     assert count_syncs(lambda: build_routing_plan(logits, spec).weights.sum().backward()) == 0
+    order = (plan.sorted_slots.to(torch.int32), plan.group_end)
+    rebuilt = plan_from_order(logits, spec, *order)
+    assert torch.equal(rebuilt.weights, plan.weights) and torch.equal(rebuilt.expert_ids, plan.expert_ids)
+    assert count_syncs(lambda: plan_from_order(logits, spec, *order).weights.sum().backward()) == 0

@@ -408,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         "--keep-attention",
         default="on",
         choices=("on", "off"),
-        help="offloaded checkpointing keeps each layer's attention output for the recompute (off: the "
-        "recompute runs attention again; one buffer's worth less device memory)",
+        help="offloaded checkpointing keeps each layer's attention output (from 4,096 tokens) and MoE "
+        "routing order for the recompute (off: the recompute runs attention and the top-k and sort again)",
     )
     parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
     parser.add_argument(

@@ -37,7 +37,10 @@ recompute hands them to the attention kernel's backward instead of running the a
 (`fastft.engine.attention`): the kernel's own backward on the output the forward really produced
 (bit-identical gradients on the CPU; on the GPU within bf16 rounding, see there). It saves the
 attention forward of every layer's recompute (FLOPs quadratic in sequence length) for one attention
-output per buffer of device memory (Llama-3.1-8B at 4,096 tokens: 2 × 33 MiB).
+output per buffer of device memory (Llama-3.1-8B at 4,096 tokens: 2 × 33 MiB). An MoE layer keeps its
+routing order the same way (int32 sorted slots and expert offsets: 4 bytes per routed slot, at any
+length), so the recompute rebuilds the forward's routing plan without a top-k or a sort
+(`fastft.models.moe`): the plan is built once per layer and step.
 
 fastft plugs this in through transformers' per-layer checkpointing hook (the instance attribute
 ``_gradient_checkpointing_func`` of each decoder layer, set by `enable_offload`), so a model stays a plain
@@ -501,7 +504,8 @@ def _unflatten(tensors, structure):
 
 class KeptTensors:
     """Tensors a layer call keeps beside its offloaded input, so that its recompute need not compute them
-    again (the attention output and its log-sum-exp: `fastft.engine.attention`).
+    again (the attention output and its log-sum-exp: `fastft.engine.attention`; an MoE layer's routing
+    order: `fastft.models.moe`).
 
     In the forward, `keep` copies them to host memory with the layer input (False when the offloader
     declines: keeping off, host budget reached, or a layout it cannot restore); in the recompute `take`
@@ -979,7 +983,8 @@ def enable_offload(
     it again with the same settings keeps the offloader (and its buffers); other settings replace it.
     `timing` records CUDA events for `offload_stats`. `keep_attention`: each layer's attention output and
     log-sum-exp travel with its input, so the recompute skips the attention forward (`KeptTensors`; from
-    ``fastft.engine.attention.KEEP_FROM_LENGTH`` tokens on). Returns the offloader, also at
+    ``fastft.engine.attention.KEEP_FROM_LENGTH`` tokens on), and so does an MoE layer's routing order, so
+    the recompute skips the top-k and the sort. Returns the offloader, also at
     ``model.fastft_offload``.
     """
     base = _base(model)

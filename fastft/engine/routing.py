@@ -12,7 +12,11 @@ to ``k`` of them with weights. The plan turns that choice into what a grouped GE
 The gate/up grouped GEMM reads ``x[sorted_slots // k]`` (the gather fused into its loads), the down grouped
 GEMM writes row ``m`` to slot ``sorted_slots[m]`` (the scatter fused into its stores), the LoRA grouped
 GEMMs reuse the same offsets, and autograd keeps the plan's index tensors for backward: routing is
-never recomputed within a layer's forward and backward. Everything stays on the device: `torch.sort`
+never recomputed within a layer's forward and backward. Under offloaded checkpointing (fastft's default
+on a GPU) the forward also keeps the routing order (``sorted_slots``, ``group_end``) with the layer input,
+and the recompute rebuilds the same plan from it (`plan_from_order`: gathers and a binary search, no
+top-k, no sort), so the plan is built once per layer and training step; plain recompute
+(``gradient_checkpointing=True``) re-runs the whole layer, the plan with it. Everything stays on the device: `torch.sort`
 and `torch.searchsorted` need no host sync, where ``torch.bincount`` on CUDA reads the input's maximum
 back to the host to size its output (even with ``minlength``), so the counts come from the sorted ids.
 
@@ -209,6 +213,52 @@ def plan_from_top_k(
         sorted_slots=sorted_slots,
         sorted_experts=sorted_experts,
         counts=counts,
+        group_end=group_end,
+    )
+
+
+def routing_weights(
+    router_logits: torch.Tensor, expert_ids: torch.Tensor, spec: RouterSpec
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weights [T, k], probs or None)`` of an already chosen top-k (``expert_ids``, in `top_k_routing`'s
+    order): the same values as `top_k_routing` gives (a gather of what its top-k selected), and the same
+    gradient (both scatter into the logits' positions), without the top-k."""
+    if spec.scoring == "topk_softmax":
+        top = router_logits.gather(1, expert_ids)
+        return torch.softmax(top, dim=1, dtype=top.dtype), None
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights = probs.gather(1, expert_ids)
+    if spec.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if spec.weights_in_logits_dtype:
+        weights = weights.to(router_logits.dtype)
+    return weights, probs
+
+
+def plan_from_order(
+    router_logits: torch.Tensor, spec: RouterSpec, sorted_slots: torch.Tensor, group_end: torch.Tensor
+) -> RoutingPlan:
+    """The plan of a layer whose routing order is known (``sorted_slots [M]``, ``group_end [E]`` of an
+    earlier `build_routing_plan` on the same logits): no top-k and no sort, only gathers and a binary
+    search. Offloaded checkpointing keeps those two with the layer input (`fastft.models.moe`), so the
+    recompute rebuilds the plan the forward had, bit for bit, and the router's gradient still flows
+    through ``weights``."""
+    tokens, k = router_logits.shape[0], spec.top_k
+    sorted_slots = sorted_slots.long()
+    positions = torch.arange(tokens * k, device=sorted_slots.device)
+    sorted_experts = torch.searchsorted(group_end, positions, right=True)  # expert of each sorted row
+    expert_ids = torch.empty_like(sorted_experts).index_copy_(0, sorted_slots, sorted_experts).view(tokens, k)
+    weights, probs = routing_weights(router_logits, expert_ids, spec)
+    return RoutingPlan(
+        top_k=k,
+        num_experts=spec.num_experts,
+        router_logits=router_logits,
+        probs=probs,
+        expert_ids=expert_ids,
+        weights=weights,
+        sorted_slots=sorted_slots,
+        sorted_experts=sorted_experts,
+        counts=torch.diff(group_end, prepend=group_end.new_zeros(1)),
         group_end=group_end,
     )
 

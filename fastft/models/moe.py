@@ -50,11 +50,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastft.engine.offload import kept_tensors
 from fastft.engine.routing import (
     RouterSpec,
     build_routing_plan,
     collect_router_stats,
     is_collecting,
+    plan_from_order,
     plan_from_top_k,
     record_router_logits,
     router_spec,
@@ -296,13 +298,30 @@ def moe_block_info(block: torch.nn.Module, config) -> MoeBlockInfo | None:
     )
 
 
+_PLAN = "routing plan"  # what a kept routing order is tagged with (`KeptTensors`)
+
+
 def _routing_plan(router: torch.nn.Module, x: torch.Tensor, spec: RouterSpec):
+    """The layer's `RoutingPlan`. Under offloaded checkpointing the forward keeps its routing order
+    (``sorted_slots`` as int32 and ``group_end``: 4 bytes per routed slot) beside the layer input, and the
+    recompute rebuilds the plan from it (`plan_from_order`): the router GEMM runs again for its gradient,
+    the top-k and the sort do not, so the plan is built once per layer and step."""
     if router._forward_hooks or router._forward_pre_hooks:
         # someone watches the router (transformers' output_router_logits capture, a profiler): run the
         # module itself so they see its call; its outputs are exactly what the builder would compute
         logits, weights, expert_ids = router(x)
         return plan_from_top_k(expert_ids, weights, spec.num_experts, router_logits=logits)
-    return build_routing_plan(F.linear(x, router.weight, getattr(router, "bias", None)), spec)
+    logits = F.linear(x, router.weight, getattr(router, "bias", None))
+    kept = kept_tensors()
+    if kept is not None and not kept.recording:
+        entry = kept.take()
+        if entry is not None and entry[1] == _PLAN:
+            (sorted_slots, group_end), _ = entry
+            return plan_from_order(logits, spec, sorted_slots, group_end)
+    plan = build_routing_plan(logits, spec)
+    if kept is not None and kept.recording:
+        kept.keep((plan.sorted_slots.to(torch.int32), plan.group_end), _PLAN)
+    return plan
 
 
 def _original_with_stats(self, hidden_states, info: MoeBlockInfo):

@@ -253,7 +253,8 @@ def estimate_vram(
     of tokens that carry a label (1.0, every token, is the worst case). `keep_attention`: with "offload",
     each layer's attention output travels with its input so the recompute skips the attention forward
     (`fastft.engine.offload.enable_offload`'s default, for sequences of ``KEEP_FROM_LENGTH`` tokens and
-    more); False for an offloader that recomputes it.
+    more), and each MoE layer's routing order (4 bytes per routed slot) with it; False for an offloader
+    that recomputes both.
     """
     inventory = inventory_of(model)
     loaded = inventory.loaded
@@ -325,6 +326,10 @@ def estimate_vram(
     # (from `KEEP_FROM_LENGTH` tokens on, where it pays)
     offload_keeps = mode == "offload" and keep_attention and seq_len >= KEEP_FROM_LENGTH
     kept_attention = inventory.num_heads * (inventory.head_dim * 2 + 4) if offload_keeps else 0
+    # an MoE layer's routing order (int32 sorted slots) travels with its input at any length
+    moe_layers = sum(1 for layer in layers if layer.moe)
+    keeps_routing = mode == "offload" and keep_attention and moe_layers > 0
+    kept_routing = 4 * inventory.experts_per_token if keeps_routing else 0
     if mode == "none":
         # the first layer's input norm saves nothing: the embeddings need no gradient
         stored_per_token = sum(per_layer) - (act.norm_bytes(h, profile) if per_layer else 0)
@@ -337,11 +342,12 @@ def estimate_vram(
     else:
         # each layer's attention output (16-bit) and fp32 log-sum-exp travel with its input, so the
         # recompute skips the attention forward (`fastft.engine.offload.KeptTensors`)
-        stored_per_token = 2 * (layer_input + kept_attention)
+        stored_per_token = 2 * (layer_input + kept_attention + kept_routing)
         released = [0] * len(per_layer)
-        what = "layer inputs and attention outputs" if kept_attention else "layer inputs"
+        what = "layer inputs" + (" and attention outputs" if kept_attention else "")
+        what += " and routing orders" if kept_routing else ""
         stored_note = f"{what} in host memory; two buffers for them on the device"
-        host = len(per_layer) * (layer_input + kept_attention) * tokens / GiB
+        host = (len(per_layer) * (layer_input + kept_attention) + moe_layers * kept_routing) * tokens / GiB
         notes.append(f"offload keeps {host:.2f} GiB of {what} in pinned host memory")
     if mode != "offload" and sum(kept):
         outliers = sum(act.int8_outlier_bytes(layer, inventory, profile) for layer in layers) * tokens
