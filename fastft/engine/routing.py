@@ -169,14 +169,12 @@ def top_k_routing(
             f"router logits must be [tokens, {spec.num_experts}], got {tuple(router_logits.shape)}"
         )
     if spec.scoring == "topk_softmax":
-        top, expert_ids = torch.topk(router_logits, spec.top_k, dim=-1)
-        return torch.softmax(top, dim=1, dtype=top.dtype), expert_ids, None
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, expert_ids = torch.topk(probs, spec.top_k, dim=-1)
-    if spec.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if spec.weights_in_logits_dtype:
-        weights = weights.to(router_logits.dtype)
+        probs = None
+        expert_ids = torch.topk(router_logits, spec.top_k, dim=-1).indices
+    else:
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        expert_ids = torch.topk(probs, spec.top_k, dim=-1).indices
+    weights, probs = routing_weights(router_logits, expert_ids, spec, probs)
     return weights, expert_ids, probs
 
 
@@ -218,15 +216,20 @@ def plan_from_top_k(
 
 
 def routing_weights(
-    router_logits: torch.Tensor, expert_ids: torch.Tensor, spec: RouterSpec
+    router_logits: torch.Tensor,
+    expert_ids: torch.Tensor,
+    spec: RouterSpec,
+    probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weights [T, k], probs or None)`` of an already chosen top-k (``expert_ids``, in `top_k_routing`'s
-    order): the same values as `top_k_routing` gives (a gather of what its top-k selected), and the same
-    gradient (both scatter into the logits' positions), without the top-k."""
+    """``(weights [T, k], probs or None)`` of a chosen top-k (``expert_ids``): the scores at those experts
+    (a gather, differentiable through the logits), normalised per `RouterSpec`. `top_k_routing` chooses
+    with a top-k and passes the fp32 softmax it chose from (``probs``); `plan_from_order` passes the
+    forward's choice, so the recompute's weights are the forward's bit for bit."""
     if spec.scoring == "topk_softmax":
         top = router_logits.gather(1, expert_ids)
         return torch.softmax(top, dim=1, dtype=top.dtype), None
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    if probs is None:
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights = probs.gather(1, expert_ids)
     if spec.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
