@@ -272,6 +272,22 @@ def test_backward_counts_the_recomputed_layer_once_and_the_mlp_backward_buffers(
     assert attention - freed < 2 * h + 2 * (inter + h)
 
 
+def test_offload_counts_an_moe_layers_kept_routing_order():
+    """Offloaded MoE layers keep their routing order (int32 per routed slot) with their inputs: two device
+    buffers' worth, at any length (below 4,096 tokens nothing else is kept)."""
+    tokens, top_k = 2048, 8  # Qwen3-30B-A3B routes each token to 8 of 128 experts
+    kept = estimate_vram("Qwen/Qwen3-30B-A3B", tokens, checkpointing="offload", gpu=None)
+    plain = estimate_vram(
+        "Qwen/Qwen3-30B-A3B", tokens, checkpointing="offload", gpu=None, keep_attention=False
+    )
+    assert kept["activations"] - plain["activations"] == 2 * 4 * top_k * tokens
+    dense = estimate_vram("Qwen/Qwen3-8B", tokens, checkpointing="offload", gpu=None)
+    dense_plain = estimate_vram(
+        "Qwen/Qwen3-8B", tokens, checkpointing="offload", gpu=None, keep_attention=False
+    )
+    assert dense["activations"] == dense_plain["activations"]
+
+
 def test_int8_keeps_every_projection_input_and_the_down_projection_outlier_columns():
     tokens = 2048
     h, q, inter, layers = 4096, 4096, 14336, 32
