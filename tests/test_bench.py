@@ -206,3 +206,40 @@ def test_attention_bench_cases_parse_and_every_method_agrees(tmp_path):
         "ragged1700:4/1": ["fastft", "sdpa_segments"],
     }
     assert out.with_suffix(".md").read_text().startswith("| bin:heads |")
+
+
+def test_step_bench_table_reads_each_round_against_its_own_baseline_and_gives_the_medians():
+    """`fastft bench step --rounds N` runs the systems in turn N times; each round's ratio is against that
+    round's baseline, and a median row per system compares the medians."""
+    from fastft.bench.step import _table
+
+    def result(system, tokens, round_, peak):
+        return {
+            "system": system,
+            "workload": "bf16:2x2048",
+            "attention": "auto" if system == "fastft" else "sdpa",
+            "tokens_per_s": tokens,
+            "peak_gib": peak,
+            "step_ms": 4096 / tokens * 1000,
+            "mfu": 0.7,
+            "round": round_,
+        }
+
+    results = [
+        result("fastft", 12000.0, 0, 16.4),
+        result("unsloth", 10000.0, 0, 16.6),
+        result("fastft", 12600.0, 1, 16.5),
+        result("unsloth", 11000.0, 1, 16.7),
+        result("fastft", 12300.0, 2, 16.4),
+        result("unsloth", 9000.0, 2, 16.6),
+    ]
+    table = _table(results).splitlines()
+    fastft_rows = [line for line in table if "| fastft |" in line]
+    assert ["1.20x" in fastft_rows[0], "1.15x" in fastft_rows[1], "1.37x" in fastft_rows[2]] == [True] * 3
+    median = [line for line in table if "median of 3 rounds" in line]
+    assert len(median) == 2  # fastft's and unsloth's
+    fastft_median = next(line for line in median if "| fastft |" in line)
+    assert (
+        "12,300" in fastft_median and "16.5" in fastft_median and "1.23x" in fastft_median
+    )  # 12,300 / 10,000
+    assert _table(results[:2]).count("median") == 0  # one round: no median rows

@@ -343,6 +343,12 @@ def _run_in_process(argv: list[str], env: dict, timeout: float) -> dict:
 def _table(results: list[dict]) -> str:
     from fastft.bench.common import markdown_table
 
+    def ratios(row: dict, result: dict, reference: dict) -> dict:
+        for baseline in ("hf", "unsloth"):
+            if baseline in reference and baseline != result["system"]:
+                row[f"vs_{baseline}"] = f"{result['tokens_per_s'] / reference[baseline]['tokens_per_s']:.2f}x"
+        return row
+
     rows = []
     for result in results:
         if "error" in result:
@@ -350,14 +356,38 @@ def _table(results: list[dict]) -> str:
                 {"system": result["system"], "workload": result["workload"], "note": result["error"][:160]}
             )
             continue
-        same = [r for r in results if r["workload"] == result["workload"] and "error" not in r]
-        reference = {r["system"]: r for r in same}
-        row = dict(result)
-        for baseline in ("hf", "unsloth"):
-            if baseline in reference and baseline != result["system"]:
-                row[f"vs_{baseline}"] = f"{result['tokens_per_s'] / reference[baseline]['tokens_per_s']:.2f}x"
+        same = [
+            r
+            for r in results
+            if r["workload"] == result["workload"] and r.get("round", 0) == result.get("round", 0)
+        ]
+        reference = {r["system"]: r for r in same if "error" not in r}
+        row = ratios(dict(result), result, reference)
         row["mfu"] = f"{100 * result['mfu']:.1f}%"
         rows.append(row)
+    # with --rounds, each system's median over its rounds, and the ratios of those medians
+    groups: dict[tuple, list[dict]] = {}
+    for result in results:
+        if "error" not in result:
+            key = (result["workload"], result["system"], result.get("attention"))
+            groups.setdefault(key, []).append(result)
+    medians = {}
+    for (workload, system, attention), runs in groups.items():
+        if len(runs) > 1:
+            tokens = statistics.median(r["tokens_per_s"] for r in runs)
+            medians[(workload, system, attention)] = {
+                "workload": workload,
+                "system": system,
+                "attention": attention,
+                "tokens_per_s": tokens,
+                "peak_gib": max(r["peak_gib"] for r in runs),
+                "step_ms": statistics.median(r["step_ms"] for r in runs),
+                "mfu": f"{100 * statistics.median(r['mfu'] for r in runs):.1f}%",
+                "note": f"median of {len(runs)} rounds (peak: the highest)",
+            }
+    for (workload, _, _), row in medians.items():
+        reference = {m["system"]: m for (w, _, _), m in medians.items() if w == workload}
+        rows.append(ratios(row, row, reference))
     columns = [
         ("workload", "workload"),
         ("system", "system"),
@@ -411,6 +441,13 @@ def main(argv: list[str] | None = None) -> int:
         help="offloaded checkpointing keeps each layer's attention output (from 4,096 tokens) and MoE "
         "routing order for the recompute (off: the recompute runs attention and the top-k and sort again)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the systems in turn this many times per workload (fastft, unsloth, fastft, unsloth, ...): "
+        "the table gives each round's ratios and the median over rounds, so drift between processes shows",
+    )
     parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
     parser.add_argument(
         "--lora-targets",
@@ -448,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for workload in workloads:
         parse_workload(workload)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
     folder = checkpoint_folder(Path(args.folder), args.model, args.layers)
     if not (folder / "config.json").exists():
         print(f"saving a random-weight {args.model} to {folder} ...", file=sys.stderr, flush=True)
@@ -457,52 +496,55 @@ def main(argv: list[str] | None = None) -> int:
     from fastft.bench.common import environment
 
     results = []
-    for workload in workloads:
-        for system in systems:
-            attentions = args.attention.split(",") if system == "fastft" else ["sdpa"]
-            for attention in attentions:
-                argv_worker = [
-                    "--worker",
-                    "--system",
-                    system,
-                    "--workload",
-                    workload,
-                    "--attention",
-                    attention,
-                    "--folder",
-                    str(folder),
-                    "--warmup",
-                    str(args.warmup),
-                    "--steps",
-                    str(args.steps),
-                    "--peak-flops",
-                    str(args.peak_flops),
-                    "--checkpointing",
-                    args.checkpointing,
-                    "--lora-targets",
-                    args.lora_targets,
-                    "--cuda-graph",
-                    args.cuda_graph,
-                    "--keep-attention",
-                    args.keep_attention,
-                ]
-                started = time.perf_counter()
-                result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)
-                result.setdefault("system", system)
-                result.setdefault("workload", workload)
-                result.setdefault("attention", attention)
-                if system == "fastft":
-                    result["keep_attention"] = args.keep_attention == "on"
-                result["wall_s"] = time.perf_counter() - started
-                results.append(result)
-                _write(
-                    args.out, args.model, environment(), results
-                )  # a later timeout keeps what was measured
-                summary = (
-                    result.get("error")
-                    or f"{result['tokens_per_s']:,.0f} tok/s, {result['peak_gib']:.1f} GiB"
-                )
-                print(f"{workload:>14} {system:>8} {attention:>13}: {summary}", file=sys.stderr, flush=True)
+    runs = [
+        (workload, round_, system)
+        for workload in workloads
+        for round_ in range(args.rounds)
+        for system in systems
+    ]
+    for workload, round_, system in runs:
+        attentions = args.attention.split(",") if system == "fastft" else ["sdpa"]
+        for attention in attentions:
+            argv_worker = [
+                "--worker",
+                "--system",
+                system,
+                "--workload",
+                workload,
+                "--attention",
+                attention,
+                "--folder",
+                str(folder),
+                "--warmup",
+                str(args.warmup),
+                "--steps",
+                str(args.steps),
+                "--peak-flops",
+                str(args.peak_flops),
+                "--checkpointing",
+                args.checkpointing,
+                "--lora-targets",
+                args.lora_targets,
+                "--cuda-graph",
+                args.cuda_graph,
+                "--keep-attention",
+                args.keep_attention,
+            ]
+            started = time.perf_counter()
+            result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)
+            result.setdefault("system", system)
+            result.setdefault("workload", workload)
+            result.setdefault("attention", attention)
+            result["round"] = round_
+            if system == "fastft":
+                result["keep_attention"] = args.keep_attention == "on"
+            result["wall_s"] = time.perf_counter() - started
+            results.append(result)
+            _write(args.out, args.model, environment(), results)  # a later timeout keeps what was measured
+            summary = (
+                result.get("error") or f"{result['tokens_per_s']:,.0f} tok/s, {result['peak_gib']:.1f} GiB"
+            )
+            print(f"{workload:>14} {system:>8} {attention:>13}: {summary}", file=sys.stderr, flush=True)
 
     print(_write(args.out, args.model, environment(), results))
     return 0
