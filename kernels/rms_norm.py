@@ -160,8 +160,9 @@ def _rms_norm_backward_kernel(
     ``x_hat = x * rstd``. The next block's ``x`` and ``dy`` are loaded before this one's math, so their
     latency overlaps it (loop-carried registers; see ``_PROGRAMS_PER_SM`` for what it gained).
 
-    ``g = dy * (offset + w)``, ``dx = rstd * (g - x_hat * mean(g * x_hat))``; with ``COMPUTE_DW`` it also sums
-    ``dy * x_hat`` over its rows in fp32 into row ``pid`` of ``DW`` (`_sum_partials_kernel` sums those partials).
+    ``g = dy * (offset + w)``, ``dx = rstd * (g - x_hat * mean(g * x_hat))``; with ``COMPUTE_DW`` it also
+    sums ``dy * x_hat`` over its rows in fp32 into row ``pid`` of ``DW`` (`_sum_partials_kernel` sums
+    those partials).
     ``LLAMA_CAST`` reproduces autograd through ``w * x_hat.to(x.dtype)``: ``g`` is rounded to ``x.dtype``,
     ``x_hat`` is rounded to ``x.dtype`` in ``dw``, and with ``ROUND_DW_PRODUCT`` (``w`` and ``x`` of one
     16-bit dtype) so is each ``dy * x_hat`` product before it is summed.

@@ -16,9 +16,11 @@ never recomputed within a layer's forward and backward. Under offloaded checkpoi
 on a GPU) the forward also keeps the routing order (``sorted_slots``, ``group_end``) with the layer input,
 and the recompute rebuilds the same plan from it (`plan_from_order`: gathers and a binary search, no
 top-k, no sort), so the plan is built once per layer and training step; plain recompute
-(``gradient_checkpointing=True``) re-runs the whole layer, the plan with it. Everything stays on the device: `torch.sort`
-and `torch.searchsorted` need no host sync, where ``torch.bincount`` on CUDA reads the input's maximum
-back to the host to size its output (even with ``minlength``), so the counts come from the sorted ids.
+(``gradient_checkpointing=True``) re-runs the whole layer, the plan with it.
+
+Everything stays on the device: `torch.sort` and `torch.searchsorted` need no host sync, where
+``torch.bincount`` on CUDA reads the input's maximum back to the host to size its output (even with
+``minlength``), so the counts come from the sorted ids.
 
 Top-k and weights, per architecture (each as transformers 5 computes it; `RouterSpec`):
 
