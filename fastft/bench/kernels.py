@@ -348,6 +348,14 @@ class _Run:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
+    def on_stream(self, fn: Callable[[], object]) -> object:
+        """``fn()`` run on `stream`, ordered after the current stream's work and before its later work."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
     def time(self, fn: Callable[[], object], big: bool = False, graph: bool = True) -> float:
         """Median ms of ``fn()`` over the timed calls, after the warm-up calls.
 
@@ -385,13 +393,9 @@ class _Run:
     def _capture(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
         """``fn`` captured in a CUDA graph (already warmed up eagerly), or None with a note if it cannot be."""
         try:
-            side = self.stream
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
+            self.on_stream(fn)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
+            with torch.cuda.graph(graph, stream=self.stream):
                 fn()
             graph.replay()  # a capture that went wrong fails here, for this row, not at the next capture
             torch.cuda.synchronize()
@@ -442,13 +446,7 @@ def _outputs(out) -> tuple[torch.Tensor, ...]:
 def _backward_call(run: _Run, forward: Callable[[], object], inputs, grads) -> Callable[[], object]:
     """Build the graph once (on the capture stream, `_Run.stream`); the returned call runs its backward
     (``autograd.grad``, graph retained)."""
-    if run.stream is None:
-        outs = _outputs(forward())
-    else:
-        run.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(run.stream):
-            outs = _outputs(forward())
-        torch.cuda.current_stream().wait_stream(run.stream)
+    outs = _outputs(forward() if run.stream is None else run.on_stream(forward))
     return lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True)
 
 

@@ -343,10 +343,10 @@ def _run_in_process(argv: list[str], env: dict, timeout: float) -> dict:
 def _table(results: list[dict]) -> str:
     from fastft.bench.common import markdown_table
 
-    def ratios(row: dict, result: dict, reference: dict) -> dict:
+    def ratios(row: dict, reference: dict) -> dict:
         for baseline in ("hf", "unsloth"):
-            if baseline in reference and baseline != result["system"]:
-                row[f"vs_{baseline}"] = f"{result['tokens_per_s'] / reference[baseline]['tokens_per_s']:.2f}x"
+            if baseline in reference and baseline != row["system"]:
+                row[f"vs_{baseline}"] = f"{row['tokens_per_s'] / reference[baseline]['tokens_per_s']:.2f}x"
         return row
 
     rows = []
@@ -362,7 +362,7 @@ def _table(results: list[dict]) -> str:
             if r["workload"] == result["workload"] and r.get("round", 0) == result.get("round", 0)
         ]
         reference = {r["system"]: r for r in same if "error" not in r}
-        row = ratios(dict(result), result, reference)
+        row = ratios(dict(result), reference)
         row["mfu"] = f"{100 * result['mfu']:.1f}%"
         rows.append(row)
     # with --rounds, each system's median over its rounds, and the ratios of those medians
@@ -387,7 +387,7 @@ def _table(results: list[dict]) -> str:
             }
     for (workload, _, _), row in medians.items():
         reference = {m["system"]: m for (w, _, _), m in medians.items() if w == workload}
-        rows.append(ratios(row, row, reference))
+        rows.append(ratios(row, reference))
     columns = [
         ("workload", "workload"),
         ("system", "system"),

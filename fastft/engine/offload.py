@@ -92,7 +92,7 @@ class OffloadStats:
     ``pinned_bytes`` is host memory held, ``device_buffer_bytes`` the device buffers (constant in depth).
     ``fallback_calls``: layer calls that ran as plain recompute (no offloading possible for that call).
     ``bytes_kept``: of ``bytes_offloaded``, what layers kept beside their inputs so that the recompute
-    skips computing it (attention outputs, `KeptTensors`).
+    skips computing it (attention outputs, MoE routing orders: `KeptTensors`).
     """
 
     layers_offloaded: int

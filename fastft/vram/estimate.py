@@ -323,13 +323,14 @@ def estimate_vram(
     h = inventory.hidden_size
     final_norm = act.norm_bytes(h, profile)
     layer_input = h * profile.residual
-    # (from `KEEP_FROM_LENGTH` tokens on, where it pays)
-    offload_keeps = mode == "offload" and keep_attention and seq_len >= KEEP_FROM_LENGTH
-    kept_attention = inventory.num_heads * (inventory.head_dim * 2 + 4) if offload_keeps else 0
-    # an MoE layer's routing order (int32 sorted slots) travels with its input at any length
+    # what an offloaded layer keeps beside its input (`fastft.engine.offload.KeptTensors`): its attention
+    # output (16-bit) and fp32 log-sum-exp from `KEEP_FROM_LENGTH` tokens on, where it pays, and an MoE
+    # layer's routing order (int32 sorted slots) at any length
+    keeping = mode == "offload" and keep_attention
+    attention_kept = keeping and seq_len >= KEEP_FROM_LENGTH
+    kept_attention = inventory.num_heads * (inventory.head_dim * 2 + 4) if attention_kept else 0
     moe_layers = sum(1 for layer in layers if layer.moe)
-    keeps_routing = mode == "offload" and keep_attention and moe_layers > 0
-    kept_routing = 4 * inventory.experts_per_token if keeps_routing else 0
+    kept_routing = 4 * inventory.experts_per_token if keeping and moe_layers else 0
     if mode == "none":
         # the first layer's input norm saves nothing: the embeddings need no gradient
         stored_per_token = sum(per_layer) - (act.norm_bytes(h, profile) if per_layer else 0)
@@ -340,8 +341,6 @@ def estimate_vram(
         released = [layer_input] * len(per_layer)
         stored_note = f"one input per layer ({len(per_layer)} × hidden × {profile.residual} B per token)"
     else:
-        # each layer's attention output (16-bit) and fp32 log-sum-exp travel with its input, so the
-        # recompute skips the attention forward (`fastft.engine.offload.KeptTensors`)
         stored_per_token = 2 * (layer_input + kept_attention + kept_routing)
         released = [0] * len(per_layer)
         what = "layer inputs" + (" and attention outputs" if kept_attention else "")
