@@ -220,7 +220,14 @@ def _rms_norm_backward_kernel(
 
 @triton.jit
 def _sum_partials_kernel(
-    P_ptr, p_row_stride, OUT_ptr, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_COLS: tl.constexpr
+    P_ptr,
+    p_row_stride,
+    OUT_ptr,
+    n_partials,
+    n_cols,
+    BLOCK_P: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):
     """``OUT[c] = sum_p P[p, c]`` in fp32, cast to ``OUT``'s dtype on the store: the backward's dW from its
     per-program partial rows, in one launch (a ``sum(0)`` then a cast would be two) and a fixed order, so
@@ -232,7 +239,9 @@ def _sum_partials_kernel(
         rows = start + tl.arange(0, BLOCK_P)
         mask = (rows < n_partials)[:, None] & col_mask[None, :]
         acc += tl.load(P_ptr + rows[:, None] * p_row_stride + cols[None, :], mask=mask, other=0.0)
-    tl.store(OUT_ptr + cols, tl.sum(acc, axis=0).to(OUT_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(
+        OUT_ptr + cols, round_to(tl.sum(acc, axis=0), OUT_ptr.dtype.element_ty, EMULATE_RNE), mask=col_mask
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -374,7 +383,14 @@ def rms_norm_backward(
     if compute_dw:
         dw = torch.empty(n_cols, dtype=weight.dtype, device=x_rows.device)
         _sum_partials_kernel[(triton.cdiv(n_cols, _SUM_COLS),)](
-            dw_partial, dw_partial.stride(0), dw, programs, n_cols, BLOCK_P=32, BLOCK_COLS=_SUM_COLS
+            dw_partial,
+            dw_partial.stride(0),
+            dw,
+            programs,
+            n_cols,
+            BLOCK_P=32,
+            BLOCK_COLS=_SUM_COLS,
+            EMULATE_RNE=not x_rows.is_cuda,
         )
     return dx.view(dy.shape), dw
 
