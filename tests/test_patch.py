@@ -240,3 +240,87 @@ def test_gpu_fused_training_curve_stays_within_the_bf16_noise_floor():
     assert max(fused) <= 1.5 * max(floor) + 1e-3
     tail = [sum(curves[k][-10:]) / 10 for k in ("fused", "unfused")]
     assert abs(tail[0] - tail[1]) / tail[1] <= 0.02
+
+
+class _AdapterCastCounter:
+    """Counts fp32 -> bf16 casts of tensors shaped like the adapters (a TorchDispatchMode)."""
+
+    def __init__(self, shapes):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                source = args[0] if args else None
+                if (
+                    func is torch.ops.aten._to_copy.default
+                    and source.dtype == torch.float32
+                    and kwargs.get("dtype") == torch.bfloat16
+                    and tuple(source.shape) in shapes
+                ):
+                    counter.count += 1
+                return func(*args, **kwargs)
+
+        self.count = 0
+        self.mode = Mode()
+
+
+def test_adapter_compute_copies_replace_per_use_casts_and_are_never_read_stale():
+    """Under bf16 autocast the fused functions read each fp32 adapter's bf16 copy, written for the whole model
+    in one multi-tensor copy when the decoder's training forward starts: no per-use cast in the forward, the
+    recompute or the backward, and the same loss and gradients bit for bit as casting where used (then the
+    forward and the recompute cast each adapter, and the backward reuses what its forward cast). A weight
+    changed in place since (its version moved) is cast afresh, never read from its old copy."""
+    from fastft.kernels.lora import compute_weight
+
+    model, _ = _lora_model("tiny-llama")
+    fastft.models.lora.set_gradient_checkpointing(model, True)
+    model.train()
+    batch = _batch()
+    lora = [p for _, p in model.named_parameters() if p.requires_grad]
+    shapes = {tuple(p.shape) for p in lora}
+
+    def step():
+        counter = _AdapterCastCounter(shapes)
+        with counter.mode, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = causal_lm_loss_sum(model, batch)
+            grads = torch.autograd.grad(loss, lora)
+        return loss.detach(), grads, counter.count
+
+    loss, grads, casts = step()
+    assert casts == 0
+    state = model.get_base_model().fastft_kernels
+    state.hook.remove()
+    state.copies.release()
+    assert not any("_fastft_compute_copy" in vars(p) for p in lora)
+    cast_loss, cast_grads, cast_count = step()
+    assert cast_count == 2 * len(lora)  # the forward and the recompute cast each; the backward reuses theirs
+    assert torch.equal(loss, cast_loss)
+    for got, want in zip(grads, cast_grads, strict=True):
+        assert torch.equal(got, want)
+
+    copies = type(state.copies)()
+    copies.refresh(lora, torch.bfloat16)
+    weight = lora[0]
+    assert compute_weight(weight, torch.bfloat16) is vars(weight)["_fastft_compute_copy"][0]
+    with torch.no_grad():
+        weight.add_(0.25)  # what an optimizer step does
+    assert torch.equal(compute_weight(weight, torch.bfloat16), weight.detach().to(torch.bfloat16))
+    assert compute_weight(weight, torch.bfloat16) is not vars(weight)["_fastft_compute_copy"][0]
+    copies.release()
+
+
+def test_unpatch_removes_the_adapter_copies_and_their_hook():
+    model, _ = _lora_model("tiny-qwen3")
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        causal_lm_loss_sum(model, _batch()).backward()
+    lora = [p for _, p in model.named_parameters() if p.requires_grad]
+    assert all("_fastft_compute_copy" in vars(p) for p in lora)
+    decoder = model.get_base_model().model
+    assert decoder._forward_pre_hooks
+    unpatch(model)
+    assert not decoder._forward_pre_hooks
+    assert not any("_fastft_compute_copy" in vars(p) for p in lora)

@@ -113,8 +113,9 @@ def test_optimizer_and_gradient_bytes_follow_the_adapter_count():
     assert short.component("gradients").own_bytes == 4 * n - 35 * 128 * 4096 * 2
     assert estimate_vram("Qwen/Qwen3-8B", 1024, optimizer="adamw_8bit", gpu=None)["optimizer"] == 2 * n
     assert estimate_vram("Qwen/Qwen3-8B", 1024, optimizer="sgd", gpu=None)["optimizer"] == 0
-    # fused kernels cast adapters on use; peft under autocast keeps a bf16 copy of each
-    assert adamw["lora"] == 4 * n
+    # a 16-bit copy of each adapter lives through the step: fastft's compute copies on the fused path,
+    # autocast's cast cache on peft's
+    assert adamw["lora"] == 6 * n
     assert estimate_vram("Qwen/Qwen3-8B", 1024, fused=False, gpu=None)["lora"] == 6 * n
 
 
@@ -358,7 +359,7 @@ def test_bitsandbytes_8bit_matmul_keeps_input_and_outlier_columns_through_checkp
 
 def test_recorded_h200_peaks_and_longest_context_are_reproduced():
     """The estimate against `fastft bench vram`'s H200 run (benchmarks/vram-h200-2026-11-30.json, offloading
-    without kept attention outputs, which came later): every peak within 2.5 %, every longest context at most the one that trained and at most one 512-token step
+    without kept attention outputs and without adapter compute copies, which came later): every peak within 2.5 %, every longest context at most the one that trained and at most one 512-token step
     (or 5 %) below it -- the prediction is rounded down to whole steps, so a 1 % error can cost one."""
     from pathlib import Path
 
@@ -377,7 +378,12 @@ def test_recorded_h200_peaks_and_longest_context_are_reproduced():
             gpu=None,
             keep_attention=False,
         )
-        errors[row["config"]] = estimate.allocated_bytes / GiB / row["measured_gib"] - 1
+        # Recorded before the fused path kept 16-bit compute copies of the adapters (AdapterComputeCopies):
+        # those persist through the step, so today's peak is the recorded one plus their bytes -- the
+        # difference between today's LoRA component and the recorded estimate's (zero where nothing
+        # changed). The step bench saw it: Llama-3.1-8B bf16 2x2048, 16.47 -> 16.54 GiB for 84 MB of copies.
+        copies = estimate.component("lora").own_bytes - row["components"]["lora"]
+        errors[row["config"]] = estimate.allocated_bytes / (row["measured_gib"] * GiB + copies) - 1
     assert len(errors) == 19 and all(abs(e) < 0.025 for e in errors.values()), errors
     measured_contexts = [row for row in recorded["contexts"] if "measured" in row]
     assert len(measured_contexts) == 4

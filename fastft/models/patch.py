@@ -72,6 +72,9 @@ class PatchReport:
 class _PatchState:
     report: PatchReport
     modules: list[torch.nn.Module]
+    projections: list[torch.nn.Module] = field(default_factory=list)  # LoRA'd linears the fused forwards read
+    copies: object | None = None  # fastft.kernels.lora.AdapterComputeCopies
+    hook: object | None = None  # the decoder's pre-hook that refreshes them
 
 
 # --------------------------------------------------------------------------------------------- projections
@@ -211,6 +214,34 @@ def _mlp_forward(self, hidden_states):
 # --------------------------------------------------------------------------------------------- patching
 
 
+def _refresh_adapter_copies(state: _PatchState, decoder: torch.nn.Module) -> None:
+    """Before each training forward of the decoder: every active adapter's weights in the compute dtype, in one
+    multi-tensor copy (`fastft.kernels.lora.AdapterComputeCopies`), for the fused forwards, their recompute and
+    their backward. Inference and frozen forwards keep casting where they use a weight."""
+
+    def hook(module, args):
+        if not (module.training and torch.is_grad_enabled()) or not state.projections:
+            return
+        weights = []
+        for projection in state.projections:
+            for name in projection.active_adapters:
+                if name in projection.lora_A:
+                    weights += [projection.lora_A[name].weight, projection.lora_B[name].weight]
+        if not weights:
+            return
+        device = weights[0].device
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        else:
+            dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), weights[0].dtype)
+        state.copies.refresh(weights, dtype)
+
+    from fastft.kernels.lora import AdapterComputeCopies
+
+    state.copies = AdapterComputeCopies()
+    state.hook = decoder.register_forward_pre_hook(hook)
+
+
 def _install(module: torch.nn.Module, forward, state: _PatchState, **attributes) -> None:
     module._fastft_original_forward = module.forward
     module._fastft_had_instance_forward = "forward" in module.__dict__
@@ -302,10 +333,24 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
         report.not_fused.append(f"the MLPs (activation {config.hidden_act!r} has no fused kernel)")
     report.fused = {name: count for name, count in counts.items() if count}
     report.fused["cross_entropy"] = 1
+    state.projections = _lora_projections(state.modules)
+    _refresh_adapter_copies(state, decoder)
     base.fastft_kernels = state
     if warn and report.not_fused:
         warnings.warn(f"fastft.patch: {report}", UnfusedWarning, stacklevel=2)
     return report
+
+
+def _lora_projections(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """PEFT LoRA linears among the projections that the fused attention and MLP forwards read."""
+    from peft.tuners.lora import LoraLayer
+
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    found = []
+    for module in modules:
+        if module.forward.__func__ in (_attention_forward, _mlp_forward):
+            found += [getattr(module, n) for n in names if isinstance(getattr(module, n, None), LoraLayer)]
+    return found
 
 
 def _patch_attention_and_norms(layer, model_type: str, config, state: _PatchState, counts: dict) -> None:
@@ -342,6 +387,9 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state = getattr(base, "fastft_kernels", None)
     if state is None:
         return model
+    if state.hook is not None:
+        state.hook.remove()
+        state.copies.release()
     for module in state.modules:
         if module._fastft_had_instance_forward:
             module.forward = module._fastft_original_forward

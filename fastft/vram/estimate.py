@@ -307,9 +307,16 @@ def estimate_vram(
         lora_params += inventory.expert_lora_params(r)
     if loaded and loaded.lora_params and lora_r is None and targets is None:
         lora_params = loaded.lora_params
-    # peft keeps adapters in fp32 (4 B); on the transformers path autocast keeps a bf16 copy of each (2 B)
-    autocast_copies = bool(profile.lora_copy) and not profile.fused_projections
-    lora_bytes = lora_params * (4 + (2 if autocast_copies else 0))
+    # peft keeps adapters in fp32 (4 B), and under 16-bit compute a 16-bit copy (2 B) lives through the step:
+    # autocast's cast cache of every adapter on the transformers path; on the fused path
+    # fastft.kernels.lora.AdapterComputeCopies of the fused projections' adapters (experts cast on use)
+    copied = lora_params
+    if profile.fused_projections:
+        fused_names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        fused_lora = sum(r * (m.in_features + m.out_features) for m in lora_modules if m.short in fused_names)
+        copied = min(lora_params, fused_lora)
+    autocast_copies = bool(profile.lora_copy) and copied > 0
+    lora_bytes = 4 * lora_params + (2 * copied if autocast_copies else 0)
     gradient_bytes = 4 * lora_params
     optimizer_bytes = {"adamw": 8, "adamw_8bit": 2, "sgd": 0}[optimizer] * lora_params
 
@@ -473,7 +480,7 @@ def estimate_vram(
             lora_bytes,
             lora_bytes,
             "persistent",
-            f"{_count(lora_params)} params in fp32" + (" + bf16 autocast copies" if autocast_copies else ""),
+            f"{_count(lora_params)} params in fp32" + (" + 16-bit compute copies" if autocast_copies else ""),
         ),
         VramComponent(
             "optimizer",
