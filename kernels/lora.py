@@ -39,8 +39,10 @@ Precision: matmuls run in the compute dtype (the autocast dtype when autocast is
 with fp32 accumulation. The low-rank term is computed first and the base GEMM accumulates into it
 (``addmm_``, beta = 1), so the LoRA term is rounded once before the sum and the sum once -- PEFT rounds
 ``xa B^T``, ``* s`` and ``+`` separately. LoRA weights stored in fp32 (PEFT's default for 16-bit models) are
-cast to the compute dtype for the matmuls, as autocast would, and their gradients are returned in their
-own dtype.
+cast to the compute dtype for the matmuls, as autocast would -- read from `AdapterComputeCopies` when a
+patched model's training forward has written them, and kept on ``ctx`` so that the backward reuses its
+forward's. Their gradients are returned in their own dtype; on CUDA the gradient GEMMs write fp32 directly
+(``torch.mm(..., out_dtype=torch.float32)``), elsewhere they are cast.
 
 Recompute. When activation checkpointing re-runs the MLP inside backward, its output is discarded and its
 backward needs only the saved ``x``, ``g``, ``u`` and LoRA intermediates, so the re-run skips the down
