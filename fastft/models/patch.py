@@ -17,8 +17,8 @@ plus the final norm, and (in `fastft.engine.loss`) the fused linear cross-entrop
 Only instances change: each patched submodule gets an instance attribute ``forward`` (the class is never
 touched, so a patched and an unpatched model live side by side), and the original is kept for `unpatch`.
 The decoder gets a forward pre-hook that, before each training forward, writes the 16-bit compute copies
-of every active adapter in one multi-tensor copy (`fastft.kernels.lora.AdapterComputeCopies`; a design
-addition: DESIGN.md has the fused functions cast adapters where they use them).
+of every active adapter in one multi-tensor copy (`fastft.kernels.lora.AdapterComputeCopies`). It is
+per instance too, and `unpatch` removes it and the copies.
 Patching twice is a no-op. The decoder layers themselves are left alone, so transformers' gradient
 checkpointing and fastft's offloaded checkpointing wrap them as before.
 
