@@ -217,7 +217,7 @@ def _mlp_forward(self, hidden_states):
 # --------------------------------------------------------------------------------------------- patching
 
 
-def _refresh_adapter_copies(state: _PatchState, decoder: torch.nn.Module) -> None:
+def _hook_adapter_copies(state: _PatchState, decoder: torch.nn.Module) -> None:
     """Before each training forward of the decoder: every active adapter's weights in the compute dtype, in one
     multi-tensor copy (`fastft.kernels.lora.AdapterComputeCopies`), for the fused forwards, their recompute and
     their backward. Inference and frozen forwards keep casting where they use a weight."""
@@ -337,7 +337,7 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
     report.fused = {name: count for name, count in counts.items() if count}
     report.fused["cross_entropy"] = 1
     state.projections = _lora_projections(state.modules)
-    _refresh_adapter_copies(state, decoder)
+    _hook_adapter_copies(state, decoder)
     base.fastft_kernels = state
     if warn and report.not_fused:
         warnings.warn(f"fastft.patch: {report}", UnfusedWarning, stacklevel=2)
