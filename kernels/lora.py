@@ -164,7 +164,7 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _project(x2, base: FrozenLinear, xa, b_weight, scale, dtype) -> torch.Tensor:
-    """``x W^T + bias + scale xa B^T``.
+    """``x W^T + bias + scale xa B^T`` (``b_weight``, B, already in the compute dtype).
 
     The low-rank term goes first, into the output (``(scale xa) B^T``, K = r: one write of ``[N, out]``),
     and the base GEMM then accumulates into it (``addmm_``, beta = 1: the read of the output happens in the
@@ -177,7 +177,7 @@ def _project(x2, base: FrozenLinear, xa, b_weight, scale, dtype) -> torch.Tensor
     if b_weight is None:
         return F.linear(x2, weight, bias)
     xa_scaled = _scaled(xa, scale)
-    b_t = compute_weight(b_weight, dtype).t()
+    b_t = b_weight.t()
     y = torch.mm(xa_scaled, b_t) if bias is None else torch.addmm(bias, xa_scaled, b_t)
     return y.addmm_(x2, weight.t())
 

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastft
 from fastft.data.batch import PackedBatch
@@ -242,29 +243,23 @@ def test_gpu_fused_training_curve_stays_within_the_bf16_noise_floor():
     assert abs(tail[0] - tail[1]) / tail[1] <= 0.02
 
 
-class _AdapterCastCounter:
-    """Counts fp32 -> bf16 casts of tensors shaped like the adapters (a TorchDispatchMode)."""
+class _AdapterCastCounter(TorchDispatchMode):
+    """Counts fp32 -> bf16 casts of tensors shaped like the adapters."""
 
     def __init__(self, shapes):
-        from torch.utils._python_dispatch import TorchDispatchMode
+        super().__init__()
+        self.shapes, self.count = shapes, 0
 
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                source = args[0] if args else None
-                if (
-                    func is torch.ops.aten._to_copy.default
-                    and source.dtype == torch.float32
-                    and kwargs.get("dtype") == torch.bfloat16
-                    and tuple(source.shape) in shapes
-                ):
-                    counter.count += 1
-                return func(*args, **kwargs)
-
-        self.count = 0
-        self.mode = Mode()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (
+            func is torch.ops.aten._to_copy.default
+            and args[0].dtype == torch.float32
+            and kwargs.get("dtype") == torch.bfloat16
+            and tuple(args[0].shape) in self.shapes
+        ):
+            self.count += 1
+        return func(*args, **kwargs)
 
 
 def test_adapter_compute_copies_replace_per_use_casts_and_are_never_read_stale():
@@ -284,7 +279,7 @@ def test_adapter_compute_copies_replace_per_use_casts_and_are_never_read_stale()
 
     def step():
         counter = _AdapterCastCounter(shapes)
-        with counter.mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        with counter, torch.autocast("cpu", dtype=torch.bfloat16):
             loss = causal_lm_loss_sum(model, batch)
             grads = torch.autograd.grad(loss, lora)
         return loss.detach(), grads, counter.count

@@ -48,6 +48,8 @@ from fastft.models.moe import moe_block_forward, moe_block_info
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 MOE_ONLY = ("gpt_oss",)  # only the MoE blocks are fused (attention sinks, fp32 norm weights)
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # what the fused attention forward reads
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # and the fused MLP forward
 
 
 class UnfusedWarning(UserWarning):
@@ -150,7 +152,7 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
-    parts = _projections(self, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    parts = _projections(self, _ATTENTION_PROJECTIONS)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if parts is None or cache is not None or args or position_embeddings is None:
         return self._fastft_original_forward(
@@ -203,7 +205,7 @@ def _attention_interface(module):
 
 
 def _mlp_forward(self, hidden_states):
-    parts = _projections(self, ("gate_proj", "up_proj", "down_proj"))
+    parts = _projections(self, _MLP_PROJECTIONS)
     if parts is None:
         return self._fastft_original_forward(hidden_states)
     from fastft.kernels.lora import lora_mlp
@@ -348,11 +350,12 @@ def _lora_projections(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """PEFT LoRA linears among the projections that the fused attention and MLP forwards read."""
     from peft.tuners.lora import LoraLayer
 
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     found = []
     for module in modules:
-        if module.forward.__func__ in (_attention_forward, _mlp_forward):
-            found += [getattr(module, n) for n in names if isinstance(getattr(module, n, None), LoraLayer)]
+        names = {_attention_forward: _ATTENTION_PROJECTIONS, _mlp_forward: _MLP_PROJECTIONS}.get(
+            module.forward.__func__, ()
+        )
+        found += [getattr(module, n) for n in names if isinstance(getattr(module, n), LoraLayer)]
     return found
 
 
@@ -378,7 +381,7 @@ def _patch_mlp(mlp: torch.nn.Module, kind: str | None, state: _PatchState, outpu
     """Install the fused MLP forward on a gate/up/down MLP; 1 if installed, else 0. `output_only_added`:
     the MLP's output only goes into the residual add, which saves nothing for backward, so a recompute may
     skip the down projection (`fastft.kernels.lora_mlp`); False where anything else reads it."""
-    if kind is None or not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+    if kind is None or not all(hasattr(mlp, name) for name in _MLP_PROJECTIONS):
         return 0
     _install(mlp, _mlp_forward, state, activation=kind, output_only_added=output_only_added)
     return 1
