@@ -216,14 +216,17 @@ def _grad_dtype(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.T
 
 
 class LoraLinearsFunction(torch.autograd.Function):
-    """Several LoRA linears of one input: ``apply(x, bases, scales, A_1, B_1, A_2, B_2, ...)`` -> outputs.
+    """Several LoRA linears of one input: ``apply(x, bases, scales, known, A_1, B_1, A_2, B_2, ...)`` -> outputs.
 
     ``bases`` is a tuple of `FrozenLinear`, ``scales`` a tuple of floats; a projection without LoRA passes
-    ``None`` for its ``A`` and ``B``. Returns one tensor ``[..., out_i]`` per projection.
+    ``None`` for its ``A`` and ``B``. Returns one tensor ``[..., out_i]`` per projection. ``known``: None, or
+    the outputs already computed from this very ``x`` (an offloaded layer's recompute is handed the ones its
+    forward kept): they are returned as they are, and only the small ``x A^T`` the backward needs is
+    computed.
     """
 
     @staticmethod
-    def forward(ctx, x, bases, scales, *adapters):
+    def forward(ctx, x, bases, scales, known, *adapters):
         dtype = _compute_dtype(x)
         x2 = _rows(x).to(dtype)
         # the adapters in the compute dtype, kept on ctx for the backward: its saved tensors come back as
@@ -237,7 +240,10 @@ class LoraLinearsFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             lora_a = [a for a in a_list if a is not None]
             xa = torch.mm(x2, _cat(lora_a).t()) if lora_a else None
-            for base, sl, b_weight, scale in zip(bases, slices, b_list, scales, strict=True):
+            for i, (base, sl, b_weight, scale) in enumerate(zip(bases, slices, b_list, scales, strict=True)):
+                if known is not None:
+                    outputs.append(known[i].view_as(known[i]))  # a fresh view: autograd owns the output
+                    continue
                 y = _project(x2, base, None if sl is None else xa[:, sl], b_weight, scale, dtype)
                 outputs.append(y.view(*x.shape[:-1], y.shape[-1]))
         ctx.bases, ctx.scales, ctx.slices, ctx.dtype = bases, scales, slices, dtype
@@ -287,7 +293,7 @@ class LoraLinearsFunction(torch.autograd.Function):
                     dx = _accumulate(dx, dy, base.dense(dtype))
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-        return (dx, None, None, *grad_adapters)
+        return (dx, None, None, None, *grad_adapters)
 
 
 class LoraMLPFunction(torch.autograd.Function):
@@ -429,11 +435,13 @@ def lora_mlp_reference(x, gate, up, down, scales, kind, a_g, b_g, a_u, b_u, a_d,
 # ------------------------------------------------------------------------------------------- functional
 
 
-def lora_linears(x, bases, scales, adapters) -> tuple[torch.Tensor, ...]:
+def lora_linears(x, bases, scales, adapters, known=None) -> tuple[torch.Tensor, ...]:
     """Outputs of several LoRA linears sharing input `x`; `adapters` is ``[(A_1, B_1), (A_2, B_2), ...]``
-    with ``(None, None)`` for a projection without LoRA."""
+    with ``(None, None)`` for a projection without LoRA. `known`: the outputs, where they were already
+    computed from this `x` (see `LoraLinearsFunction`); they come back with the backward of computing them."""
     flat = [t for pair in adapters for t in pair]
-    return LoraLinearsFunction.apply(x, tuple(bases), tuple(float(s) for s in scales), *flat)
+    known = None if known is None else tuple(known)
+    return LoraLinearsFunction.apply(x, tuple(bases), tuple(float(s) for s in scales), known, *flat)
 
 
 def lora_mlp(x, gate, up, down, scales, kind, adapters, output_discarded_in_recompute=False) -> torch.Tensor:

@@ -104,7 +104,7 @@ def test_step_bench_workers_agree_on_the_first_loss(tmp_path, preset, lora_targe
             checkpointing="auto",
             lora_targets=lora_targets,
             cuda_graph="on",
-            keep_attention="on",
+            keep_attention="auto",
         )
         results[system] = run_worker(args)
     assert results["fastft"]["losses"][0] == pytest.approx(results["hf"]["losses"][0], rel=1e-5)

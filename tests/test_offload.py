@@ -69,7 +69,7 @@ def _step(model, batch, seed=5):
     model.zero_grad(set_to_none=True)
     loss = causal_lm_loss_sum(model, batch)
     loss.backward()
-    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _max_relative_error(grads, reference) -> float:
@@ -330,15 +330,15 @@ def test_the_deferred_stand_in_catches_a_missing_wait(monkeypatch):
 
 @pytest.fixture
 def keep_short(monkeypatch):
-    """Kept attention from the first token on (it starts at 4,096 tokens, where it pays)."""
+    """Kept attention from the first token on (it starts at 2,048 tokens, where it pays)."""
     from fastft.engine import attention
 
     monkeypatch.setattr(attention, "KEEP_FROM_LENGTH", 1)
 
 
-def _keep_step(name, mode, force, keep, lengths=(24, 24, 24), budget=None):
+def _keep_step(name, mode, force, keep, lengths=(24, 24, 24), budget=None, fused=False):
     """A step through the ``varlen`` backend, whose equal-length bins run as one SDPA batch (CPU too)."""
-    model = _model(name, mode)
+    model = _model(name, mode, fused=fused)
     offload.enable_offload(
         model, double_buffer=mode == "offload", _force=force, keep_attention=keep, host_budget_bytes=budget
     )
@@ -348,17 +348,34 @@ def _keep_step(name, mode, force, keep, lengths=(24, 24, 24), budget=None):
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 @pytest.mark.parametrize("mode,force", FORCED)
-def test_kept_attention_gives_the_recomputed_gradients_bit_for_bit(name, mode, force, keep_short):
+@pytest.mark.parametrize("fused", [False, True])
+def test_kept_attention_gives_the_recomputed_gradients_bit_for_bit(
+    name, mode, force, fused, keep_short, monkeypatch
+):
     """The recompute hands the forward's attention output and log-sum-exp to the kernel's backward instead
-    of running the attention again: same kernel, same numbers, every LoRA gradient bit-identical."""
-    _, (reference_loss, reference) = _keep_step(name, mode, force, keep=False)
-    model, (loss, grads) = _keep_step(name, mode, force, keep=True)
+    of running the attention again, and (fused) o_proj's output to o_proj's backward instead of its GEMM:
+    same kernels, same numbers, every LoRA gradient bit-identical."""
+    from fastft.kernels import lora
+
+    projected = []
+    original = lora._project
+    monkeypatch.setattr(lora, "_project", lambda *a: projected.append(1) or original(*a))
+    _, (reference_loss, reference) = _keep_step(name, mode, force, keep=False, fused=fused)
+    recomputing = len(projected)
+    projected.clear()
+    model, (loss, grads) = _keep_step(name, mode, force, keep=True, fused=fused)
     assert loss == reference_loss
     assert all(torch.equal(grads[n], reference[n]) for n in reference)
     config, layers = model.config, model.config.num_hidden_layers
+    # no o_proj GEMM in any layer's recompute (recomputing, a layer projects 7 times in the forward --
+    # q, k, v, o, gate, up, down -- and 6 in the recompute, which skips down)
+    assert recomputing == (13 * layers if fused else 0)
+    assert len(projected) == recomputing - (layers if fused else 0)
     heads, dim, tokens = config.num_attention_heads, config.head_dim, 72
-    # the output in the flash kernel's dtype (bf16: `_flash_dtype`), the fp32 log-sum-exp per head and token
-    kept = layers * (tokens * heads * dim * 2 + heads * tokens * 4)
+    # the output in the flash kernel's dtype (bf16: `_flash_dtype`), the fp32 log-sum-exp per head and token,
+    # and (fused) o_proj's output in the model's fp32
+    output = tokens * config.hidden_size * 4 if fused else 0
+    kept = layers * (tokens * heads * dim * 2 + heads * tokens * 4 + output)
     stats = offload.offload_stats(model)
     assert stats.bytes_kept == kept and stats.bytes_loaded == stats.bytes_offloaded
     assert stats.bytes_offloaded == kept + layers * tokens * config.hidden_size * 4
@@ -368,12 +385,15 @@ def test_kept_attention_gives_the_recomputed_gradients_bit_for_bit(name, mode, f
 
 @pytest.mark.parametrize("layers_kept", [0, 2])
 def test_a_short_host_budget_keeps_what_fits_and_stays_exact(layers_kept, keep_short):
-    """Host memory goes to the layer inputs first; attention outputs are kept while room is left, and the
-    layers past it recompute their attention."""
-    _, (loss, reference) = _keep_step("tiny-llama", "offload", "sync", keep=False)
-    inputs, per_layer = 4 * 72 * 128 * 4, 72 * 4 * 32 * 2 + 4 * 72 * 4  # 4 layers' inputs; output + lse
-    budget = inputs + int((layers_kept + 0.5) * per_layer)
-    model, (kept_loss, grads) = _keep_step("tiny-llama", "offload", "sync", keep=True, budget=budget)
+    """Host memory goes to the layer inputs first; attention outputs (with o_proj's) are kept while room is
+    left, and the layers past it recompute their attention."""
+    _, (loss, reference) = _keep_step("tiny-llama", "offload", "sync", keep=False, fused=True)
+    attention = 72 * 4 * 32 * 2 + 4 * 72 * 4  # output + lse
+    inputs, per_layer = 4 * 72 * 128 * 4, attention + 72 * 128 * 4  # 4 layers' inputs; + o_proj's output
+    budget = inputs + layers_kept * per_layer + attention // 2
+    model, (kept_loss, grads) = _keep_step(
+        "tiny-llama", "offload", "sync", keep=True, budget=budget, fused=True
+    )
     assert kept_loss == loss and all(torch.equal(grads[n], reference[n]) for n in reference)
     assert offload.offload_stats(model).bytes_kept == layers_kept * per_layer
 
@@ -412,10 +432,30 @@ def test_the_recompute_rebuilds_each_routing_plan_from_the_kept_order(name, forc
     assert offload.offload_stats(model).bytes_kept == built_once * per_layer
 
 
+def test_quantised_bases_keep_nothing_unless_asked():
+    """Keeping is the default on 16-bit bases; a 4- or 8-bit base is the memory-first choice and keeps
+    nothing unless `keep_attention=True` says so. The estimator follows the same default."""
+    model = _model(mode="offload")
+    assert offload.enable_offload(model).keep
+    model.get_base_model().is_loaded_in_4bit = True
+    assert not offload.enable_offload(model).keep
+    assert offload.enable_offload(model, keep_attention=True).keep
+    from fastft.vram import estimate_vram
+
+    def kept_bytes(precision, keep=None):
+        estimate = estimate_vram(
+            "Qwen/Qwen3-8B", 4096, precision=precision, checkpointing="offload", gpu=None, keep_attention=keep
+        )
+        return estimate["activations"]
+
+    assert kept_bytes("bf16") > kept_bytes("bf16", keep=False)
+    assert kept_bytes("nf4") == kept_bytes("nf4", keep=False) < kept_bytes("nf4", keep=True)
+
+
 def test_sequences_shorter_than_the_threshold_keep_nothing():
     from fastft.engine import attention
 
-    assert attention.KEEP_FROM_LENGTH == 4096
+    assert attention.KEEP_FROM_LENGTH == 2048
     model, _ = _keep_step("tiny-llama", "offload", "sync", keep=True)
     assert offload.offload_stats(model).bytes_kept == 0
 

@@ -152,7 +152,7 @@ def _fastft_model(
     device,
     checkpointing="auto",
     lora_targets="all",
-    keep_attention=True,
+    keep_attention="auto",
 ):
     import torch
 
@@ -172,8 +172,8 @@ def _fastft_model(
     )
     patch_packed_attention(model, attention)
     offloader = offloader_of(model)
-    if offloader is not None and not keep_attention:
-        enable_offload(model, double_buffer=offloader.double_buffer, keep_attention=False)
+    if offloader is not None and keep_attention != "auto":
+        enable_offload(model, double_buffer=offloader.double_buffer, keep_attention=keep_attention == "on")
     return model
 
 
@@ -195,7 +195,7 @@ def run_worker(args) -> dict:
             device,
             mode,
             args.lora_targets,
-            keep_attention=args.keep_attention == "on",
+            keep_attention=args.keep_attention,
         )
     elif args.system in ("hf", "liger"):
         model = _hf_model(args.folder, precision, args.system == "liger", device, args.lora_targets)
@@ -204,6 +204,12 @@ def run_worker(args) -> dict:
     else:
         raise ValueError(f"unknown system {args.system!r}")
     load_seconds = time.perf_counter() - load_start
+    kept = None
+    if args.system == "fastft":
+        from fastft.engine.offload import offloader_of
+
+        offloader = offloader_of(model)
+        kept = None if offloader is None else offloader.keep  # what "auto" (or on/off) came to
     model.train()
     vocab = model.config.vocab_size if hasattr(model, "config") else model.get_base_model().config.vocab_size
     ids = _random_batch(vocab, batch, seq).to(device)
@@ -272,6 +278,7 @@ def run_worker(args) -> dict:
         "load_s": load_seconds,
         "losses": [float(x) for x in losses],
         "cuda_graph": graph_stats,
+        "keep_attention": kept,
         "step_ms_all": [t * 1000 for t in times],
     }
 
@@ -436,10 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--keep-attention",
-        default="on",
-        choices=("on", "off"),
-        help="offloaded checkpointing keeps each layer's attention output (from 4,096 tokens) and MoE "
-        "routing order for the recompute (off: the recompute runs attention and the top-k and sort again)",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="offloaded checkpointing keeps each layer's attention and o_proj outputs (from 2,048 tokens) "
+        "and MoE routing order for the recompute (off: the recompute runs attention, o_proj and the top-k "
+        "and sort again; auto: fastft's default, on for 16-bit bases and off for quantised ones)",
     )
     parser.add_argument(
         "--rounds",
@@ -536,8 +544,6 @@ def main(argv: list[str] | None = None) -> int:
             result.setdefault("workload", workload)
             result.setdefault("attention", attention)
             result["round"] = round_
-            if system == "fastft":
-                result["keep_attention"] = args.keep_attention == "on"
             result["wall_s"] = time.perf_counter() - started
             results.append(result)
             _write(args.out, args.model, environment(), results)  # a later timeout keeps what was measured

@@ -168,11 +168,14 @@ def _sdpa_uniform(query, key, value, length, scaling):
 # op, so the forward and the backward see one kernel's output. On the CPU every gradient is bit-identical
 # to recomputing (tests/test_offload.py); on the GPU within bf16 rounding, because without keeping the
 # no-grad forward may run another kernel than the recompute (cuDNN vs FlashAttention-2 from 4,096 tokens
-# on the H200) and FlashAttention-2's backward sums dq with atomics. It pays
-# where attention is a large share of the step: Llama-3.1-8B on the H200, 1 x 16,384 tokens: +7.5 %
-# tokens/s; 2 x 2,048: +0.1 %, within noise, for 2 x 33 MiB of device buffers. So only bins whose longest
-# sequence reaches `KEEP_FROM_LENGTH` keep theirs.
-KEEP_FROM_LENGTH = 4096
+# on the H200) and FlashAttention-2's backward sums dq with atomics. A layer that keeps its attention
+# output keeps o_proj's output too (`fastft.models.patch`), so its recompute skips that GEMM as well.
+# Measured on Llama-3.1-8B on the H200: 1 x 16,384 tokens +7.5 % tokens/s (attention alone); 2 x 2,048,
+# graphed steps in one process, three interleaved rounds: 325 -> 320 ms keeping the attention output,
+# -> 313 ms with o_proj's too (+3.7 %), for +94 MB of peak (two device buffers of both). Below
+# `KEEP_FROM_LENGTH` the attention forward is cheap beside the copies and buffers, so shorter bins keep
+# nothing; quantised bases keep nothing by default (`fastft.engine.offload.keeps_by_default`).
+KEEP_FROM_LENGTH = 2048
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ What a patched Llama / Mistral / Qwen2 / Qwen3 decoder layer runs (each line one
     q/k/v_proj (+LoRA)        one LoRA-fused QKV projection        (fastft.kernels.lora.LoraLinearsFunction)
     (q/k norm +) RoPE         one launch for Q and K               (fastft.kernels.rope)
     attention                 whatever the model's attention implementation is (SDPA, fastft_packed, ...)
-    o_proj (+LoRA)            LoRA-fused projection
+    o_proj (+LoRA)            LoRA-fused projection (its output kept for the recompute, with a kept
+                              attention output, under offloaded checkpointing)
     post_attention_layernorm  Triton RMSNorm
     mlp (+LoRA)               gate/up -> SwiGLU/GeGLU -> down in one function (fastft.kernels.lora.LoraMLPFunction)
     or sparse MoE (+LoRA)     router -> one routing plan -> grouped GEMMs, LoRA on experts as its own grouped
@@ -190,8 +191,34 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         **kwargs,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    (output,) = lora_linears(attn_output, bases[3:], scales[3:], adapters[3:])
-    return output, attn_weights
+    return _output_projection(attn_output, bases[3:], scales[3:], adapters[3:]), attn_weights
+
+
+def _output_projection(attn_output, bases, scales, adapters) -> torch.Tensor:
+    """o_proj. Under offloaded checkpointing, a layer whose attention output was kept for its recompute
+    (`fastft.engine.attention`) keeps o_proj's output with it, so the recompute skips that GEMM as well:
+    it has the input (the kept attention output) and the output, and computes only the rank-r ``x A^T`` its
+    backward needs. The backward, and so every gradient, is the same as after recomputing it."""
+    from fastft.engine.offload import kept_tensors
+    from fastft.kernels.lora import lora_linears
+
+    kept = kept_tensors() if KEEP_OUTPUT_PROJECTION else None
+    if kept is None:
+        return lora_linears(attn_output, bases, scales, adapters)[0]
+    if kept.recording:
+        kept_attention = kept.last_kept
+        (output,) = lora_linears(attn_output, bases, scales, adapters)
+        if kept_attention:
+            kept.keep((output,))
+        else:
+            kept.decline()
+        return output
+    entry = kept.take()
+    return lora_linears(attn_output, bases, scales, adapters, known=None if entry is None else entry[0])[0]
+
+
+# Keep o_proj's output with a kept attention output (above); False recomputes it (the ablation).
+KEEP_OUTPUT_PROJECTION = True
 
 
 _NO_WINDOW = object()

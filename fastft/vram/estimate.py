@@ -233,7 +233,7 @@ def estimate_vram(
     fused: bool = True,
     loss: str = "auto",
     trained_fraction: float = 1.0,
-    keep_attention: bool = True,
+    keep_attention: bool | None = None,
 ) -> VramEstimate:
     """Estimate the GPU memory of LoRA/QLoRA training with fastft's trainer, component by component.
 
@@ -251,10 +251,10 @@ def estimate_vram(
     for transformers + peft modules. `loss`: "auto" (fused linear cross-entropy with the fused kernels, else
     eager), "eager" (logits of trained positions, fp32 log-softmax) or "fused". `trained_fraction`: share
     of tokens that carry a label (1.0, every token, is the worst case). `keep_attention`: with "offload",
-    each layer's attention output travels with its input so the recompute skips the attention forward
-    (`fastft.engine.offload.enable_offload`'s default, for sequences of ``KEEP_FROM_LENGTH`` tokens and
-    more), and each MoE layer's routing order (4 bytes per routed slot) with it; False for an offloader
-    that recomputes both.
+    each layer's attention output (and the fused o_proj's) travels with its input so the recompute skips
+    the attention forward, for sequences of ``KEEP_FROM_LENGTH`` tokens and more, and each MoE layer's
+    routing order (4 bytes per routed slot) with it; False for an offloader that recomputes them; None (the
+    default) as `fastft.engine.offload.enable_offload` decides: keep on 16-bit bases, not on quantised ones.
     """
     inventory = inventory_of(model)
     loaded = inventory.loaded
@@ -331,11 +331,15 @@ def estimate_vram(
     final_norm = act.norm_bytes(h, profile)
     layer_input = h * profile.residual
     # what an offloaded layer keeps beside its input (`fastft.engine.offload.KeptTensors`): its attention
-    # output (16-bit) and fp32 log-sum-exp from `KEEP_FROM_LENGTH` tokens on, where it pays, and an MoE
-    # layer's routing order (int32 sorted slots) at any length
+    # output (16-bit) and fp32 log-sum-exp from `KEEP_FROM_LENGTH` tokens on, where it pays, with the fused
+    # o_proj's output (`fastft.models.patch`), and an MoE layer's routing order (int32 sorted slots) at any
+    # length
+    if keep_attention is None:  # `fastft.engine.offload.keeps_by_default`
+        keep_attention = profile.quantized is None
     keeping = mode == "offload" and keep_attention
     attention_kept = keeping and seq_len >= KEEP_FROM_LENGTH
     kept_attention = inventory.num_heads * (inventory.head_dim * 2 + 4) if attention_kept else 0
+    kept_output = layer_input if attention_kept and profile.fused_projections else 0
     moe_layers = sum(1 for layer in layers if layer.moe)
     kept_routing = 4 * inventory.experts_per_token if keeping and moe_layers else 0
     if mode == "none":
@@ -348,12 +352,13 @@ def estimate_vram(
         released = [layer_input] * len(per_layer)
         stored_note = f"one input per layer ({len(per_layer)} × hidden × {profile.residual} B per token)"
     else:
-        stored_per_token = 2 * (layer_input + kept_attention + kept_routing)
+        stored_per_token = 2 * (layer_input + kept_attention + kept_output + kept_routing)
         released = [0] * len(per_layer)
         what = "layer inputs" + (" and attention outputs" if kept_attention else "")
         what += " and routing orders" if kept_routing else ""
         stored_note = f"{what} in host memory; two buffers for them on the device"
-        host = (len(per_layer) * (layer_input + kept_attention) + moe_layers * kept_routing) * tokens / GiB
+        host = len(per_layer) * (layer_input + kept_attention + kept_output) + moe_layers * kept_routing
+        host = host * tokens / GiB
         notes.append(f"offload keeps {host:.2f} GiB of {what} in pinned host memory")
     if mode != "offload" and sum(kept):
         outliers = sum(act.int8_outlier_bytes(layer, inventory, profile) for layer in layers) * tokens
