@@ -51,6 +51,8 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mi
 MOE_ONLY = ("gpt_oss",)  # only the MoE blocks are fused (attention sinks, fp32 norm weights)
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # what the fused attention forward reads
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # and the fused MLP forward
+# Keep o_proj's output with a kept attention output (`_output_projection`); False recomputes it (the ablation)
+KEEP_OUTPUT_PROJECTION = True
 
 
 class UnfusedWarning(UserWarning):
@@ -215,10 +217,6 @@ def _output_projection(attn_output, bases, scales, adapters) -> torch.Tensor:
         return output
     entry = kept.take()
     return lora_linears(attn_output, bases, scales, adapters, known=None if entry is None else entry[0])[0]
-
-
-# Keep o_proj's output with a kept attention output (above); False recomputes it (the ablation).
-KEEP_OUTPUT_PROJECTION = True
 
 
 _NO_WINDOW = object()
