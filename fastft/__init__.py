@@ -52,6 +52,7 @@ _EXPORTS = {
     "CATALOG": "fastft.models.catalog",
     "find_model": "fastft.models.catalog",
     "FastLanguageModel": "fastft.facade",
+    "Checkpointing": "fastft.runtime.checkpointing",
     # data
     "load_dataset": "fastft.data.loading",
     "list_bundled": "fastft.data.loading",
@@ -61,16 +62,16 @@ _EXPORTS = {
     "PackedDataset": "fastft.data.packing",
     "PackedStream": "fastft.data.stream",
     "PackedBatch": "fastft.data.batch",
-    # engine
-    "train": "fastft.engine.trainer",
-    "Trainer": "fastft.engine.trainer",
-    "TrainConfig": "fastft.engine.trainer",
-    "TrainResult": "fastft.engine.trainer",
-    "NonFiniteLossError": "fastft.engine.trainer",
-    "StepEvent": "fastft.engine.events",
-    "EvalEvent": "fastft.engine.events",
-    "evaluate_accuracy": "fastft.engine.evaluate",
-    "generate_answers": "fastft.engine.evaluate",
+    # train
+    "train": "fastft.training.trainer",
+    "Trainer": "fastft.training.trainer",
+    "TrainConfig": "fastft.training.trainer",
+    "TrainResult": "fastft.training.trainer",
+    "NonFiniteLossError": "fastft.training.trainer",
+    "StepEvent": "fastft.training.events",
+    "EvalEvent": "fastft.training.events",
+    "evaluate_accuracy": "fastft.training.evaluate",
+    "generate_answers": "fastft.training.evaluate",
     # tools
     "estimate_vram": "fastft.vram",
     "max_context": "fastft.vram",
@@ -81,6 +82,20 @@ _EXPORTS = {
     # faces
     "RunReport": "fastft.report",
     "write_report": "fastft.report",
+    **{
+        name: "fastft.report"
+        for name in (
+            "loss_figure",
+            "throughput_figure",
+            "learning_rate_figure",
+            "accuracy_figure",
+            "sequence_length_figure",
+            "vram_figure",
+            "step_profile_figure",
+            "step_timeline_figure",
+            "kernel_profile_figure",
+        )
+    },
     "run_demo": "fastft.demo",
 }
 # Modules exported as themselves: ``fastft.studio()`` and ``fastft.studio.ModelPanel()``.

@@ -104,6 +104,8 @@ def _run_bench(args) -> int:
 
 
 def _estimate_parser(sub) -> None:
+    from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
+
     parser = sub.add_parser(
         "estimate",
         help="estimate the GPU memory of LoRA/QLoRA training: breakdown, verdict, longest context",
@@ -119,7 +121,7 @@ def _estimate_parser(sub) -> None:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "nf4", "int8"])
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
     parser.add_argument("--targets", nargs="*", default=None, help="LoRA targets (default: all-linear)")
-    parser.add_argument("--checkpointing", default="recompute", choices=["none", "recompute", "offload"])
+    parser.add_argument("--checkpointing", default="recompute", choices=CHECKPOINTING_KINDS)
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw_8bit", "sgd"])
     parser.add_argument(
         "--unfused", action="store_true", help="transformers + peft modules instead of fastft's fused kernels"

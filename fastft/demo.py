@@ -9,43 +9,21 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from fastft.data.loading import load_dataset
 from fastft.data.packing import pack
-from fastft.engine.evaluate import AccuracyResult, evaluate_accuracy
-from fastft.engine.progress import ProgressBar
-from fastft.engine.trainer import TrainConfig, Trainer, TrainResult
 from fastft.models.export import save_adapter
 from fastft.models.loading import load_model
 from fastft.models.lora import add_lora, trainable_parameter_count
 from fastft.report import RunReport, write_report
-
-
-@dataclass
-class DemoConfig:
-    """Everything `fastft demo` can change (each field is a CLI flag)."""
-
-    model: str = "tiny-llama"
-    dataset: str = "bundled:skills"
-    eval_dataset: str = "bundled:skills-eval"
-    max_seq_length: int = 256
-    steps: int = 400
-    learning_rate: float = 4e-3
-    lora_r: int = 16
-    lora_alpha: float = 32
-    micro_batch_bins: int = 4
-    eval_every: int = 50
-    eval_samples: int = 128
-    seed: int = 3407
-    output_dir: str = "runs"
-    name: str = field(default_factory=lambda: datetime.now().strftime("demo-%Y%m%d-%H%M%S"))
-    device: str | None = None
-    progress: bool = True
+from fastft.training.demo_config import DemoConfig
+from fastft.training.evaluate import AccuracyResult, evaluate_accuracy
+from fastft.training.progress import ProgressBar
+from fastft.training.trainer import TrainConfig, Trainer, TrainResult
 
 
 @dataclass

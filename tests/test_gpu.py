@@ -11,9 +11,9 @@ import torch
 import fastft
 from fastft.bench.common import count_syncs
 from fastft.data.skills import generate
-from fastft.engine import trainer as trainer_module
-from fastft.engine.loss import causal_lm_loss_sum
-from fastft.engine.trainer import TrainConfig, Trainer
+from fastft.training import trainer as trainer_module
+from fastft.training.loss import causal_lm_loss_sum
+from fastft.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.gpu
 ROWS = list(generate(400, seed=21))
@@ -149,7 +149,7 @@ def _reference_attention(q, k, v, lengths, window):
 @pytest.mark.parametrize("window", [None, 256])
 @pytest.mark.parametrize("backend", ["sdpa_masked", "sdpa_segments", "varlen", "flash_attn", "flex"])
 def test_cuda_backends_match_sdpa_per_sequence_in_bf16(backend, window, lengths):
-    from fastft.engine.attention import available_backends, packed_attention
+    from fastft.runtime.attention import available_backends, packed_attention
 
     if backend not in available_backends("cuda"):
         pytest.skip(f"{backend} is not available here")
@@ -172,7 +172,7 @@ def test_cuda_backends_match_sdpa_per_sequence_in_bf16(backend, window, lengths)
 
 
 def test_auto_backend_on_cuda_is_the_measured_fastest_available():
-    from fastft.engine.attention import available_backends, choose_backend, patch_packed_attention
+    from fastft.runtime.attention import available_backends, choose_backend, patch_packed_attention
 
     model, tokenizer = _model()
     patch_packed_attention(model, "auto")

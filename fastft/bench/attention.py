@@ -4,7 +4,7 @@ forward + backward, for the bins fastft trains on.
 Each case is a bin of sequence lengths with ``q_heads / kv_heads`` (GQA) of ``--head-dim``, bf16 on a GPU
 (fp32 on the CPU), q / k / v ``[tokens, heads, dim]`` as a projection gives them. Methods:
 
-- ``fastft``: `fastft.engine.attention.packed_attention` with the backend ``auto`` resolves to (``varlen`` on a
+- ``fastft``: `fastft.runtime.attention.packed_attention` with the backend ``auto`` resolves to (``varlen`` on a
   GPU: FA2 varlen for a ragged bin, one batched causal SDPA call for an equal-length one; ``sdpa_masked`` on
   the CPU).
 - ``fa2_varlen``: ``torch.nn.attention.varlen.varlen_attn`` on every bin (CUDA).
@@ -61,7 +61,7 @@ def parse_case(text: str, seed: int = 0) -> tuple[str, list[int], int, int]:
 
 def _methods(lengths: list[int], scale: float, cuda: bool, batch) -> dict[str, Callable]:
     """name -> ``f(q, k, v) -> [T, q heads, dim]`` for q / k / v ``[T, heads, dim]``."""
-    from fastft.engine.attention import _sdpa_uniform, packed_attention
+    from fastft.runtime.attention import _sdpa_uniform, packed_attention
 
     uniform = len(set(lengths)) == 1
     length = lengths[0]

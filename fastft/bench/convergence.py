@@ -22,22 +22,25 @@ def demo_curves(device: str, steps: int, runs, dtype=None, learning_rate: float 
     """Loss curves of the demo's training for each ``(label, fused, attention)`` in `runs`."""
     import torch
 
-    import fastft
-    from fastft.demo import DemoConfig
-    from fastft.engine.trainer import TrainConfig, Trainer
+    from fastft.data.loading import load_dataset
+    from fastft.data.packing import pack
+    from fastft.models.loading import load_model
+    from fastft.models.lora import add_lora
     from fastft.models.patch import UnfusedWarning
+    from fastft.training.demo_config import DemoConfig
+    from fastft.training.trainer import TrainConfig, Trainer
 
     demo = DemoConfig()
     dtype = dtype or torch.bfloat16
     curves = {}
     for label, fused, attention in runs:
-        model, tokenizer = fastft.load_model(
+        model, tokenizer = load_model(
             demo.model, max_seq_length=demo.max_seq_length, device=device, dtype=dtype
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnfusedWarning)
-            model = fastft.add_lora(model, r=demo.lora_r, alpha=demo.lora_alpha, seed=demo.seed, fused=fused)
-        data = fastft.pack(fastft.load_dataset(demo.dataset), tokenizer, demo.max_seq_length)
+            model = add_lora(model, r=demo.lora_r, alpha=demo.lora_alpha, seed=demo.seed, fused=fused)
+        data = pack(load_dataset(demo.dataset), tokenizer, demo.max_seq_length)
         config = TrainConfig(
             max_steps=steps,
             learning_rate=learning_rate or demo.learning_rate,

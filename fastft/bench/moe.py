@@ -38,13 +38,14 @@ def _block(model_name: str, way: str, targets: str, device: torch.device, dtype:
     """The MoE block of layer 0 of a one-layer cut of `model_name`, with LoRA, as `way` runs it."""
     from transformers import AutoModelForCausalLM
 
-    import fastft
     from fastft.models.catalog import CATALOG
+    from fastft.models.loading import load_model
+    from fastft.models.lora import add_lora
     from fastft.models.patch import UnfusedWarning
     from fastft.models.presets import PRESETS
 
     if model_name in PRESETS:
-        model, _ = fastft.load_model(model_name, dtype=dtype, device=device)
+        model, _ = load_model(model_name, dtype=dtype, device=device)
     else:
         config = CATALOG[model_name].to_config()
         config.num_hidden_layers = 1
@@ -59,7 +60,7 @@ def _block(model_name: str, way: str, targets: str, device: torch.device, dtype:
                 module.config._experts_implementation = "eager"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnfusedWarning)
-        model = fastft.add_lora(
+        model = add_lora(
             model, r=lora_r, alpha=lora_r, target_modules=TARGETS[targets], fused=way == "fastft", seed=1
         )
     layer = model.get_base_model().model.layers[0]
@@ -124,16 +125,16 @@ def measure_block(
 
 def measure_routing(model_name: str, tokens: int, reps: int = 20, device: torch.device | None = None) -> dict:
     """The routing plan alone: router GEMM + top-k + sort + offsets, once per layer vs once per consumer."""
-    from fastft.engine.routing import build_routing_plan, router_spec
     from fastft.models.catalog import CATALOG
     from fastft.models.presets import PRESETS
+    from fastft.runtime.routing import build_routing_plan, router_spec
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if model_name in PRESETS:
-        import fastft
+        from fastft.models.loading import load_model
 
-        config = fastft.load_model(model_name)[0].config
+        config = load_model(model_name)[0].config
     else:
         config = CATALOG[model_name].to_config()
     experts = getattr(config, "num_experts", None) or config.num_local_experts

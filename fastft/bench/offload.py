@@ -35,17 +35,23 @@ import torch
 
 from fastft.bench.common import build_model, environment, markdown_table, time_steps
 from fastft.data.batch import PackedBatch
-from fastft.engine import attention
-from fastft.engine.loss import causal_lm_loss_sum
-from fastft.engine.offload import enable_offload, offload_stats
 from fastft.models.lora import add_lora, set_gradient_checkpointing
+from fastft.runtime import attention
+from fastft.runtime.offload import enable_offload, offload_stats
+from fastft.training.loss import causal_lm_loss_sum
 
 DEFAULT_TOKENS = {
     "meta-llama/Llama-3.1-8B-Instruct": 32768,
     "Qwen/Qwen3-14B": 32768,
     "Qwen/Qwen3-32B": 16384,
 }
-MODES = {"recompute": True, "offload-single": "offload-single", "offload": "offload", "none": False}
+# bench mode → (checkpointing, double-buffered); "offload-single" is the ablation: one device buffer, no prefetch
+MODES = {
+    "recompute": ("recompute", True),
+    "offload-single": ("offload", False),
+    "offload": ("offload", True),
+    "none": ("none", True),
+}
 ASSUMED_FLOPS = 350e12  # bf16 FLOP/s for the first estimate of a model's step (about 45 % of the H200's)
 MODE_COST = {"offload-single": 1.3, "none": 0.8}  # relative to recompute, for the time estimate
 
@@ -143,7 +149,7 @@ def _measure_model(
 
     rows, measured = [], None
     for name in modes:
-        mode = MODES[name]
+        mode, double_buffer = MODES[name]
         row = dict(base_row, mode=name)
         rows.append(row)
         guess = measured if measured is not None else estimate
@@ -153,8 +159,8 @@ def _measure_model(
             print(f"  {name:<18} skipped (time budget)", flush=True)
             continue
         set_gradient_checkpointing(model, mode)
-        if mode in ("offload", "offload-single"):
-            enable_offload(model, double_buffer=mode == "offload", timing=True)
+        if mode == "offload":
+            enable_offload(model, double_buffer=double_buffer, timing=True)
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from fastft.bench.common import build_model, count_syncs, environment, markdown_table, time_steps
 from fastft.data.batch import PackedBatch
 from fastft.data.packing import best_fit_decreasing
-from fastft.engine import attention
-from fastft.engine.loss import causal_lm_loss_sum
 from fastft.models.lora import add_lora
+from fastft.runtime import attention
+from fastft.training.loss import causal_lm_loss_sum
 
 REBUILD = "rebuilt_per_layer"
 

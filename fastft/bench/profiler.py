@@ -37,8 +37,8 @@ def random_packed_dataset(vocab: int, seq_len: int, sequences: int, seed: int = 
 
 
 def _model(name: str, layers: int | None, device: torch.device, dtype: torch.dtype, lora_r: int):
-    import fastft
     from fastft.bench.common import build_model
+    from fastft.models.lora import add_lora
 
     torch.manual_seed(0)
     if layers is not None and not name.startswith("tiny-"):
@@ -52,7 +52,7 @@ def _model(name: str, layers: int | None, device: torch.device, dtype: torch.dty
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         model = build_model(name, device, dtype)
-    return fastft.add_lora(model, r=lora_r, alpha=lora_r, seed=1)
+    return add_lora(model, r=lora_r, alpha=lora_r, seed=1)
 
 
 def run(
@@ -65,8 +65,8 @@ def run(
     lora_r: int = 16,
     nvtx: bool | None = None,
 ) -> dict:
-    from fastft.engine.trainer import TrainConfig, Trainer
     from fastft.models.presets import load_preset_tokenizer
+    from fastft.training.trainer import TrainConfig, Trainer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

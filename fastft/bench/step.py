@@ -156,20 +156,19 @@ def _fastft_model(
 ):
     import torch
 
-    import fastft
-    from fastft.engine.attention import patch_packed_attention
-    from fastft.engine.offload import enable_offload, offloader_of
+    from fastft.models.loading import load_model
+    from fastft.models.lora import add_lora, linear_layer_names
+    from fastft.runtime.attention import patch_packed_attention
+    from fastft.runtime.offload import enable_offload, offloader_of
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, _ = fastft.load_model(
+    model, _ = load_model(
         folder, max_seq_length=seq, load_in_4bit=precision == "nf4", device=device, dtype=dtype
     )
-    available = fastft.linear_layer_names(model)
+    available = linear_layer_names(model)
     wanted = ATTENTION_TARGETS if lora_targets == "attention" else [*TARGETS, "experts"]
     targets = [name for name in wanted if name in available]  # dense: the 7 linears; MoE: + "experts"
-    model = fastft.add_lora(
-        model, r=16, alpha=16, target_modules=targets, gradient_checkpointing=checkpointing
-    )
+    model = add_lora(model, r=16, alpha=16, target_modules=targets, gradient_checkpointing=checkpointing)
     patch_packed_attention(model, attention)
     offloader = offloader_of(model)
     if offloader is not None and keep_attention != "auto":
@@ -186,7 +185,7 @@ def run_worker(args) -> dict:
     device = torch.device(args.device)
     load_start = time.perf_counter()
     if args.system == "fastft":
-        mode = {"auto": "auto", "recompute": True, "offload": "offload"}[args.checkpointing]
+        mode = args.checkpointing
         model = _fastft_model(
             args.folder,
             precision,
@@ -206,7 +205,7 @@ def run_worker(args) -> dict:
     load_seconds = time.perf_counter() - load_start
     kept = None
     if args.system == "fastft":
-        from fastft.engine.offload import offloader_of
+        from fastft.runtime.offload import offloader_of
 
         offloader = offloader_of(model)
         kept = None if offloader is None else offloader.keep  # what "auto" (or on/off) came to
@@ -221,8 +220,8 @@ def run_worker(args) -> dict:
     graph_stats = None
     if args.system == "fastft":
         from fastft.data.batch import PackedBatch
-        from fastft.engine.graph import StepGraph
-        from fastft.engine.loss import causal_lm_loss_sum
+        from fastft.training.graph import StepGraph
+        from fastft.training.loss import causal_lm_loss_sum
 
         rows = [row.cpu().numpy() for row in ids]
         packed = PackedBatch.from_sequences(rows, [row.copy() for row in rows]).to(device)

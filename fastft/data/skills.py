@@ -106,7 +106,7 @@ TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
 
 SYSTEM_PROMPT = "Answer with the result only."
 # The tiny-llama preset was pretrained on all tasks with answers in this wordier style and no
-# system prompt (fastft.models.warmstart); the bundled SFT data teaches it to follow SYSTEM_PROMPT.
+# system prompt (fastft.training.warmstart); the bundled SFT data teaches it to follow SYSTEM_PROMPT.
 VERBOSE_ANSWER = "The answer is {answer}."
 
 

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-GRADIENT_CHECKPOINTING_MODES = (True, False, "offload", "offload-single", "unsloth", "auto")
+from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.offload import disable_offload, enable_offload
+
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the stacked expert parameters an ``experts`` target adapts
 
 
@@ -35,7 +37,7 @@ class LoraSettings:
     target_modules: tuple[str, ...]
     bias: str
     use_rslora: bool
-    gradient_checkpointing: bool | str
+    gradient_checkpointing: Checkpointing
     fused: bool = True
 
 
@@ -110,7 +112,7 @@ def add_lora(
     alpha: float = 16,
     dropout: float = 0.0,
     target_modules: str | list[str] = "all-linear",
-    gradient_checkpointing: bool | str = "auto",
+    gradient_checkpointing: Checkpointing | bool | str = "auto",
     bias: str = "none",
     use_rslora: bool = False,
     seed: int | None = 3407,
@@ -120,17 +122,15 @@ def add_lora(
 
     `target_modules` is "all-linear" (every linear layer but the output head and MoE routers, and on
     MoE models the experts) or a list of short layer names such as ``["q_proj", "v_proj"]``; on MoE
-    models ``"experts"`` adapts every expert's gate/up and down weights (rank `r` per expert). `gradient_checkpointing` is True
-    (recompute each layer in backward), False, or "unsloth" (fastft's best available mode).
+    models ``"experts"`` adapts every expert's gate/up and down weights (rank `r` per expert).
+    `gradient_checkpointing` is a `fastft.runtime.checkpointing.Checkpointing` or what it parses: "auto"
+    (default: "offload" on CUDA, "recompute" elsewhere), "offload", "recompute" (True), "none" (False), or
+    Unsloth's "unsloth" (= "offload").
     `seed` makes the adapters' initialisation reproducible without touching the global RNG.
     `fused` swaps fastft's kernels into the model (`fastft.patch`: Triton RMSNorm, RoPE, SwiGLU,
     LoRA-fused projections, fused linear cross-entropy); ``fused=False`` keeps transformers' modules.
     """
-    if gradient_checkpointing not in GRADIENT_CHECKPOINTING_MODES:
-        raise ValueError(
-            f"gradient_checkpointing={gradient_checkpointing!r} is not a mode; use one of "
-            f"{GRADIENT_CHECKPOINTING_MODES}."
-        )
+    gradient_checkpointing = Checkpointing.parse(gradient_checkpointing)
     if r <= 0:
         raise ValueError(f"LoRA rank r must be a positive integer, got {r}.")
     if bias not in ("none", "all", "lora_only"):
@@ -202,23 +202,18 @@ def add_lora(
     return peft_model
 
 
-def set_gradient_checkpointing(model: torch.nn.Module, mode: bool | str) -> None:
+def set_gradient_checkpointing(model: torch.nn.Module, mode: Checkpointing | bool | str) -> None:
     """Switch how the model's decoder layers keep activations for backward (on this instance only).
 
-    False: keep everything. True: keep each layer's input and recompute the layer in backward
-    (non-reentrant checkpointing). "offload": recompute, and keep each layer's input in pinned host
-    memory, copied back on a side stream into two alternating device buffers while the layer after it
-    runs its backward (`fastft.engine.offload`); on the CPU it is plain recompute. "offload-single": one
-    buffer, no prefetch (the ablation). "unsloth": alias of "offload". "auto": "offload" when CUDA is
-    available, else True. Idempotent; switching modes replaces the previous one, never stacks.
+    `mode` is a `Checkpointing` or what it parses. "none" (False): keep everything. "recompute" (True): keep
+    each layer's input and recompute the layer in backward (non-reentrant checkpointing). "offload":
+    recompute, and keep each layer's input in pinned host memory, copied back on a side stream into two
+    alternating device buffers while the layer after it runs its backward (`fastft.runtime.offload`); on
+    the CPU it is plain recompute. "auto": "offload" when CUDA is available, else "recompute". Idempotent;
+    switching modes replaces the previous one, never stacks.
     """
-    from fastft.engine.offload import OFFLOAD_MODES, disable_offload, enable_offload, resolve_mode
-
-    if mode not in GRADIENT_CHECKPOINTING_MODES:
-        raise ValueError(
-            f"gradient_checkpointing={mode!r} is not a mode; use one of {GRADIENT_CHECKPOINTING_MODES}."
-        )
-    mode = resolve_mode(mode)
+    checkpointing = Checkpointing.parse(mode).resolved(cuda=torch.cuda.is_available())
+    mode = checkpointing.checkpoints
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     options = {"use_reentrant": False}
     if hasattr(base, "activation_checkpointing_enable"):  # transformers ≥ 5.2x renamed the API
@@ -232,8 +227,8 @@ def set_gradient_checkpointing(model: torch.nn.Module, mode: bool | str) -> None
         base.gradient_checkpointing_disable()
     if mode:
         base.config.use_cache = False
-    if mode in OFFLOAD_MODES:  # after transformers reset every layer's checkpoint function
-        enable_offload(base, double_buffer=mode == "offload")
+    if checkpointing.offloads:  # after transformers reset every layer's checkpoint function
+        enable_offload(base)
     else:
         disable_offload(base)
 
@@ -258,5 +253,5 @@ def trainable_parameter_count(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def _describe(settings: LoraSettings) -> str:
-    fields = asdict(settings)
+    fields = asdict(settings) | {"gradient_checkpointing": str(settings.gradient_checkpointing)}
     return ", ".join(f"{key}={value}" for key, value in fields.items())

@@ -1,7 +1,7 @@
 """Fused sparse-MoE blocks: one routing plan, grouped GEMMs, LoRA on experts without W + ΔW.
 
 What a fused Qwen3-MoE / Qwen2-MoE / Mixtral / gpt-oss MoE block runs for ``x [T, H]`` (``M = T * k``
-routed slots; shapes of the plan in `fastft.engine.routing`)::
+routed slots; shapes of the plan in `fastft.runtime.routing`)::
 
     logits  = x @ W_router.T (+ b_router)                                         [T, E]
     plan    = build_routing_plan(logits, router_spec(config))                     once per forward
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastft.engine.offload import kept_tensors
-from fastft.engine.routing import (
+from fastft.runtime.offload import kept_tensors
+from fastft.runtime.routing import (
     RouterSpec,
     build_routing_plan,
     collect_router_stats,
@@ -60,6 +60,7 @@ from fastft.engine.routing import (
     plan_from_top_k,
     record_router_logits,
     router_spec,
+    watch_unfused_routers,
 )
 
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
@@ -143,7 +144,7 @@ def moe_experts(
     caller's output only enters additions (a decoder layer's residual), so when activation checkpointing
     re-runs the layer, that node skips its GEMMs (about a third of the experts' FLOPs).
     """
-    from fastft.kernels.grouped_gemm import down_combine
+    from fastft.kernels.down_combine import down_combine
     from fastft.kernels.lora import _in_recompute
 
     g = expert_projection(x, weights.gate_up, plan, weights.gate_up_lora, weights.gate_up_bias)
@@ -379,19 +380,6 @@ def collect_moe_router_stats(model: torch.nn.Module):
         finally:
             for handle in handles:
                 handle.remove()
-
-
-def watch_unfused_routers(module: torch.nn.Module, on_logits) -> list:
-    """Forward hooks calling ``on_logits(router_logits)`` on the routers of the MoE blocks in `module` that
-    run transformers' forward (fused blocks record their own); returns the handles to remove."""
-    handles = []
-    for block in module.modules():
-        if not hasattr(block, "experts") or hasattr(block, "_fastft_moe"):
-            continue
-        router = getattr(block, "router", None) or getattr(block, "gate", None)
-        if router is not None and not isinstance(router, torch.nn.Linear):
-            handles.append(router.register_forward_hook(lambda m, args, output: on_logits(output[0])))
-    return handles
 
 
 __all__ = [

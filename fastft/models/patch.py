@@ -13,7 +13,7 @@ What a patched Llama / Mistral / Qwen2 / Qwen3 decoder layer runs (each line one
     or sparse MoE (+LoRA)     router -> one routing plan -> grouped GEMMs, LoRA on experts as its own grouped
                               path (fastft.models.moe; Qwen2-MoE, Qwen3-MoE, Mixtral)
 
-plus the final norm, and (in `fastft.engine.loss`) the fused linear cross-entropy over the output head.
+plus the final norm, and (in `fastft.training.loss`) the fused linear cross-entropy over the output head.
 
 Only instances change: each patched submodule gets an instance attribute ``forward`` (the class is never
 touched, so a patched and an unpatched model live side by side), and the original is kept for `unpatch`.
@@ -164,7 +164,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     kwargs.pop("cache", None)
     kwargs.pop("past_key_values", None)
     from fastft.kernels.lora import lora_linears
-    from fastft.kernels.rope import apply_qk_norm_rope, apply_rope
+    from fastft.kernels.qk_norm_rope import apply_qk_norm_rope
+    from fastft.kernels.rope import apply_rope
 
     bases, scales, adapters = _split(parts)
     input_shape = hidden_states.shape[:-1]
@@ -198,11 +199,11 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 def _output_projection(attn_output, bases, scales, adapters) -> torch.Tensor:
     """o_proj. Under offloaded checkpointing, a layer whose attention output was kept for its recompute
-    (`fastft.engine.attention`) keeps o_proj's output with it, so the recompute skips that GEMM as well:
+    (`fastft.runtime.attention`) keeps o_proj's output with it, so the recompute skips that GEMM as well:
     it has the input (the kept attention output) and the output, and computes only the rank-r ``x A^T`` its
     backward needs. The backward, and so every gradient, is the same as after recomputing it."""
-    from fastft.engine.offload import kept_tensors
     from fastft.kernels.lora import lora_linears
+    from fastft.runtime.offload import kept_tensors
 
     kept = kept_tensors() if KEEP_OUTPUT_PROJECTION else None
     if kept is None:

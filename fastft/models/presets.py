@@ -148,7 +148,7 @@ def build_preset_model(
     preset: Preset, vocab_size: int, dtype: torch.dtype, warm_start: bool = True
 ) -> torch.nn.Module:
     """The preset's architecture with weights drawn from a fixed seed (global RNG left untouched),
-    replaced by its shipped warm-start weights where it has them (see `fastft.models.warmstart`)."""
+    replaced by its shipped warm-start weights where it has them (see `fastft.training.warmstart`)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GenerationConfig
 

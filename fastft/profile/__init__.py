@@ -1,14 +1,15 @@
 """Step profiler: always-on phase timing of every training step, and an on-demand torch.profiler window.
 
-`StepProfile` (the trainer's ``.profile``) times data, forward (embedding, per-layer norms,
-attention, MLP or MoE), loss, backward (per layer, recompute apart) and optimizer with CUDA events
-or perf_counter, as NVTX ranges on CUDA; `profile_window` records a few steps with torch.profiler
-and reports the top kernels, copy/compute overlap and a Chrome/Perfetto trace.
+`StepProfile` (the trainer's ``.profile``, recorded in `fastft.training.timing`) times data, forward
+(embedding, per-layer norms, attention, MLP or MoE), loss, backward (per layer, recompute apart) and
+optimizer with CUDA events or perf_counter, as NVTX ranges on CUDA; `profile_window` records a few steps
+with torch.profiler and reports the top kernels, copy/compute overlap and a Chrome/Perfetto trace. Their
+figures are drawn by `fastft.report` (`step_profile_figure`, `step_timeline_figure`, `kernel_profile_figure`).
 """
 
-from fastft.profile.hooks import detach_profile, find_backbone
-from fastft.profile.ranges import nvtx_available, nvtx_tool_attached
-from fastft.profile.steps import (
+from fastft.profile.window import KernelProfile, KernelRow, copy_compute_overlap, profile_window
+from fastft.training.nvtx import nvtx_available, nvtx_tool_attached
+from fastft.training.timing import (
     ORDER,
     PARENTS,
     TOP_LEVEL,
@@ -18,10 +19,9 @@ from fastft.profile.steps import (
     Table,
     exclusive_phases,
     group_of,
-    phase,
     phase_table,
 )
-from fastft.profile.window import KernelProfile, KernelRow, copy_compute_overlap, profile_window
+from fastft.training.timing_hooks import detach_profile, find_backbone
 
 __all__ = [
     "ORDER",
@@ -40,7 +40,6 @@ __all__ = [
     "group_of",
     "nvtx_available",
     "nvtx_tool_attached",
-    "phase",
     "phase_table",
     "profile_window",
 ]

@@ -16,12 +16,12 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from fastft.profile.steps import Table
+from fastft.training.timing import Table
 
 KERNEL = "kernel"
 COPY = "gpu_memcpy"
@@ -60,12 +60,6 @@ class KernelProfile:
             [[k.name, k.calls, k.total_ms, k.total_ms / max(1, self.steps), k.share] for k in self.kernels],
             formats={"share": "{:.1%}"},
         )
-
-    def figure(self):
-        """The top kernels as a plotly table."""
-        from fastft.report.figures import kernels_figure
-
-        return kernels_figure([asdict(k) for k in self.kernels], steps=self.steps, overlap=self.overlap)
 
     def __str__(self) -> str:
         what = "kernels" if self.device == "cuda" else "CPU operators (self time)"
@@ -203,7 +197,7 @@ def profile_window(
 
 def _phase_names(step_profile) -> list[str]:
     """Every range name the step profiler may emit (left out of the operator table)."""
-    from fastft.profile.steps import ORDER, TOP_LEVEL
+    from fastft.training.timing import ORDER, TOP_LEVEL
 
     names = [*TOP_LEVEL, *ORDER, "loss_backward"]
     if step_profile is not None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from fastft.engine.events import EvalEvent, StepEvent
-from fastft.profile.steps import PhaseSpan, exclusive_phases, group_of
+from fastft.training.events import EvalEvent, StepEvent
+from fastft.training.timing import PhaseSpan, exclusive_phases, group_of
 
 __all__ = [
     "HEIGHT",
@@ -567,6 +568,22 @@ _VRAM_COLORS = {
     "logits": _ORANGE,
     "workspace": "#dde2e8",
 }
+
+
+def step_profile_figure(profile) -> go.Figure:
+    """A `StepProfile`'s phases across its steps as stacked bars (what `phases_figure` draws)."""
+    return phases_figure(profile.steps, profile.phases)
+
+
+def step_timeline_figure(profile, step: int | None = None) -> go.Figure:
+    """One step of a `StepProfile` (default: the latest it kept) as a Gantt chart of its spans."""
+    timing = profile.timing(step)
+    return timeline_figure(timing.spans if timing else (), step=timing.step if timing else None)
+
+
+def kernel_profile_figure(window) -> go.Figure:
+    """The top kernels of a `profile_window` result (`KernelProfile`) as a table."""
+    return kernels_figure([asdict(k) for k in window.kernels], steps=window.steps, overlap=window.overlap)
 
 
 def vram_figure(estimate) -> go.Figure:

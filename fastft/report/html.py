@@ -21,8 +21,6 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from fastft.atomic import write_text_atomically
-from fastft.engine.events import EvalEvent, StepEvent
-from fastft.profile.steps import phase_table
 from fastft.report.figures import (
     accuracy_figure,
     learning_rate_figure,
@@ -31,6 +29,8 @@ from fastft.report.figures import (
     throughput_figure,
     timeline_figure,
 )
+from fastft.training.events import EvalEvent, StepEvent
+from fastft.training.timing import phase_table
 
 __all__ = ["JSON_NAME", "RunReport", "render_report", "write_report"]
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
+from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
+from fastft.runtime.checkpointing import Checkpointing
 from fastft.studio.notices import (
     Panel,
     call_code,
@@ -28,17 +30,10 @@ from fastft.studio.notices import (
     py_repr,
     status_html,
 )
-from fastft.studio.state import CHECKPOINTING_MODES, PRECISIONS, LoraSettings, StudioState, Worker
+from fastft.studio.state import PRECISIONS, LoraSettings, StudioState, Worker
 
 __all__ = ["ModelFacts", "ModelPanel", "model_choices", "model_facts"]
 
-_CHECKPOINTING_LABELS = {
-    "auto": "auto (offload on a GPU, recompute on the CPU)",
-    "offload": "offload (layer inputs in host memory, prefetched)",
-    "offload-single": "offload-single (one buffer, no prefetch)",
-    "recompute": "recompute (keep layer inputs on the device)",
-    "off": "off (keep every activation)",
-}
 _WIDE = {"description_width": "110px"}
 
 
@@ -333,7 +328,7 @@ class ModelPanel(Panel):
             style=_WIDE,
         )
         self.gradient_checkpointing = widgets.Dropdown(
-            options=[(label, mode) for mode, label in _CHECKPOINTING_LABELS.items()],
+            options=[(Checkpointing(kind).label, kind) for kind in CHECKPOINTING_KINDS],
             value=lora.gradient_checkpointing,
             description="Checkpointing",
             layout=widgets.Layout(width="460px"),
@@ -637,7 +632,7 @@ class ModelPanel(Panel):
             loaded.r != current.r
             or loaded.alpha != float(current.alpha)
             or loaded.dropout != float(current.dropout)
-            or loaded.gradient_checkpointing != CHECKPOINTING_MODES[current.gradient_checkpointing]
+            or loaded.gradient_checkpointing != Checkpointing.parse(current.gradient_checkpointing)
             or set(loaded.target_modules) != set(targets or ())
         )
 

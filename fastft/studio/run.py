@@ -22,7 +22,6 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from fastft.engine.events import EvalEvent, Event, StepEvent
 from fastft.studio.live import (
     DISPLAY_INTERVAL,
     WIDGET_INTERVAL,
@@ -34,6 +33,7 @@ from fastft.studio.live import (
 )
 from fastft.studio.notices import Panel
 from fastft.studio.state import StudioState
+from fastft.training.events import EvalEvent, Event, StepEvent
 
 __all__ = ["Run", "RunPanel", "explain"]
 
@@ -230,7 +230,7 @@ class Run:
     def _main(self) -> None:
         try:
             if self.trainer is None:
-                from fastft.engine.trainer import Trainer
+                from fastft.training.trainer import Trainer
 
                 self.trainer = Trainer(
                     self.model, self.tokenizer, self.train_data, self.eval_data, self.config
@@ -341,7 +341,7 @@ def _is_oom(error: BaseException) -> bool:
 def explain(error: BaseException, run: Run | None = None) -> str:
     """A message for `error` that says what happened and how to fix it (plain text)."""
     from fastft.data.errors import FastftDataError
-    from fastft.engine.trainer import NonFiniteLossError
+    from fastft.training.trainer import NonFiniteLossError
 
     step = run.step + 1 if run is not None and run.events else None
     at = f" at step {step}" if step else ""
@@ -534,7 +534,7 @@ class RunPanel(Panel):
     # -- settings and code ---------------------------------------------------------------------------
     def train_config(self):
         """The `TrainConfig` the controls describe (its errors name the field and the fix)."""
-        from fastft.engine.trainer import TrainConfig
+        from fastft.training.trainer import TrainConfig
 
         return TrainConfig(**self._config_kwargs())
 
@@ -588,7 +588,7 @@ class RunPanel(Panel):
         lines.append(
             call_code(
                 "result",
-                "fastft.train",
+                "fastft.training",
                 ["model", "tokenizer", "data"],
                 {k: v for k, v in config.items() if not (k in defaults and defaults[k] == v)},
             )
@@ -840,8 +840,8 @@ class RunPanel(Panel):
         return " · ".join(parts)
 
     def _draw_timing(self) -> None:
-        from fastft.profile.steps import phase_table
         from fastft.report.figures import phases_figure
+        from fastft.training.timing import phase_table
 
         trainer = self.run.trainer if self.run is not None else None
         profile = getattr(trainer, "profile", None)

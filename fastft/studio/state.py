@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "CHECKPOINTING_MODES",
     "PRECISIONS",
     "LoadSettings",
     "LoraSettings",
@@ -37,14 +36,6 @@ __all__ = [
 ]
 
 PRECISIONS = ("16-bit", "8-bit", "4-bit")
-# The studio's names for `add_lora(gradient_checkpointing=...)` values.
-CHECKPOINTING_MODES = {
-    "auto": "auto",
-    "offload": "offload",
-    "offload-single": "offload-single",
-    "recompute": True,
-    "off": False,
-}
 
 
 @dataclass
@@ -75,8 +66,8 @@ class LoraSettings:
     """The adapters `add_lora` puts on the model.
 
     ``target_modules`` is a list of short layer names, or None for every linear layer ("all-linear").
-    ``gradient_checkpointing`` is one of `CHECKPOINTING_MODES`: "auto", "offload", "offload-single",
-    "recompute" or "off" (``estimate_vram`` accepts each of them as its ``checkpointing``).
+    ``gradient_checkpointing`` is a `Checkpointing` kind ("auto", "offload", "recompute" or "none"), the
+    value `add_lora` and ``estimate_vram`` take.
     """
 
     r: int = 16
@@ -98,7 +89,7 @@ class LoraSettings:
             alpha=_number(self.alpha),
             dropout=float(self.dropout),
             target_modules=self.targets,
-            gradient_checkpointing=CHECKPOINTING_MODES[self.gradient_checkpointing],
+            gradient_checkpointing=self.gradient_checkpointing,
         )
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import html
 
+from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
 from fastft.studio.notices import Panel
-from fastft.studio.state import CHECKPOINTING_MODES, PRECISIONS, LoadSettings, StudioState
+from fastft.studio.state import PRECISIONS, LoadSettings, StudioState
 
 __all__ = ["VramPanel"]
 
@@ -80,7 +81,7 @@ class VramPanel(Panel):
             options=list(PRECISIONS), value="16-bit", description="precision", style=style
         )
         self.checkpointing = widgets.Dropdown(
-            options=list(CHECKPOINTING_MODES), value="auto", description="checkpointing", style=style
+            options=list(CHECKPOINTING_KINDS), value="auto", description="checkpointing", style=style
         )
         slider = dict(continuous_update=False, style=style, layout=wide)
         self.seq_len = widgets.IntSlider(
@@ -135,7 +136,7 @@ class VramPanel(Panel):
             if "load_settings" in wanted and state.load_settings.precision in PRECISIONS:
                 self.precision.value = state.load_settings.precision
             if "lora_settings" in wanted:
-                if state.lora_settings.gradient_checkpointing in CHECKPOINTING_MODES:
+                if state.lora_settings.gradient_checkpointing in CHECKPOINTING_KINDS:
                     self.checkpointing.value = state.lora_settings.gradient_checkpointing
                 self._set_slider(self.rank, int(state.lora_settings.r))
             if wanted & {"pack_settings", "packed"}:

@@ -43,7 +43,7 @@ and on the transformers path bitsandbytes returns each projection in its input's
 intermediates are fp32 too; the fused kernels compute in the autocast dtype either way.
 
 Checked on CPU against the saved tensors themselves (``torch.autograd.graph.saved_tensors_hooks``;
-tests/test_vram.py). All sizes are bytes per token of one micro-batch.
+tests/tools/test_vram.py). All sizes are bytes per token of one micro-batch.
 """
 
 from __future__ import annotations

@@ -23,14 +23,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from fastft.engine.attention import KEEP_FROM_LENGTH
+from fastft.runtime.attention import KEEP_FROM_LENGTH
+from fastft.runtime.checkpointing import BY_MEMORY, Checkpointing, CheckpointingError
 from fastft.vram import activations as act
 from fastft.vram.activations import Profile
 from fastft.vram.gpus import DEFAULT_CONTEXT_BYTES, GiB, GpuSpec, MiB, detect_gpu, get_gpu
 from fastft.vram.inventory import ModelInventory, inventory_of
 
 PRECISIONS = ("bf16", "fp16", "fp32", "nf4", "int8")
-CHECKPOINTING = ("none", "recompute", "offload")
+CHECKPOINTING = BY_MEMORY  # the kinds an estimate answers for (its "auto" is "offload": the GPU's)
 OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
 LOSSES = ("auto", "eager", "fused")
 
@@ -226,7 +227,7 @@ def estimate_vram(
     precision: str | None = None,
     lora_r: int | None = None,
     targets: str | Sequence[str] | None = None,
-    checkpointing: str | bool = "recompute",
+    checkpointing: Checkpointing | str | bool = "recompute",
     optimizer: str = "adamw",
     gpu: str | GpuSpec | None = "auto",
     *,
@@ -243,9 +244,9 @@ def estimate_vram(
     `batch_tokens`: tokens per micro-batch (default `seq_len`: one bin). `precision`: "bf16", "fp16",
     "fp32", "nf4" (QLoRA, double quantisation) or "int8"; default bf16, or what a loaded model uses.
     `lora_r` (default 16) and `targets` ("all-linear" or short names such as ``["q_proj", "v_proj"]``).
-    `checkpointing`: "none", "recompute" (each layer's input kept, the layer recomputed in backward) or
-    "offload" (layer inputs in host memory, two buffers on the device); True/False/"unsloth" are accepted
-    as in `add_lora`. `optimizer`: "adamw" (fp32 m and v), "adamw_8bit" or "sgd". `gpu`: a preset name
+    `checkpointing`: a `Checkpointing` or what it parses, as in `add_lora`: "none", "recompute" (each
+    layer's input kept, the layer recomputed in backward) or "offload" (layer inputs in host memory, two
+    buffers on the device); "auto" is "offload", what `add_lora` picks on a GPU. `optimizer`: "adamw" (fp32 m and v), "adamw_8bit" or "sgd". `gpu`: a preset name
     (`GPUS`), a `GpuSpec`, "auto" (the visible GPU, if any) or None. `fused`: fastft's fused kernels, as
     ``add_lora(fused=True)`` (the default) swaps them in for Llama/Mistral/Qwen2/Qwen3(-MoE)/Mixtral; False
     for transformers + peft modules. `loss`: "auto" (fused linear cross-entropy with the fused kernels, else
@@ -254,7 +255,7 @@ def estimate_vram(
     each layer's attention output (and the fused o_proj's) travels with its input so the recompute skips
     the attention forward, for sequences of ``KEEP_FROM_LENGTH`` tokens and more, and each MoE layer's
     routing order (4 bytes per routed slot) with it; False for an offloader that recomputes them; None (the
-    default) as `fastft.engine.offload.enable_offload` decides: keep on 16-bit bases, not on quantised ones.
+    default) as `fastft.runtime.offload.enable_offload` decides: keep on 16-bit bases, not on quantised ones.
     """
     inventory = inventory_of(model)
     loaded = inventory.loaded
@@ -330,11 +331,11 @@ def estimate_vram(
     h = inventory.hidden_size
     final_norm = act.norm_bytes(h, profile)
     layer_input = h * profile.residual
-    # what an offloaded layer keeps beside its input (`fastft.engine.offload.KeptTensors`): its attention
+    # what an offloaded layer keeps beside its input (`fastft.runtime.offload.KeptTensors`): its attention
     # output (16-bit) and fp32 log-sum-exp from `KEEP_FROM_LENGTH` tokens on, where it pays, with the fused
     # o_proj's output (`fastft.models.patch`), and an MoE layer's routing order (int32 sorted slots) at any
     # length
-    if keep_attention is None:  # `fastft.engine.offload.keeps_by_default`
+    if keep_attention is None:  # `fastft.runtime.offload.keeps_by_default`
         keep_attention = profile.quantized is None
     keeping = mode == "offload" and keep_attention
     attention_kept = keeping and seq_len >= KEEP_FROM_LENGTH
@@ -606,26 +607,12 @@ def _dtype_size(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _resolve_checkpointing(mode: str | bool) -> str:
-    if mode is True:
-        return "recompute"
-    if mode is False or mode is None:
-        return "none"
-    aliases = {
-        "unsloth": "offload",
-        "offload-single": "offload",
-        "auto": "offload",  # add_lora's "auto" offloads on CUDA
-        "full": "recompute",
-        "true": "recompute",
-        "false": "none",
-        "off": "none",
-    }
-    mode = aliases.get(str(mode).lower(), str(mode).lower())
-    if mode not in CHECKPOINTING:
-        raise VramEstimateError(
-            f"checkpointing={mode!r}: use 'none', 'recompute' or 'offload' (True/False/'unsloth' as in add_lora)."
-        )
-    return mode
+def _resolve_checkpointing(mode: Checkpointing | str | bool) -> str:
+    """The kind an estimate answers for: the estimate is for a GPU, so "auto" is "offload"."""
+    try:
+        return Checkpointing.parse(mode).resolved(cuda=True).kind
+    except CheckpointingError as error:
+        raise VramEstimateError(str(error)) from None
 
 
 def _resolve_targets(inventory: ModelInventory, targets) -> list[str]:

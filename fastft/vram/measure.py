@@ -2,7 +2,7 @@
 
 The model is the real architecture with random weights (a catalog hub id or a preset; nothing is
 downloaded), quantised in place with bitsandbytes for "nf4"/"int8", wrapped with LoRA by `add_lora`.
-A step mirrors `fastft.engine.trainer.Trainer._train_step`: bf16 autocast, fastft's packed attention
+A step mirrors `fastft.training.trainer.Trainer._train_step`: bf16 autocast, fastft's packed attention
 and loss, backward, gradient clipping (foreach), the optimizer step, ``zero_grad(set_to_none=True)``.
 Peaks are read per phase (forward + loss, backward, optimizer) with ``torch.cuda.max_memory_allocated``.
 """
@@ -189,8 +189,8 @@ class TrainingProbe:
         seed: int = 0,
         fused: bool = True,
     ):
-        from fastft.engine.attention import patch_packed_attention
         from fastft.models.lora import add_lora
+        from fastft.runtime.attention import patch_packed_attention
 
         self.device = _require_cuda()
         # whatever else lives in this process (another model in the notebook, earlier tests) is not ours:
@@ -211,7 +211,7 @@ class TrainingProbe:
             r=lora_r,
             alpha=lora_r,
             target_modules=targets,
-            gradient_checkpointing={"none": False, "recompute": True, "offload": "offload"}[self.mode],
+            gradient_checkpointing=self.mode,
             seed=seed,
             fused=fused,
         )
@@ -236,7 +236,7 @@ class TrainingProbe:
 
     def step(self, tokens: int, seq_len: int | None = None, trained_fraction: float = 1.0) -> StepMemory:
         """One optimizer step on `tokens` random tokens; raises torch.OutOfMemoryError when it does not fit."""
-        from fastft.engine.loss import causal_lm_loss_sum
+        from fastft.training.loss import causal_lm_loss_sum
 
         batch = synthetic_batch(tokens, seq_len or tokens, self.vocab, trained_fraction, self.seed).to(
             self.device

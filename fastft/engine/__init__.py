@@ -1,1 +1,0 @@
-"""The training engine: loss, the trainer and its events, checkpoints, evaluation."""

@@ -1,0 +1,580 @@
+"""Packed attention: every layer reads one `PackedBatch`; nothing is rebuilt per layer or synced.
+
+transformers rebuilds packing metadata from ``position_ids`` in each forward (a dense mask for
+SDPA, ``cu_seqlens`` with a host sync per layer for flash-attention). fastft registers one new
+attention implementation, ``"fastft_packed"``, and switches *model instances* to it (their own
+config; no class or global function is rebound). In a packed training step the loss passes
+``fastft_batch=batch`` through the model's keyword arguments and a 4-D marker as the attention
+mask, which makes transformers skip mask creation; each attention layer then runs one of the
+backends below on the batch's ``cu_seqlens`` / host lengths / cached artefacts. Without a batch
+(``generate``, a plain forward) the implementation is exactly transformers' SDPA path.
+
+Backends (all causal within each sequence, sliding windows honoured, GQA without repeat):
+- ``sdpa_masked``: SDPA with a block-diagonal causal boolean mask built once per batch (CPU default).
+- ``sdpa_segments``: SDPA with ``is_causal`` per sequence, reading host lengths (no mask at all).
+- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch; CUDA). A bin whose
+  sequences all have one length (fixed-length blocks, or one long sequence) runs as a ``[n, heads, len, dim]``
+  batch through SDPA's causal kernel instead, which PyTorch sends to cuDNN's fused attention on Hopper:
+  forward + backward 1.49× faster than FlashAttention-2 at 2×2048 and 1.69× at 1×16384 on the H200
+  (BENCHMARKS.md, "Attention kernels"; `fastft bench attention`); elsewhere PyTorch picks FlashAttention-2.
+- ``flash_attn``: ``flash_attn_varlen_func`` when the flash-attn package is installed (CUDA).
+- ``flex``: ``flex_attention`` with a document-causal BlockMask built once per batch.
+``"auto"`` follows the whole-step measurements recorded in BENCHMARKS.md (`choose_backend`):
+``varlen`` on CUDA, ``sdpa_masked`` on the CPU (``sdpa_segments`` once a dense mask would pass
+64 Mi entries).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastft.data.batch import PackedBatch
+from fastft.runtime.offload import kept_tensors
+
+IMPLEMENTATION = "fastft_packed"
+# Each backend and the kernels it runs (run summaries name them: `describe_backend`).
+BACKEND_KERNELS = {
+    "sdpa_masked": "SDPA with a block-diagonal causal mask",
+    "sdpa_segments": "SDPA per sequence",
+    "varlen": "FlashAttention-2 varlen; equal-length bins as one causal SDPA batch, cuDNN on Hopper",
+    "flash_attn": "flash-attn varlen",
+    "flex": "flex_attention with a document-causal mask",
+}
+BACKENDS = tuple(BACKEND_KERNELS)
+_DENSE_MASK_LIMIT = 64 * 2**20  # entries of a [T, T] mask before the CPU default switches to segments
+
+
+class AttentionBackendError(ValueError):
+    pass
+
+
+@dataclass
+class PackedAttentionState:
+    """Attached to a patched model as ``model.fastft_attention``."""
+
+    requested: str
+    previous_implementation: str
+    resolved: str | None = None  # the backend actually used, once known
+
+
+# -- backends ------------------------------------------------------------------------------------
+def _window(sliding_window: int | None) -> int | None:
+    return int(sliding_window) if sliding_window else None
+
+
+def _sequence_ids(batch: PackedBatch) -> torch.Tensor:
+    """Which sequence each token belongs to, from cu_seqlens on the device (no host data, no sync)."""
+
+    def build() -> torch.Tensor:
+        tokens = torch.arange(batch.num_tokens, device=batch.device, dtype=batch.cu_seqlens.dtype)
+        return torch.searchsorted(batch.cu_seqlens[1:], tokens, right=True)
+
+    return batch.artifact("sequence_ids", build)
+
+
+def _dense_mask(batch: PackedBatch, window: int | None) -> torch.Tensor:
+    def build() -> torch.Tensor:
+        sequence = _sequence_ids(batch)
+        position = batch.position_ids[0]
+        mask = (sequence[:, None] == sequence[None, :]) & (position[None, :] <= position[:, None])
+        if window is not None:
+            mask &= position[:, None] - position[None, :] < window
+        return mask[None, None]
+
+    return batch.artifact(f"dense_mask:{window}", build)
+
+
+def _sdpa_masked(query, key, value, batch, scaling, dropout, window):
+    mask = _dense_mask(batch, window)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+def _sdpa_segments(query, key, value, batch, scaling, dropout, window):
+    outputs, start = [], 0
+    for length in batch.sequence_lengths:
+        end = start + length
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        if window is not None and length > window:
+            i = torch.arange(length, device=query.device)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+        outputs.append(out)
+        start = end
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+@functools.cache
+def _varlen_takes_enable_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def _flash_dtype(query: torch.Tensor) -> torch.dtype:
+    """FlashAttention kernels take 16-bit inputs only; fp32 activations (a QLoRA model keeps its
+    norms in fp32) are computed in the autocast dtype, or bf16 outside autocast."""
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return query.dtype
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+
+
+def _token_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, heads, T, dim] -> [T, heads, dim]`` as a view of the projection's token-major output.
+
+    ``squeeze``, not ``t[0]``: autograd answers an index with a zero-filled copy of the whole gradient,
+    transposed into head-major memory, which the projection's backward then copies back (six copies and
+    three fills per layer, ~0.16 ms of a ~10 ms Llama-3.1-8B layer's step on the H200).
+    """
+    return t.squeeze(0).transpose(0, 1).to(dtype)
+
+
+def _uniform_length(batch: PackedBatch) -> int | None:
+    """The one sequence length of a bin made of equal-length sequences (host numbers), else None."""
+    if batch.num_sequences and batch.max_seqlen * batch.num_sequences == batch.num_tokens:
+        return batch.max_seqlen
+    return None
+
+
+def _sdpa_uniform(query, key, value, length, scaling):
+    """Equal-length sequences as a batch ``[n, heads, length, dim]``: one causal SDPA call (views only)."""
+    n, dim = query.shape[2] // length, query.shape[-1]
+    q, k, v = (t.squeeze(0).unflatten(1, (n, length)).transpose(0, 1) for t in (query, key, value))
+    out = _kept_attention(q, k, v, scaling, _sdpa_kernel, length)
+    if out is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).reshape(1, n * length, query.shape[1], dim)
+
+
+# -- attention kept for the recompute ------------------------------------------------------------
+# Under offloaded checkpointing (`fastft.runtime.offload`) a layer's forward keeps its attention output and
+# log-sum-exp beside its input (`KeptTensors`: host memory, back on the device with the input), and the
+# recompute hands them to the kernel's own backward instead of running the attention forward again. The
+# kernel is the one SDPA / varlen would run in training (`_fused_sdp_choice`), called through its ATen
+# op, so the forward and the backward see one kernel's output. On the CPU every gradient is bit-identical
+# to recomputing (tests/runtime/test_offload.py); on the GPU within bf16 rounding, because without keeping the
+# no-grad forward may run another kernel than the recompute (cuDNN vs FlashAttention-2 from 4,096 tokens
+# on the H200) and FlashAttention-2's backward sums dq with atomics. A layer that keeps its attention
+# output keeps o_proj's output too (`fastft.models.patch`), so its recompute skips that GEMM as well.
+# Measured on Llama-3.1-8B on the H200: 1 x 16,384 tokens +7.5 % tokens/s (attention alone); 2 x 2,048,
+# graphed steps in one process, three interleaved rounds: 325 -> 320 ms keeping the attention output,
+# -> 313 ms with o_proj's too (+3.7 %), for +94 MB of peak (two device buffers of both). Below
+# `KEEP_FROM_LENGTH` the attention forward is cheap beside the copies and buffers, so shorter bins keep
+# nothing; quantised bases keep nothing by default (`fastft.runtime.offload.keeps_by_default`).
+KEEP_FROM_LENGTH = 2048
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """An attention kernel's forward (``(q, k, v) -> out, lse, state``) and backward
+    (``(grad_out, q, k, v, out, lse, state) -> dq, dk, dv``); ``state``: its other outputs (RNG state,
+    sequence offsets: small device tensors and ints), kept on the device by reference."""
+
+    name: str
+    forward: object
+    backward: object
+
+
+def _sdpa_flash_cpu(scale):
+    op = torch.ops.aten
+
+    def forward(q, k, v):
+        out, lse = op._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, ()
+
+    def backward(grad, q, k, v, out, lse, state):
+        return op._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, True, scale=scale
+        )
+
+    return _Kernel("flash (CPU)", forward, backward)
+
+
+def _sdpa_flash_cuda(scale):
+    op = torch.ops.aten
+
+    def forward(q, k, v):
+        out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _ = op._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale
+        )
+        return out, lse, (cum_q, cum_k, max_q, max_k, rng, unused)
+
+    def backward(grad, q, k, v, out, lse, state):
+        cum_q, cum_k, max_q, max_k, rng, unused = state
+        return op._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale
+        )
+
+    return _Kernel("FlashAttention-2", forward, backward)
+
+
+def _sdpa_cudnn(scale):
+    op = torch.ops.aten
+
+    def forward(q, k, v):
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = op._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale
+        )
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+    def backward(grad, q, k, v, out, lse, state):
+        cum_q, cum_k, max_q, max_k, seed, offset = state
+        return op._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+        )
+
+    return _Kernel("cuDNN", forward, backward)
+
+
+_FLASH, _CUDNN = 1, 3  # torch.nn.attention.SDPBackend values, as `_fused_sdp_choice` returns them
+
+
+def _sdpa_kernel(q, k, v, scale) -> _Kernel | None:
+    """The kernel causal SDPA would run on these ``[n, heads, length, dim]`` inputs in training (what
+    `_fused_sdp_choice` picks for inputs that require grad), when it is one whose op fastft calls."""
+    probe = q.detach().requires_grad_()
+    choice = torch.ops.aten._fused_sdp_choice(probe, k, v, None, 0.0, True, scale=scale, enable_gqa=True)
+    if choice == _FLASH:
+        return _sdpa_flash_cpu(scale) if q.device.type == "cpu" else _sdpa_flash_cuda(scale)
+    if choice == _CUDNN:
+        return _sdpa_cudnn(scale)
+    return None  # memory-efficient or math kernels: recomputed as before
+
+
+def _varlen_kernel(cu_seqlens, max_seqlen, window):
+    """FlashAttention-2 varlen through its ATen op, as `varlen_attn` runs it (token-major ``[T, heads, dim]``)."""
+    op = torch.ops.aten
+    sliding = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
+    # cu_seqlens and longest length of queries and keys, dropout 0, causal
+    packing = (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True)
+
+    def choose(q, k, v, scale):
+        def forward(q, k, v):
+            out, lse, rng, unused, _ = op._flash_attention_forward(
+                q, k, v, *packing, False, scale=scale, **sliding
+            )
+            return out, lse, (rng, unused)
+
+        def backward(grad, q, k, v, out, lse, state):
+            return op._flash_attention_backward(
+                grad, q, k, v, out, lse, *packing, *state, scale=scale, **sliding
+            )
+
+        return _Kernel("FlashAttention-2 varlen", forward, backward)
+
+    return choose
+
+
+class _AttentionFromKept(torch.autograd.Function):
+    """Attention whose forward ran in the layer's offloaded forward: hands back the kept output and runs
+    the kernel's backward on it."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, out, lse, kernel, state):
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.kernel, ctx.state = kernel, state
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(grad, query, key, value, out, lse, ctx.state)
+        return dq, dk, dv, None, None, None, None
+
+
+def _kept_attention(q, k, v, scale, choose, longest: int) -> torch.Tensor | None:
+    """Causal attention through a kept output (see above), or None where the caller computes it as usual:
+    outside an offloaded layer, sequences shorter than `KEEP_FROM_LENGTH`, a kernel fastft does not call,
+    or where the offloader declined the keep."""
+    kept = kept_tensors()
+    if kept is None:
+        return None
+    if not kept.recording:
+        entry = kept.take()
+        if entry is None:
+            return None
+        (out, lse), (kernel, state) = entry
+        return _AttentionFromKept.apply(q, k, v, out, lse, kernel, state)
+    kernel = choose(q, k, v, scale) if longest >= KEEP_FROM_LENGTH else None
+    if kernel is None:
+        kept.decline()
+        return None
+    out, lse, state = kernel.forward(q, k, v)
+    kept.keep((out, lse), (kernel, state))
+    return out
+
+
+def _varlen(query, key, value, batch, scaling, dropout, window):
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout:
+        raise AttentionBackendError(
+            "the varlen backend has no attention dropout: use sdpa_masked/sdpa_segments"
+        )
+    dtype = _flash_dtype(query)
+    length = _uniform_length(batch)
+    if length is not None and (window is None or window >= length):
+        q, k, v = (t.to(dtype) for t in (query, key, value))
+        return _sdpa_uniform(q, k, v, length, scaling).to(query.dtype)
+    q, k, v = (_token_major(t, dtype) for t in (query, key, value))
+    choose = _varlen_kernel(batch.cu_seqlens, batch.max_seqlen, window)
+    kept = _kept_attention(q, k, v, scaling, choose, batch.max_seqlen)
+    if kept is not None:
+        return kept.unsqueeze(0).to(query.dtype)
+    extra = {"enable_gqa": True} if _varlen_takes_enable_gqa() else {}
+    cu = batch.cu_seqlens
+    out = varlen_attn(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        batch.max_seqlen,
+        batch.max_seqlen,
+        scale=scaling,
+        window_size=(window - 1 if window else -1, 0),
+        **extra,
+    )
+    return out.unsqueeze(0).to(query.dtype)
+
+
+def _flash_attn(query, key, value, batch, scaling, dropout, window):
+    from flash_attn import flash_attn_varlen_func
+
+    dtype = _flash_dtype(query)
+    q, k, v = (_token_major(t, dtype) for t in (query, key, value))
+    cu = batch.cu_seqlens
+    out = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        batch.max_seqlen,
+        batch.max_seqlen,
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+        window_size=(window - 1 if window else -1, 0),
+    )
+    return out.unsqueeze(0).to(query.dtype)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _block_mask(batch: PackedBatch, window: int | None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def build():
+        sequence = _sequence_ids(batch)
+        position = batch.position_ids[0]
+
+        def document_causal(b, h, q, kv):
+            keep = (sequence[q] == sequence[kv]) & (kv <= q)
+            return keep & (position[q] - position[kv] < window) if window is not None else keep
+
+        compiled = batch.device.type == "cuda"
+        return create_block_mask(
+            document_causal,
+            None,
+            None,
+            batch.num_tokens,
+            batch.num_tokens,
+            device=batch.device,
+            _compile=compiled,
+        )
+
+    return batch.artifact(f"block_mask:{window}", build)
+
+
+def _flex(query, key, value, batch, scaling, dropout, window):
+    if dropout:
+        raise AttentionBackendError(
+            "the flex backend has no attention dropout: use sdpa_masked/sdpa_segments"
+        )
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = _compiled_flex() if query.is_cuda else flex_attention
+    out = attend(query, key, value, block_mask=_block_mask(batch, window), scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+_BACKEND_FUNCTIONS = {
+    "sdpa_masked": _sdpa_masked,
+    "sdpa_segments": _sdpa_segments,
+    "varlen": _varlen,
+    "flash_attn": _flash_attn,
+    "flex": _flex,
+}
+
+
+def register_backend(name: str, function) -> None:
+    """Add a backend ``function(query, key, value, batch, scaling, dropout, window) -> [1, T, Hq, D]``
+    (used by benchmarks for ablations; the built-in ones cover training)."""
+    _BACKEND_FUNCTIONS[name] = function
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run on `device` in this environment."""
+    device = torch.device(device)
+    names = ["sdpa_masked", "sdpa_segments"]
+    if device.type == "cuda":  # flex has no backward on the CPU; varlen and flash-attn are CUDA-only
+        if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+            names.append("varlen")
+        if importlib.util.find_spec("flash_attn") is not None:
+            names.append("flash_attn")
+        names.append("flex")
+    return names
+
+
+def packed_attention(
+    query, key, value, batch: PackedBatch, backend: str, scaling=None, dropout=0.0, sliding_window=None
+):
+    """Causal attention within each sequence of `batch`.
+
+    query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]`` (Hq a multiple of Hkv); returns ``[1, T, Hq, D]``.
+    """
+    if backend is None:
+        raise AttentionBackendError(
+            "the packed-attention backend is not chosen yet: call choose_backend(model, batch) first "
+            "(fastft's loss does), or patch with an explicit backend"
+        )
+    if backend not in _BACKEND_FUNCTIONS:
+        raise AttentionBackendError(f"unknown attention backend {backend!r}: use one of {BACKENDS} or 'auto'")
+    return _BACKEND_FUNCTIONS[backend](query, key, value, batch, scaling, dropout, _window(sliding_window))
+
+
+# -- the transformers attention implementation --------------------------------------------------
+def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    batch = kwargs.pop("fastft_batch", None)
+    sliding_window = kwargs.pop("sliding_window", None)
+    if batch is None:  # not a packed step (generate, plain forward): transformers' own SDPA path
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+    if kwargs.get("softcap"):
+        raise AttentionBackendError(
+            "attention logit soft-capping is not supported by fastft's packed attention yet"
+        )
+    if kwargs.get("s_aux") is not None:  # gpt-oss: dropping the sinks would silently change the model
+        raise AttentionBackendError(
+            "attention sinks (gpt-oss) are not supported by fastft's packed attention yet: train with "
+            "TrainConfig(attention=None) (transformers' attention over the packed position_ids)"
+        )
+    backend = module.config._fastft_attention_backend
+    return packed_attention(query, key, value, batch, backend, scaling, dropout, sliding_window), None
+
+
+def _register() -> None:
+    """Add the ``fastft_packed`` name to transformers' registries (a new name; nothing is replaced)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(IMPLEMENTATION, _attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
+
+
+def _configs(model: torch.nn.Module):
+    seen = set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and hasattr(config, "_attn_implementation"):
+            seen.add(id(config))
+            yield config
+
+
+def patch_packed_attention(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
+    """Switch this model instance to packed attention (idempotent; `unpatch_packed_attention` undoes it)."""
+    if backend != "auto" and backend not in _BACKEND_FUNCTIONS:
+        raise AttentionBackendError(f"unknown attention backend {backend!r}: use one of {BACKENDS} or 'auto'")
+    _register()
+    state = getattr(model, "fastft_attention", None)
+    if state is None:
+        state = PackedAttentionState(backend, model.config._attn_implementation)
+        model.fastft_attention = state
+    state.requested, state.resolved = backend, None if backend == "auto" else backend
+    for config in _configs(model):
+        config._attn_implementation = IMPLEMENTATION
+        config._fastft_attention_backend = state.resolved
+    return model
+
+
+def unpatch_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
+    state = getattr(model, "fastft_attention", None)
+    if state is not None:
+        for config in _configs(model):
+            config._attn_implementation = state.previous_implementation
+        del model.fastft_attention
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return getattr(model, "fastft_attention", None) is not None
+
+
+def _set_resolved(model: torch.nn.Module, backend: str) -> None:
+    model.fastft_attention.resolved = backend
+    for config in _configs(model):
+        config._fastft_attention_backend = backend
+
+
+def describe_backend(model: torch.nn.Module) -> str | None:
+    """The packed-attention backend this model resolved to and the kernels it runs, for run summaries:
+    e.g. ``"varlen (FlashAttention-2 varlen; ...)"``. None when not patched or not resolved yet."""
+    state = getattr(model, "fastft_attention", None)
+    if state is None or state.resolved is None:
+        return None
+    kernels = BACKEND_KERNELS.get(state.resolved)
+    return f"{state.resolved} ({kernels})" if kernels else state.resolved
+
+
+def choose_backend(model: torch.nn.Module, batch: PackedBatch) -> str:
+    """The backend this model uses for packed batches (resolved once, on the first batch).
+
+    "auto" follows whole-training-step measurements (BENCHMARKS.md, `fastft bench packing`): on an
+    H200, Qwen3-8B, 8k-token bins of chat-length sequences, ``varlen`` ran the step 1.63× faster
+    than transformers' packed SDPA path, ``sdpa_masked`` 1.03×, ``sdpa_segments`` 0.72× and
+    ``flex`` 0.24× (its BlockMask is rebuilt for every new bin length). Timing attention alone
+    ranked them differently, so no per-run probe decides. Without ``varlen``: flash-attn, then
+    SDPA with a dense mask while it stays small, else SDPA per sequence.
+    """
+    state = model.fastft_attention
+    if state.resolved is not None:
+        return state.resolved
+    available = available_backends(batch.device)
+    for name in ("varlen", "flash_attn"):
+        if name in available:
+            _set_resolved(model, name)
+            return name
+    dense = batch.num_tokens**2 <= _DENSE_MASK_LIMIT
+    _set_resolved(model, "sdpa_masked" if dense else "sdpa_segments")
+    return state.resolved

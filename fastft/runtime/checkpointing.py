@@ -1,0 +1,90 @@
+"""`Checkpointing`: how a model's decoder layers keep activations for backward, in one vocabulary.
+
+``add_lora(gradient_checkpointing=...)``, the offloader, ``estimate_vram(checkpointing=...)``, ``fastft.vram.measure``,
+the CLI and the studio all parse what the user wrote with `Checkpointing.parse` and read the result, so each
+name means one thing everywhere:
+
+- ``"none"``: keep every activation (fastest, most memory); ``False`` too.
+- ``"recompute"``: keep each layer's input on the device and recompute the layer in backward; ``True`` too.
+- ``"offload"``: recompute, with each layer's input in pinned host memory, prefetched back on a side stream
+  (`fastft.runtime.offload`); on a CPU it is plain recompute. ``"unsloth"`` (Unsloth's name for it) too.
+- ``"auto"`` (the default of `add_lora`): ``"offload"`` on a CUDA device, ``"recompute"`` elsewhere
+  (`Checkpointing.resolved`). The estimator answers for a GPU, so there "auto" is "offload".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("auto", "offload", "recompute", "none")
+# From most device memory to least: what a "will it fit" fix tries next.
+BY_MEMORY = ("none", "recompute", "offload")
+ALIASES = {True: "recompute", False: "none", None: "none", "unsloth": "offload", "off": "none"}
+LABELS = {
+    "auto": "auto (offload on a GPU, recompute on the CPU)",
+    "offload": "offload (layer inputs in host memory, prefetched)",
+    "recompute": "recompute (keep layer inputs on the device)",
+    "none": "none (keep every activation)",
+}
+
+
+class CheckpointingError(ValueError):
+    """A value that names no checkpointing mode."""
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """One checkpointing mode: `kind` is one of `KINDS` (parse user input with `Checkpointing.parse`)."""
+
+    kind: str = "auto"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise CheckpointingError(_unknown(self.kind))
+
+    @classmethod
+    def parse(cls, value: Checkpointing | str | bool | None) -> Checkpointing:
+        """`value` as a `Checkpointing`: a kind, True/False, or an alias ("unsloth", "off"); case-insensitive."""
+        if isinstance(value, Checkpointing):
+            return value
+        if isinstance(value, bool) or value is None:
+            return cls(ALIASES[value])
+        if not isinstance(value, str):
+            raise CheckpointingError(_unknown(value))
+        name = value.strip().lower()
+        name = {"true": "recompute", "false": "none"}.get(name, ALIASES.get(name, name))
+        if name not in KINDS:
+            raise CheckpointingError(_unknown(value))
+        return cls(name)
+
+    def resolved(self, cuda: bool) -> Checkpointing:
+        """ "auto" made concrete for a device (`cuda`: offload there, recompute elsewhere); others as they are."""
+        if self.kind != "auto":
+            return self
+        return Checkpointing("offload" if cuda else "recompute")
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether layers are recomputed in backward (every kind but "none")."""
+        return self.kind != "none"
+
+    @property
+    def offloads(self) -> bool:
+        return self.kind == "offload"
+
+    @property
+    def label(self) -> str:
+        return LABELS[self.kind]
+
+    def __str__(self) -> str:
+        return self.kind
+
+
+def _unknown(value) -> str:
+    return (
+        f"checkpointing={value!r} is not a mode: use one of {', '.join(map(repr, KINDS))} "
+        "(True = 'recompute', False = 'none', 'unsloth' = 'offload')."
+    )
+
+
+__all__ = ["BY_MEMORY", "KINDS", "LABELS", "Checkpointing", "CheckpointingError"]

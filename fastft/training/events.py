@@ -1,0 +1,59 @@
+"""What the trainer tells the world: one `StepEvent` per optimizer step, one `EvalEvent` per evaluation.
+
+The engine only emits; faces (progress bar, studio plots, report, checkpoint writer) subscribe.
+Events are plain frozen dataclasses of host numbers, safe to keep, plot or serialise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One optimizer step (all micro-batches of it).
+
+    `trained_tokens` counts tokens that carry a label (the ones the loss is averaged over);
+    `tokens` counts every token fed to the model. Memory is the peak since the run started:
+    CUDA allocator peak on a GPU, the process's peak resident set on a CPU (`memory_kind`).
+
+    `phases` is the step's timing breakdown in milliseconds (`fastft.profile`: ``step``, ``data``,
+    ``forward``, ``loss``, ``backward``, ``optimizer`` and nested phases such as ``layers.attention``,
+    summed over layers and micro-batches); empty when profiling is off. On a GPU it is read from
+    CUDA events once they completed, like the loss: the event of step s (with its phases) is
+    emitted during step s+1.
+    """
+
+    step: int
+    max_steps: int
+    epoch: float
+    loss: float
+    learning_rate: float
+    grad_norm: float
+    trained_tokens: int
+    tokens: int
+    step_seconds: float
+    trained_tokens_per_second: float
+    peak_memory_bytes: int
+    memory_kind: str
+    phases: dict[str, float] = field(default_factory=dict, hash=False)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class EvalEvent:
+    """Loss on the held-out set, token-weighted over all its trained tokens."""
+
+    step: int
+    eval_loss: float
+    eval_trained_tokens: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+Event = StepEvent | EvalEvent
+Subscriber = Callable[[Event], None]

@@ -1,0 +1,568 @@
+"""The SFT trainer: an explicit loop over packed batches that emits one `StepEvent` per step.
+
+One step = `grad_accum_steps` micro-batches, each `micro_batch_bins` packed bins concatenated
+into one padding-free row. The loss is summed per micro-batch and divided by the step's trained
+token count, known on the host when the batch is built, so accumulation is token-weighted.
+
+Host–device syncs: none inside a step. On CUDA the step's loss and gradient norm are copied to
+pinned memory without blocking and read one step later, when their event has completed; the
+`StepEvent` of step s is emitted during step s+1 (and all are flushed at the end, before each
+checkpoint and on stop). A non-finite loss stops the run with `NonFiniteLossError`; checkpoints
+are written only after every earlier step was read back finite, so the last one is always good.
+
+Data order is a pure function of (seed, epoch): bins are shuffled per epoch with a seeded
+generator, and step s always reads the same bins. Data larger than memory comes as a `PackedStream`
+(shards packed as they are read; order a pure function of seed, epoch and shard; needs `max_steps`). Resume restores adapters, optimizer, scheduler
+and RNG, so a resumed run's losses equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import resource
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastft.data.packing import PackedDataset, pack
+from fastft.data.stream import PackedStream, StreamCursor, batch_of
+from fastft.runtime.attention import describe_backend, patch_packed_attention
+from fastft.training.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from fastft.training.events import EvalEvent, Event, StepEvent, Subscriber
+from fastft.training.graph import EAGER, StepGraph
+from fastft.training.loss import causal_lm_loss_sum
+from fastft.training.timing import NULL_PROFILE, StepProfile
+from fastft.training.timing_hooks import detach_profile
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; training stopped and the last good checkpoint is kept."""
+
+
+@dataclass
+class TrainConfig:
+    """Hyperparameters of a supervised fine-tuning run (defaults suit LoRA on a small dataset).
+
+    `attention` is the packed-attention backend (`fastft.runtime.attention.BACKENDS`), "auto" to
+    measure and pick, or None to leave the model's own attention (transformers' packed-sequence
+    detection). `max_steps` wins over `epochs` when set. `warmup` is a step count (int) or a fraction of
+    `max_steps` (float below 1). `eval_every` / `save_every` are in optimizer steps (None: only
+    at the end / never). `resume_from` is a checkpoint folder or "latest" (in `output_dir`).
+    `profile` times the phases of every step (`fastft.profile.StepProfile`, ``Trainer.profile``;
+    under 2 % of a step) and fills `StepEvent.phases`; False removes the profiler's hooks from the model.
+    `cuda_graph` replays a micro-batch's forward and backward from a CUDA graph when its batches repeat one
+    shape (fixed-length rows; `fastft.training.graph`): on a GPU the step stops waiting for the host. Packed
+    bins whose sequence lengths vary train eagerly either way. Every checkpointing mode is captured,
+    offloaded ones included (their copies become graph nodes on the copy stream); False never captures.
+    """
+
+    max_steps: int | None = None
+    epochs: float = 1.0
+    learning_rate: float = 2e-4
+    min_learning_rate_ratio: float = 0.1
+    warmup: int | float = 0.05
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    micro_batch_bins: int = 1
+    grad_accum_steps: int = 1
+    seed: int = 3407
+    eval_every: int | None = None
+    save_every: int | None = None
+    save_total_limit: int = 2
+    output_dir: str | None = None
+    resume_from: str | None = None
+    attention: str | None = "auto"
+    profile: bool = True
+    cuda_graph: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_bins", "grad_accum_steps", "save_total_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1, got {self.max_steps}.")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}.")
+        if (self.save_every or self.resume_from == "latest") and not self.output_dir:
+            raise ValueError(
+                "save_every and resume_from='latest' need output_dir=... (where checkpoints live)."
+            )
+
+
+@dataclass
+class TrainResult:
+    """Every event of a run; `profile` is the run's step profiler (``fastft.step_profile_figure(result.profile)``), None when off;
+    `cuda_graph` counts how its micro-batches ran (``captures``, ``replays``, ``eager``, ``drops``);
+    `attention` names the packed-attention backend the run resolved to and its kernels (None: the model's own
+    attention ran)."""
+
+    steps: list[StepEvent] = field(default_factory=list)
+    evals: list[EvalEvent] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    stopped_early: bool = False
+    seconds: float = 0.0
+    profile: StepProfile | None = field(default=None, repr=False, compare=False)
+    cuda_graph: dict[str, int] = field(default_factory=dict)
+    attention: str | None = None
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.steps[-1].loss if self.steps else None
+
+
+def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """LR multiplier: linear warmup from 0 to 1, then cosine decay from 1 to `min_ratio`."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+class _PendingReadout:
+    """A step's device scalars on their way to the host, read once their copy has completed."""
+
+    def __init__(self, values: torch.Tensor, info: dict):
+        self.info = info
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host, self.done = values, None
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def read(self) -> list[float]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+class Trainer:
+    """Supervised fine-tuning of a (PEFT) model on packed data.
+
+    `train_data` is a `PackedDataset` or anything `pack` accepts (then packed to the tokenizer's
+    `model_max_length`). Subscribers receive every `StepEvent` / `EvalEvent`; `stop()` and
+    `pause()` / `unpause()` are honoured between steps (safe to call from another thread).
+    `profile` is the run's `StepProfile` (phase timings per step; None with `TrainConfig(profile=False)`).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        train_data,
+        eval_data=None,
+        config: TrainConfig | None = None,
+        subscribers: Iterable[Subscriber] = (),
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or TrainConfig()
+        if isinstance(train_data, (PackedDataset, PackedStream)):
+            self.train_data = train_data
+        else:
+            self.train_data = pack(train_data, tokenizer)
+        self._cursor = None
+        if isinstance(self.train_data, PackedStream):
+            if not self.config.max_steps:
+                raise ValueError(
+                    "A PackedStream has no length until it has been read: pass max_steps=... "
+                    "(optimizer steps) to train on it."
+                )
+            self._cursor = StreamCursor(self.train_data, self.config.seed)
+        if isinstance(eval_data, PackedStream):
+            raise ValueError(
+                "eval_data must be a PackedDataset or rows to pack: evaluation reads every bin each time, "
+                "so pack a held-out set with fastft.pack(rows, tokenizer) instead of streaming it."
+            )
+        self.eval_data = (
+            None
+            if eval_data is None
+            else eval_data
+            if isinstance(eval_data, PackedDataset)
+            else pack(eval_data, tokenizer, self.train_data.max_seq_length)
+        )
+        self.subscribers: list[Subscriber] = list(subscribers)
+        self.device = next(model.parameters()).device
+        if self.config.attention is not None:
+            patch_packed_attention(model, self.config.attention)
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if not self.parameters:
+            raise ValueError("The model has no trainable parameters: call fastft.add_lora(model, ...) first.")
+        self.profile: StepProfile | None = None
+        if self.config.profile:
+            self.profile = StepProfile(model, self.device)
+        else:
+            detach_profile(model)
+        self.bins_per_step = self.config.micro_batch_bins * self.config.grad_accum_steps
+        self.max_steps = self.config.max_steps or max(
+            1, math.ceil(self.config.epochs * len(self.train_data) / self.bins_per_step)
+        )
+        warmup = self.config.warmup
+        self.warmup_steps = int(warmup * self.max_steps) if isinstance(warmup, float) else int(warmup)
+        self.optimizer = torch.optim.AdamW(
+            self.parameters,
+            lr=self.config.learning_rate,
+            betas=self.config.adam_betas,
+            eps=self.config.adam_eps,
+            weight_decay=self.config.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            cosine_with_warmup(self.warmup_steps, self.max_steps, self.config.min_learning_rate_ratio),
+        )
+        self.autocast_dtype = self._autocast_dtype()
+        self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
+        # fp16's loss scaling changes between steps outside the graph's view: those runs stay eager
+        graphs = self.config.cuda_graph and self.grad_scaler is None
+        self.step_graph = StepGraph(self.parameters, enabled=graphs)
+        self.step = 0
+        self.result = TrainResult(profile=self.profile)
+        self._stop = threading.Event()
+        self._running = threading.Event()
+        self._running.set()
+        self._pending: list[_PendingReadout] = []
+        self._epoch_orders: dict[int, np.ndarray] = {}
+
+    # -- control -----------------------------------------------------------------------------
+    def subscribe(self, subscriber: Subscriber) -> None:
+        self.subscribers.append(subscriber)
+
+    def stop(self) -> None:
+        """Finish the current step, then stop (a checkpoint is written if `output_dir` is set)."""
+        self._stop.set()
+        self._running.set()
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def unpause(self) -> None:
+        self._running.set()
+
+    # -- data order ----------------------------------------------------------------------------
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._epoch_orders:
+            generator = np.random.default_rng([self.config.seed, epoch])
+            self._epoch_orders = {epoch: generator.permutation(len(self.train_data))}
+        return self._epoch_orders[epoch]
+
+    def bins_for_step(self, step: int) -> list[list]:
+        """The bins of each micro-batch of optimizer step `step` (0-based); a pure function.
+
+        Bin indices of the `PackedDataset`; for a `PackedStream`, ``(shard, bin index)`` pairs."""
+        if self._cursor is not None:
+            bins = self._cursor.bins(step * self.bins_per_step, self.bins_per_step)
+            size = self.config.micro_batch_bins
+            return [bins[i : i + size] for i in range(0, len(bins), size)]
+        n = len(self.train_data)
+        positions = range(step * self.bins_per_step, (step + 1) * self.bins_per_step)
+        bins = [int(self._epoch_order(p // n)[p % n]) for p in positions]
+        size = self.config.micro_batch_bins
+        return [bins[i : i + size] for i in range(0, len(bins), size)]
+
+    # -- the loop ------------------------------------------------------------------------------
+    def train(self, steps: int | None = None) -> TrainResult:
+        """Run until `max_steps` (or `stop()`); returns every event of the run.
+
+        With `steps`, run at most that many more steps and return (events flushed; the final
+        evaluation and checkpoint wait for the run's end); a later `train()` continues the run.
+        """
+        config = self.config
+        target = self.max_steps if steps is None else min(self.max_steps, self.step + steps)
+        if self.step == 0:  # seed dropout & co. like any trainer; a resume restores the RNG instead
+            torch.manual_seed(config.seed)
+            np.random.seed(config.seed % 2**32)
+            random.seed(config.seed)
+        if config.resume_from and self.step == 0:
+            self._resume(config.resume_from)
+        started = time.perf_counter()
+        self.model.train()
+        if self.device.type == "cuda":  # the events' peak memory is this run's, not the process's so far
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            while self.step < target:
+                self._running.wait()
+                if self._stop.is_set():
+                    self.result.stopped_early = True
+                    break
+                self._train_step()
+                self.step += 1
+                self._emit_ready()
+                if config.eval_every and self.step % config.eval_every == 0 and self.step < self.max_steps:
+                    self.evaluate()
+                if config.save_every and self.step % config.save_every == 0:
+                    self.save_checkpoint()
+            self._flush()
+            if self.step < self.max_steps and not self.result.stopped_early:
+                return self.result  # paused after `steps`: the run is not over (a captured graph stays)
+            self.step_graph.release()  # the run is over: the graph's memory pool goes back
+            if self.eval_data is not None and (
+                not self.result.evals or self.result.evals[-1].step != self.step
+            ):
+                self.evaluate()
+            last_saved = self.result.checkpoints[-1] if self.result.checkpoints else ""
+            wants_final = config.output_dir and (config.save_every or self.result.stopped_early)
+            if wants_final and not last_saved.endswith(f"checkpoint-{self.step}"):
+                self.save_checkpoint()
+        except BaseException:
+            self.step_graph.release()
+            raise
+        finally:
+            if self.profile is not None:
+                self.profile.cancel()  # a step cut short by an exception leaves no timing half-open
+            self.result.seconds += time.perf_counter() - started
+            self.result.cuda_graph = self.step_graph.stats
+            self.result.attention = describe_backend(self.model)
+        return self.result
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        if self.device.type != "cuda":
+            return None
+        dtype = getattr(getattr(self.model, "fastft_info", None), "dtype", None)
+        return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+    def _micro_batch_loss(self, trained: int):
+        """``loss_fn(batch)``: a micro-batch's summed loss over the step's `trained` tokens, under autocast."""
+
+        def loss_fn(batch):
+            with torch.autocast(
+                self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+            ):
+                return causal_lm_loss_sum(self.model, batch) / trained
+
+        return loss_fn
+
+    def _train_step(self) -> None:
+        phases = self.profile or NULL_PROFILE  # top-level phases follow each other: data → forward → …
+        phases.step_begin()
+        make = batch_of if self._cursor is not None else self.train_data.batch
+        micro_batches = [make(bins).to(self.device) for bins in self.bins_for_step(self.step)]
+        trained = sum(b.num_trained_tokens for b in micro_batches)
+        tokens = sum(b.num_tokens for b in micro_batches)
+        timer = _StepTimer(self.device)
+        loss_total = torch.zeros((), device=self.device)
+        for index, batch in enumerate(micro_batches):
+            if self.step_graph.mode(batch, trained, first_micro_batch=index == 0) != EAGER:
+                with phases.opaque("graph"):
+                    loss_total += self.step_graph.forward_backward(batch, self._micro_batch_loss(trained))
+                continue
+            phases.begin("forward")  # the final norm's hook hands over to "loss"
+            loss = self._micro_batch_loss(trained)(batch)
+            phases.begin("backward")
+            (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+            loss_total += loss.detach()
+        phases.begin("optimizer")
+        if self.grad_scaler:
+            self.grad_scaler.unscale_(self.optimizer)
+        if self.config.max_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.parameters, self.config.max_grad_norm, foreach=True
+            )
+        else:
+            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters]))
+        learning_rate = self.scheduler.get_last_lr()[0]
+        if self.grad_scaler:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
+        # a captured backward accumulates into the gradients' own memory: keep it, zeroed
+        self.optimizer.zero_grad(set_to_none=not self.step_graph.holds_gradients)
+        self.scheduler.step()
+        timing = phases.step_end(self.step + 1)
+        timer.stop()
+        values = torch.stack([loss_total.float(), grad_norm.detach().float().to(self.device)])
+        epoch = (
+            self._cursor.epoch_progress
+            if self._cursor is not None
+            else (self.step + 1) * self.bins_per_step / len(self.train_data)
+        )
+        info = dict(
+            step=self.step + 1, lr=learning_rate, trained=trained, tokens=tokens, timer=timer, timing=timing
+        )
+        info["epoch"] = epoch
+        self._pending.append(_PendingReadout(values, info))
+
+    def _emit_ready(self, wait: bool = False) -> None:
+        while self._pending and (wait or self._pending[0].ready()):
+            readout = self._pending.pop(0)
+            loss, grad_norm = readout.read()
+            info = readout.info
+            seconds = info["timer"].seconds()
+            timing = info["timing"]  # recorded before the readout: complete once it is
+            phases = self.profile.collect(timing) if timing is not None and self.profile else {}
+            event = StepEvent(
+                step=info["step"],
+                max_steps=self.max_steps,
+                epoch=info["epoch"],
+                loss=loss,
+                learning_rate=info["lr"],
+                grad_norm=grad_norm,
+                trained_tokens=info["trained"],
+                tokens=info["tokens"],
+                step_seconds=seconds,
+                trained_tokens_per_second=info["trained"] / seconds if seconds > 0 else 0.0,
+                peak_memory_bytes=_peak_memory(self.device),
+                memory_kind="cuda" if self.device.type == "cuda" else "cpu-rss",
+                phases=phases,
+            )
+            self.result.steps.append(event)
+            self._publish(event)
+            # a non-finite gradient norm has already been applied (clipping scales by it): stop at this
+            # step, not at the next one whose loss it ruins. fp16's loss scaler is the exception: it skips
+            # that step's update itself and lowers its scale
+            scaled = self.grad_scaler is not None
+            if not (math.isfinite(loss) and (math.isfinite(grad_norm) or scaled)):
+                self._pending.clear()
+                last = self.result.checkpoints[-1] if self.result.checkpoints else None
+                keep = f"The last good checkpoint is {last}." if last else "No checkpoint was written yet."
+                what = (
+                    f"loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
+                )
+                raise NonFiniteLossError(
+                    f"The {what} at step {event.step} (loss {loss:.4g}, learning rate "
+                    f"{event.learning_rate:.3g}, gradient norm {grad_norm:.3g}). Training stopped. {keep} Fix: "
+                    "lower the learning rate, keep max_grad_norm on, or check the data of this step; resume "
+                    "with resume_from=<checkpoint>."
+                )
+
+    def _flush(self) -> None:
+        self._emit_ready(wait=True)
+
+    def _publish(self, event: Event) -> None:
+        for subscriber in self.subscribers:
+            subscriber(event)
+
+    # -- evaluation and checkpoints ----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> EvalEvent:
+        """Token-weighted loss over the whole eval set (a sync point; not part of a step)."""
+        if self.eval_data is None:
+            raise ValueError("No eval data: pass eval_data=... to the Trainer.")
+        self._flush()
+        self.model.eval()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        trained = 0
+        size = self.config.micro_batch_bins
+        try:
+            for start in range(0, len(self.eval_data), size):
+                batch = self.eval_data.batch(range(start, min(start + size, len(self.eval_data)))).to(
+                    self.device
+                )
+                with torch.autocast(
+                    self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+                ):
+                    total += causal_lm_loss_sum(self.model, batch).double()
+                trained += batch.num_trained_tokens
+        finally:
+            self.model.train()
+        event = EvalEvent(step=self.step, eval_loss=float(total / trained), eval_trained_tokens=trained)
+        self.result.evals.append(event)
+        self._publish(event)
+        return event
+
+    def save_checkpoint(self) -> Path:
+        if not self.config.output_dir:
+            raise ValueError("Set TrainConfig(output_dir=...) to save checkpoints.")
+        self._flush()  # raises before writing if any step so far was not finite
+        state = {
+            "step": self.step,
+            "max_steps": self.max_steps,
+            "config": asdict(self.config),
+            "steps": [event.as_dict() for event in self.result.steps],
+            "evals": [event.as_dict() for event in self.result.evals],
+        }
+        folder = Path(self.config.output_dir) / f"checkpoint-{self.step}"
+        save_checkpoint(folder, self.model, self.optimizer, self.scheduler, state)
+        self.result.checkpoints.append(str(folder))
+        prune_checkpoints(self.config.output_dir, self.config.save_total_limit)
+        return folder
+
+    def _resume(self, source: str) -> None:
+        folder = latest_checkpoint(self.config.output_dir) if source == "latest" else Path(source)
+        if folder is None:
+            return  # nothing to resume from yet: start fresh
+        state = load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+        if state["max_steps"] != self.max_steps:
+            raise ValueError(
+                f"{folder} was written by a run of {state['max_steps']} steps, this one has {self.max_steps}: "
+                "resume with the same data and TrainConfig so the schedule and data order match."
+            )
+        self.step = state["step"]
+        self.result.steps = [StepEvent(**event) for event in state["steps"]]
+        self.result.evals = [EvalEvent(**event) for event in state["evals"]]
+        self.result.checkpoints.append(str(folder))
+
+
+class _StepTimer:
+    """Step wall time: CUDA events on a GPU (read later, never stalling), perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.begin, self.finish = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.finish = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return self.start.elapsed_time(self.end) / 1000.0
+        return self.finish - self.begin
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def train(
+    model: torch.nn.Module,
+    tokenizer,
+    dataset,
+    eval_dataset=None,
+    *,
+    progress: bool = True,
+    subscribers: Iterable[Subscriber] = (),
+    **config,
+) -> TrainResult:
+    """Fine-tune `model` on `dataset` (a `PackedDataset`, a `PackedStream` for data larger than memory
+    (with ``max_steps``), or rows/`datasets.Dataset` to pack).
+
+    Keyword arguments are `TrainConfig` fields (max_steps, learning_rate, …). With `progress`, a
+    tqdm bar shows loss, tokens/s and memory. Returns every `StepEvent` and `EvalEvent`.
+    """
+    from fastft.training.progress import ProgressBar
+
+    trainer = Trainer(model, tokenizer, dataset, eval_dataset, TrainConfig(**config), subscribers)
+    bar = ProgressBar(trainer.max_steps, initial=0) if progress else None
+    if bar is not None:
+        trainer.subscribe(bar)
+    try:
+        return trainer.train()
+    finally:
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,61 @@
+"""The bundled skills data: shipped files match the generator, answers are checkable, eval is held out."""
+
+from __future__ import annotations
+
+import json
+
+from fastft.data import skills
+
+
+def _read(name: str) -> list[dict]:
+    with open(skills.BUNDLED_DIR / name, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_shipped_files_equal_what_the_generator_makes():
+    train_rows, eval_rows = skills.build_rows()
+    assert _read("skills.jsonl") == train_rows
+    assert _read("skills-eval.jsonl") == eval_rows
+
+
+def test_every_answer_is_correct_for_its_prompt():
+    for row in _read("skills-eval.jsonl"):
+        prompt, answer = row["messages"][1]["content"], row["answer"]
+        word = prompt.split("'")[1] if "'" in prompt else None
+        task = row["task"]
+        if task == "uppercase":
+            assert answer == word.upper()
+        elif task == "reverse":
+            assert answer == word[::-1]
+        elif task == "count":
+            assert answer == str(len(word))
+        elif task == "first_letter":
+            assert answer == word[0]
+        assert row["messages"][-1] == {"role": "assistant", "content": answer}
+
+
+def test_eval_prompts_never_appear_in_training_or_pretraining_rows():
+    held_out = skills.held_out_prompts()
+    train_prompts = {r["messages"][1]["content"] for r in _read("skills.jsonl")}
+    assert held_out and not held_out & train_prompts
+    pretraining = skills.generate(2000, skills.SEED + 7, exclude=held_out, style="verbose")
+    assert not {r["messages"][0]["content"] for r in pretraining} & held_out
+
+
+def test_every_task_is_represented():
+    tasks = {r["task"] for r in _read("skills.jsonl")}
+    assert tasks == set(skills.TASKS)
+
+
+def test_score_accepts_the_answer_and_rejects_near_misses():
+    assert skills.score("7000 m", "7000 m") == 1.0
+    assert skills.score("  7000 m.\nextra", "7000 m") == 1.0
+    assert skills.score("The answer is 7000 m.", "7000 m") == 0.0
+    assert skills.score("700 m", "7000 m") == 0.0
+    assert skills.score("", "7") == 0.0
+
+
+def test_verbose_style_has_no_system_prompt():
+    row = next(skills.generate(1, 3, style="verbose"))
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
+    assert row["messages"][1]["content"] == skills.VERBOSE_ANSWER.format(answer=row["answer"])

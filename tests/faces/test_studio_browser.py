@@ -1,0 +1,334 @@
+"""The studio in a real browser: JupyterLab on 127.0.0.1, Debian's chromium driven by Playwright.
+
+Clicks only, as a newcomer would: pick `tiny-llama` and load it, load bundled data and pack it, start a
+short run, watch the loss plot and the progress line move, stop it. A screenshot is saved in the test's
+tmp folder, and also to ``$FASTFT_SCREENSHOT`` when that is set (that is how ``docs/studio.png`` is made:
+``FASTFT_SCREENSHOT=docs/studio.png pytest tests/faces/test_studio_browser.py``).
+
+Skipped when chromium, playwright or jupyterlab is missing (``.ci/run`` installs all three). Every process
+it starts (the server, its kernels, the browser) is stopped in a finalizer that always runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+STARTUP_TIMEOUT = 90  # seconds for the server to answer /api/status
+ACTION_TIMEOUT = 90_000  # ms for any one wait in the browser (loading a model on 2 busy cores included)
+RUN_STEPS = 200  # the run asked for: long enough that Stop comes well before its end
+STEPS_TO_SEE = 60  # training steps the progress line must show before Stop (a few seconds on CPU)
+VIEWPORT = {"width": 1280, "height": 800}
+
+NOTEBOOK_SOURCE = "import fastft\n\nstudio = fastft.studio()"
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _skip_without_tools() -> str:
+    if importlib.util.find_spec("playwright") is None:
+        pytest.skip("playwright is not installed (pip install -e '.[dev]')")
+    if importlib.util.find_spec("jupyterlab") is None:
+        pytest.skip("jupyterlab is not installed (pip install -e '.[dev]')")
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does it)")
+    return chromium
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _api(base: str, token: str, path: str, method: str = "GET", timeout: float = 10):
+    request = urllib.request.Request(
+        f"{base}{path}", method=method, headers={"Authorization": f"token {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read()
+    return json.loads(body) if body else None
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc; kernels run in sessions of their own, so the server's
+    process group does not hold them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie is dead for our purposes
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+class Lab:
+    def __init__(self, base: str, token: str, root: Path, process: subprocess.Popen, log: Path):
+        self.base, self.token, self.root, self.process, self.log = base, token, root, process, log
+
+    def url(self, path: str) -> str:
+        return f"{self.base}{path}?token={self.token}&reset"
+
+
+@pytest.fixture
+def lab(tmp_path):
+    _skip_without_tools()
+    root = tmp_path / "lab"
+    home = tmp_path / "home"
+    root.mkdir()
+    settings = home / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    # no "would you like news?" toast over the screenshot, no update check
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
+    port, token = _free_port(), secrets.token_hex(24)
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the kernel takes the plain-PyTorch paths, as a CPU user's does
+    env.pop("FASTFT_LIVE", None)  # the kernel picks the FigureWidget itself
+    env.update(
+        JUPYTER_CONFIG_DIR=str(home / "config"),
+        JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(home / "lab-settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(home / "lab-workspaces"),
+        IPYTHONDIR=str(home / "ipython"),
+        JUPYTER_PLATFORM_DIRS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    log = tmp_path / "jupyterlab.log"
+    command = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.extension_manager=readonly",  # no PyPI look-ups from the extension manager
+    ]
+    if os.geteuid() == 0:  # CI runs as root
+        command.append("--allow-root")
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=root,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    server = Lab(base, token, root, process, log)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"JupyterLab exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                _api(base, token, "/api/status", timeout=2)
+                break
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() > deadline:
+                    pytest.fail(
+                        f"JupyterLab did not answer in {STARTUP_TIMEOUT}s:\n{log.read_text()[-3000:]}"
+                    )
+                time.sleep(0.5)
+        yield server
+    finally:
+        _stop_lab(server)
+
+
+def _stop_lab(server: Lab) -> None:
+    process = server.process
+    below = _descendants(process.pid)  # the kernels, before the server is gone and they are re-parented
+    if process.poll() is None:
+        with contextlib.suppress(Exception):
+            for kernel in _api(server.base, server.token, "/api/kernels") or []:
+                with contextlib.suppress(Exception):
+                    _api(
+                        server.base, server.token, f"/api/kernels/{kernel['id']}", method="DELETE", timeout=20
+                    )
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in below) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in below:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _write_notebook(path: Path) -> None:
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells.append(nbformat.v4.new_code_cell(NOTEBOOK_SOURCE))
+    nbformat.write(notebook, path)
+
+
+def _progress(panel) -> tuple[int, int]:
+    """(step, total) from the Run panel's progress line, (0, 0) before it shows one."""
+    match = re.search(r"step (\d+)/(\d+)", panel.inner_text())
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+def test_studio_in_jupyterlab_with_clicks(lab, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    _write_notebook(lab.root / "studio.ipynb")
+    shot = tmp_path / "studio.png"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=_chromium(), headless=True, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            page.set_default_timeout(ACTION_TIMEOUT)
+            expect.set_options(timeout=ACTION_TIMEOUT)
+            try:
+                _drive(page, lab, shot)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    page.screenshot(path=str(tmp_path / "failure.png"))
+                    (tmp_path / "failure.html").write_text(page.content())
+                raise
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+    target = os.environ.get("FASTFT_SCREENSHOT")
+    if target:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, target)
+
+
+def _drive(page, lab: Lab, shot: Path) -> None:
+    from playwright.sync_api import expect
+
+    page.goto(lab.url("/lab/tree/studio.ipynb"))
+    cell = page.locator(".jp-Notebook .jp-CodeCell").first
+    expect(cell).to_be_visible()
+    # the kernel is connected once the status bar says so; a cell run before that is dropped
+    expect(page.locator(".jp-StatusBar-Widget", has_text=re.compile(r"\| Idle")).first).to_be_visible()
+    # more room for the studio: close the file browser, then run the cell
+    with contextlib.suppress(Exception):  # cosmetic: never fail the test over it
+        page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").first.click(timeout=5_000)
+    cell.locator(".cm-content").click()
+    page.keyboard.press("Shift+Enter")
+    expect(cell.locator(".jp-InputPrompt").first).not_to_have_text(re.compile(r"\[ \]"))
+
+    studio = page.locator(".jupyter-widgets", has_text="fastft studio").first
+    expect(studio).to_be_visible()
+    tabs = studio.locator(".lm-TabBar-tab")
+
+    def panel():
+        return studio.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)").first
+
+    # Model: tiny-llama, Load model; loaded when Apply LoRA becomes clickable
+    tabs.filter(has_text="Model").click()
+    combo = panel().locator("input[list]").first
+    combo.fill("tiny-llama")
+    combo.press("Enter")
+    panel().get_by_role("button", name="Load model").click()
+    expect(panel().get_by_role("button", name="Apply LoRA")).to_be_enabled()
+    expect(panel()).to_contain_text("tiny-llama")
+
+    # Data: bundled data, Load data, then Pack
+    tabs.filter(has_text="Data").click()
+    source = panel().locator("input[list]").first
+    source.fill("bundled:skills")
+    source.press("Enter")
+    panel().get_by_role("button", name="Load data").click()
+    expect(panel()).to_contain_text(re.compile(r"\d rows? of"))
+    panel().get_by_role("button", name="Pack").click()
+    expect(panel()).to_contain_text("sequences per bin")
+
+    # Run: a short run, Start, watch it move, Stop
+    tabs.filter(has_text="Run").click()
+    steps = panel().locator(".widget-text:has(label:text-is('steps')) input").first
+    steps.fill(str(RUN_STEPS))
+    steps.press("Enter")
+    rate = panel().locator(".widget-text:has(label:text-is('learning rate')) input").first
+    rate.fill("0.002")
+    rate.press("Enter")
+    expect(panel()).to_contain_text(f"max_steps={RUN_STEPS}")  # the code preview follows the settings
+    expect(panel()).to_contain_text("learning_rate=0.002")
+    panel().get_by_role("button", name="Start").click()
+    deadline = time.monotonic() + ACTION_TIMEOUT / 1000
+    while _progress(panel())[0] < STEPS_TO_SEE:
+        assert time.monotonic() < deadline, f"the run did not move: {panel().inner_text()[:2000]}"
+        time.sleep(0.5)
+    step, total = _progress(panel())
+    assert total == RUN_STEPS and STEPS_TO_SEE <= step < total
+    assert re.search(r"loss \d+\.\d+", panel().inner_text())
+    # the live plot: the FigureWidget draws the loss as a line with points
+    loss_line = panel().locator(".js-plotly-plot .scatterlayer .trace path.js-line").first
+    expect(loss_line).to_have_attribute("d", re.compile(r"M[\d.]+,[\d.]+L"))
+    panel().get_by_role("button", name="Stop").click()
+    expect(panel()).to_contain_text("Stopped at step")
+    expect(panel().get_by_role("button", name="Start")).to_be_enabled()
+    page.wait_for_timeout(1_000)  # the last plot update
+    # the studio's header at the top of the window: tabs, settings, buttons, progress and the plots below
+    studio.locator(".widget-html").first.evaluate("e => e.scrollIntoView({block: 'start'})")
+    page.mouse.move(5, 790)  # no hover toolbar over the plots
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(shot))

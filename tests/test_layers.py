@@ -1,0 +1,148 @@
+"""The dependency order of the package: kernels → data → runtime → models → training → tools → faces.
+
+Every import in every module counts, function-local ones and ``importlib.import_module("fastft…")`` calls
+included: a lower layer never imports a higher one, so the folder tree is the dependency graph
+(docs/DESIGN.md, "Layers"). Widgets and plots belong to the faces, Hugging Face libraries above the kernels.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (module prefix, layer); the longest matching prefix decides. Same-layer imports are free.
+LAYERS = {
+    "fastft.atomic": 0,
+    "fastft.kernels": 0,
+    "fastft.data": 1,
+    "fastft.runtime": 2,
+    "fastft.models": 3,
+    "fastft.training": 4,
+    "fastft.vram": 5,
+    "fastft.profile": 5,
+    "fastft.export": 5,
+    "fastft.bench": 5,
+    "fastft.report": 6,
+    "fastft.studio": 6,
+    "fastft.cli": 6,
+    "fastft.facade": 6,
+    "fastft.demo": 6,
+    "fastft.__main__": 6,
+    "fastft": 6,  # the public API (fastft/__init__.py) is a face: nothing below imports it
+}
+NAMES = ["kernels", "data", "runtime", "models", "training", "tools", "faces"]
+NAMES[0] = "kernels (and fastft.atomic)"
+
+# Third-party packages a layer below `FROM` never imports.
+THIRD_PARTY_FLOOR = {
+    "transformers": 1,
+    "peft": 2,
+    "bitsandbytes": 2,
+    "ipywidgets": 6,
+    "anywidget": 6,
+    "plotly": 6,
+    "IPython": 6,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "kernels":
+        parts = ["fastft", *parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int | None:
+    best = None
+    for prefix in LAYERS:
+        if (module == prefix or module.startswith(prefix + ".")) and (
+            best is None or len(prefix) > len(best)
+        ):
+            best = prefix
+    return None if best is None else LAYERS[best]
+
+
+def imports_of(path: Path) -> list[tuple[str, int]]:
+    """Every module `path` imports (absolute names), with its line, wherever the import statement stands."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((target, node.lineno))
+            # `from fastft import training` imports the module fastft.training
+            found += [(f"{target}.{alias.name}", node.lineno) for alias in node.names if target == "fastft"]
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.append((node.args[0].value, node.lineno))
+    return found
+
+
+def source_files() -> list[Path]:
+    return sorted([*ROOT.glob("fastft/**/*.py"), *ROOT.glob("kernels/**/*.py")])
+
+
+def test_every_module_has_a_layer():
+    assert [str(p) for p in source_files() if layer_of(module_name(p)) is None] == []
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = []
+    for path in source_files():
+        here = layer_of(module_name(path))
+        for target, line in imports_of(path):
+            if target == "fastft" and path.name == "__init__.py" and module_name(path) == "fastft":
+                continue
+            there = layer_of(target) if target.split(".")[0] == "fastft" else None
+            if there is not None and there > here:
+                upward.append(
+                    f"{path.relative_to(ROOT)}:{line} ({NAMES[here]}) imports {target} ({NAMES[there]})"
+                )
+    assert upward == [], "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_layer_imports_a_library_of_a_higher_one():
+    found = []
+    for path in source_files():
+        here = layer_of(module_name(path))
+        for target, line in imports_of(path):
+            floor = THIRD_PARTY_FLOOR.get(target.split(".")[0])
+            if floor is not None and here < floor:
+                found.append(f"{path.relative_to(ROOT)}:{line} ({NAMES[here]}) imports {target}")
+    assert found == [], "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from fastft.training.trainer import train\n", ["fastft.training.trainer"]),
+        ("def f():\n    from ..models import lora\n", ["fastft.models"]),
+        ("import importlib\nimportlib.import_module('fastft.studio')\n", ["importlib", "fastft.studio"]),
+    ],
+)
+def test_the_checker_sees_every_kind_of_import(tmp_path, source, expected, monkeypatch):
+    folder = tmp_path / "fastft" / "runtime"
+    folder.mkdir(parents=True)
+    path = folder / "probe.py"
+    path.write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [target for target, _ in imports_of(path)] == expected

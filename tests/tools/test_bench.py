@@ -1,0 +1,245 @@
+"""`fastft bench packing` runs end to end on a preset (the H200 figures come from the same code)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fastft
+from fastft.bench import packing
+from fastft.cli import main
+
+
+def test_packing_bench_times_every_variant_and_reports_ratios(tmp_path, capsys):
+    out = tmp_path / "packing.json"
+    assert (
+        main(
+            [
+                "bench",
+                "packing",
+                "--model",
+                "tiny-qwen3",
+                "--bin-tokens",
+                "384",
+                "--warmup",
+                "1",
+                "--steps",
+                "2",
+                "--padded-batch",
+                "3",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    variants = [row["variant"] for row in result["rows"]]
+    assert variants[0].startswith("transformers") and variants[1].startswith("per-layer rebuild")
+    assert {"fastft sdpa_masked", "fastft sdpa_segments"} <= set(variants) and variants[-1].startswith(
+        "padded"
+    )
+    assert result["rows"][0]["speed_vs_transformers"] == 1.0
+    assert all(row["trained_tokens_per_s"] > 0 for row in result["rows"])
+    assert 0.5 < result["workload"]["packing_efficiency"] <= 1.0
+    printed = capsys.readouterr().out
+    assert "× transformers" in printed and "tiny-qwen3" in printed
+
+
+def test_synthetic_sequences_are_chat_shaped_and_seeded():
+    a = packing.synthetic_sequences(200, vocab=1000, max_length=4096, seed=3)
+    b = packing.synthetic_sequences(200, vocab=1000, max_length=4096, seed=3)
+    assert all((x[0] == y[0]).all() for x, y in zip(a, b, strict=True))
+    lengths = sorted(len(ids) for ids, _ in a)
+    assert 150 < lengths[len(lengths) // 2] < 700 and max(lengths) <= 4096
+    ids, labels = a[0]
+    assert (labels[: int(len(ids) * 0.4)] == -100).all() and (labels[-1] == ids[-1])
+
+
+def test_step_bench_keeps_one_random_checkpoint_per_model_and_layer_cut(tmp_path):
+    """A later `fastft bench step` for another model (or another --layers) never loads an earlier run's
+    checkpoint: it once timed a 12-layer MoE and recorded it as Llama-3.1-8B."""
+    from fastft.bench.step import checkpoint_folder
+
+    folders = {
+        checkpoint_folder(tmp_path, model, layers)
+        for model, layers in (
+            ("meta-llama/Llama-3.1-8B-Instruct", None),
+            ("Qwen/Qwen3-30B-A3B", 12),
+            ("Qwen/Qwen3-30B-A3B", None),
+            ("Qwen/Qwen3-30B-A3B", 24),
+        )
+    }
+    assert len(folders) == 4 and all(folder.parent == tmp_path for folder in folders)
+    assert checkpoint_folder(tmp_path, "Qwen/Qwen3-30B-A3B", 12) == tmp_path / "Qwen--Qwen3-30B-A3B-12-layers"
+
+
+@pytest.mark.parametrize(
+    ("preset", "lora_targets"), [("tiny-llama", "all"), ("tiny-moe", "all"), ("tiny-moe", "attention")]
+)
+def test_step_bench_workers_agree_on_the_first_loss(tmp_path, preset, lora_targets):
+    """The step bench's fastft and HF + PEFT workers, run on the CPU on a saved tiny model: both start from the
+    same weights and tokens (LoRA B = 0), so their first losses agree -- the comparison is like for like
+    (on MoE models with LoRA on the experts too, or on attention only)."""
+    import argparse
+
+    from fastft.bench.step import flops_per_token, parse_workload, run_worker
+
+    model, tokenizer = fastft.load_model(preset)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    results = {}
+    for system in ("fastft", "hf"):
+        args = argparse.Namespace(
+            system=system,
+            workload="bf16:2x48",
+            attention="auto",
+            folder=str(tmp_path),
+            warmup=1,
+            steps=2,
+            peak_flops=1e12,
+            device="cpu",
+            checkpointing="auto",
+            lora_targets=lora_targets,
+            cuda_graph="on",
+            keep_attention="auto",
+        )
+        results[system] = run_worker(args)
+    assert results["fastft"]["losses"][0] == pytest.approx(results["hf"]["losses"][0], rel=1e-5)
+    assert all(r["tokens_per_s"] > 0 and len(r["step_ms_all"]) == 2 for r in results.values())
+    assert parse_workload("nf4:1x16384") == ("nf4", 1, 16384)
+    with pytest.raises(ValueError, match="PRECISION:BATCHxSEQ"):
+        parse_workload("2x2048")
+    params = sum(p.numel() for p in model.parameters())
+    if preset == "tiny-llama":
+        assert flops_per_token(model.config, 48) > 6 * params * 0.9
+    else:  # only the top-k of the experts count
+        assert 6 * params * 0.1 < flops_per_token(model.config, 48) < 6 * params * 0.6
+
+
+def test_convergence_bench_compares_fused_unfused_and_the_noise_floor(tmp_path):
+    from fastft.bench.convergence import main as convergence
+
+    out = tmp_path / "convergence.json"
+    assert convergence(["--steps", "2", "--device", "cpu", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["curves"]) == {"fused", "unfused", "floor"}
+    assert all(len(curve) == 2 for curve in result["curves"].values())
+    # the first loss comes before any update: the three runs differ only by rounding
+    first = [curve[0] for curve in result["curves"].values()]
+    assert max(first) - min(first) <= 1e-3 * max(first)
+    assert result["fused_vs_unfused"]["worst"] >= result["fused_vs_unfused"]["median"] >= 0
+
+
+def test_moe_bench_times_the_block_three_ways_that_agree(tmp_path):
+    from fastft.bench.moe import WAYS, main, run
+
+    result = run("tiny-moe", 40, warmup=1, reps=1)
+    rows = result["rows"]
+    assert [(r["lora"], r["way"]) for r in rows] == [(t, w) for t in ("experts", "attention") for w in WAYS]
+    assert all(r["status"] == "ok" and r["forward_backward_ms"] > 0 for r in rows)
+    assert all(r["max_abs_diff_vs_first"] < 1e-4 for r in rows)  # fp32 on the CPU: the same block output
+    experts = {r["way"]: r["trainable_in_block"] for r in rows if r["lora"] == "experts"}
+    assert experts["fastft"] == experts["transformers loop"] > 0  # LoRA on every expert, whichever way runs
+    assert all(r["trainable_in_block"] == 0 for r in rows if r["lora"] == "attention")
+    routing = result["routing"]
+    assert routing["experts"] == 8 and routing["plan_ms"] > 0
+    assert routing["saved_by_reuse_ms"] == pytest.approx(3 * routing["plan_ms"])
+    out = tmp_path / "moe.json"
+    assert (
+        main(
+            [
+                "--model",
+                "tiny-moe",
+                "--tokens",
+                "16",
+                "--reps",
+                "1",
+                "--warmup",
+                "1",
+                "--lora",
+                "attention",
+                "--ways",
+                "fastft",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert json.loads(out.read_text())["rows"][0]["way"] == "fastft"
+
+
+def test_packing_bench_nf4_needs_a_gpu_and_names_the_fix():
+    from fastft.bench.packing import run
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    with pytest.raises(RuntimeError, match="on a CPU use bf16"):
+        run("tiny-qwen3", 256, precision="nf4")
+    with pytest.raises(ValueError, match="use 'bf16' or 'nf4'"):
+        run("tiny-qwen3", 256, precision="int4")
+
+
+def test_attention_bench_cases_parse_and_every_method_agrees(tmp_path):
+    from fastft.bench import attention as attention_bench
+
+    label, lengths, q, kv = attention_bench.parse_case("ragged3000:8/2")
+    assert (label, q, kv) == ("ragged3000:8/2", 8, 2) and sum(lengths) == 3000
+    assert all(100 <= n < 1500 for n in lengths[:-1]) and lengths[-1] > 0
+    assert attention_bench.parse_case("2x64:4/4")[1] == [64, 64]
+    for bad in ("2x64", "2x64:5/2", "tenx64:4/2"):
+        with pytest.raises(ValueError, match="bad case"):
+            attention_bench.parse_case(bad)
+    out = tmp_path / "attention.json"
+    argv = ["bench", "attention", "--cases", "3x40:4/2,ragged1700:4/1", "--head-dim", "16"]
+    assert main([*argv, "--warmup", "0", "--reps", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    by_case = {}
+    for row in rows:
+        by_case.setdefault(row["case"], []).append(row["method"])
+        assert "error" not in row and row["max_diff"] < 1e-5 and row["forward_backward_ms"] > 0
+    assert by_case == {  # equal-length bins add the batched SDPA call; on the CPU "auto" is sdpa_masked
+        "3x40:4/2": ["fastft", "sdpa_default", "sdpa_segments"],
+        "ragged1700:4/1": ["fastft", "sdpa_segments"],
+    }
+    assert out.with_suffix(".md").read_text().startswith("| bin:heads |")
+
+
+def test_step_bench_table_reads_each_round_against_its_own_baseline_and_gives_the_medians():
+    """`fastft bench step --rounds N` runs the systems in turn N times; each round's ratio is against that
+    round's baseline, and a median row per system compares the medians."""
+    from fastft.bench.step import _table
+
+    def result(system, tokens, round_, peak):
+        return {
+            "system": system,
+            "workload": "bf16:2x2048",
+            "attention": "auto" if system == "fastft" else "sdpa",
+            "tokens_per_s": tokens,
+            "peak_gib": peak,
+            "step_ms": 4096 / tokens * 1000,
+            "mfu": 0.7,
+            "round": round_,
+        }
+
+    results = [
+        result("fastft", 12000.0, 0, 16.4),
+        result("unsloth", 10000.0, 0, 16.6),
+        result("fastft", 12600.0, 1, 16.5),
+        result("unsloth", 11000.0, 1, 16.7),
+        result("fastft", 12300.0, 2, 16.4),
+        result("unsloth", 9000.0, 2, 16.6),
+    ]
+    table = _table(results).splitlines()
+    fastft_rows = [line for line in table if "| fastft |" in line]
+    assert ["1.20x" in fastft_rows[0], "1.15x" in fastft_rows[1], "1.37x" in fastft_rows[2]] == [True] * 3
+    median = [line for line in table if "median of 3 rounds" in line]
+    assert len(median) == 2  # fastft's and unsloth's
+    fastft_median = next(line for line in median if "| fastft |" in line)
+    assert (
+        "12,300" in fastft_median and "16.5" in fastft_median and "1.23x" in fastft_median
+    )  # 12,300 / 10,000
+    assert _table(results[:2]).count("median") == 0  # one round: no median rows

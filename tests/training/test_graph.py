@@ -1,0 +1,245 @@
+"""CUDA-graph replay of a micro-batch's forward and backward (`fastft.training.graph`).
+
+The policy (when to run eagerly, capture, replay or drop) is host logic and runs everywhere; the capture
+itself needs a GPU: those tests train the same fixed-length data with and without graphs and compare.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastft
+from fastft.data.batch import PackedBatch
+from fastft.data.packing import PackedDataset
+from fastft.data.tokenize import TokenizedData
+from fastft.training.graph import CAPTURE, EAGER, REPLAY, GraphPolicy, StepGraph, batch_signature
+from fastft.training.trainer import TrainConfig, Trainer
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _batch(lengths, trained_from=1, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(0, 100, n) for n in lengths]
+    labels = [np.where(np.arange(n) >= trained_from, row, -100) for n, row in zip(lengths, ids, strict=True)]
+    return PackedBatch.from_sequences(ids, labels)
+
+
+def test_signature_holds_every_host_value_a_step_reads():
+    a, b = _batch([5, 7]), _batch([5, 7], seed=1)
+    assert batch_signature(a, 10) == batch_signature(b, 10)  # other tokens, same shape: replayable
+    assert batch_signature(a, 10) != batch_signature(a, 11)  # the loss divisor is baked into the graph
+    assert batch_signature(a, 10) != batch_signature(_batch([7, 5]), 10)  # same total, other boundaries
+    assert batch_signature(a, 10) != batch_signature(_batch([5, 7], trained_from=2), 10)  # trained count
+
+
+def test_policy_captures_after_warmup_at_a_step_start_and_replays_the_same_shape():
+    policy = GraphPolicy(warmup=2)
+    assert [policy.decide("s", True) for _ in range(2)] == [EAGER, EAGER]
+    assert policy.decide("s", False) == EAGER  # not at a step's first micro-batch: gradients may be non-zero
+    assert policy.decide("s", True) == CAPTURE
+    assert [policy.decide("s", first) for first in (True, False, True)] == [REPLAY] * 3
+    assert policy.stats == dict(captures=1, replays=3, eager=3, drops=0)
+
+
+def test_policy_drops_a_graph_for_another_shape_and_gives_up_when_shapes_never_settle():
+    policy = GraphPolicy(warmup=1, max_captures=2)
+    decisions = []
+    for signature in ["a", "a", "a", "b", "b", "b", "c", "c", "c", "c"]:
+        if policy.must_drop(signature):
+            policy.dropped()
+        decisions.append(policy.decide(signature, True))
+    assert decisions == [EAGER, CAPTURE, REPLAY, EAGER, CAPTURE, REPLAY, EAGER, EAGER, EAGER, EAGER]
+    assert policy.stats == dict(captures=2, replays=2, eager=6, drops=2)
+    policy = GraphPolicy(enabled=False)
+    assert {policy.decide("a", True) for _ in range(5)} == {EAGER}
+
+
+def test_off_cuda_every_micro_batch_runs_eagerly_and_gives_the_plain_loss():
+    model, _ = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(model, r=4)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    graph = StepGraph(parameters)
+    batch = _batch([9, 14])
+
+    def loss_fn(b):
+        from fastft.training.loss import causal_lm_loss_sum
+
+        return causal_lm_loss_sum(model, b) / b.num_trained_tokens
+
+    for _ in range(4):
+        assert graph.mode(batch, batch.num_trained_tokens, True) == EAGER
+        loss = graph.forward_backward(batch, loss_fn)
+    assert not graph.holds_gradients and graph.stats["captures"] == 0
+    expected = loss_fn(batch)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_trainer_on_a_cpu_runs_every_micro_batch_eagerly_and_says_so():
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(model, r=4)
+    data = _fixed_length_data(model.config.vocab_size, rows=8, length=32)
+    trainer = Trainer(model, tokenizer, data, config=TrainConfig(max_steps=3, warmup=0))
+    result = trainer.train()
+    assert result.cuda_graph == dict(captures=0, replays=0, eager=3, drops=0)
+    assert not trainer.step_graph.holds_gradients
+
+
+def _fixed_length_data(vocab: int, rows: int, length: int, seed: int = 0) -> PackedDataset:
+    """`rows` sequences of exactly `length` tokens, every token trained, one sequence per bin: every
+    batch has the same shape, the case a CUDA graph replays."""
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(0, vocab, length).astype(np.int32) for _ in range(rows)]
+    data = TokenizedData(input_ids=ids, labels=[row.copy() for row in ids], source_rows=list(range(rows)))
+    return PackedDataset(data, [[i] for i in range(rows)], max_seq_length=length)
+
+
+def _train(preset: str, cuda_graph: bool, steps: int, checkpointing="auto", **config):
+    torch.manual_seed(0)
+    model, tokenizer = fastft.load_model(preset, device="cuda", dtype=torch.bfloat16)
+    targets = (
+        "all-linear" if "moe" not in preset and "mixtral" not in preset else ["q_proj", "v_proj", "experts"]
+    )
+    model = fastft.add_lora(model, r=8, target_modules=targets, gradient_checkpointing=checkpointing)
+    data = _fixed_length_data(model.config.vocab_size, rows=64, length=96)
+    trainer = Trainer(
+        model,
+        tokenizer,
+        data,
+        config=TrainConfig(max_steps=steps, warmup=0, cuda_graph=cuda_graph, learning_rate=1e-3, **config),
+    )
+    result = trainer.train()
+    assert result.cuda_graph == trainer.step_graph.stats
+    return [event.loss for event in result.steps], result.cuda_graph, result.steps[-1].phases
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "preset, checkpointing",
+    [("tiny-llama", True), ("tiny-qwen3", False), ("tiny-moe", True), ("tiny-llama", "offload")],
+)
+def test_gpu_graph_replays_train_like_eager_steps(preset, checkpointing):
+    steps = 8
+    eager, eager_stats, _ = _train(preset, False, steps, checkpointing)
+    graphed, stats, _ = _train(preset, True, steps, checkpointing)
+    assert eager_stats["captures"] == 0
+    # steps 1-2 eager (warm-up), step 3 captured and replayed, then replays
+    assert stats == dict(captures=1, replays=steps - 3, eager=2, drops=0)
+    np.testing.assert_allclose(graphed, eager, rtol=2e-2)
+    # every replay read its own batch (random tokens: eight different losses, eagerly and replayed alike)
+    assert len(set(graphed)) == steps
+
+
+@gpu
+@needs_cuda
+def test_gpu_graph_with_gradient_accumulation_and_the_profiler_phase():
+    steps = 6
+    eager, _, _ = _train("tiny-llama", False, steps, True, micro_batch_bins=2, grad_accum_steps=2)
+    graphed, stats, phases = _train("tiny-llama", True, steps, True, micro_batch_bins=2, grad_accum_steps=2)
+    # two eager micro-batches (step 1), the first of step 2 captured, every later one replayed
+    assert stats == dict(captures=1, replays=2 * steps - 3, eager=2, drops=0)
+    np.testing.assert_allclose(graphed, eager, rtol=2e-2)
+    # a replayed step is data, one `graph` phase per micro-batch and the optimizer; no hook fired inside
+    assert phases["graph"] > 0 and phases.get("forward", 0.0) == 0.0 and "layers.attention" not in phases
+
+
+@gpu
+@needs_cuda
+def test_gpu_graph_is_dropped_for_another_shape_and_its_memory_returns():
+    model, tokenizer = fastft.load_model("tiny-llama", device="cuda", dtype=torch.bfloat16)
+    model = fastft.add_lora(model, r=8, gradient_checkpointing=True)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    graph = StepGraph(parameters, warmup=1)
+    from fastft.training.loss import causal_lm_loss_sum
+
+    def loss_fn(b):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return causal_lm_loss_sum(model, b) / b.num_trained_tokens
+
+    short, long = _batch([40, 56]).to("cuda"), _batch([300, 211]).to("cuda")
+    modes = []
+    for batch in (short, short, short, long):
+        modes.append(graph.mode(batch, batch.num_trained_tokens, True))
+        loss = graph.forward_backward(batch, loss_fn)
+        assert torch.isfinite(loss)
+        for p in parameters:
+            p.grad.zero_()
+    assert modes == [EAGER, CAPTURE, REPLAY, EAGER]
+    assert not graph.holds_gradients and graph.stats["drops"] == 1
+    # replaying writes the new batch's tokens into the captured inputs: the loss follows the data
+    graph = StepGraph(parameters, warmup=0)
+    other = _batch([40, 56], seed=5).to("cuda")
+    graph.mode(short, short.num_trained_tokens, True)
+    first = graph.forward_backward(short, loss_fn).clone()
+    graph.mode(other, other.num_trained_tokens, True)
+    replayed = graph.forward_backward(other, loss_fn).clone()
+    for p in parameters:
+        p.grad.zero_()
+    assert replayed.item() == pytest.approx(loss_fn(other).item(), rel=2e-2)
+    assert replayed.item() != first.item()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["offload", "offload-single", True])
+def test_gpu_capture_replays_each_checkpointing_mode_like_eager(mode):
+    """Forward and backward replayed against eager ones on the same weights, batch after batch: the loss
+    and every LoRA gradient, for the offloaded modes too (their copy stream's work is captured)."""
+    from fastft.training.loss import causal_lm_loss_sum
+
+    torch.manual_seed(0)
+    model, _ = fastft.load_model("tiny-llama", device="cuda", dtype=torch.bfloat16)
+    model = fastft.add_lora(
+        model, r=8, gradient_checkpointing="offload" if mode == "offload-single" else mode
+    )
+    if mode == "offload-single":  # the one-buffer ablation
+        from fastft.runtime.offload import enable_offload
+
+        enable_offload(model, double_buffer=False)
+    model.train()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_fn(b):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return causal_lm_loss_sum(model, b) / b.num_trained_tokens
+
+    batches = [_batch([70, 33, 120], seed=seed).to("cuda") for seed in range(5)]
+    expected = []
+    for batch in batches:
+        loss = loss_fn(batch)
+        loss.backward()
+        expected.append((loss.item(), [p.grad.clone() for p in parameters]))
+        for p in parameters:
+            p.grad = None
+    graph = StepGraph(parameters, warmup=1)
+    for batch, (loss, grads) in zip(batches, expected, strict=True):
+        graph.mode(batch, batch.num_trained_tokens, True)
+        replayed = graph.forward_backward(batch, loss_fn).item()
+        assert replayed == pytest.approx(loss, rel=2e-2)
+        for p, g in zip(parameters, grads, strict=True):
+            scale = g.float().abs().max().clamp_min(1e-12)
+            assert ((p.grad.float() - g.float()).abs().max() / scale).item() < 2e-2
+            p.grad.zero_()
+    assert graph.stats == dict(captures=1, replays=3, eager=1, drops=0)
+
+
+@gpu
+@needs_cuda
+def test_gpu_captures_leave_no_memory_behind():
+    """A run that captured, then ended, holds no device memory afterwards: each capture once kept a 64 MiB
+    cuBLAS workspace for the new stream it warmed up on (a notebook that trains ten times lost 2 GB)."""
+    import gc
+
+    def one_run():
+        _train("tiny-llama", True, 4, True)
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    one_run()  # the first capture may create what every later one reuses (the warm-up stream's workspace)
+    after_one = one_run()
+    assert one_run() - after_one < 2**20
