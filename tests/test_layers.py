@@ -25,7 +25,6 @@ LAYERS = {
     "fastft.training": 4,
     "fastft.vram": 5,
     "fastft.profile": 5,
-    "fastft.export": 5,
     "fastft.bench": 5,
     "fastft.report": 6,
     "fastft.studio": 6,

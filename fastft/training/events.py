@@ -1,6 +1,6 @@
 """What the trainer tells the world: one `StepEvent` per optimizer step, one `EvalEvent` per evaluation.
 
-The engine only emits; faces (progress bar, studio plots, report, checkpoint writer) subscribe.
+The trainer only emits; faces (progress bar, studio plots, report) subscribe.
 Events are plain frozen dataclasses of host numbers, safe to keep, plot or serialise.
 """
 

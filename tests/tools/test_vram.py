@@ -362,9 +362,7 @@ def test_recorded_h200_peaks_and_longest_context_are_reproduced():
     (or 5 %) below it -- the prediction is rounded down to whole steps, so a 1 % error can cost one."""
     from pathlib import Path
 
-    recorded = json.loads(
-        (Path(__file__).resolve().parents[2] / "benchmarks" / "vram.json").read_text()
-    )
+    recorded = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "vram.json").read_text())
     errors = {}
     for row in recorded["peaks"]:
         estimate = estimate_vram(
