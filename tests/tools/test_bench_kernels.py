@@ -8,46 +8,49 @@ import pytest
 import torch
 
 from fastft.bench import BENCHMARKS
+from fastft.bench import kernel_costs as costs
+from fastft.bench import kernel_tables as tables
+from fastft.bench import kernel_timing as timing
 from fastft.bench import kernels as bench
 
 
 def test_byte_counts_are_the_minimal_reads_and_writes_of_each_op():
     # RMSNorm 16384 x 4096 bf16: forward x + y + w, backward x + dy + dx + w + dw.
     act = 16384 * 4096 * 2
-    assert bench.rms_norm_bytes(16384, 4096) == {"forward": 2 * act + 8192, "backward": 3 * act + 2 * 8192}
-    assert bench.rms_norm_bytes(3, 5, element_size=4) == {"forward": 2 * 60 + 20, "backward": 3 * 60 + 40}
+    assert costs.rms_norm_bytes(16384, 4096) == {"forward": 2 * act + 8192, "backward": 3 * act + 2 * 8192}
+    assert costs.rms_norm_bytes(3, 5, element_size=4) == {"forward": 2 * 60 + 20, "backward": 3 * 60 + 40}
     # RoPE: q [1, 32, 16384, 128] + k [1, 8, 16384, 128] read and written, cos and sin [1, 16384, 128] read.
     qk = 40 * 16384 * 128 * 2
-    rope = bench.rope_bytes(1, 32, 8, 16384, 128)
+    rope = costs.rope_bytes(1, 32, 8, 16384, 128)
     assert rope["forward"] == rope["backward"] == 2 * qk + 2 * 16384 * 128 * 2 == 343_932_928
-    assert bench.rope_bytes(2, 3, 1, 5, 4, element_size=4, cos_batch=2)["forward"] == 2 * (
+    assert costs.rope_bytes(2, 3, 1, 5, 4, element_size=4, cos_batch=2)["forward"] == 2 * (
         2 * 4 * 5 * 4 * 4
     ) + 2 * (2 * 5 * 4 * 4)
     # SwiGLU [16384, 14336]: 3 tensors forward, 5 backward.
     one = 16384 * 14336 * 2
-    assert bench.swiglu_bytes(16384, 14336) == {"forward": 3 * one, "backward": 5 * one}
+    assert costs.swiglu_bytes(16384, 14336) == {"forward": 3 * one, "backward": 5 * one}
     # Copy: read and write.
-    assert bench.copy_bytes(2**30) == 2**31
+    assert costs.copy_bytes(2**30) == 2**31
 
 
 def test_nf4_byte_count_covers_packing_absmax_and_output():
     n = 4096 * 14336
     blocks = n // 64
-    nested = bench.nf4_bytes(n)["forward"]
+    nested = costs.nf4_bytes(n)["forward"]
     assert nested == n // 2 + blocks + 4 * math.ceil(blocks / 256) + 4 + 2 * n
-    assert bench.nf4_bytes(n, nested=False)["forward"] == n // 2 + 4 * blocks + 2 * n
+    assert costs.nf4_bytes(n, nested=False)["forward"] == n // 2 + 4 * blocks + 2 * n
     # An odd count rounds the packed bytes and the blocks up: 129 values, blocksize 64 -> 65 bytes, 3 blocks.
-    assert bench.nf4_bytes(129, 64, nested=False, out_element_size=4)["forward"] == 65 + 12 + 4 * 129
+    assert costs.nf4_bytes(129, 64, nested=False, out_element_size=4)["forward"] == 65 + 12 + 4 * 129
 
 
 def test_flops_count_the_matmuls_of_forward_and_backward():
-    assert bench.flce_flops(16384, 128256, 4096, weight_trains=False) == 2 * 2 * 16384 * 128256 * 4096
-    assert bench.flce_flops(2, 3, 5, weight_trains=True) == 3 * 2 * 30
-    assert bench.lora_mlp_flops(4, 8, 16, 2) == 12 * 4 * 8 * 16 + 18 * 4 * 2 * 24
+    assert costs.flce_flops(16384, 128256, 4096, weight_trains=False) == 2 * 2 * 16384 * 128256 * 4096
+    assert costs.flce_flops(2, 3, 5, weight_trains=True) == 3 * 2 * 30
+    assert costs.lora_mlp_flops(4, 8, 16, 2) == 12 * 4 * 8 * 16 + 18 * 4 * 2 * 24
 
 
 def test_kernel_row_gives_bandwidth_share_of_copy_and_time_ratios():
-    row = bench.kernel_row(
+    row = tables.kernel_row(
         "swiglu", "forward", "s", 4_000_000_000, 5000.0, {"fastft": 1.0, "eager": 4.0, "liger": 1.25}, 0.5
     )
     assert row["fastft_gbs"] == pytest.approx(4000.0)
@@ -57,22 +60,22 @@ def test_kernel_row_gives_bandwidth_share_of_copy_and_time_ratios():
     assert row["fastft_over_liger"] == pytest.approx(0.8)
     assert row["bitsandbytes_ms"] is None and row["fastft_over_bitsandbytes"] is None
     assert row["max_abs_diff_vs_eager"] == 0.5
-    failed = bench.kernel_row("rope", "backward", "s", 10, 1.0, {"fastft": None, "eager": 2.0})
+    failed = tables.kernel_row("rope", "backward", "s", 10, 1.0, {"fastft": None, "eager": 2.0})
     assert failed["fastft_gbs"] is None and failed["fastft_over_eager"] is None
 
 
 def test_memory_row_gives_shares_of_eager():
-    row = bench.memory_row("flce", "fastft", 50.0, 2**30, 10**12, 100.0, 16 * 2**30)
+    row = tables.memory_row("flce", "fastft", 50.0, 2**30, 10**12, 100.0, 16 * 2**30)
     assert row["tflops"] == pytest.approx(20.0)
     assert row["time_over_eager"] == pytest.approx(0.5)
     assert row["memory_over_eager"] == pytest.approx(1 / 16)
-    assert bench.memory_row("flce", "fastft", None, None, 1, 100.0, None)["memory_over_eager"] is None
+    assert tables.memory_row("flce", "fastft", None, None, 1, 100.0, None)["memory_over_eager"] is None
 
 
 def _result() -> dict:
     rows = [
-        bench.kernel_row("rms_norm", "forward", "s", 3_600_000_000, 4300.0, {"fastft": 1.0, "eager": 3.125}),
-        bench.kernel_row(
+        tables.kernel_row("rms_norm", "forward", "s", 3_600_000_000, 4300.0, {"fastft": 1.0, "eager": 3.125}),
+        tables.kernel_row(
             "nf4",
             "dequantize",
             "s",
@@ -83,8 +86,8 @@ def _result() -> dict:
     ]
     flce = "flce 16384x128256x4096, weight frozen"
     memory_rows = [
-        bench.memory_row(flce, "fastft", 90.0, 2**30, 36 * 10**12, 100.0, 24 * 2**30),
-        bench.memory_row(flce, "eager", 100.0, 24 * 2**30, 36 * 10**12, 100.0, 24 * 2**30),
+        tables.memory_row(flce, "fastft", 90.0, 2**30, 36 * 10**12, 100.0, 24 * 2**30),
+        tables.memory_row(flce, "eager", 100.0, 24 * 2**30, 36 * 10**12, 100.0, 24 * 2**30),
     ]
     environment = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-11-30"}
     return {
@@ -97,7 +100,7 @@ def _result() -> dict:
 
 
 def test_report_formats_tables_and_checks_the_issue_bars():
-    text = bench.report(_result())
+    text = tables.report(_result())
     assert (
         "| op | direction | fastft ms | GB/s | % of copy | kernel alone % of copy | eager ms | liger ms |"
         in text
@@ -138,8 +141,8 @@ def test_without_cuda_main_refuses_with_a_clear_message(monkeypatch, tmp_path):
 def test_a_tiny_cpu_run_times_fastft_beside_eager(monkeypatch):
     """The measuring path itself, interpreted on the CPU at toy sizes (speed is meaningless here)."""
     monkeypatch.setattr(bench, "environment", lambda: {"device": "cpu", "date": "today", "torch": "x"})
-    sizes = bench.Sizes(tokens=6, hidden=32, intermediate=48, copy_bytes=2**12)
-    result = bench.run(["rms_norm", "swiglu"], bench.Timing(0, 1, 0, 1), sizes, torch.device("cpu"))
+    sizes = timing.Sizes(tokens=6, hidden=32, intermediate=48, copy_bytes=2**12)
+    result = bench.run(["rms_norm", "swiglu"], timing.Timing(0, 1, 0, 1), sizes, torch.device("cpu"))
     assert [(r["op"], r["direction"]) for r in result["rows"]] == [
         ("rms_norm", "forward"),
         ("rms_norm", "backward"),
@@ -153,7 +156,7 @@ def test_a_tiny_cpu_run_times_fastft_beside_eager(monkeypatch):
     assert all(row["fastft_kernel_ms"] is None for row in result["rows"])  # no Triton here: nothing to time
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted, the launchers run alone too
-    result = bench.run(["rms_norm", "swiglu", "rope"], bench.Timing(0, 1, 0, 1), sizes, torch.device("cpu"))
+    result = bench.run(["rms_norm", "swiglu", "rope"], timing.Timing(0, 1, 0, 1), sizes, torch.device("cpu"))
     assert all(row["fastft_kernel_ms"] > 0 for row in result["rows"]), result["notes"]
-    text = bench.report(result)
+    text = tables.report(result)
     assert "the kernel alone" in text
