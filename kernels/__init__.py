@@ -4,8 +4,10 @@ Packaged from the top-level ``kernels/`` folder as ``fastft.kernels`` (never as 
 ``kernels`` module, a name that belongs to Hugging Face's kernel hub). This layer knows torch
 and triton only. One module per op, each with its plain-PyTorch reference beside it:
 ``rms_norm`` (Llama/Qwen and Gemma's (1 + w)), ``rope`` (Q and K in one launch, per-token
-positions; Qwen3's q/k norm fused), ``swiglu`` (SwiGLU / GeGLU, backward recomputes the
-activation). Submodules import triton; this package itself does not.
+positions), ``qk_norm_rope`` (Qwen3's q/k norm fused with it), ``swiglu`` (SwiGLU / GeGLU, backward
+recomputes the activation), ``grouped_gemm`` (MoE experts) and ``down_combine`` (the experts' down
+projection and top-k combine on it); ``autotune`` is the GEMM kernels' autotuning harness. Submodules
+import triton; this package itself does not.
 """
 
 from __future__ import annotations

@@ -25,7 +25,18 @@ if _INTERPRETER_SET_HERE:
     # module now, while the variable is set, whichever test happens to import it first.
     import importlib
 
-    for _name in ("rms_norm", "rope", "swiglu", "rounding", "fused_linear_ce", "nf4", "lora", "grouped_gemm"):
+    for _name in (
+        "rms_norm",
+        "rope",
+        "qk_norm_rope",
+        "swiglu",
+        "rounding",
+        "fused_linear_ce",
+        "nf4",
+        "lora",
+        "grouped_gemm",
+        "down_combine",
+    ):
         importlib.import_module(f"fastft.kernels.{_name}")
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -1,0 +1,238 @@
+"""fastft.kernels.lora: LoRA-fused projections (QKV-style shared input, and the whole gated MLP) against PEFT's
+formula in plain PyTorch, forward and every gradient, with 16-bit and NF4 bases.
+
+Tolerances (``rel`` = ``||a - b|| / ||b||`` over a whole tensor):
+
+    | inputs                         | compared with                         | rel   |
+    | ------------------------------ | ------------------------------------- | ----- |
+    | fp32                           | reference, fp32                       | 1e-5  |
+    | bf16 / fp16 (adapters fp32)    | reference on fp32 copies              | 2e-2  |
+    | NF4 base, bf16                 | reference with the dequantised weight | 2e-2  |
+
+On the CPU the gated activation inside the MLP runs through the Triton interpreter (conftest sets it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastft.kernels.lora import (
+    FrozenLinear,
+    LoraMLPFunction,
+    lora_linear_reference,
+    lora_linears,
+    lora_mlp,
+    lora_mlp_reference,
+)
+from fastft.kernels.nf4 import dequantize_quant_state, quantize_nf4_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _projection(out_f, in_f, rank, dtype, generator, bias=False, adapter_dtype=None, device=DEVICE):
+    weight = (torch.randn(out_f, in_f, generator=generator) / in_f**0.5).to(device, dtype)
+    b = (torch.randn(out_f, generator=generator) * 0.1).to(device, dtype) if bias else None
+    if rank == 0:
+        return FrozenLinear(weight, b), None, None
+    adapter_dtype = adapter_dtype or dtype
+    a = (torch.randn(rank, in_f, generator=generator) / in_f**0.5).to(device, adapter_dtype).requires_grad_()
+    bb = (torch.randn(out_f, rank, generator=generator) * 0.2).to(device, adapter_dtype).requires_grad_()
+    return FrozenLinear(weight, b), a, bb
+
+
+def _fp32(projection):
+    base, a, b = projection
+    base32 = FrozenLinear(base.dense(torch.float32), None if base.bias is None else base.bias.float())
+    if a is None:
+        return base32, None, None
+    return base32, a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+
+
+def _leaves(x, projections):
+    return [x] + [t for _, a, b in projections for t in (a, b) if t is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 3, 37])
+def test_shared_input_projections_match_peft_formula(dtype, tokens):
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = 40
+    adapter_dtype = torch.float32  # PEFT keeps adapters in fp32 beside 16-bit bases
+    projections = [
+        _projection(48, hidden, 4, dtype, generator, bias=True, adapter_dtype=adapter_dtype),  # q
+        _projection(16, hidden, 0, dtype, generator),  # k without LoRA
+        _projection(16, hidden, 8, dtype, generator, adapter_dtype=adapter_dtype),  # v, another rank
+    ]
+    scales = (2.0, 1.0, 0.5)
+    x = torch.randn(2, tokens, hidden, generator=generator).to(DEVICE, dtype).requires_grad_()
+    outputs = lora_linears(x, [p[0] for p in projections], scales, [(p[1], p[2]) for p in projections])
+    weights = [torch.randn(o.shape, generator=generator).to(DEVICE) for o in outputs]
+    loss = sum((o.float() * w).sum() for o, w in zip(outputs, weights, strict=True))
+    grads = torch.autograd.grad(loss, _leaves(x, projections))
+
+    reference = [_fp32(p) for p in projections]
+    x32 = x.detach().float().requires_grad_()
+    expected_out = [lora_linear_reference(x32, *p, scale=s) for p, s in zip(reference, scales, strict=True)]
+    expected_loss = sum((o * w).sum() for o, w in zip(expected_out, weights, strict=True))
+    expected = torch.autograd.grad(expected_loss, _leaves(x32, reference))
+
+    for got, want in zip(outputs, expected_out, strict=True):
+        assert got.dtype == dtype
+        assert _rel(got, want) <= TOLERANCE[dtype]
+    for got, want, leaf in zip(grads, expected, _leaves(x, projections), strict=True):
+        assert got.dtype == leaf.dtype
+        assert _rel(got, want) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "geglu_tanh"])
+@pytest.mark.parametrize("ranks", [(4, 4, 4), (0, 8, 4), (4, 0, 0)])
+def test_fused_mlp_matches_peft_formula(dtype, kind, ranks):
+    generator = torch.Generator().manual_seed(sum(ranks))
+    hidden, intermediate = 24, 70
+    projections = [
+        _projection(intermediate, hidden, ranks[0], dtype, generator, adapter_dtype=torch.float32),
+        _projection(intermediate, hidden, ranks[1], dtype, generator, adapter_dtype=torch.float32),
+        _projection(hidden, intermediate, ranks[2], dtype, generator, adapter_dtype=torch.float32),
+    ]
+    scales = (2.0, 0.5, 1.5)
+    x = torch.randn(1, 9, hidden, generator=generator).to(DEVICE, dtype).requires_grad_()
+    y = lora_mlp(x, *[p[0] for p in projections], scales, kind, [(p[1], p[2]) for p in projections])
+    weight = torch.randn(y.shape, generator=generator).to(DEVICE)
+    grads = torch.autograd.grad((y.float() * weight).sum(), _leaves(x, projections))
+
+    reference = [_fp32(p) for p in projections]
+    x32 = x.detach().float().requires_grad_()
+    flat = [t for p in reference for t in p[1:]]
+    expected_y = lora_mlp_reference(x32, *[p[0] for p in reference], scales, kind, *flat)
+    expected = torch.autograd.grad((expected_y * weight).sum(), _leaves(x32, reference))
+
+    assert y.dtype == dtype
+    assert _rel(y, expected_y) <= TOLERANCE[dtype]
+    for got, want in zip(grads, expected, strict=True):
+        assert _rel(got, want) <= TOLERANCE[dtype]
+
+
+def test_fused_mlp_saves_two_intermediate_tensors_not_four():
+    """Saved for backward: x, gate, up and the [N, r] LoRA intermediates -- never act(gate) or h."""
+    generator = torch.Generator().manual_seed(0)
+    hidden, intermediate, tokens = 16, 64, 11
+    projections = [
+        _projection(intermediate, hidden, 2, torch.float32, generator),
+        _projection(intermediate, hidden, 2, torch.float32, generator),
+        _projection(hidden, intermediate, 2, torch.float32, generator),
+    ]
+    x = torch.randn(tokens, hidden, generator=generator, device=DEVICE, requires_grad=True)
+    y = lora_mlp(
+        x, *[p[0] for p in projections], (1.0, 1.0, 1.0), "swiglu", [(p[1], p[2]) for p in projections]
+    )
+    assert y.grad_fn.__class__.__name__ == LoraMLPFunction.__name__ + "Backward"
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    big = [t for t in saved if t.numel() >= tokens * intermediate]
+    assert len(big) == 2  # gate and up
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_nf4_base_is_dequantised_on_use(nested):
+    generator = torch.Generator().manual_seed(1)
+    hidden, out_f = 64, 96
+    dense = torch.randn(out_f, hidden, generator=generator).to(DEVICE, torch.bfloat16) / 8
+    packed, state = quantize_nf4_reference(dense, blocksize=64, compress_statistics=nested)
+    base = FrozenLinear(packed, None, state)
+    assert base.out_features == out_f
+    dequantised = dequantize_quant_state(packed, state, dtype=torch.bfloat16)
+    a = (torch.randn(4, hidden, generator=generator) / 8).to(DEVICE).requires_grad_()
+    b = torch.randn(out_f, 4, generator=generator).to(DEVICE).requires_grad_()
+    x = torch.randn(5, hidden, generator=generator).to(DEVICE, torch.bfloat16).requires_grad_()
+    (y,) = lora_linears(x, [base], [2.0], [(a, b)])
+    grads = torch.autograd.grad(y.float().sum(), [x, a, b])
+    x32 = x.detach().float().requires_grad_()
+    a32, b32 = a.detach().requires_grad_(), b.detach().requires_grad_()
+    want = lora_linear_reference(x32, FrozenLinear(dequantised.float()), a32, b32, 2.0)
+    expected = torch.autograd.grad(want.sum(), [x32, a32, b32])
+    assert _rel(y, want) <= 2e-2
+    for got, ref in zip(grads, expected, strict=True):
+        assert _rel(got, ref) <= 2e-2
+
+
+def test_autocast_dtype_is_the_compute_dtype():
+    generator = torch.Generator().manual_seed(2)
+    projection = _projection(32, 16, 4, torch.float32, generator)
+    x = torch.randn(3, 16, generator=generator, device=DEVICE, requires_grad=True)
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        (y,) = lora_linears(x, [projection[0]], [1.0], [(projection[1], projection[2])])
+    assert y.dtype == torch.bfloat16
+    (dx,) = torch.autograd.grad(y.float().sum(), [x])
+    assert dx.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,intermediate", [(4096, 14336), (1000, 2752)])
+def test_gpu_fused_mlp_bf16_large(hidden, intermediate):
+    generator = torch.Generator().manual_seed(3)
+    projections = [
+        _projection(intermediate, hidden, 16, torch.bfloat16, generator, adapter_dtype=torch.float32),
+        _projection(intermediate, hidden, 16, torch.bfloat16, generator, adapter_dtype=torch.float32),
+        _projection(hidden, intermediate, 16, torch.bfloat16, generator, adapter_dtype=torch.float32),
+    ]
+    x = torch.randn(1, 1024, hidden, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
+    y = lora_mlp(
+        x, *[p[0] for p in projections], (2.0, 2.0, 2.0), "swiglu", [(p[1], p[2]) for p in projections]
+    )
+    weight = torch.randn(y.shape, generator=generator).cuda()
+    grads = torch.autograd.grad((y.float() * weight).sum(), _leaves(x, projections))
+    reference = [_fp32(p) for p in projections]
+    x32 = x.detach().float().requires_grad_()
+    flat = [t for p in reference for t in p[1:]]
+    want = lora_mlp_reference(x32, *[p[0] for p in reference], (2.0, 2.0, 2.0), "swiglu", *flat)
+    expected = torch.autograd.grad((want * weight).sum(), _leaves(x32, reference))
+    assert _rel(y, want) <= 2e-2
+    for got, ref in zip(grads, expected, strict=True):
+        assert _rel(got, ref) <= 2e-2
+
+
+@pytest.mark.parametrize("discarded", [True, False])
+def test_checkpointed_mlp_skips_the_down_projection_only_when_its_output_is_discarded(monkeypatch, discarded):
+    """Under activation checkpointing an MLP whose output only enters a residual add computes gate and up
+    only when re-run; one whose output a later op saves (Qwen2-MoE's gated shared expert: ``sigmoid(g) *
+    mlp(x)``) computes its down projection again, or that product's backward would read uninitialised
+    memory. Gradients equal the un-checkpointed ones exactly either way."""
+    import torch.utils.checkpoint as checkpoint
+    from fastft.kernels import lora
+
+    generator = torch.Generator().manual_seed(4)
+    projections = [
+        _projection(48, 16, 4, torch.float32, generator),
+        _projection(48, 16, 4, torch.float32, generator),
+        _projection(16, 48, 4, torch.float32, generator),
+    ]
+    adapters = [(p[1], p[2]) for p in projections]
+    down = projections[2][0]
+    calls = []
+    original = lora._project
+    monkeypatch.setattr(
+        lora, "_project", lambda x2, base, *rest: calls.append(base is down) or original(x2, base, *rest)
+    )
+
+    def mlp(x):
+        y = lora_mlp(x, *[p[0] for p in projections], (1.0, 2.0, 0.5), "swiglu", adapters, discarded)
+        return y + x if discarded else y * torch.sigmoid(x[:, :1]) + x
+
+    x = torch.randn(7, 16, generator=generator, device=DEVICE, requires_grad=True)
+    leaves = _leaves(x, projections)
+    plain = torch.autograd.grad(mlp(x).square().sum(), leaves)
+    calls.clear()
+    out = checkpoint.checkpoint(mlp, x, use_reentrant=False)
+    assert calls == [False, False, True]  # forward: gate, up, down
+    checkpointed = torch.autograd.grad(out.square().sum(), leaves)
+    # recompute: gate and up only, or all three
+    assert calls == [False, False, True, False, False] + ([] if discarded else [True])
+    for a, b in zip(checkpointed, plain, strict=True):
+        assert torch.equal(a, b)
