@@ -157,7 +157,9 @@ class Trainer:
 
     `train_data` is a `PackedDataset` or anything `pack` accepts (then packed to the tokenizer's
     `model_max_length`). Subscribers receive every `StepEvent` / `EvalEvent`; `stop()` and
-    `pause()` / `unpause()` are honoured between steps (safe to call from another thread).
+    `pause()` / `unpause()` are honoured between steps (safe to call from another thread): a paused
+    trainer holds its training thread at the step boundary until `unpause()` or `stop()`, and
+    `call_between_steps(fn)` has that thread run `fn` there (at once while it holds).
     `profile` is the run's `StepProfile` (phase timings per step; None with `TrainConfig(profile=False)`).
     """
 
@@ -235,8 +237,10 @@ class Trainer:
         self.step = 0
         self.result = TrainResult(profile=self.profile)
         self._stop = threading.Event()
-        self._running = threading.Event()
-        self._running.set()
+        self._control = threading.Condition()  # guards the pause state and the queued calls below
+        self._paused = False
+        self._holding = False
+        self._calls: list[Callable[[], object]] = []
         self._pending: list[_PendingReadout] = []
         self._epoch_orders: dict[int, np.ndarray] = {}
 
@@ -245,15 +249,51 @@ class Trainer:
         self.subscribers.append(subscriber)
 
     def stop(self) -> None:
-        """Finish the current step, then stop (a checkpoint is written if `output_dir` is set)."""
-        self._stop.set()
-        self._running.set()
+        """Finish the current step, then stop (a checkpoint is written if `output_dir` is set); a paused
+        run stops where it holds."""
+        with self._control:
+            self._stop.set()
+            self._control.notify_all()
 
     def pause(self) -> None:
-        self._running.clear()
+        """Hold the training thread at the next step boundary until `unpause()` (or `stop()`)."""
+        with self._control:
+            self._paused = True
 
     def unpause(self) -> None:
-        self._running.set()
+        with self._control:
+            self._paused = False
+            self._control.notify_all()
+
+    @property
+    def holding(self) -> bool:
+        """True while the training thread waits between two steps because the trainer is paused."""
+        return self._holding
+
+    def call_between_steps(self, fn: Callable[[], object]) -> None:
+        """Have the training thread call `fn()` before its next step, at once while it holds paused, so
+        `fn` sees no half-done step (a checkpoint asked for from another thread). An exception from `fn`
+        ends `train()`; calls still queued when `train()` returns run at the next `train()`."""
+        with self._control:
+            self._calls.append(fn)
+            self._control.notify_all()
+
+    def _between_steps(self) -> None:
+        """On the training thread at a step boundary: run the queued calls, and hold while paused."""
+        while True:
+            with self._control:
+                calls, self._calls = self._calls, []
+                if not calls:
+                    if not self._paused or self._stop.is_set():
+                        return
+                    self._holding = True
+                    try:
+                        self._control.wait()
+                    finally:
+                        self._holding = False
+                    continue
+            for call in calls:
+                call()
 
     # -- data order ----------------------------------------------------------------------------
     def _epoch_order(self, epoch: int) -> np.ndarray:
@@ -297,7 +337,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
             while self.step < target:
-                self._running.wait()
+                self._between_steps()
                 if self._stop.is_set():
                     self.result.stopped_early = True
                     break

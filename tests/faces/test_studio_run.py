@@ -14,7 +14,8 @@ import fastft
 from fastft.studio import export as export_module
 from fastft.studio.export import ExportPanel
 from fastft.studio.live import LiveFigure, SeriesBuffer, frontend
-from fastft.studio.run import Run, RunPanel, explain
+from fastft.studio.run import RunPanel
+from fastft.studio.run_control import Run, explain
 from fastft.studio.state import LoadSettings, LoraSettings, PackSettings, StudioState
 from fastft.studio.vram import VramPanel
 from fastft.training import trainer as trainer_module
