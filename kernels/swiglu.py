@@ -15,7 +15,7 @@ geglu_tanh     ``gelu(x, approximate="tanh")``         ``gelu_pytorch_tanh`` (Ge
 
 (Gemma configs that still say ``hidden_act="gelu"`` are rewritten by transformers to
 ``gelu_pytorch_tanh``; the activation to use is whatever ``ACT2FN[config.hidden_act]`` resolves to,
-see :data:`HIDDEN_ACT_TO_KIND`.)
+see :data:`fastft.kernels.activations.HIDDEN_ACT_TO_KIND`.)
 
 Formulas, with ``sigma(x) = 1 / (1 + exp(-x))``, ``Phi`` the standard normal CDF,
 ``phi(x) = exp(-x**2 / 2) / sqrt(2 pi)`` its density, ``c = sqrt(2 / pi)``, ``k = 0.044715``::
@@ -76,19 +76,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from . import use_triton
-
-KINDS = ("swiglu", "geglu", "geglu_tanh")
-
-# transformers' ``hidden_act`` names whose ``ACT2FN`` entry computes one of the three activations.
-HIDDEN_ACT_TO_KIND = {
-    "silu": "swiglu",
-    "swish": "swiglu",
-    "gelu": "geglu",
-    "gelu_python": "geglu",
-    "gelu_pytorch_tanh": "geglu_tanh",
-    "gelu_python_tanh": "geglu_tanh",
-    "gelu_new": "geglu_tanh",
-}
+from .activations import HIDDEN_ACT_TO_KIND, KINDS  # Triton-free: the fusion plan reads them too
 
 # Compile-time codes of the three activations (``KIND`` constexpr of the kernels). In the kernels a
 # tensor stays the left operand of a constexpr float (``x * _C``, not ``_C * x``): the interpreter

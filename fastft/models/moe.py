@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastft.models import fusion
 from fastft.runtime.offload import kept_tensors
 from fastft.runtime.routing import (
     RouterSpec,
@@ -62,8 +63,6 @@ from fastft.runtime.routing import (
     router_spec,
     watch_unfused_routers,
 )
-
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -258,11 +257,11 @@ def expert_weights(experts_wrapper: torch.nn.Module, info: MoeBlockInfo) -> Expe
 
 
 def moe_block_info(block: torch.nn.Module, config) -> MoeBlockInfo | None:
-    """`MoeBlockInfo` when `block` is a sparse-MoE block the fused forward reproduces, else None."""
-    from fastft.kernels.swiglu import HIDDEN_ACT_TO_KIND
-
-    model_type = getattr(config, "model_type", None)
-    if model_type not in MOE_MODEL_TYPES or not hasattr(block, "experts"):
+    """`MoeBlockInfo` when `block` is a sparse-MoE block the fused forward reproduces, else None. Whether
+    the config's MoE blocks are fused, and their experts' activation, is its `fastft.models.fusion` plan's."""
+    fusion_plan = fusion.plan(config)
+    model_type = fusion_plan.model_type
+    if not fusion_plan.moe or not hasattr(block, "experts"):
         return None
     experts, _ = unwrap_experts(block.experts)
     if not is_expert_module(experts) or not getattr(experts, "has_gate", True):
@@ -282,7 +281,7 @@ def moe_block_info(block: torch.nn.Module, config) -> MoeBlockInfo | None:
     if not own_gate:
         if model_type == "gpt_oss" or not getattr(experts, "is_concatenated", True):
             return None  # an older transformers without the model's own gate function: nothing to call
-        kind = HIDDEN_ACT_TO_KIND.get(getattr(config, "hidden_act", None))
+        kind = fusion_plan.activation
         if kind is None and apply_gate is None and not hasattr(experts, "act_fn"):
             return None
     shared = model_type == "qwen2_moe"
@@ -384,7 +383,6 @@ def collect_moe_router_stats(model: torch.nn.Module):
 
 __all__ = [
     "collect_moe_router_stats",
-    "MOE_MODEL_TYPES",
     "ExpertLora",
     "ExpertWeights",
     "MoeBlockInfo",

@@ -31,8 +31,9 @@ Each fused forward decides per call whether it applies, and otherwise runs the m
 a KV cache (generation), several or disabled adapters, DoRA, LoRA dropout while training, 8-bit bases or
 trainable base weights all take the original path (an MoE block: several active adapters, an adapter PEFT
 must unmerge, quantised expert weights, Mixtral's router jitter while training), so `model.disable_adapter()`, `merge_adapter()` and
-`generate()` behave exactly as without fastft. Architectures outside `SUPPORTED` keep every module as it is
-and get one warning naming what was not fused.
+`generate()` behave exactly as without fastft. What gets fused is the model config's `FusionPlan`
+(`fastft.models.fusion`); architectures it does not cover keep every module as it is and get one warning
+naming what was not fused.
 """
 
 from __future__ import annotations
@@ -45,10 +46,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from fastft.models import fusion
 from fastft.models.moe import moe_block_forward, moe_block_info
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
-MOE_ONLY = ("gpt_oss",)  # only the MoE blocks are fused (attention sinks, fp32 norm weights)
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # what the fused attention forward reads
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # and the fused MLP forward
 # Keep o_proj's output with a kept attention output (`_output_projection`); False recomputes it (the ablation)
@@ -306,8 +306,6 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
     Idempotent (a second call returns the first report) and reversible with `unpatch`. Returns a
     `PatchReport`; when something stays on the reference path, one `UnfusedWarning` says what and why.
     """
-    from fastft.kernels.swiglu import HIDDEN_ACT_TO_KIND
-
     base = _base(model)
     existing = getattr(base, "fastft_kernels", None)
     if existing is not None:
@@ -316,10 +314,10 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
     model_type = getattr(config, "model_type", type(base).__name__)
     report = PatchReport(model_type)
     state = _PatchState(report, [])
-    if model_type not in SUPPORTED + MOE_ONLY:
+    plan = fusion.plan(config)
+    if plan.scope == "none":
         report.not_fused.append(
-            f"the {model_type} architecture (fused kernels cover {', '.join(SUPPORTED + MOE_ONLY)}); "
-            "it trains on transformers' own modules"
+            f"the {model_type} architecture ({plan.scope_reason}); it trains on transformers' own modules"
         )
         base.fastft_kernels = state
         if warn:
@@ -327,8 +325,8 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
         return report
 
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
-    kind = HIDDEN_ACT_TO_KIND.get(getattr(config, "hidden_act", None))
-    dense = model_type in SUPPORTED
+    kind = plan.activation
+    dense = plan.fuses_decoder
     counts = {"rms_norm": 0, "attention": 0, "mlp": 0, "moe": 0}
     moe_blocks = dense_mlps = 0
     for layer in decoder.layers:
@@ -355,13 +353,12 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
         counts["rms_norm"] += 1
     if not dense:
         report.not_fused.append(
-            f"the attention and RMSNorm of {model_type} (attention sinks, fp32 norm weights: "
-            "transformers' modules)"
+            f"the attention and RMSNorm of {model_type} ({plan.scope_reason}: transformers' modules)"
         )
     if moe_blocks:
         report.not_fused.append(f"{moe_blocks} MoE expert blocks (they run transformers' experts)")
     if kind is None and dense_mlps:
-        report.not_fused.append(f"the MLPs (activation {config.hidden_act!r} has no fused kernel)")
+        report.not_fused.append(f"the MLPs ({plan.activation_reason})")
     report.fused = {name: count for name, count in counts.items() if count}
     report.fused["cross_entropy"] = 1
     state.projections = _lora_projections(state.modules)

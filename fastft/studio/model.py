@@ -113,9 +113,7 @@ def _facts_from_spec(spec, source: str, description: str) -> ModelFacts:
         context=config.get("max_position_embeddings"),
         gated=spec.gated,
     )
-    facts.fused, facts.not_fused = predicted_fusion(
-        spec.model_type, spec.num_experts, config.get("hidden_act")
-    )
+    facts.fused, facts.not_fused = _fusion({**config, "model_type": spec.model_type})
     return facts
 
 
@@ -141,43 +139,17 @@ def _facts_from_folder(name: str, path: Path) -> ModelFacts:
         facts.parameters = ModelSpec(name, "", facts.model_type, config, gated=False).parameter_count()
     except (KeyError, TypeError, ValueError):
         facts.parameters = None  # an architecture the catalog's formula does not cover: counted on Load
-    facts.fused, facts.not_fused = predicted_fusion(facts.model_type, experts, config.get("hidden_act"))
+    facts.fused, facts.not_fused = _fusion(config)
     return facts
 
 
-def predicted_fusion(
-    model_type: str | None, experts: int, hidden_act: str | None
-) -> tuple[list[str], list[str]]:
-    """(parts on fused kernels, parts left on transformers' modules) as `fastft.patch` will decide."""
-    from fastft.models.patch import MOE_ONLY, SUPPORTED
+def _fusion(config: dict) -> tuple[list[str], list[str]]:
+    """(parts on fused kernels, parts left on transformers' modules): the config's fusion plan, which
+    `fastft.patch` follows."""
+    from fastft.models.fusion import plan
 
-    if model_type in MOE_ONLY:
-        return [f"MoE expert blocks ({experts} experts per layer: routing plan + grouped GEMM)"], [
-            f"the attention and RMSNorm of {model_type} (transformers' modules)"
-        ]
-    if model_type not in SUPPORTED:
-        return [], [
-            f"the {model_type} architecture: it trains on transformers' own modules "
-            f"(fused kernels cover {', '.join(SUPPORTED + MOE_ONLY)})"
-        ]
-    fused = ["RMSNorm", "RoPE", "LoRA-fused Q/K/V/O projections"]
-    not_fused = []
-    if experts:
-        fused.append(f"MoE expert blocks ({experts} experts per layer: routing plan + grouped GEMM)")
-    elif _activation_fused(hidden_act or "silu"):
-        fused.append("gated MLP with LoRA")
-    else:
-        not_fused.append(f"the MLPs (activation {hidden_act!r} has no fused kernel)")
-    fused.append("linear cross-entropy")
-    return fused, not_fused
-
-
-def _activation_fused(hidden_act: str) -> bool:
-    try:
-        from fastft.kernels.swiglu import HIDDEN_ACT_TO_KIND
-    except ImportError:  # no triton on this machine: the table is the same, the kernels are not
-        return hidden_act in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
-    return hidden_act in HIDDEN_ACT_TO_KIND
+    fusion = plan(config)
+    return list(fusion.fused), list(fusion.not_fused)
 
 
 def _count(n: int | None) -> str:

@@ -2,8 +2,8 @@
 
 Two code paths run a decoder layer, and they keep different tensors:
 
-**fastft's fused kernels** (``add_lora(fused=True)``, the default, for the architectures in
-`fastft.models.patch.SUPPORTED`; `fastft.kernels`):
+**fastft's fused kernels** (``add_lora(fused=True)``, the default, for the architectures whose fusion plan
+fuses the whole decoder, `fastft.models.fusion`; `fastft.kernels`):
 
 - Triton RMSNorm saves its input itself (no copy) and ``rstd`` (one fp32 per row).
 - `LoraLinearsFunction` (q/k/v in one call, o_proj in another) saves its input in the compute dtype and
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastft.models.fusion import FusionPlan, plan
 from fastft.vram.inventory import LayerInfo, LinearInfo, ModelInventory
 
 # Linears that read the same input: under fp32 (no autocast copies) it is saved once per group.
@@ -57,21 +58,10 @@ _ATTENTION_INPUT = {"q_proj", "k_proj", "v_proj"}
 _MLP_INPUT = {"gate_proj", "up_proj", "shared_expert_gate"}
 
 
-def fused_architectures() -> tuple[str, ...]:
-    """Model types `fastft.models.patch` swaps fused kernels into."""
-    try:
-        from fastft.models.patch import SUPPORTED
-    except ImportError:  # a tree without the fused kernels
-        return ()
-    return tuple(SUPPORTED)
-
-
-def fused_activation(hidden_act: str | None) -> bool:
-    try:
-        from fastft.kernels.swiglu import HIDDEN_ACT_TO_KIND
-    except ImportError:
-        return False
-    return hidden_act in HIDDEN_ACT_TO_KIND
+def fusion_plan(model_type: str, hidden_act: str | None) -> FusionPlan:
+    """The fusion plan (`fastft.models.fusion`) of a model with this architecture and activation: what
+    ``add_lora(fused=True)`` puts on fastft's kernels."""
+    return plan({"model_type": model_type, "hidden_act": hidden_act})
 
 
 @dataclass(frozen=True)
@@ -118,14 +108,15 @@ class Profile:
             sizes["residual"] = residual
             if sizes["quantized"]:
                 sizes["act"] = residual  # bitsandbytes returns its input's dtype
-        patched = fused and model_type in fused_architectures()
+        fusion = fusion_plan(model_type, hidden_act)
+        patched = fused and fusion.fuses_decoder
         projections = patched and precision != "int8"
         return cls(
             precision,
             **sizes,
             fused_norms=patched,
             fused_projections=projections,
-            fused_mlp=projections and fused_activation(hidden_act),
+            fused_mlp=projections and fusion.activation is not None,
             fused_loss=patched,
         )
 

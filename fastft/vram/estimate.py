@@ -852,7 +852,11 @@ def fits(
         fix(f"use checkpointing='{mode}'", {"checkpointing": mode})
         for mode in CHECKPOINTING[CHECKPOINTING.index(s.checkpointing) + 1 :]
     ]
-    if s.loss == "eager" and not s.fused and inventory.model_type in act.fused_architectures():
+    if (
+        s.loss == "eager"
+        and not s.fused
+        and act.fusion_plan(inventory.model_type, inventory.hidden_act).fuses_decoder
+    ):
         found.append(
             fix(
                 "use fastft's fused kernels (add_lora(fused=True)): fused loss, fewer saved activations",
