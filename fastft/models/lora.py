@@ -92,18 +92,27 @@ def _is_router(full_name: str, model: torch.nn.Module) -> bool:
 
 
 def resolve_targets(model: torch.nn.Module, target_modules: str | list[str] | tuple[str, ...]) -> list[str]:
-    available = linear_layer_names(model)
-    if target_modules == "all-linear":
-        return available
-    if isinstance(target_modules, str):
-        target_modules = [target_modules]
-    unknown = [name for name in target_modules if name not in available]
+    """`target_modules` checked against the model's `linear_layer_names` (`check_targets`)."""
+    return check_targets(target_modules, linear_layer_names(model))
+
+
+def check_targets(
+    targets: str | list[str] | tuple[str, ...], available: list[str], model: str = "this model"
+) -> list[str]:
+    """The LoRA targets `targets` names: "all-linear" (every one of `available`, a model's
+    `linear_layer_names`), one short name or several. Raises `LoraTargetError` naming the valid ones for a
+    name that is not among them. `add_lora` and the VRAM estimator both check their targets here."""
+    if targets == "all-linear":
+        return list(available)
+    if isinstance(targets, str):
+        targets = [targets]
+    unknown = [name for name in targets if name not in available]
     if unknown:
         raise LoraTargetError(
-            f"LoRA target(s) {unknown} are not linear layers of this model. "
-            f"Its linear layers are: {available}. Use some of these, or target_modules='all-linear'."
+            f"LoRA target(s) {unknown} are not linear layers of {model}. "
+            f"Its linear layers are: {available}. Use some of these, or 'all-linear' for every one."
         )
-    return list(target_modules)
+    return list(targets)
 
 
 def add_lora(

@@ -622,17 +622,12 @@ def _resolve_targets(inventory: ModelInventory, targets) -> list[str]:
         if loaded is not None and loaded.lora_targets:
             return [t for t in loaded.lora_targets if t in available] or available
         return available
-    if targets == "all-linear":
-        return available
-    if isinstance(targets, str):
-        targets = [targets]
-    unknown = [t for t in targets if t not in available]
-    if unknown:
-        raise VramEstimateError(
-            f"LoRA target(s) {unknown} are not linear layers of {inventory.name}. Its linear layers are: "
-            f"{available}. Use some of these, or targets='all-linear'."
-        )
-    return list(targets)
+    from fastft.models.lora import LoraTargetError, check_targets
+
+    try:
+        return check_targets(targets, available, inventory.name)
+    except LoraTargetError as error:  # the same check and message as add_lora's, as the estimator's error
+        raise VramEstimateError(str(error)) from None
 
 
 def _resolve_gpu(gpu) -> GpuSpec | None:
