@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastft.vram.estimate import VramEstimate, VramEstimateError, _resolve_checkpointing, estimate_vram
+from fastft.vram.estimate import estimate_vram
+from fastft.vram.result import VramEstimate, VramEstimateError
+from fastft.vram.settings import resolve_checkpointing
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,7 @@ class TrainingProbe:
         torch.cuda.empty_cache()
         self.baseline_allocated = torch.cuda.memory_allocated(self.device)
         self.baseline_reserved = torch.cuda.memory_reserved(self.device)
-        self.mode = _resolve_checkpointing(checkpointing)
+        self.mode = resolve_checkpointing(checkpointing)
         self.precision = precision
         self.dtype = (
             torch.float32 if precision == "fp32" else torch.float16 if precision == "fp16" else torch.bfloat16
