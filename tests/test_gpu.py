@@ -11,6 +11,7 @@ import torch
 import fastft
 from fastft.bench.common import count_syncs
 from fastft.data.skills import generate
+from fastft.runtime.state import model_state
 from fastft.training import trainer as trainer_module
 from fastft.training.loss import causal_lm_loss_sum
 from fastft.training.trainer import TrainConfig, Trainer
@@ -119,10 +120,11 @@ def test_a_packed_training_step_has_no_host_device_sync():
     data = fastft.pack(ROWS, tokenizer)
     trainer = Trainer(model, tokenizer, data, config=TrainConfig(max_steps=10, micro_batch_bins=2))
     trainer.train()  # warm up: backend choice (a measured sync, once), allocator, kernels
-    assert model.fastft_attention.resolved in ("sdpa_masked", "sdpa_segments", "varlen", "flex", "flash_attn")
+    resolved = model_state(model).attention.resolved
+    assert resolved in ("sdpa_masked", "sdpa_segments", "varlen", "flex", "flash_attn")
     trainer.optimizer.zero_grad(set_to_none=True)
     syncs = count_syncs(trainer._train_step)
-    print(f"attention backend {model.fastft_attention.resolved}; syncs in one step: {syncs}")
+    print(f"attention backend {resolved}; syncs in one step: {syncs}")
     assert syncs == 0
 
 

@@ -55,7 +55,7 @@ def synthetic_sequences(
 def _rebuilt_per_layer(base: str):
     """A backend that re-derives the boundaries from position_ids on every call (the ablation)."""
 
-    def backend(query, key, value, batch, scaling, dropout, window):
+    def backend(query, key, value, batch, scaling, dropout, window, kept=None):
         positions = batch.position_ids[0]
         starts = torch.nonzero(positions == 0).flatten()  # sync: data-dependent size
         ends = torch.cat([starts[1:], torch.tensor([positions.numel()], device=positions.device)])
@@ -68,8 +68,9 @@ def _rebuilt_per_layer(base: str):
             sequence_lengths=tuple(lengths.tolist()),  # sync
             _artifacts={},
         )
-        return attention.packed_attention(query, key, value, rebuilt, base, scaling, dropout, window)
+        return attention.packed_attention(query, key, value, rebuilt, base, scaling, dropout, window, kept)
 
+    backend.__name__ = REBUILD
     return backend
 
 
@@ -161,7 +162,7 @@ def run(
 
     rows = []
 
-    def measure(variant: str, backend: str | None) -> None:
+    def measure(variant: str, backend) -> None:  # a backend name, a backend function, or None
         if backend is None:
             attention.unpatch_packed_attention(model)
         else:
@@ -186,9 +187,8 @@ def run(
         print(f"  {variant:<28} total {median['total']:9.1f} ms", flush=True)
 
     base_backend = "varlen" if "varlen" in attention.available_backends(device) else "sdpa_segments"
-    attention.register_backend(REBUILD, _rebuilt_per_layer(base_backend))
     measure("transformers (SDPA, position_ids)", None)
-    measure(f"per-layer rebuild ({base_backend})", REBUILD)
+    measure(f"per-layer rebuild ({base_backend})", _rebuilt_per_layer(base_backend))
     for backend in backends or attention.available_backends(device):
         measure(f"fastft {backend}", backend)
 

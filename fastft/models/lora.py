@@ -21,6 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from fastft.runtime.checkpointing import Checkpointing
 from fastft.runtime.offload import disable_offload, enable_offload
+from fastft.runtime.state import model_state
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the stacked expert parameters an ``experts`` target adapts
 
@@ -168,7 +169,7 @@ def add_lora(
     )
 
     if isinstance(model, PeftModel):
-        existing = getattr(model, "fastft_lora", None)
+        existing = model_state(model).lora
         if existing == settings:
             return model
         raise ValueError(
@@ -207,7 +208,7 @@ def add_lora(
         from fastft.models.patch import patch
 
         patch(peft_model)
-    peft_model.fastft_lora = settings
+    model_state(peft_model).lora = settings
     return peft_model
 
 

@@ -51,18 +51,17 @@ import torch
 import torch.nn.functional as F
 
 from fastft.models import fusion
-from fastft.runtime.offload import kept_tensors
+from fastft.runtime.context import ROUTING, KeptTensors, layer_context
 from fastft.runtime.routing import (
+    RouterCollector,
     RouterSpec,
     build_routing_plan,
-    collect_router_stats,
-    is_collecting,
     plan_from_order,
     plan_from_top_k,
-    record_router_logits,
     router_spec,
     watch_unfused_routers,
 )
+from fastft.runtime.state import model_state
 
 
 @dataclass(frozen=True)
@@ -298,36 +297,42 @@ def moe_block_info(block: torch.nn.Module, config) -> MoeBlockInfo | None:
     )
 
 
-_PLAN = "routing plan"  # what a kept routing order is tagged with (`KeptTensors`)
-
-
-def _routing_plan(router: torch.nn.Module, x: torch.Tensor, spec: RouterSpec):
-    """The layer's `RoutingPlan`. Under offloaded checkpointing the forward keeps its routing order
-    (``sorted_slots`` as int32 and ``group_end``: 4 bytes per routed slot) beside the layer input, and the
-    recompute rebuilds the plan from it (`plan_from_order`): the router GEMM runs again for its gradient,
-    the top-k and the sort do not, so the plan is built once per layer and step."""
+def _routing_plan(
+    router: torch.nn.Module, x: torch.Tensor, spec: RouterSpec, kept: KeptTensors | None = None
+):
+    """The layer's `RoutingPlan`. Under offloaded checkpointing (`kept`: the layer call's `KeptTensors`) the
+    forward keeps its routing order (``sorted_slots`` as int32 and ``group_end``: 4 bytes per routed slot)
+    beside the layer input, and the recompute rebuilds the plan from it (`plan_from_order`): the router GEMM
+    runs again for its gradient, the top-k and the sort do not, so the plan is built once per layer and step."""
     if router._forward_hooks or router._forward_pre_hooks:
         # someone watches the router (transformers' output_router_logits capture, a profiler): run the
         # module itself so they see its call; its outputs are exactly what the builder would compute
         logits, weights, expert_ids = router(x)
         return plan_from_top_k(expert_ids, weights, spec.num_experts, router_logits=logits)
     logits = F.linear(x, router.weight, getattr(router, "bias", None))
-    kept = kept_tensors()
     if kept is not None and not kept.recording:
-        entry = kept.take()
-        if entry is not None and entry[1] == _PLAN:
+        entry = kept.take(ROUTING)
+        if entry is not None:
             (sorted_slots, group_end), _ = entry
             return plan_from_order(logits, spec, sorted_slots, group_end)
     plan = build_routing_plan(logits, spec)
-    if kept is not None and kept.recording:
-        kept.keep((plan.sorted_slots.to(torch.int32), plan.group_end), _PLAN)
+    if kept is not None and kept.recording and kept.wants(ROUTING):
+        kept.keep(ROUTING, (plan.sorted_slots.to(torch.int32), plan.group_end))
     return plan
+
+
+def _collecting(block: torch.nn.Module) -> RouterCollector | None:
+    """The model's router collector (through the block's layer context) while it collects, else None."""
+    context = layer_context(block)
+    routers = None if context is None else context.model_state.routers
+    return routers if routers is not None and routers.collecting else None
 
 
 def _original_with_stats(self, hidden_states, info: MoeBlockInfo):
     """The block's original forward; with router statistics being collected, its router's logits are
     captured on the way (a hook for this call only) so the load-balancing loss still sees the layer."""
-    if not is_collecting():
+    routers = _collecting(self)
+    if routers is None:
         return self._fastft_original_forward(hidden_states)
     captured = []
     router = getattr(self, info.router_name)
@@ -337,7 +342,7 @@ def _original_with_stats(self, hidden_states, info: MoeBlockInfo):
     finally:
         handle.remove()
     for logits in captured:
-        record_router_logits(logits, info.spec)
+        routers.record_logits(logits, info.spec)
     return output
 
 
@@ -349,9 +354,11 @@ def moe_block_forward(self, hidden_states: torch.Tensor):
         return _original_with_stats(self, hidden_states, info)
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
-    plan = _routing_plan(getattr(self, info.router_name), x, info.spec)
-    if is_collecting():
-        record_router_logits(plan.router_logits, info.spec)
+    context = layer_context(self)
+    plan = _routing_plan(getattr(self, info.router_name), x, info.spec, getattr(context, "kept", None))
+    routers = _collecting(self)
+    if routers is not None:
+        routers.record_logits(plan.router_logits, info.spec)
     experts, _ = unwrap_experts(self.experts)
     # the block's output only enters additions (the shared expert's, the residual): discarded in a re-run
     out = moe_experts(x, plan, weights, experts, info.kind, output_discarded_in_recompute=True)
@@ -363,16 +370,18 @@ def moe_block_forward(self, hidden_states: torch.Tensor):
 
 @contextlib.contextmanager
 def collect_moe_router_stats(model: torch.nn.Module):
-    """Open `collect_router_stats` for one forward of `model` and yield the list it fills: fused MoE
-    blocks record their plans; any MoE block running transformers' forward has its router's logits
-    captured by a hook for the duration, so every layer is counted once, fused or not."""
+    """Open a collection on the model's `RouterCollector` (``model_state(model).routers``) for one forward
+    of `model` and yield the list it fills: fused MoE blocks record their plans; any MoE block running
+    transformers' forward has its router's logits captured by a hook for the duration, so every layer is
+    counted once, fused or not."""
     config = getattr(model, "config", None)
+    routers = model_state(model).routers
 
     def record(logits):
         # the statistics need only the top-k ids and the softmax: the generic rule picks the same ids
-        record_router_logits(logits, RouterSpec(config.num_experts_per_tok, logits.shape[-1]))
+        routers.record_logits(logits, RouterSpec(config.num_experts_per_tok, logits.shape[-1]))
 
-    with collect_router_stats() as stats:
+    with routers.collect() as stats:
         handles = watch_unfused_routers(model, record)
         try:
             yield stats

@@ -48,11 +48,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fastft.models import fusion
 from fastft.models.moe import moe_block_forward, moe_block_info
+from fastft.runtime.context import ATTENTION, OUTPUT_PROJECTION, attach_layer_contexts, layer_context
+from fastft.runtime.state import model_state
 
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # what the fused attention forward reads
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # and the fused MLP forward
-# Keep o_proj's output with a kept attention output (`_output_projection`); False recomputes it (the ablation)
-KEEP_OUTPUT_PROJECTION = True
 
 
 class UnfusedWarning(UserWarning):
@@ -194,29 +194,25 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         **kwargs,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return _output_projection(attn_output, bases[3:], scales[3:], adapters[3:]), attn_weights
+    kept = getattr(layer_context(self), "kept", None)  # the running offloaded layer call's, or None
+    return _output_projection(attn_output, bases[3:], scales[3:], adapters[3:], kept), attn_weights
 
 
-def _output_projection(attn_output, bases, scales, adapters) -> torch.Tensor:
+def _output_projection(attn_output, bases, scales, adapters, kept=None) -> torch.Tensor:
     """o_proj. Under offloaded checkpointing, a layer whose attention output was kept for its recompute
     (`fastft.runtime.attention`) keeps o_proj's output with it, so the recompute skips that GEMM as well:
     it has the input (the kept attention output) and the output, and computes only the rank-r ``x A^T`` its
     backward needs. The backward, and so every gradient, is the same as after recomputing it."""
     from fastft.kernels.lora import lora_linears
-    from fastft.runtime.offload import kept_tensors
 
-    kept = kept_tensors() if KEEP_OUTPUT_PROJECTION else None
     if kept is None:
         return lora_linears(attn_output, bases, scales, adapters)[0]
     if kept.recording:
-        kept_attention = kept.last_kept
         (output,) = lora_linears(attn_output, bases, scales, adapters)
-        if kept_attention:
-            kept.keep((output,))
-        else:
-            kept.decline()
+        if kept.kept(ATTENTION):  # whether o_proj keeps at all is the offloader's `keep` setting
+            kept.keep(OUTPUT_PROJECTION, (output,))
         return output
-    entry = kept.take()
+    entry = kept.take(OUTPUT_PROJECTION)
     return lora_linears(attn_output, bases, scales, adapters, known=None if entry is None else entry[0])[0]
 
 
@@ -307,7 +303,7 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
     `PatchReport`; when something stays on the reference path, one `UnfusedWarning` says what and why.
     """
     base = _base(model)
-    existing = getattr(base, "fastft_kernels", None)
+    existing = model_state(base).kernels
     if existing is not None:
         return existing.report
     config = base.config
@@ -319,7 +315,7 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
         report.not_fused.append(
             f"the {model_type} architecture ({plan.scope_reason}); it trains on transformers' own modules"
         )
-        base.fastft_kernels = state
+        model_state(base).kernels = state
         if warn:
             warnings.warn(f"fastft.patch: {report}", UnfusedWarning, stacklevel=2)
         return report
@@ -363,7 +359,8 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
     report.fused["cross_entropy"] = 1
     state.projections = _lora_projections(state.modules)
     _hook_adapter_copies(state, decoder)
-    base.fastft_kernels = state
+    attach_layer_contexts(base)  # the fused forwards reach their layer's kept tensors and router collector
+    model_state(base).kernels = state
     if warn and report.not_fused:
         warnings.warn(f"fastft.patch: {report}", UnfusedWarning, stacklevel=2)
     return report
@@ -413,7 +410,7 @@ def _patch_mlp(mlp: torch.nn.Module, kind: str | None, state: _PatchState, outpu
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Give every patched module its original forward back; a model that is not patched is unchanged."""
     base = _base(model)
-    state = getattr(base, "fastft_kernels", None)
+    state = model_state(base).kernels
     if state is None:
         return model
     if state.hook is not None:
@@ -426,11 +423,11 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             del module.forward
         for name in [key for key in vars(module) if key.startswith("_fastft_")]:
             delattr(module, name)
-    del base.fastft_kernels
+    model_state(base).kernels = None
     return model
 
 
 def is_fused(model: torch.nn.Module) -> bool:
     """Whether `patch` has run on this model (and it was not undone)."""
-    state = getattr(_base(model), "fastft_kernels", None)
+    state = model_state(_base(model)).kernels
     return state is not None and bool(state.modules)

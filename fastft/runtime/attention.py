@@ -3,7 +3,9 @@
 transformers rebuilds packing metadata from ``position_ids`` in each forward (a dense mask for
 SDPA, ``cu_seqlens`` with a host sync per layer for flash-attention). fastft registers one new
 attention implementation, ``"fastft_packed"``, and switches *model instances* to it (their own
-config; no class or global function is rebound). In a packed training step the loss passes
+config; no class or global function is rebound); the backend is the model's own
+(``model_state(model).attention``), which each attention module reads through its decoder layer's
+`fastft.runtime.context.LayerContext`. In a packed training step the loss passes
 ``fastft_batch=batch`` through the model's keyword arguments and a 4-D marker as the attention
 mask, which makes transformers skip mask creation; each attention layer then runs one of the
 backends below on the batch's ``cu_seqlens`` / host lengths / cached artefacts. Without a batch
@@ -29,13 +31,16 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from fastft.data.batch import PackedBatch
-from fastft.runtime.offload import kept_tensors
+from fastft.runtime.context import ATTENTION, KeptTensors, attach_layer_contexts, layer_context
+from fastft.runtime.state import model_state, state_of
 
 IMPLEMENTATION = "fastft_packed"
 # Each backend and the kernels it runs (run summaries name them: `describe_backend`).
@@ -56,11 +61,14 @@ class AttentionBackendError(ValueError):
 
 @dataclass
 class PackedAttentionState:
-    """Attached to a patched model as ``model.fastft_attention``."""
+    """A model's packed attention (its ``model_state(model).attention``): the backend asked for (a name, or
+    a backend function), the implementation to restore, and the backend resolved from it (its name and
+    function), once known."""
 
-    requested: str
+    requested: str | Callable
     previous_implementation: str
     resolved: str | None = None  # the backend actually used, once known
+    function: Callable | None = None  # and its function
 
 
 # -- backends ------------------------------------------------------------------------------------
@@ -90,7 +98,7 @@ def _dense_mask(batch: PackedBatch, window: int | None) -> torch.Tensor:
     return batch.artifact(f"dense_mask:{window}", build)
 
 
-def _sdpa_masked(query, key, value, batch, scaling, dropout, window):
+def _sdpa_masked(query, key, value, batch, scaling, dropout, window, kept=None):
     mask = _dense_mask(batch, window)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
@@ -98,7 +106,7 @@ def _sdpa_masked(query, key, value, batch, scaling, dropout, window):
     return out.transpose(1, 2)
 
 
-def _sdpa_segments(query, key, value, batch, scaling, dropout, window):
+def _sdpa_segments(query, key, value, batch, scaling, dropout, window, kept=None):
     outputs, start = [], 0
     for length in batch.sequence_lengths:
         end = start + length
@@ -150,11 +158,11 @@ def _uniform_length(batch: PackedBatch) -> int | None:
     return None
 
 
-def _sdpa_uniform(query, key, value, length, scaling):
+def _sdpa_uniform(query, key, value, length, scaling, kept: KeptTensors | None = None):
     """Equal-length sequences as a batch ``[n, heads, length, dim]``: one causal SDPA call (views only)."""
     n, dim = query.shape[2] // length, query.shape[-1]
     q, k, v = (t.squeeze(0).unflatten(1, (n, length)).transpose(0, 1) for t in (query, key, value))
-    out = _kept_attention(q, k, v, scaling, _sdpa_kernel, length)
+    out = _kept_attention(q, k, v, scaling, _sdpa_kernel, length, kept)
     if out is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).reshape(1, n * length, query.shape[1], dim)
@@ -162,7 +170,8 @@ def _sdpa_uniform(query, key, value, length, scaling):
 
 # -- attention kept for the recompute ------------------------------------------------------------
 # Under offloaded checkpointing (`fastft.runtime.offload`) a layer's forward keeps its attention output and
-# log-sum-exp beside its input (`KeptTensors`: host memory, back on the device with the input), and the
+# log-sum-exp beside its input (`KeptTensors` under the name "attention": host memory, back on the device
+# with the input; the layer call's `KeptTensors` reaches the backend as ``kept``), and the
 # recompute hands them to the kernel's own backward instead of running the attention forward again. The
 # kernel is the one SDPA / varlen would run in training (`_fused_sdp_choice`), called through its ATen
 # op, so the forward and the backward see one kernel's output. On the CPU every gradient is bit-identical
@@ -296,29 +305,29 @@ class _AttentionFromKept(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _kept_attention(q, k, v, scale, choose, longest: int) -> torch.Tensor | None:
+def _kept_attention(q, k, v, scale, choose, longest: int, kept: KeptTensors | None) -> torch.Tensor | None:
     """Causal attention through a kept output (see above), or None where the caller computes it as usual:
-    outside an offloaded layer, sequences shorter than `KEEP_FROM_LENGTH`, a kernel fastft does not call,
-    or where the offloader declined the keep."""
-    kept = kept_tensors()
+    outside an offloaded layer (`kept` None), attention not kept, sequences shorter than
+    `KEEP_FROM_LENGTH`, a kernel fastft does not call, or where the forward kept nothing."""
     if kept is None:
         return None
     if not kept.recording:
-        entry = kept.take()
+        entry = kept.take(ATTENTION)
         if entry is None:
             return None
         (out, lse), (kernel, state) = entry
         return _AttentionFromKept.apply(q, k, v, out, lse, kernel, state)
+    if not kept.wants(ATTENTION):
+        return None
     kernel = choose(q, k, v, scale) if longest >= KEEP_FROM_LENGTH else None
     if kernel is None:
-        kept.decline()
         return None
     out, lse, state = kernel.forward(q, k, v)
-    kept.keep((out, lse), (kernel, state))
+    kept.keep(ATTENTION, (out, lse), (kernel, state))
     return out
 
 
-def _varlen(query, key, value, batch, scaling, dropout, window):
+def _varlen(query, key, value, batch, scaling, dropout, window, kept=None):
     from torch.nn.attention.varlen import varlen_attn
 
     if dropout:
@@ -329,12 +338,12 @@ def _varlen(query, key, value, batch, scaling, dropout, window):
     length = _uniform_length(batch)
     if length is not None and (window is None or window >= length):
         q, k, v = (t.to(dtype) for t in (query, key, value))
-        return _sdpa_uniform(q, k, v, length, scaling).to(query.dtype)
+        return _sdpa_uniform(q, k, v, length, scaling, kept).to(query.dtype)
     q, k, v = (_token_major(t, dtype) for t in (query, key, value))
     choose = _varlen_kernel(batch.cu_seqlens, batch.max_seqlen, window)
-    kept = _kept_attention(q, k, v, scaling, choose, batch.max_seqlen)
-    if kept is not None:
-        return kept.unsqueeze(0).to(query.dtype)
+    out = _kept_attention(q, k, v, scaling, choose, batch.max_seqlen, kept)
+    if out is not None:
+        return out.unsqueeze(0).to(query.dtype)
     extra = {"enable_gqa": True} if _varlen_takes_enable_gqa() else {}
     cu = batch.cu_seqlens
     out = varlen_attn(
@@ -352,7 +361,7 @@ def _varlen(query, key, value, batch, scaling, dropout, window):
     return out.unsqueeze(0).to(query.dtype)
 
 
-def _flash_attn(query, key, value, batch, scaling, dropout, window):
+def _flash_attn(query, key, value, batch, scaling, dropout, window, kept=None):
     from flash_attn import flash_attn_varlen_func
 
     dtype = _flash_dtype(query)
@@ -406,7 +415,7 @@ def _block_mask(batch: PackedBatch, window: int | None):
     return batch.artifact(f"block_mask:{window}", build)
 
 
-def _flex(query, key, value, batch, scaling, dropout, window):
+def _flex(query, key, value, batch, scaling, dropout, window, kept=None):
     if dropout:
         raise AttentionBackendError(
             "the flex backend has no attention dropout: use sdpa_masked/sdpa_segments"
@@ -418,19 +427,19 @@ def _flex(query, key, value, batch, scaling, dropout, window):
     return out.transpose(1, 2)
 
 
-_BACKEND_FUNCTIONS = {
-    "sdpa_masked": _sdpa_masked,
-    "sdpa_segments": _sdpa_segments,
-    "varlen": _varlen,
-    "flash_attn": _flash_attn,
-    "flex": _flex,
-}
-
-
-def register_backend(name: str, function) -> None:
-    """Add a backend ``function(query, key, value, batch, scaling, dropout, window) -> [1, T, Hq, D]``
-    (used by benchmarks for ablations; the built-in ones cover training)."""
-    _BACKEND_FUNCTIONS[name] = function
+# The built-in backends (read-only). Another backend is a function with their signature,
+# ``function(query, key, value, batch, scaling, dropout, window, kept=None) -> [1, T, Hq, D]``, given to
+# `patch_packed_attention` for one model (a benchmark's ablation); `kept` is the layer call's `KeptTensors`
+# (None outside an offloaded layer), to hand on to `packed_attention`.
+_BACKEND_FUNCTIONS = types.MappingProxyType(
+    {
+        "sdpa_masked": _sdpa_masked,
+        "sdpa_segments": _sdpa_segments,
+        "varlen": _varlen,
+        "flash_attn": _flash_attn,
+        "flex": _flex,
+    }
+)
 
 
 def available_backends(device: torch.device | str) -> list[str]:
@@ -447,9 +456,18 @@ def available_backends(device: torch.device | str) -> list[str]:
 
 
 def packed_attention(
-    query, key, value, batch: PackedBatch, backend: str, scaling=None, dropout=0.0, sliding_window=None
+    query,
+    key,
+    value,
+    batch: PackedBatch,
+    backend: str | Callable,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    kept: KeptTensors | None = None,
 ):
-    """Causal attention within each sequence of `batch`.
+    """Causal attention within each sequence of `batch`, by `backend` (a name of `BACKENDS`, or a backend
+    function). `kept`: the offloaded layer call's `KeptTensors`, whose attention output it keeps or reuses.
 
     query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]`` (Hq a multiple of Hkv); returns ``[1, T, Hq, D]``.
     """
@@ -458,9 +476,10 @@ def packed_attention(
             "the packed-attention backend is not chosen yet: call choose_backend(model, batch) first "
             "(fastft's loss does), or patch with an explicit backend"
         )
-    if backend not in _BACKEND_FUNCTIONS:
+    function = backend if callable(backend) else _BACKEND_FUNCTIONS.get(backend)
+    if function is None:
         raise AttentionBackendError(f"unknown attention backend {backend!r}: use one of {BACKENDS} or 'auto'")
-    return _BACKEND_FUNCTIONS[backend](query, key, value, batch, scaling, dropout, _window(sliding_window))
+    return function(query, key, value, batch, scaling, dropout, _window(sliding_window), kept=kept)
 
 
 # -- the transformers attention implementation --------------------------------------------------
@@ -490,8 +509,17 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
             "attention sinks (gpt-oss) are not supported by fastft's packed attention yet: train with "
             "TrainConfig(attention=None) (transformers' attention over the packed position_ids)"
         )
-    backend = module.config._fastft_attention_backend
-    return packed_attention(query, key, value, batch, backend, scaling, dropout, sliding_window), None
+    context = layer_context(module)
+    state = None if context is None else context.model_state.attention
+    if state is None:
+        raise AttentionBackendError(
+            f"{type(module).__name__} runs fastft's packed attention outside a decoder layer that "
+            "patch_packed_attention switched (a module added since?): call patch_packed_attention(model) again"
+        )
+    out = packed_attention(
+        query, key, value, batch, state.function, scaling, dropout, sliding_window, kept=context.kept
+    )
+    return out, None
 
 
 def _register() -> None:
@@ -512,45 +540,58 @@ def _configs(model: torch.nn.Module):
             yield config
 
 
-def patch_packed_attention(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
-    """Switch this model instance to packed attention (idempotent; `unpatch_packed_attention` undoes it)."""
-    if backend != "auto" and backend not in _BACKEND_FUNCTIONS:
+def patch_packed_attention(model: torch.nn.Module, backend: str | Callable = "auto") -> torch.nn.Module:
+    """Switch this model instance to packed attention (idempotent; `unpatch_packed_attention` undoes it).
+
+    `backend`: a name of `BACKENDS`, "auto" (`choose_backend` picks on the first batch), or a backend
+    function with the built-in ones' signature (see `_BACKEND_FUNCTIONS`), for this model only, named by
+    its ``__name__`` in `describe_backend`."""
+    if not callable(backend) and backend != "auto" and backend not in _BACKEND_FUNCTIONS:
         raise AttentionBackendError(f"unknown attention backend {backend!r}: use one of {BACKENDS} or 'auto'")
     _register()
-    state = getattr(model, "fastft_attention", None)
+    models = model_state(model)
+    state = models.attention
     if state is None:
         state = PackedAttentionState(backend, model.config._attn_implementation)
-        model.fastft_attention = state
-    state.requested, state.resolved = backend, None if backend == "auto" else backend
+        models.attention = state
+    state.requested = backend
+    if backend == "auto":
+        state.resolved = state.function = None
+    else:
+        _resolve(state, backend)
+    attach_layer_contexts(model)
     for config in _configs(model):
         config._attn_implementation = IMPLEMENTATION
-        config._fastft_attention_backend = state.resolved
     return model
 
 
 def unpatch_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
-    state = getattr(model, "fastft_attention", None)
+    models = state_of(model)
+    state = None if models is None else models.attention
     if state is not None:
         for config in _configs(model):
             config._attn_implementation = state.previous_implementation
-        del model.fastft_attention
+        models.attention = None
     return model
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    return getattr(model, "fastft_attention", None) is not None
+    models = state_of(model)
+    return models is not None and models.attention is not None
 
 
-def _set_resolved(model: torch.nn.Module, backend: str) -> None:
-    model.fastft_attention.resolved = backend
-    for config in _configs(model):
-        config._fastft_attention_backend = backend
+def _resolve(state: PackedAttentionState, backend: str | Callable) -> None:
+    if callable(backend):
+        state.resolved, state.function = getattr(backend, "__name__", "custom"), backend
+    else:
+        state.resolved, state.function = backend, _BACKEND_FUNCTIONS[backend]
 
 
 def describe_backend(model: torch.nn.Module) -> str | None:
     """The packed-attention backend this model resolved to and the kernels it runs, for run summaries:
     e.g. ``"varlen (FlashAttention-2 varlen; ...)"``. None when not patched or not resolved yet."""
-    state = getattr(model, "fastft_attention", None)
+    models = state_of(model)
+    state = None if models is None else models.attention
     if state is None or state.resolved is None:
         return None
     kernels = BACKEND_KERNELS.get(state.resolved)
@@ -567,14 +608,14 @@ def choose_backend(model: torch.nn.Module, batch: PackedBatch) -> str:
     ranked them differently, so no per-run probe decides. Without ``varlen``: flash-attn, then
     SDPA with a dense mask while it stays small, else SDPA per sequence.
     """
-    state = model.fastft_attention
+    state = model_state(model).attention
     if state.resolved is not None:
         return state.resolved
     available = available_backends(batch.device)
     for name in ("varlen", "flash_attn"):
         if name in available:
-            _set_resolved(model, name)
+            _resolve(state, name)
             return name
     dense = batch.num_tokens**2 <= _DENSE_MASK_LIMIT
-    _set_resolved(model, "sdpa_masked" if dense else "sdpa_segments")
+    _resolve(state, "sdpa_masked" if dense else "sdpa_segments")
     return state.resolved

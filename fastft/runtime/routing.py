@@ -41,16 +41,16 @@ layer's top-k counts ``c_l`` and softmax probabilities ``p_l`` over ``R = L * T`
 
     aux = E * sum_e (sum_l c_l[e] / R) * (sum_l sum_t p_l[t, e] / R)
 
-While `collect_router_stats` is open, each MoE layer records its router logits and `RouterSpec`
-(`record_router_logits`: a reference, no computation inside the layer, so a checkpointed layer saves the
-same tensors in its forward and its recompute); `load_balancing_loss` turns each record into
-`RouterStats` (top-k counts, probability sums, rows) outside the layers and combines them.
+While the model's `RouterCollector` collects (the loss opens it), each MoE layer records its router
+logits and `RouterSpec` (`RouterCollector.record_logits`: a reference, no computation inside the layer,
+so a checkpointed layer saves the same tensors in its forward and its recompute); `load_balancing_loss`
+turns each record into `RouterStats` (top-k counts, probability sums, rows) outside the layers and
+combines them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -276,37 +276,46 @@ def build_routing_plan(router_logits: torch.Tensor, spec: RouterSpec) -> Routing
 
 # ------------------------------------------------------------------------------ load-balancing loss
 
-_collecting = threading.local()
 
+class RouterCollector:
+    """Where one model's MoE layers hand their router logits while its loss collects them (the model's
+    ``fastft.runtime.state.ModelState.routers``; the layers reach it through their
+    `fastft.runtime.context.LayerContext`).
 
-@contextlib.contextmanager
-def collect_router_stats():
-    """Within the block, every fused MoE layer forward on this thread appends its `RouterStats` to the
-    yielded list (in layer order). Nested blocks each see only their own layers."""
-    stats: list[RouterStats] = []
-    previous = getattr(_collecting, "stats", None)
-    _collecting.stats = stats
-    try:
-        yield stats
-    finally:
-        _collecting.stats = previous
+    `collect` opens a collection and yields the list it fills; collections nest, and each record goes to
+    the innermost open one only (offloaded checkpointing opens one per layer call inside the loss's, to
+    hand the layer's logits out of its autograd node). Nothing is recorded while none is open."""
 
+    __slots__ = ("_open",)
 
-def is_collecting() -> bool:
-    return getattr(_collecting, "stats", None) is not None
+    def __init__(self):
+        self._open: list[list] = []
 
+    @property
+    def collecting(self) -> bool:
+        return bool(self._open)
 
-def record_router_stats(stats: RouterStats | RouterRecord) -> None:
-    """Hand one layer's `RouterStats` (or `RouterRecord`) to the open `collect_router_stats` block, if any."""
-    sink = getattr(_collecting, "stats", None)
-    if sink is not None:
-        sink.append(stats)
+    @contextlib.contextmanager
+    def collect(self):
+        stats: list[RouterStats | RouterRecord] = []
+        self._open.append(stats)
+        try:
+            yield stats
+        finally:
+            for index in range(len(self._open) - 1, -1, -1):  # by identity: lists compare by contents
+                if self._open[index] is stats:
+                    del self._open[index]
+                    break
 
+    def record(self, stats: RouterStats | RouterRecord) -> None:
+        """Hand one layer's `RouterStats` (or `RouterRecord`) to the innermost open collection, if any."""
+        if self._open:
+            self._open[-1].append(stats)
 
-def record_router_logits(logits: torch.Tensor, spec: RouterSpec) -> None:
-    """What an MoE layer calls while the loss collects: its router logits, by reference (see `RouterRecord`)."""
-    if getattr(_collecting, "stats", None) is not None:
-        record_router_stats(RouterRecord(logits, spec))
+    def record_logits(self, logits: torch.Tensor, spec: RouterSpec) -> None:
+        """What an MoE layer calls while collecting: its router logits, by reference (see `RouterRecord`)."""
+        if self._open:
+            self._open[-1].append(RouterRecord(logits, spec))
 
 
 def load_balancing_loss(
@@ -340,17 +349,15 @@ def watch_unfused_routers(module: torch.nn.Module, on_logits) -> list:
 
 __all__ = [
     "watch_unfused_routers",
+    "RouterCollector",
     "RouterRecord",
     "RouterSpec",
     "RouterStats",
     "RoutingError",
     "RoutingPlan",
     "build_routing_plan",
-    "collect_router_stats",
     "load_balancing_loss",
     "plan_from_top_k",
-    "record_router_logits",
-    "record_router_stats",
     "router_spec",
     "top_k_routing",
 ]

@@ -20,6 +20,7 @@ import ipywidgets as widgets
 
 from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
 from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.state import state_of
 from fastft.studio.notices import (
     Panel,
     call_code,
@@ -503,9 +504,9 @@ class ModelPanel(Panel):
         model = self.state.model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.linear_layers = linear_layer_names(base)
-        chosen = getattr(getattr(model, "fastft_lora", None), "target_modules", None)
+        chosen = getattr(getattr(state_of(model), "lora", None), "target_modules", None)
         self._set_targets(self.linear_layers, chosen)
-        kernels = getattr(base, "fastft_kernels", None)
+        kernels = getattr(state_of(base), "kernels", None)
         self.fused_report = kernels.report if kernels is not None else None
         info = getattr(model, "fastft_info", None)
         trainable, total = trainable_parameter_count(model)
@@ -519,7 +520,7 @@ class ModelPanel(Panel):
                 f"{getattr(config, 'num_hidden_layers', '?')} layers, vocab {getattr(config, 'vocab_size', '?')}",
             ),
         ]
-        lora = getattr(model, "fastft_lora", None)
+        lora = getattr(state_of(model), "lora", None)
         if lora is not None:
             rows.append(
                 (
@@ -581,7 +582,7 @@ class ModelPanel(Panel):
                 f"{self.precision.value} loading needs a CUDA GPU with bitsandbytes; none was found. "
                 "On the CPU load in 16-bit."
             )
-        lora = getattr(self.state.model, "fastft_lora", None)
+        lora = getattr(state_of(self.state.model), "lora", None)
         if lora is not None and self._lora_differs(lora):
             notes.append("LoRA settings changed: click Apply LoRA to re-apply them to the loaded model.")
         if self._loaded_name and self.model_name.value.strip() != self._loaded_name:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from fastft.models.loading import ModelLoadError, UnknownModelError
+from fastft.runtime.state import state_of
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -458,7 +459,7 @@ def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelS
     residual = embedding.weight.element_size() if embedding is not None else 2
     if upcast_pending:
         residual = 4  # add_lora will upcast the embeddings, and with them the residual stream
-    settings = getattr(model, "fastft_lora", None)
+    settings = getattr(state_of(model), "lora", None)
     peft_config = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
     r = getattr(settings, "r", None) or getattr(peft_config, "r", None)
     targets = tuple(

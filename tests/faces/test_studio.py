@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("ipywidgets")
 
 import fastft  # noqa: E402
+from fastft.runtime.state import model_state  # noqa: E402
 from fastft.studio.data import DataPanel, uploaded_files  # noqa: E402
 from fastft.studio.model import ModelPanel, model_facts  # noqa: E402
 from fastft.studio.state import LoraSettings, StudioState  # noqa: E402
@@ -90,7 +91,7 @@ def test_model_panel_loads_tiny_llama_with_fused_summary_and_real_linear_layers(
     assert panel.fused_report is not None and panel.fused_report.not_fused == []
     assert panel.fused_report.fused == {"rms_norm": 9, "attention": 4, "mlp": 4, "cross_entropy": 1}
     assert "every part" in panel.summary.value and "4 attention blocks" in panel.summary.value
-    assert panel.state.tokenizer is not None and panel.state.model.fastft_lora.r == 16
+    assert panel.state.tokenizer is not None and model_state(panel.state.model).lora.r == 16
     # The parameter count shown before Load is the base model's real one.
     trainable, total = _linear_count(model)
     assert model_facts("tiny-llama").parameters == total - trainable
@@ -114,13 +115,13 @@ def test_model_panel_code_round_trips_after_apply_lora():
     panel.apply_button.click()
     assert panel.wait(WAIT) and panel.error.value == ""
     model = panel.state.model
-    assert model.fastft_lora.r == 4 and "k_proj" not in model.fastft_lora.target_modules
+    assert model_state(model).lora.r == 4 and "k_proj" not in model_state(model).lora.target_modules
     assert "Apply LoRA" not in panel.status.value
 
     namespace: dict = {}
     exec(panel.code(), namespace)  # noqa: S102 - the generated code is the point of the test
     again = namespace["model"]
-    assert again.fastft_lora == model.fastft_lora
+    assert model_state(again).lora == model_state(model).lora
     assert again.fastft_info == model.fastft_info
     ours = {k: v for k, v in model.named_parameters() if v.requires_grad}
     theirs = {k: v for k, v in again.named_parameters() if v.requires_grad}

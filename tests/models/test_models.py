@@ -25,6 +25,7 @@ from fastft.models.lora import (
     trainable_parameter_count,
 )
 from fastft.models.presets import PRESETS
+from fastft.runtime.state import model_state
 
 PROMPT = [
     {"role": "user", "content": "Reverse the letters of 'lemon'."},
@@ -235,8 +236,9 @@ def test_facade_maps_unsloth_arguments():
         use_gradient_checkpointing="unsloth",
         random_state=3407,
     )
-    assert model.fastft_lora.r == 8 and model.fastft_lora.target_modules == ("q_proj", "v_proj")
-    assert model.fastft_lora.gradient_checkpointing == "unsloth"
+    lora = model_state(model).lora
+    assert lora.r == 8 and lora.target_modules == ("q_proj", "v_proj")
+    assert lora.gradient_checkpointing == "unsloth"
     assert is_checkpointing(model)
     same = fastft.add_lora(
         load_model("tiny-llama")[0], r=8, alpha=16, target_modules=["q_proj", "v_proj"], seed=3407

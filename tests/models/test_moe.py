@@ -27,6 +27,7 @@ from fastft.models.moe import (
 )
 from fastft.models.patch import UnfusedWarning, patch, unpatch
 from fastft.runtime.routing import RouterSpec, build_routing_plan
+from fastft.runtime.state import model_state
 from fastft.training.loss import causal_lm_loss_sum
 
 MOE_PRESETS = ("tiny-moe", "tiny-mixtral", "tiny-gpt-oss")
@@ -261,7 +262,7 @@ def test_qwen2_moe_with_a_shared_expert_matches_transformers_and_peft(monkeypatc
         ".experts." in n for n in trainable
     )
     assert not any("shared_expert_gate" in n for n in trainable)
-    assert models[1].get_base_model().fastft_kernels.report.fused["moe"] == 2
+    assert model_state(models[1]).kernels.report.fused["moe"] == 2
     batch = _batch()
     expected_loss, expected = _loss_and_grads(models[0], batch)
     loss, grads = _loss_and_grads(models[1], batch)
@@ -435,7 +436,7 @@ def test_experts_are_a_lora_target_and_the_router_is_not():
         fastft.add_lora(moe, target_modules=["q_proj", "experts"], dropout=0.1)
     with pytest.warns(UserWarning, match="leaves \\['experts'\\] out"):
         wrapped = fastft.add_lora(moe, dropout=0.1, gradient_checkpointing=False)
-    assert wrapped.fastft_lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert model_state(wrapped).lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
     moe, _ = fastft.load_model("tiny-moe")
     only_attention = fastft.add_lora(
         moe, target_modules=["q_proj"], dropout=0.1, gradient_checkpointing=False
@@ -478,7 +479,7 @@ def test_gpu_bf16_fused_moe_model_matches_peft_and_never_syncs(name):
         model, _ = _lora_model(name, fused=fused)
         model.to(device="cuda", dtype=dtype)
         results[dtype, fused] = _loss_and_grads(model, batch)
-    assert model.get_base_model().fastft_kernels.report.fused["moe"] == 2  # the fused blocks did run
+    assert model_state(model).kernels.report.fused["moe"] == 2  # the fused blocks did run
 
     def flat(grads):
         return torch.cat([g.float().reshape(-1) for g in grads])
@@ -502,6 +503,8 @@ def test_router_aux_loss_gradient_survives_every_checkpointing_mode(fused, mode,
     """Offloaded checkpointing runs each layer's forward without autograd; the router statistics leave the
     layer as outputs of its autograd node, so the load-balancing loss trains the same as without
     checkpointing (the offload protocol runs on CPU tensors through its test stand-ins)."""
+    import copy_stand_ins
+
     from fastft.runtime import offload
 
     batch = _batch(lengths=(29, 13))
@@ -518,7 +521,9 @@ def test_router_aux_loss_gradient_survives_every_checkpointing_mode(fused, mode,
                 model, "offload" if checkpointing == "offload-single" else checkpointing
             )
             if force is not None:
-                offload.enable_offload(model, double_buffer=checkpointing == "offload", _force=force)
+                offload.enable_offload(
+                    model, double_buffer=checkpointing == "offload", copies=copy_stand_ins.copies(force)
+                )
         results[checkpointing] = _loss_and_grads(model, batch)
         if checkpointing and force is not None:
             assert offload.offloader_of(model).counts["layers_offloaded"] > 0

@@ -17,6 +17,7 @@ import fastft
 from fastft.data.batch import PackedBatch
 from fastft.models.patch import UnfusedWarning, is_fused, patch, unpatch
 from fastft.runtime.attention import patch_packed_attention
+from fastft.runtime.state import model_state
 from fastft.training.loss import causal_lm_loss_sum
 
 PRESETS = ("tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-moe", "tiny-mixtral")
@@ -162,7 +163,7 @@ def test_moe_models_fuse_attention_and_expert_blocks_without_a_warning(name):
         warnings.simplefilter("error", UnfusedWarning)
         model = fastft.add_lora(model, r=4, gradient_checkpointing=False)
     layers = model.config.num_hidden_layers
-    assert model.get_base_model().fastft_kernels.report.fused == {
+    assert model_state(model).kernels.report.fused == {
         "rms_norm": 2 * layers + 1,
         "attention": layers,
         "moe": layers,
@@ -286,7 +287,7 @@ def test_adapter_compute_copies_replace_per_use_casts_and_are_never_read_stale()
 
     loss, grads, casts = step()
     assert casts == 0
-    state = model.get_base_model().fastft_kernels
+    state = model_state(model).kernels
     state.hook.remove()
     state.copies.release()
     assert not any("_fastft_compute_copy" in vars(p) for p in lora)

@@ -23,6 +23,7 @@ from fastft.runtime.attention import (
     patch_packed_attention,
     unpatch_packed_attention,
 )
+from fastft.runtime.state import model_state
 from fastft.training.loss import causal_lm_loss_sum
 
 LENGTHS = (7, 31, 64, 3, 97)  # ragged, one longer than the window below
@@ -233,7 +234,7 @@ def test_patch_is_per_instance_idempotent_and_reversible(tmp_path):
     assert IMPLEMENTATION not in json.dumps(saved)
     AutoModelForCausalLM.from_pretrained(tmp_path)  # plain transformers reads what a patched model saves
     unpatch_packed_attention(patched)
-    assert patched.config._attn_implementation == "sdpa" and not hasattr(patched, "fastft_attention")
+    assert patched.config._attn_implementation == "sdpa" and model_state(patched).attention is None
 
 
 def test_auto_picks_sdpa_on_the_cpu_and_rejects_unknown_backends():
@@ -241,7 +242,7 @@ def test_auto_picks_sdpa_on_the_cpu_and_rejects_unknown_backends():
     patch_packed_attention(model)
     batch = fastft.pack(ROWS, tokenizer, 256).batch([0])
     assert attention.describe_backend(model) is None  # patched, not resolved yet
-    assert choose_backend(model, batch) == "sdpa_masked" == model.fastft_attention.resolved
+    assert choose_backend(model, batch) == "sdpa_masked" == model_state(model).attention.resolved
     assert attention.describe_backend(model).startswith("sdpa_masked (SDPA with a block-diagonal")
     assert set(attention.BACKEND_KERNELS) == set(attention.BACKENDS) == set(attention._BACKEND_FUNCTIONS)
     assert available_backends("cpu") == ["sdpa_masked", "sdpa_segments"]
@@ -256,4 +257,4 @@ def test_trainer_trains_through_packed_attention():
     model, tokenizer = fastft.load_model("tiny-llama")
     model = fastft.add_lora(model, r=4, alpha=8)
     result = fastft.train(model, tokenizer, fastft.pack(ROWS, tokenizer, 256), max_steps=3, progress=False)
-    assert model.fastft_attention.resolved == "sdpa_masked" and len(result.steps) == 3
+    assert model_state(model).attention.resolved == "sdpa_masked" and len(result.steps) == 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fastft.runtime.checkpointing import BY_MEMORY, KINDS, Checkpointing, CheckpointingError
+from fastft.runtime.state import model_state
 
 
 @pytest.mark.parametrize(
@@ -55,4 +56,4 @@ def test_the_estimator_and_add_lora_read_one_value_alike():
         assert estimate.settings.checkpointing == Checkpointing.parse(value).resolved(cuda=True).kind
     model, _ = fastft.load_model("tiny-llama")
     lora = fastft.add_lora(model, r=4, gradient_checkpointing="unsloth")
-    assert lora.fastft_lora.gradient_checkpointing == Checkpointing("offload")
+    assert model_state(lora).lora.gradient_checkpointing == Checkpointing("offload")

@@ -1,8 +1,9 @@
 """Offloaded checkpointing: exact gradients in every mode, the double-buffer protocol, fallbacks.
 
-On the CPU the protocol runs on CPU tensors through two stand-ins for the copy stream (`_force`):
-"sync" copies at once (a prefetch into the buffer a layer is reading would corrupt its gradients) and
-"deferred" copies only when an event after them is waited for (a missing wait reads stale data).
+On the CPU the protocol runs on CPU tensors through two stand-ins for the copy stream, injected as
+``copies=`` (tests/copy_stand_ins.py): "sync" copies at once (a prefetch into the buffer a layer is
+reading would corrupt its gradients) and "deferred" copies only when an event after them is waited for (a
+missing wait reads stale data).
 GPU tests (`gpu` marker) check bf16 bit-identity with plain recompute and that device memory does not
 grow with depth beyond the two buffers.
 """
@@ -16,12 +17,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from copy_stand_ins import DeferredCopies, SyncCopies, copies
 from transformers import AutoModelForCausalLM
 
 import fastft
 from fastft.models.lora import is_checkpointing, set_gradient_checkpointing
 from fastft.models.presets import PRESETS
-from fastft.runtime import offload
+from fastft.runtime import host_memory, offload, offload_layer
 from fastft.runtime.attention import patch_packed_attention, unpatch_packed_attention
 from fastft.training.loss import causal_lm_loss_sum
 
@@ -64,7 +66,7 @@ def _model(name="tiny-llama", mode=False, dropout=0.0, fused=False, force=None, 
     )
     _randomise_lora_b(model)
     if force is not None:
-        offload.enable_offload(model, double_buffer=mode == "offload", _force=force)
+        offload.enable_offload(model, double_buffer=mode == "offload", copies=copies(force))
     patch_packed_attention(model, "sdpa_masked")
     model.train()
     return model
@@ -133,7 +135,7 @@ def test_device_buffers_stay_constant_as_depth_grows():
             gradient_checkpointing="offload",
             fused=False,
         )
-        offload.enable_offload(model, _force="deferred")
+        offload.enable_offload(model, copies=DeferredCopies())
         patch_packed_attention(model, "sdpa_masked")
         model.train()
         _step(model, _batch())
@@ -165,7 +167,7 @@ def test_switching_modes_is_idempotent_and_never_stacks():
     ]:
         set_gradient_checkpointing(model, _checkpointing(mode))
         if mode not in (True, False):
-            offload.enable_offload(model, double_buffer=mode != "offload-single", _force="sync")
+            offload.enable_offload(model, double_buffer=mode != "offload-single", copies=SyncCopies())
         runs["count"] = 0
         _, grads = _step(model, _batch())
         assert runs["count"] == expected_runs, mode  # forward (+ one recompute), never more
@@ -239,7 +241,7 @@ def test_torch_autograd_grad_sees_the_lora_gradients():
 
 def test_pinned_budget_too_small_warns_once_and_falls_back_to_recompute():
     model = _model(mode="offload")
-    offloader = offload.enable_offload(model, host_budget_bytes=4096, _force="sync")
+    offloader = offload.enable_offload(model, host_budget_bytes=4096, copies=SyncCopies())
     with pytest.warns(offload.OffloadBudgetWarning, match="pinned host memory") as caught:
         _, grads = _step(model, _batch())
         _step(model, _batch())
@@ -254,7 +256,7 @@ def test_pinning_failure_falls_back_with_one_warning(monkeypatch):
     def refuse(size, pin):
         raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
 
-    monkeypatch.setattr(offload, "_allocate_host", refuse)
+    monkeypatch.setattr(host_memory, "_allocate_host", refuse)
     model = _model(mode="offload", force="sync")
     with pytest.warns(offload.OffloadBudgetWarning, match="pinning .* failed") as caught:
         _, grads = _step(model, _batch())
@@ -265,7 +267,7 @@ def test_pinning_failure_falls_back_with_one_warning(monkeypatch):
 
 
 def test_host_slots_come_from_few_slabs_without_power_of_two_waste():
-    slabs = offload._HostSlabs(pin=False)
+    slabs = host_memory.HostSlabs(pin=False)
     nbytes = 5 * 2**20 + 1  # a 6 MiB slot; 40 of them pinned one by one would round to 8 MiB each
     taken = [slabs.take(nbytes, count=40 - i) for i in range(40)]
     assert len({slab for slab, _ in taken}) == 1 and slabs.bytes <= 1.1 * 40 * 6 * 2**20
@@ -304,7 +306,7 @@ def test_tuple_outputs_and_keyword_tensors_pass_through():
     expected = hidden.grad.clone(), block.linear.weight.grad.clone()
     hidden.grad = block.linear.weight.grad = block.linear.bias.grad = None
 
-    offloader = offload.ActivationOffloader(layers=1, _force="deferred")
+    offloader = offload.ActivationOffloader(layers=1, copies=DeferredCopies())
     result = offloader(functools.partial(Block.forward, block, scale=scale), hidden)
     assert isinstance(result, tuple) and result[1] is None and int(result[2]) == 3
     assert result[0].dtype == torch.float64
@@ -329,7 +331,7 @@ def test_a_forward_without_backward_gives_its_buffers_back():
 
 
 def test_the_deferred_stand_in_catches_a_missing_wait(monkeypatch):
-    monkeypatch.setattr(offload._DeferredCopies, "wait", lambda self, ready: None)
+    monkeypatch.setattr(DeferredCopies, "wait", lambda self, ready: None)
     _, grads = _step(_model(mode="offload", force="deferred"), _batch())
     assert not _max_relative_error(grads, _reference("tiny-llama")[1]) <= 1e-3  # wrong, or NaN
 
@@ -346,7 +348,11 @@ def _keep_step(name, mode, force, keep, lengths=(24, 24, 24), budget=None, fused
     """A step through the ``varlen`` backend, whose equal-length bins run as one SDPA batch (CPU too)."""
     model = _model(name, mode, fused=fused)
     offload.enable_offload(
-        model, double_buffer=mode == "offload", _force=force, keep_attention=keep, host_budget_bytes=budget
+        model,
+        double_buffer=mode == "offload",
+        copies=copies(force),
+        keep_attention=keep,
+        host_budget_bytes=budget,
     )
     patch_packed_attention(model, "varlen")
     return model, _step(model, _batch(lengths))
@@ -421,7 +427,7 @@ def test_the_recompute_rebuilds_each_routing_plan_from_the_kept_order(name, forc
     def run(keep):
         built.clear()
         model = _model(name, "offload", fused=True)
-        offload.enable_offload(model, double_buffer=True, _force=force, keep_attention=keep)
+        offload.enable_offload(model, double_buffer=True, copies=copies(force), keep_attention=keep)
         model.get_base_model().config.output_router_logits = aux
         if name == "tiny-gpt-oss":  # attention sinks: transformers' attention over the packed positions
             unpatch_packed_attention(model)
@@ -488,16 +494,16 @@ def test_the_cuda_kernels_ops_bind_their_arguments(kernel):
 
 def test_a_kept_layout_comes_back_with_its_strides():
     transposed = torch.arange(24.0).reshape(2, 3, 4).transpose(0, 1)
-    assert offload._dense(transposed) and not offload._dense(transposed[:, :, :2])
-    saved = offload._Saved(
-        offload.ActivationOffloader(), offload._Part(None, 0, 40, torch.uint8, (40,), (1,)), None
+    assert offload_layer.dense(transposed) and not offload_layer.dense(transposed[:, :, :2])
+    saved = offload_layer.Saved(
+        offload.ActivationOffloader(), offload_layer.Part(None, 0, 40, torch.uint8, (40,), (1,)), None
     )
     part = saved.add(None, transposed)
-    assert part.offset == offload._ALIGN and saved.nbytes == offload._ALIGN + 96
+    assert part.offset == offload_layer.ALIGN and saved.nbytes == offload_layer.ALIGN + 96
     buffer = torch.zeros(saved.nbytes, dtype=torch.uint8)
     part.view(buffer).copy_(transposed)
     buffer[part.offset : part.offset + part.nbytes].view(torch.float32).copy_(
-        offload._storage_order(transposed)
+        offload_layer.storage_order(transposed)
     )
     back = part.view(buffer)
     assert torch.equal(back, transposed) and back.stride() == transposed.stride()

@@ -12,14 +12,13 @@ from host_syncs import SyncTrap
 from transformers import AutoConfig
 
 from fastft.runtime.routing import (
+    RouterCollector,
     RouterSpec,
     RoutingError,
     build_routing_plan,
-    collect_router_stats,
     load_balancing_loss,
     plan_from_order,
     plan_from_top_k,
-    record_router_stats,
     router_spec,
     top_k_routing,
 )
@@ -146,9 +145,10 @@ def test_load_balancing_loss_equals_transformers(model_type):
     generator = torch.Generator().manual_seed(5)
     layers = [torch.randn(37, 7, generator=generator, requires_grad=True) for _ in range(3)]
     want = reference(tuple(layers), 7, 3)
-    with collect_router_stats() as stats:
+    routers = RouterCollector()
+    with routers.collect() as stats:
         for logits in layers:
-            record_router_stats(build_routing_plan(logits, spec).stats())
+            routers.record(build_routing_plan(logits, spec).stats())
     got = load_balancing_loss(stats, 7)
     assert len(stats) == 3
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
@@ -159,13 +159,14 @@ def test_load_balancing_loss_equals_transformers(model_type):
 
 def test_statistics_go_only_to_the_innermost_open_collection():
     stats = build_routing_plan(torch.randn(5, 4), RouterSpec(2, 4)).stats()
-    record_router_stats(stats)  # nothing open: dropped
-    with collect_router_stats() as outer:
-        record_router_stats(stats)
-        with collect_router_stats() as inner:
-            record_router_stats(stats)
-            record_router_stats(stats)
-        record_router_stats(stats)
+    routers = RouterCollector()
+    routers.record(stats)  # nothing open: dropped
+    with routers.collect() as outer:
+        routers.record(stats)
+        with routers.collect() as inner:
+            routers.record(stats)
+            routers.record(stats)
+        routers.record(stats)
     assert len(outer) == 2 and len(inner) == 2
     with pytest.raises(RoutingError, match="no router statistics"):
         load_balancing_loss([], 4)

@@ -1,0 +1,102 @@
+"""Host memory for offloaded layer inputs: pinned slabs cut into slots, and how much may be pinned.
+
+Pinned-memory budget: before the first layer of each forward the whole forward's need (layers × bytes of
+one layer input) is compared with what may be pinned (`pinnable_bytes`): pinned memory already held plus
+75 % of the host's available memory (``psutil.virtual_memory().available``, else ``MemAvailable`` in
+/proc/meminfo; no limit when neither exists), or ``host_budget_bytes``. If it does not fit, or pinning
+fails (WSL caps pinned memory), the offloader (`fastft.runtime.offload`) warns once
+(`OffloadBudgetWarning`) and every layer uses plain recompute from then on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+HOST_BUDGET_FRACTION = 0.75  # of available host memory
+_HOST_GRANULE = 2 * 2**20  # host slots are rounded up to 2 MiB so nearby sizes reuse them
+_SLAB_BYTES = 2 * 2**30  # largest pinned slab cut into slots (unless one slot is larger)
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now (psutil, else /proc/meminfo ``MemAvailable``); None if unknown."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def pinnable_bytes(held: int, host_budget_bytes: int | None) -> int | None:
+    """How many bytes of host memory offloading may hold: `host_budget_bytes` when given, else the `held`
+    bytes plus `HOST_BUDGET_FRACTION` of what is available; None when the host does not say."""
+    if host_budget_bytes is not None:
+        return host_budget_bytes
+    available = host_memory_available()
+    return None if available is None else held + int(HOST_BUDGET_FRACTION * available)
+
+
+class HostSlabs:
+    """Host buffers for layer inputs, cut from a few large (pinned) slabs.
+
+    PyTorch's pinned allocator rounds each allocation up to a power of two (one 320 MiB layer input would
+    pin 512 MiB), so slabs are allocated at power-of-two sizes, up to 2 GiB and as many slots as the
+    forward still needs, and cut into equal slots. When a larger slot is needed, slabs with no slot in
+    use are released. A slot handed back may be reused at once: every access to it is a copy on the copy
+    stream, so stream order keeps a new write behind the last read.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.bytes = 0
+        self._slabs: dict[int, torch.Tensor] = {}
+        self._busy: dict[int, int] = {}
+        self._free: list[tuple[int, torch.Tensor]] = []
+        self._ids = 0
+
+    def take(self, nbytes: int, count: int) -> tuple[int, torch.Tensor]:
+        fitting = [slot for slot in self._free if slot[1].numel() >= nbytes]
+        if not fitting:
+            self._release_idle()
+            fitting = [self._allocate(nbytes, count)]
+        slot = min(fitting, key=lambda s: s[1].numel())
+        self._free.remove(slot)
+        self._busy[slot[0]] += 1
+        return slot
+
+    def give(self, slot: tuple[int, torch.Tensor]) -> None:
+        self._busy[slot[0]] -= 1
+        self._free.append(slot)
+
+    def _allocate(self, nbytes: int, count: int) -> tuple[int, torch.Tensor]:
+        slot_bytes = -(-nbytes // _HOST_GRANULE) * _HOST_GRANULE
+        size = 1 << (max(slot_bytes, min(count * slot_bytes, _SLAB_BYTES)) - 1).bit_length()
+        slab = _allocate_host(size, self.pin)
+        self._ids += 1
+        self._slabs[self._ids], self._busy[self._ids] = slab, 0
+        self.bytes += size
+        slots = [(self._ids, slab[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(size // slot_bytes)]
+        self._free += slots
+        return slots[0]
+
+    def _release_idle(self) -> None:
+        idle = {key for key, busy in self._busy.items() if busy == 0}
+        self._free = [slot for slot in self._free if slot[0] not in idle]
+        for key in idle:
+            self.bytes -= self._slabs.pop(key).numel()
+            del self._busy[key]
+
+
+def _allocate_host(size: int, pin: bool) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+
+
+__all__ = ["HOST_BUDGET_FRACTION", "HostSlabs", "host_memory_available", "pinnable_bytes"]

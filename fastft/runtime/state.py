@@ -1,0 +1,67 @@
+"""`ModelState`: everything fastft installs on one model, in one object with one slot per part.
+
+A model carries one attribute, ``base.fastft_state`` on the base transformers model (under a PEFT model,
+``peft_model.get_base_model()``), created on demand by `model_state`. Each part of fastft that installs
+something on the model puts its object in its own slot and empties the slot when it is undone; nothing
+else hangs on the model. The decoder layers reach the state through their `fastft.runtime.context.LayerContext`,
+so two models in one process (or one trained on a background thread) never see each other's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fastft.runtime.routing import RouterCollector
+
+if TYPE_CHECKING:
+    from fastft.runtime.attention import PackedAttentionState
+    from fastft.runtime.offload import ActivationOffloader
+
+ATTRIBUTE = "fastft_state"  # the one attribute on the base model
+
+
+@dataclass(eq=False)
+class ModelState:
+    """What fastft installed on one model; None in a slot means that part is not installed.
+
+    ``lora``: the `fastft.models.lora.LoraSettings` `add_lora` used for the model's adapters.
+    ``kernels``: the state of `fastft.models.patch.patch` (fused kernels, their report; `is_fused`).
+    ``attention``: `fastft.runtime.attention.PackedAttentionState` (packed attention and its backend).
+    ``offload``: the `fastft.runtime.offload.ActivationOffloader` of offloaded checkpointing.
+    ``routers``: the `fastft.runtime.routing.RouterCollector` the model's MoE layers record their router
+    logits into while the loss collects them (always present: it holds nothing between forwards).
+    """
+
+    lora: Any = None  # fastft.models.lora.LoraSettings (a higher layer's type)
+    kernels: Any = None  # fastft.models.patch._PatchState (a higher layer's type)
+    attention: PackedAttentionState | None = None
+    offload: ActivationOffloader | None = None
+    routers: RouterCollector = field(default_factory=RouterCollector)
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT model (``get_base_model()``), or `model` itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def state_of(model: torch.nn.Module | None) -> ModelState | None:
+    """The model's `ModelState`, or None when fastft never installed anything on it, or `model` is None
+    (creates nothing)."""
+    return getattr(base_model(model), "__dict__", {}).get(ATTRIBUTE)
+
+
+def model_state(model: torch.nn.Module) -> ModelState:
+    """The model's `ModelState`, created (empty) on first use."""
+    base = base_model(model)
+    state = vars(base).get(ATTRIBUTE)
+    if state is None:
+        state = ModelState()
+        setattr(base, ATTRIBUTE, state)
+    return state
+
+
+__all__ = ["ModelState", "base_model", "model_state", "state_of"]
