@@ -17,7 +17,7 @@ kernel for SiLU/GELU experts), or the experts module's own ``_apply_gate`` where
 ``(up + 1) * gate * sigmoid(alpha * gate)``). Combining is a reshape and a weighted sum over the k
 choices (no scatter-add, no atomics), so the same inputs give bit-identical outputs run to run.
 
-The down projection and the combine are one autograd node (`fastft.kernels.grouped_gemm.down_combine`):
+The down projection and the combine are one autograd node (`fastft.kernels.down_combine`):
 its backward takes the routing weights' gradient from ``h`` and the unweighted ``dh`` it computes anyway,
 so the ``[M, H]`` expert outputs are never saved, and when activation checkpointing re-runs the block
 (whose output only enters additions) the node skips its GEMMs.
@@ -137,7 +137,7 @@ def moe_experts(
 ) -> torch.Tensor:
     """The routed experts of ``x [T, H]`` under ``plan``, combined: ``[T, H]``.
 
-    The down projection and the combine are one autograd node (`fastft.kernels.grouped_gemm.down_combine`)
+    The down projection and the combine are one autograd node (`fastft.kernels.down_combine`)
     that saves ``h`` but not the ``[T * k, H]`` expert outputs. ``output_discarded_in_recompute``: the
     caller's output only enters additions (a decoder layer's residual), so when activation checkpointing
     re-runs the layer, that node skips its GEMMs (about a third of the experts' FLOPs).

@@ -4,7 +4,7 @@ What a patched Llama / Mistral / Qwen2 / Qwen3 decoder layer runs (each line one
 
     input_layernorm           Triton RMSNorm                       (fastft.kernels.rms_norm)
     q/k/v_proj (+LoRA)        one LoRA-fused QKV projection        (fastft.kernels.lora.LoraLinearsFunction)
-    (q/k norm +) RoPE         one launch for Q and K               (fastft.kernels.rope)
+    (q/k norm +) RoPE         one launch for Q and K               (fastft.kernels.rope, fastft.kernels.qk_norm_rope)
     attention                 whatever the model's attention implementation is (SDPA, fastft_packed, ...)
     o_proj (+LoRA)            LoRA-fused projection (its output kept for the recompute, with a kept
                               attention output, under offloaded checkpointing)
