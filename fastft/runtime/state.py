@@ -31,6 +31,7 @@ class ModelState:
     ``kernels``: the state of `fastft.models.patch.patch` (fused kernels, their report; `is_fused`).
     ``attention``: `fastft.runtime.attention.PackedAttentionState` (packed attention and its backend).
     ``offload``: the `fastft.runtime.offload.ActivationOffloader` of offloaded checkpointing.
+    ``profile``: the `fastft.training.timing.StepProfile` whose hooks the model carries (one at a time).
     ``routers``: the `fastft.runtime.routing.RouterCollector` the model's MoE layers record their router
     logits into while the loss collects them (always present: it holds nothing between forwards).
     """
@@ -39,6 +40,7 @@ class ModelState:
     kernels: Any = None  # fastft.models.patch._PatchState (a higher layer's type)
     attention: PackedAttentionState | None = None
     offload: ActivationOffloader | None = None
+    profile: Any = None  # fastft.training.timing.StepProfile (a higher layer's type)
     routers: RouterCollector = field(default_factory=RouterCollector)
 
 

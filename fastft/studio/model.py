@@ -9,18 +9,23 @@ patch report says what runs on fused kernels.
 
 from __future__ import annotations
 
-import difflib
 import gc
-import html
 import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import ipywidgets as widgets
 
 from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
 from fastft.runtime.checkpointing import Checkpointing
 from fastft.runtime.state import state_of
+from fastft.studio.model_facts import (
+    ModelFacts,
+    facts_html,
+    fusion_text,
+    model_choices,
+    model_facts,
+    parameter_count_text,
+    unknown_model_hint,
+)
 from fastft.studio.notices import (
     Panel,
     call_code,
@@ -33,190 +38,9 @@ from fastft.studio.notices import (
 )
 from fastft.studio.state import PRECISIONS, LoraSettings, StudioState, Worker
 
-__all__ = ["ModelFacts", "ModelPanel", "model_choices", "model_facts"]
+__all__ = ["ModelFacts", "ModelPanel", "model_choices", "model_facts"]  # the facts live in model_facts
 
 _WIDE = {"description_width": "110px"}
-
-
-@dataclass
-class ModelFacts:
-    """What the picker knows about a model before loading it (nothing downloaded)."""
-
-    name: str
-    source: str  # "preset", "catalog", "local", "hub" or "unknown"
-    model_type: str | None = None
-    description: str = ""
-    parameters: int | None = None
-    active_parameters: int | None = None
-    layers: int | None = None
-    hidden_size: int | None = None
-    vocab_size: int | None = None
-    experts: int = 0
-    context: int | None = None
-    gated: bool = False
-    fused: list[str] = field(default_factory=list)
-    not_fused: list[str] = field(default_factory=list)
-
-    @property
-    def all_fused(self) -> bool:
-        """Whether every part of the model gets fastft's fused kernels."""
-        return bool(self.fused) and not self.not_fused
-
-
-def model_choices() -> list[str]:
-    """Embedded presets first, then the catalog's hub ids: what the picker suggests."""
-    from fastft.models.catalog import CATALOG
-    from fastft.models.presets import PRESETS
-
-    return [*PRESETS, *CATALOG]
-
-
-def model_facts(name: str) -> ModelFacts:
-    """Describe `name` (a preset, a catalog hub id, a local folder or another hub id) offline."""
-    from fastft.models.catalog import CATALOG, ModelSpec
-    from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
-
-    name = name.strip()
-    if name in PRESETS:
-        preset = PRESETS[name]
-        config = dict(preset.config, vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=4096)
-        spec = ModelSpec(name, preset.model_type, preset.model_type, config, gated=False)
-        return _facts_from_spec(spec, "preset", preset.description)
-    if name in CATALOG:
-        spec = CATALOG[name]
-        return _facts_from_spec(spec, "catalog", spec.notes)
-    path = Path(name).expanduser()
-    if name and path.is_dir():
-        return _facts_from_folder(name, path)
-    if _looks_like_hub_id(name):
-        return ModelFacts(name, "hub", description="a Hugging Face hub id not in the catalog")
-    return ModelFacts(name, "unknown")
-
-
-def _looks_like_hub_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
-
-
-def _facts_from_spec(spec, source: str, description: str) -> ModelFacts:
-    config = spec.config
-    facts = ModelFacts(
-        spec.hub_id,
-        source,
-        spec.model_type,
-        description,
-        parameters=spec.parameter_count(),
-        active_parameters=spec.active_parameter_count() if spec.is_moe else None,
-        layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        vocab_size=spec.vocab_size,
-        experts=spec.num_experts,
-        context=config.get("max_position_embeddings"),
-        gated=spec.gated,
-    )
-    facts.fused, facts.not_fused = _fusion({**config, "model_type": spec.model_type})
-    return facts
-
-
-def _facts_from_folder(name: str, path: Path) -> ModelFacts:
-    facts = ModelFacts(name, "local", description="a local folder")
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(path)).to_dict()
-    except Exception as error:  # noqa: BLE001 - shown as a note; Load reports the real error
-        facts.description = f"a local folder whose config could not be read ({type(error).__name__})"
-        return facts
-    from fastft.models.catalog import ModelSpec
-
-    facts.model_type = config.get("model_type")
-    facts.layers = config.get("num_hidden_layers")
-    facts.hidden_size = config.get("hidden_size")
-    facts.vocab_size = config.get("vocab_size")
-    facts.context = config.get("max_position_embeddings")
-    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-    facts.experts = experts
-    try:
-        facts.parameters = ModelSpec(name, "", facts.model_type, config, gated=False).parameter_count()
-    except (KeyError, TypeError, ValueError):
-        facts.parameters = None  # an architecture the catalog's formula does not cover: counted on Load
-    facts.fused, facts.not_fused = _fusion(config)
-    return facts
-
-
-def _fusion(config: dict) -> tuple[list[str], list[str]]:
-    """(parts on fused kernels, parts left on transformers' modules): the config's fusion plan, which
-    `fastft.patch` follows."""
-    from fastft.models.fusion import plan
-
-    fusion = plan(config)
-    return list(fusion.fused), list(fusion.not_fused)
-
-
-def _count(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}".replace(".00 ", " ")
-    return str(n)
-
-
-def _facts_html(facts: ModelFacts) -> str:
-    name = html.escape(facts.name or "(nothing)")
-    if facts.source == "unknown":
-        return status_html(_unknown_hint(facts.name), "warn")
-    if facts.source == "hub":
-        return status_html(
-            f"<b>{name}</b>: a hub id not in the catalog. Its config and weights are read when you click "
-            "Load model (nothing is downloaded before).",
-            raw=True,
-        )
-    source = {
-        "preset": "embedded preset (no download)",
-        "catalog": "catalog model (downloads its weights on Load)",
-        "local": "local folder",
-    }[facts.source]
-    rows = [("source", source)]
-    if facts.description:
-        rows.append(("about", facts.description))
-    if facts.model_type:
-        rows.append(("architecture", facts.model_type))
-    parameters = _count(facts.parameters)
-    if facts.active_parameters:
-        parameters += f" ({_count(facts.active_parameters)} active per token)"
-    if facts.source == "catalog" and facts.parameters:
-        parameters += f"; about {facts.parameters * 2 / 1e9:.1f} GB to download in 16-bit"
-    rows.append(("parameters", parameters))
-    shape = (
-        f"{facts.layers or '?'} layers, hidden {facts.hidden_size or '?'}, vocab {facts.vocab_size or '?'}"
-    )
-    if facts.experts:
-        shape += f", {facts.experts} experts"
-    if facts.context:
-        shape += f", context {facts.context:,}"
-    rows.append(("shape", shape))
-    rows.append(("fused kernels", _fusion_text(facts.fused, facts.not_fused)))
-    if facts.gated:
-        rows.append(
-            ("licence", "gated: accept its licence on the hub and log in (hf auth login) before Load")
-        )
-    return facts_table(rows)
-
-
-def _fusion_text(fused: list[str], not_fused: list[str]) -> str:
-    if fused and not not_fused:
-        return "✓ every part: " + ", ".join(fused)
-    text = ("fused: " + ", ".join(fused) + "; ") if fused else ""
-    return text + "✗ not fused: " + "; ".join(not_fused)
-
-
-def _unknown_hint(name: str) -> str:
-    if not name:
-        return "Pick a preset or a catalog model, or type a hub id (org/name) or a local folder."
-    close = difflib.get_close_matches(name, model_choices(), n=3, cutoff=0.4)
-    hint = f" Did you mean {', '.join(close)}?" if close else ""
-    return f"'{name}' is not a preset, a catalog model, an existing folder or a hub id (org/name).{hint}"
 
 
 class ModelPanel(Panel):
@@ -343,7 +167,7 @@ class ModelPanel(Panel):
         self.apply_button.on_click(lambda _: self.apply_lora())
         state.observe(self._on_state, ("model",))
 
-        self.info.value = _facts_html(model_facts(self.model_name.value))
+        self.info.value = facts_html(model_facts(self.model_name.value))
         if state.model is not None:  # a studio re-run on a kept state: show what is loaded
             self._loaded_name = getattr(getattr(state.model, "fastft_info", None), "name", state.model_name)
             self._show_loaded()
@@ -361,7 +185,7 @@ class ModelPanel(Panel):
         name = self.model_name.value.strip()
         self.error.value = ""
         if not name:
-            self.error.value = error_html(_unknown_hint(""), "No model")
+            self.error.value = error_html(unknown_model_hint(""), "No model")
             return False
         if not (self._check_idle() and self._check_targets()):
             return False
@@ -516,7 +340,7 @@ class ModelPanel(Panel):
             ("loaded", f"{self._loaded_name} ({info.source if info else '?'}), {config.model_type}"),
             (
                 "weights",
-                f"{_dtype_name(info)} on {device.type}; {_count(total - trainable)} parameters, "
+                f"{_dtype_name(info)} on {device.type}; {parameter_count_text(total - trainable)} parameters, "
                 f"{getattr(config, 'num_hidden_layers', '?')} layers, vocab {getattr(config, 'vocab_size', '?')}",
             ),
         ]
@@ -526,7 +350,7 @@ class ModelPanel(Panel):
                 (
                     "LoRA",
                     f"r={lora.r}, alpha={lora.alpha:g}, dropout={lora.dropout:g} on {', '.join(lora.target_modules)}: "
-                    f"{_count(trainable)} trainable ({trainable / max(total, 1):.2%})",
+                    f"{parameter_count_text(trainable)} trainable ({trainable / max(total, 1):.2%})",
                 )
             )
         rows.append(("fused kernels", self._fused_text(device)))
@@ -549,7 +373,7 @@ class ModelPanel(Panel):
             f"{count} {names.get(kind, kind)}" if kind != "cross_entropy" else names[kind]
             for kind, count in report.fused.items()
         )
-        text = _fusion_text([done] if done else [], list(report.not_fused))
+        text = fusion_text([done] if done else [], list(report.not_fused))
         if device.type != "cuda" and report.fused:
             text += " (on the CPU each fused module runs its PyTorch reference; Triton runs on a GPU)"
         return text
@@ -620,7 +444,7 @@ class ModelPanel(Panel):
         if name != self._loaded_name and self.target_checkboxes:
             self._set_targets([])  # another model: its layers are known after Load
             self._write_lora()
-        self.info.value = _facts_html(model_facts(name))
+        self.info.value = facts_html(model_facts(name))
         self.state.notify("model_name")
         self._refresh()
 

@@ -272,8 +272,8 @@ class StepProfile:
         self.timings: collections.deque[StepTiming] = collections.deque(maxlen=keep)
         self.instrumented: list[str] = []  # names of the hooked modules' phases
         self._handles: list = []
-        # weak: `fastft.training.timing_hooks` maps the model's backbone to this profile in a WeakKeyDictionary, and a
-        # value that held its key strongly would keep every profiled model alive for the whole session
+        # weak: the model's state holds this profile while it is attached (`fastft.training.timing_hooks`), and
+        # a profile holding its model strongly would keep a model the user dropped alive through the profile
         self._model: weakref.ref[torch.nn.Module] | None = None
         self._reset()
         self._state = _IDLE

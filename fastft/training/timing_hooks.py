@@ -24,19 +24,16 @@ attached, the model's offloaded checkpointing (`fastft.runtime.offload`) times i
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 
 from fastft.runtime.offload import no_span, offloader_of
+from fastft.runtime.state import model_state, state_of
 from fastft.training.timing import _BACKWARD, _FORWARD, StepProfile
 
 _ATTENTION = ("self_attn", "attention", "attn")
 _MLP = ("mlp", "block_sparse_moe", "feed_forward", "moe")
 _FINAL_NORM = ("norm", "final_layernorm", "final_norm")
-
-# backbone module → the profile whose hooks it carries (weak: dropping the model drops the entry)
-_OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, StepProfile] = weakref.WeakKeyDictionary()
 
 
 def find_backbone(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -143,7 +140,7 @@ def instrument(model: torch.nn.Module, profile: StepProfile) -> tuple[list, list
     backbone = find_backbone(model)
     if backbone is None:
         return [], []
-    previous = _OWNERS.get(backbone)
+    previous = state_of(model).profile if state_of(model) is not None else None
     if previous is not None and previous is not profile:
         previous.detach()
     handles: list = []
@@ -159,7 +156,7 @@ def instrument(model: torch.nn.Module, profile: StepProfile) -> tuple[list, list
             stacklevel=3,
         )
         return [], []
-    _OWNERS[backbone] = profile
+    model_state(model).profile = profile
     offloader = offloader_of(model)
     if offloader is not None:
         offloader.span = profile.span
@@ -220,9 +217,9 @@ def _register(backbone: torch.nn.Module, profile: StepProfile, handles: list, na
 
 def release(model: torch.nn.Module, profile: StepProfile) -> None:
     """Forget that `model` carries `profile`'s hooks (after they were removed)."""
-    backbone = find_backbone(model)
-    if backbone is not None and _OWNERS.get(backbone) is profile:
-        del _OWNERS[backbone]
+    state = state_of(model)
+    if state is not None and state.profile is profile:
+        state.profile = None
     offloader = offloader_of(model)
     if offloader is not None and getattr(offloader.span, "__self__", None) is profile:
         offloader.span = no_span
@@ -230,7 +227,7 @@ def release(model: torch.nn.Module, profile: StepProfile) -> None:
 
 def detach_profile(model: torch.nn.Module) -> None:
     """Remove the hooks any `StepProfile` registered on `model` (a no-op when there are none)."""
-    backbone = find_backbone(model)
-    owner = _OWNERS.get(backbone) if backbone is not None else None
+    state = state_of(model)
+    owner = state.profile if state is not None else None
     if owner is not None:
         owner.detach()

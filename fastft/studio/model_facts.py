@@ -1,0 +1,197 @@
+"""What the studio knows of a model before it is loaded: `ModelFacts` of a preset, a catalog entry or a local
+folder (shapes, parameters, what the fusion plan fuses), the choices to offer, and their HTML."""
+
+from __future__ import annotations
+
+import difflib
+import html
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastft.studio.notices import (
+    facts_table,
+    status_html,
+)
+
+__all__ = ["ModelFacts", "model_choices", "model_facts"]
+
+
+@dataclass
+class ModelFacts:
+    """What the picker knows about a model before loading it (nothing downloaded)."""
+
+    name: str
+    source: str  # "preset", "catalog", "local", "hub" or "unknown"
+    model_type: str | None = None
+    description: str = ""
+    parameters: int | None = None
+    active_parameters: int | None = None
+    layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    experts: int = 0
+    context: int | None = None
+    gated: bool = False
+    fused: list[str] = field(default_factory=list)
+    not_fused: list[str] = field(default_factory=list)
+
+    @property
+    def all_fused(self) -> bool:
+        """Whether every part of the model gets fastft's fused kernels."""
+        return bool(self.fused) and not self.not_fused
+
+
+def model_choices() -> list[str]:
+    """Embedded presets first, then the catalog's hub ids: what the picker suggests."""
+    from fastft.models.catalog import CATALOG
+    from fastft.models.presets import PRESETS
+
+    return [*PRESETS, *CATALOG]
+
+
+def model_facts(name: str) -> ModelFacts:
+    """Describe `name` (a preset, a catalog hub id, a local folder or another hub id) offline."""
+    from fastft.models.catalog import CATALOG, ModelSpec
+    from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
+
+    name = name.strip()
+    if name in PRESETS:
+        preset = PRESETS[name]
+        config = dict(preset.config, vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=4096)
+        spec = ModelSpec(name, preset.model_type, preset.model_type, config, gated=False)
+        return _facts_from_spec(spec, "preset", preset.description)
+    if name in CATALOG:
+        spec = CATALOG[name]
+        return _facts_from_spec(spec, "catalog", spec.notes)
+    path = Path(name).expanduser()
+    if name and path.is_dir():
+        return _facts_from_folder(name, path)
+    if _looks_like_hub_id(name):
+        return ModelFacts(name, "hub", description="a Hugging Face hub id not in the catalog")
+    return ModelFacts(name, "unknown")
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def _facts_from_spec(spec, source: str, description: str) -> ModelFacts:
+    config = spec.config
+    facts = ModelFacts(
+        spec.hub_id,
+        source,
+        spec.model_type,
+        description,
+        parameters=spec.parameter_count(),
+        active_parameters=spec.active_parameter_count() if spec.is_moe else None,
+        layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        vocab_size=spec.vocab_size,
+        experts=spec.num_experts,
+        context=config.get("max_position_embeddings"),
+        gated=spec.gated,
+    )
+    facts.fused, facts.not_fused = _fusion({**config, "model_type": spec.model_type})
+    return facts
+
+
+def _facts_from_folder(name: str, path: Path) -> ModelFacts:
+    facts = ModelFacts(name, "local", description="a local folder")
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path)).to_dict()
+    except Exception as error:  # noqa: BLE001 - shown as a note; Load reports the real error
+        facts.description = f"a local folder whose config could not be read ({type(error).__name__})"
+        return facts
+    from fastft.models.catalog import ModelSpec
+
+    facts.model_type = config.get("model_type")
+    facts.layers = config.get("num_hidden_layers")
+    facts.hidden_size = config.get("hidden_size")
+    facts.vocab_size = config.get("vocab_size")
+    facts.context = config.get("max_position_embeddings")
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    facts.experts = experts
+    try:
+        facts.parameters = ModelSpec(name, "", facts.model_type, config, gated=False).parameter_count()
+    except (KeyError, TypeError, ValueError):
+        facts.parameters = None  # an architecture the catalog's formula does not cover: counted on Load
+    facts.fused, facts.not_fused = _fusion(config)
+    return facts
+
+
+def _fusion(config: dict) -> tuple[list[str], list[str]]:
+    """(parts on fused kernels, parts left on transformers' modules): the config's fusion plan, which
+    `fastft.patch` follows."""
+    from fastft.models.fusion import plan
+
+    fusion = plan(config)
+    return list(fusion.fused), list(fusion.not_fused)
+
+
+def parameter_count_text(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}".replace(".00 ", " ")
+    return str(n)
+
+
+def facts_html(facts: ModelFacts) -> str:
+    name = html.escape(facts.name or "(nothing)")
+    if facts.source == "unknown":
+        return status_html(unknown_model_hint(facts.name), "warn")
+    if facts.source == "hub":
+        return status_html(
+            f"<b>{name}</b>: a hub id not in the catalog. Its config and weights are read when you click "
+            "Load model (nothing is downloaded before).",
+            raw=True,
+        )
+    source = {
+        "preset": "embedded preset (no download)",
+        "catalog": "catalog model (downloads its weights on Load)",
+        "local": "local folder",
+    }[facts.source]
+    rows = [("source", source)]
+    if facts.description:
+        rows.append(("about", facts.description))
+    if facts.model_type:
+        rows.append(("architecture", facts.model_type))
+    parameters = parameter_count_text(facts.parameters)
+    if facts.active_parameters:
+        parameters += f" ({parameter_count_text(facts.active_parameters)} active per token)"
+    if facts.source == "catalog" and facts.parameters:
+        parameters += f"; about {facts.parameters * 2 / 1e9:.1f} GB to download in 16-bit"
+    rows.append(("parameters", parameters))
+    shape = (
+        f"{facts.layers or '?'} layers, hidden {facts.hidden_size or '?'}, vocab {facts.vocab_size or '?'}"
+    )
+    if facts.experts:
+        shape += f", {facts.experts} experts"
+    if facts.context:
+        shape += f", context {facts.context:,}"
+    rows.append(("shape", shape))
+    rows.append(("fused kernels", fusion_text(facts.fused, facts.not_fused)))
+    if facts.gated:
+        rows.append(
+            ("licence", "gated: accept its licence on the hub and log in (hf auth login) before Load")
+        )
+    return facts_table(rows)
+
+
+def fusion_text(fused: list[str], not_fused: list[str]) -> str:
+    if fused and not not_fused:
+        return "✓ every part: " + ", ".join(fused)
+    text = ("fused: " + ", ".join(fused) + "; ") if fused else ""
+    return text + "✗ not fused: " + "; ".join(not_fused)
+
+
+def unknown_model_hint(name: str) -> str:
+    if not name:
+        return "Pick a preset or a catalog model, or type a hub id (org/name) or a local folder."
+    close = difflib.get_close_matches(name, model_choices(), n=3, cutoff=0.4)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    return f"'{name}' is not a preset, a catalog model, an existing folder or a hub id (org/name).{hint}"
