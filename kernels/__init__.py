@@ -6,8 +6,11 @@ and triton only. One module per op, each with its plain-PyTorch reference beside
 ``rms_norm`` (Llama/Qwen and Gemma's (1 + w)), ``rope`` (Q and K in one launch, per-token
 positions), ``qk_norm_rope`` (Qwen3's q/k norm fused with it), ``swiglu`` (SwiGLU / GeGLU, backward
 recomputes the activation), ``grouped_gemm`` (MoE experts) and ``down_combine`` (the experts' down
-projection and top-k combine on it); ``autotune`` is the GEMM kernels' autotuning harness. Submodules
-import triton; this package itself does not.
+projection and top-k combine on it), ``fused_linear_ce`` (chunked linear cross-entropy), ``nf4`` (NF4
+dequantisation as bitsandbytes does it) and ``lora`` (LoRA-fused projections and MLP); ``autotune`` is the
+GEMM kernels' autotuning harness and ``activations`` the gated activations the kernels support (free of
+Triton, so the fusion plan reads it anywhere). Submodules import triton, except ``activations``; this
+package itself does not.
 """
 
 from __future__ import annotations

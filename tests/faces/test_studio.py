@@ -176,7 +176,7 @@ def test_picker_describes_catalog_models_without_downloading():
     gated = next(spec.hub_id for spec in CATALOG.values() if spec.gated)
     panel.model_name.value = gated
     assert "licence" in panel.info.value
-    assert model_facts("google/gemma-3-1b-it").not_fused  # outside fastft.patch.SUPPORTED
+    assert model_facts("google/gemma-3-1b-it").not_fused  # the fusion plan fuses nothing of Gemma 3
     assert model_facts("someone/some-model").source == "hub"
     assert model_facts("tiny-moe").experts == 8 and model_facts("tiny-moe").all_fused
     gpt_oss = model_facts("openai/gpt-oss-20b")
