@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import fastft
 from fastft.models.fusion import FusionPlan, plan
 from fastft.models.patch import UnfusedWarning, patch
-from fastft.studio.model import model_facts
+from fastft.studio.model_facts import model_facts
 from fastft.vram import activations as act
 from fastft.vram import estimate_vram
 from fastft.vram.inventory import inventory_of
