@@ -225,18 +225,18 @@ def run_worker(args) -> dict:
 
         rows = [row.cpu().numpy() for row in ids]
         packed = PackedBatch.from_sequences(rows, [row.copy() for row in rows]).to(device)
-        trained = packed.num_trained_tokens
+        divisor = torch.tensor(float(packed.num_trained_tokens), device=device)
         # as fastft's Trainer runs a micro-batch: under bf16 autocast on a GPU, replayed from a CUDA graph
         # once its shape has repeated (TrainConfig(cuda_graph=True), the default)
         graph = StepGraph(parameters, enabled=args.cuda_graph == "on")
 
-        def micro_batch_loss(batch):
+        def micro_batch_loss(batch, divisor):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                return causal_lm_loss_sum(model, batch) / trained
+                return causal_lm_loss_sum(model, batch) / divisor
 
         def forward_backward():
-            graph.mode(packed, trained, first_micro_batch=True)
-            return graph.forward_backward(packed, micro_batch_loss)
+            graph.mode(packed, first_micro_batch=True)
+            return graph.forward_backward(packed, divisor, micro_batch_loss)
     else:
         graph = None
 

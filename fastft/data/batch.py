@@ -4,6 +4,10 @@ Sequences are concatenated into a single row ``[1, T]``. Positions restart at 0 
 sequence, ``cu_seqlens`` holds the sequence boundaries, and the host-side numbers (`max_seqlen`,
 token counts) are computed when the batch is built, so nothing in a training step has to ask
 the device for them.
+
+`BatchShape` and `PackedBatch.padded` give every micro-batch of a run one static shape (padded with a
+tail segment that attends only to itself and trains nothing), so a CUDA graph captured on one batch
+replays on every other (`fastft.training.graph`): packed bins of chat data never repeat their lengths.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ class PackedBatch:
     is trained and that token: the loss reads the logits of these positions only.
     max_seqlen, num_tokens, num_trained_tokens, sequence_lengths: host numbers (no device sync
     to read them).
+    padding, static: a batch `padded` to a `BatchShape` (``static``) ends with `padding` pad tokens (their own
+    segment, labels -100); its `num_sequences` is the shape's boundary capacity (``cu_seqlens`` repeats
+    its last value for the unused ones), `max_seqlen` the shape's token count, and its targets are padded
+    with ignored ones (target id -100) to the shape's target count, while `num_trained_tokens` and
+    `sequence_lengths` stay the real ones (host statistics; the forward reads only the shape).
     Attention artefacts (a mask, a flex-attention BlockMask, …) are built at first use through
     `artifact` and cached here, so every layer, in forward and in recompute, reuses them.
     """
@@ -44,6 +53,8 @@ class PackedBatch:
     num_tokens: int
     num_trained_tokens: int
     sequence_lengths: tuple[int, ...]
+    padding: int = 0
+    static: bool = False
     _artifacts: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -72,6 +83,50 @@ class PackedBatch:
             num_tokens=total,
             num_trained_tokens=len(target_positions),
             sequence_lengths=tuple(lengths.tolist()),
+        )
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens of the batch's sequences, without the padding of a static batch."""
+        return self.num_tokens - self.padding
+
+    def padded(self, shape: BatchShape) -> PackedBatch:
+        """This CPU batch padded to `shape` (see the class docstring); it must fit (`BatchShape.holds`).
+
+        The pad tokens form one causal segment of their own at the end: no real token attends to them,
+        they take no loss, and so every gradient is the unpadded batch's (up to summation order)."""
+        if self.static:
+            raise ValueError("this batch is already padded to a static shape")
+        if not shape.holds(self):
+            raise ValueError(
+                f"a batch of {self.num_tokens} tokens, {self.num_sequences} sequences and "
+                f"{self.num_trained_tokens} targets does not fit {shape}"
+            )
+        pad = shape.tokens - self.num_tokens
+        extra_targets = shape.targets - self.num_trained_tokens
+        boundaries = self.cu_seqlens.tolist() + ([shape.tokens] if pad else [])
+        boundaries += [shape.tokens] * (shape.segments + 1 - len(boundaries))
+
+        def extend(tensor: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+            return torch.cat([tensor.reshape(-1), tail]).view(*tensor.shape[:-1], -1)
+
+        return replace(
+            self,
+            input_ids=extend(self.input_ids, torch.zeros(pad, dtype=torch.int64)),
+            labels=extend(self.labels, torch.full((pad,), IGNORE_INDEX, dtype=torch.int64)),
+            position_ids=extend(self.position_ids, torch.arange(pad, dtype=torch.int64)),
+            cu_seqlens=torch.tensor(boundaries, dtype=self.cu_seqlens.dtype),
+            target_positions=extend(
+                self.target_positions, torch.full((extra_targets,), shape.tokens - 1, dtype=torch.int64)
+            ),
+            target_ids=extend(self.target_ids, torch.full((extra_targets,), IGNORE_INDEX, dtype=torch.int64)),
+            max_seqlen=shape.tokens,
+            num_sequences=shape.segments,
+            num_tokens=shape.tokens,
+            sequence_lengths=self.sequence_lengths + ((pad,) if pad else ()),
+            padding=pad,
+            static=True,
+            _artifacts={},
         )
 
     def to(self, device: torch.device | str) -> PackedBatch:
@@ -106,3 +161,52 @@ class PackedBatch:
         if key not in self._artifacts:
             self._artifacts[key] = build()
         return self._artifacts[key]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The one static shape of a run's packed micro-batches: `tokens` per micro-batch, `segments`
+    boundaries (sequences, the pad tail and unused zero-length ones) and `targets` trained positions.
+
+    `covering` takes the largest micro-batch the run can draw, rounded up (tokens and targets to 64,
+    segments to 8), so one shape serves the whole run; `grown_to` widens it for a batch that does not fit
+    (a stream's bins are not known ahead), which costs one new graph capture."""
+
+    tokens: int
+    segments: int
+    targets: int
+
+    @classmethod
+    def covering(cls, tokens: int, sequences: int, targets: int) -> BatchShape:
+        """A shape for micro-batches of at most these many tokens, sequences and trained targets."""
+        tokens = _round_up(max(tokens, 1), 64)
+        # one more boundary for the pad tail, and at least two segments: a static batch never looks like
+        # a bin of equal-length sequences to the attention (`fastft.runtime.attention._uniform_length`)
+        segments = _round_up(max(sequences + 1, 2), 8)
+        return cls(tokens, segments, min(_round_up(max(targets, 1), 64), tokens))
+
+    def holds(self, batch: PackedBatch) -> bool:
+        pad_segment = 1 if batch.num_tokens < self.tokens else 0
+        return (
+            batch.num_tokens <= self.tokens
+            and batch.num_sequences + pad_segment <= self.segments
+            and batch.num_trained_tokens <= self.targets
+        )
+
+    def grown_to(self, batch: PackedBatch) -> BatchShape:
+        """The smallest widening of this shape (each bound at least doubled where it grows) that holds
+        `batch`."""
+
+        def grow(current: int, needed: int) -> int:
+            return current if needed <= current else max(needed, 2 * current)
+
+        tokens = grow(self.tokens, batch.num_tokens)
+        return BatchShape.covering(
+            tokens,
+            grow(self.segments - 1, batch.num_sequences),
+            grow(self.targets, batch.num_trained_tokens),
+        )

@@ -92,6 +92,12 @@ class PackingStats:
         )
 
 
+def _trained_targets(labels: np.ndarray) -> int:
+    """The targets a sequence trains in a batch: its labels after the first token (a batch never predicts
+    a sequence's first token, `PackedBatch.from_sequences`)."""
+    return int((labels[1:] != -100).sum())
+
+
 class PackedDataset:
     """Tokenised rows packed into bins; `batch([i, j])` concatenates bins into one `PackedBatch`."""
 
@@ -114,6 +120,19 @@ class PackedDataset:
 
     def __len__(self) -> int:
         return len(self.bins)
+
+    def largest_batch(self, bins_per_batch: int) -> tuple[int, int, int]:
+        """Bounds on a batch of `bins_per_batch` of these bins: (tokens, sequences, trained targets), each the
+        sum of the largest bins' (`fastft.data.batch.BatchShape.covering` takes them)."""
+        sizes = np.zeros((len(self.bins), 3), dtype=np.int64)
+        for index, members in enumerate(self.bins):
+            sizes[index] = (
+                sum(len(self.data.input_ids[i]) for i in members),
+                len(members),
+                sum(_trained_targets(self.data.labels[i]) for i in members),
+            )
+        largest = -np.sort(-sizes, axis=0)[:bins_per_batch].sum(axis=0)
+        return tuple(int(value) for value in largest)
 
     def batch(self, bin_indices: Iterable[int]) -> PackedBatch:
         """The sequences of the given bins, in bin order, as one CPU `PackedBatch`."""

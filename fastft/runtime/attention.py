@@ -52,6 +52,9 @@ BACKEND_KERNELS = {
     "flex": "flex_attention with a document-causal mask",
 }
 BACKENDS = tuple(BACKEND_KERNELS)
+# Backends that read only a batch's tensors and shape, never its host sequence lengths: a batch padded to a
+# static shape (`fastft.data.batch.BatchShape`) replays one CUDA graph through them whatever its sequences.
+SHAPE_ONLY_BACKENDS = ("sdpa_masked", "varlen", "flash_attn")
 _DENSE_MASK_LIMIT = 64 * 2**20  # entries of a [T, T] mask before the CPU default switches to segments
 
 

@@ -23,6 +23,10 @@ class StepEvent:
     summed over layers and micro-batches); empty when profiling is off. On a GPU it is read from
     CUDA events once they completed, like the loss: the event of step s (with its phases) is
     emitted during step s+1.
+
+    `tokens` are real tokens; `padding_tokens` the pad slots a static-shape step added on top
+    (`TrainConfig.static_shapes`). `graph_replays` counts the step's `micro_batches` that replayed a CUDA
+    graph (`fastft.training.graph`).
     """
 
     step: int
@@ -38,6 +42,9 @@ class StepEvent:
     peak_memory_bytes: int
     memory_kind: str
     phases: dict[str, float] = field(default_factory=dict, hash=False)
+    padding_tokens: int = 0
+    graph_replays: int = 0
+    micro_batches: int = 1
 
     def as_dict(self) -> dict:
         return asdict(self)

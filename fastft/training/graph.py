@@ -11,12 +11,16 @@ What a graph needs, and how the step provides it:
 
 - Static shapes and host values. A replay repeats the captured kernels with the captured launch
   parameters, so every host number the forward reads must be the same: the batch's token count,
-  sequence count and lengths, ``max_seqlen``, trained-token count, and the divisor of the loss. That is
-  the batch `signature`; only batches with the captured signature replay. Packed bins of chat data
-  rarely repeat one (their sequence lengths differ), so they train eagerly as before; fixed-length rows
-  (pretraining chunks, the benchmarks' random tokens) replay every step.
-- Static inputs. The captured batch's tensors stay alive; a replay copies the next batch's
-  ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens`` and targets into them (device-to-device).
+  sequence count, ``max_seqlen`` and target count. That is the batch `signature`; only batches with the
+  captured signature replay. Packed bins of chat data never repeat their lengths, so the trainer pads
+  them to one `fastft.data.batch.BatchShape` for the run (a pad tail segment, zero-length boundaries,
+  ignored targets): their signature is the shape's, and they replay from the third step on. A batch
+  that is not padded (``TrainConfig(static_shapes=False)``, or an attention backend that reads host
+  lengths) also signs with its sequence lengths. The loss divisor (the step's trained-token count) is a
+  device tensor, copied in like the batch, so gradient accumulation's varying counts replay too.
+- Static inputs. The captured batch's tensors and divisor stay alive; a replay copies the next batch's
+  ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens``, targets and divisor into them
+  (device-to-device).
   Attention artefacts are built inside the capture, so a replay rebuilds them from the copied tensors.
 - Static gradients. Every trainable parameter gets a ``.grad`` before capture; the captured backward
   accumulates into it, and the trainer zeroes gradients in place (``zero_grad(set_to_none=False)``)
@@ -50,16 +54,11 @@ class GraphCaptureWarning(UserWarning):
     """A CUDA graph capture failed; the run continues eagerly."""
 
 
-def batch_signature(batch: PackedBatch, divisor: float) -> tuple:
-    """Every host value a forward and backward of `batch` (loss divided by `divisor`) can read."""
-    return (
-        batch.num_tokens,
-        batch.num_sequences,
-        batch.max_seqlen,
-        batch.num_trained_tokens,
-        batch.sequence_lengths,
-        float(divisor),
-    )
+def batch_signature(batch: PackedBatch) -> tuple:
+    """Every host value a forward and backward of `batch` can read: its shape, and the sequence lengths
+    of a batch that is not padded to a static shape (a backend may read them)."""
+    shape = (batch.num_tokens, batch.num_sequences, batch.max_seqlen, int(batch.target_ids.shape[0]))
+    return shape if batch.static else (*shape, batch.sequence_lengths)
 
 
 @dataclass
@@ -128,6 +127,9 @@ def _fill(static: PackedBatch, batch: PackedBatch) -> None:
         getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
 
 
+LossFunction = Callable[[PackedBatch, torch.Tensor], torch.Tensor]
+
+
 _WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -143,9 +145,9 @@ def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
 class StepGraph:
     """Forward + backward of micro-batches, replayed from a CUDA graph when the signature allows.
 
-    ``loss_fn(batch)`` returns the micro-batch's loss (already divided and under the caller's autocast);
-    `forward_backward` runs it and its backward and returns the loss, detached. `mode(batch, divisor,
-    first_micro_batch)` says beforehand whether this batch will run `EAGER`, be captured or replayed (the
+    ``loss_fn(batch, divisor)`` returns the micro-batch's loss divided by `divisor` (a 0-d float32 tensor on
+    the batch's device), under the caller's autocast; `forward_backward` runs it and its backward and returns
+    the loss, detached. `mode(batch, first_micro_batch)` says beforehand whether this batch will run `EAGER`, be captured or replayed (the
     profiler times a graph as one phase). With ``enabled=False``, or off CUDA, everything runs eagerly.
     """
 
@@ -162,6 +164,7 @@ class StepGraph:
         self.policy = GraphPolicy(warmup=warmup, max_captures=max_captures, enabled=enabled and cuda)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._static: PackedBatch | None = None
+        self._divisor: torch.Tensor | None = None
         self._loss: torch.Tensor | None = None
         self._planned = EAGER
 
@@ -174,9 +177,9 @@ class StepGraph:
     def stats(self) -> dict[str, int]:
         return self.policy.stats
 
-    def mode(self, batch: PackedBatch, divisor: float, first_micro_batch: bool) -> str:
+    def mode(self, batch: PackedBatch, first_micro_batch: bool) -> str:
         """Decide how `batch` runs (call once per micro-batch, right before `forward_backward`)."""
-        signature = batch_signature(batch, divisor)
+        signature = batch_signature(batch)
         if self.policy.must_drop(signature):
             self.release()
             self.policy.dropped()
@@ -184,17 +187,18 @@ class StepGraph:
         return self._planned
 
     def forward_backward(
-        self, batch: PackedBatch, loss_fn: Callable[[PackedBatch], torch.Tensor]
+        self, batch: PackedBatch, divisor: torch.Tensor, loss_fn: LossFunction
     ) -> torch.Tensor:
         """Run the micro-batch as `mode` decided; returns its loss, detached."""
         decision, self._planned = self._planned, EAGER
         if decision == REPLAY:
             _fill(self._static, batch)
+            self._divisor.copy_(divisor, non_blocking=True)
             self._graph.replay()
             return self._loss
         if decision == CAPTURE:
             try:
-                return self._capture(batch, loss_fn)
+                return self._capture(batch, divisor, loss_fn)
             except Exception as error:  # noqa: BLE001 - any failure: warn once, train on eagerly
                 self.release()
                 self.policy.disable()
@@ -207,11 +211,11 @@ class StepGraph:
                     GraphCaptureWarning,
                     stacklevel=2,
                 )
-        loss = loss_fn(batch)
+        loss = loss_fn(batch, divisor)
         loss.backward()
         return loss.detach()
 
-    def _capture(self, batch: PackedBatch, loss_fn) -> torch.Tensor:
+    def _capture(self, batch: PackedBatch, divisor: torch.Tensor, loss_fn: LossFunction) -> torch.Tensor:
         for parameter in self.parameters:  # the captured backward accumulates into these
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
@@ -220,22 +224,22 @@ class StepGraph:
         side = _warmup_stream(batch.device)
         side.wait_stream(torch.cuda.current_stream(batch.device))
         with torch.cuda.stream(side):
-            loss_fn(batch).backward()
+            loss_fn(batch, divisor).backward()
         torch.cuda.current_stream(batch.device).wait_stream(side)
         torch._foreach_zero_([parameter.grad for parameter in self.parameters])
-        static = _static_copy(batch)
+        static, static_divisor = _static_copy(batch), divisor.clone()
         graph = torch.cuda.CUDAGraph()
         # thread-local: the studio trains in a background thread while the notebook's thread stays free
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            loss = loss_fn(static)
+            loss = loss_fn(static, static_divisor)
             loss.backward()
-        self._graph, self._static, self._loss = graph, static, loss.detach()
+        self._graph, self._static, self._divisor, self._loss = graph, static, static_divisor, loss.detach()
         graph.replay()
         return self._loss
 
     def release(self) -> None:
         """Drop the graph and its memory pool (a batch with another signature, or the run's end)."""
-        self._graph = self._static = self._loss = None
+        self._graph = self._static = self._divisor = self._loss = None
         self.policy.captured = None
 
 
@@ -245,6 +249,7 @@ __all__ = [
     "REPLAY",
     "GraphCaptureWarning",
     "GraphPolicy",
+    "LossFunction",
     "StepGraph",
     "batch_signature",
 ]

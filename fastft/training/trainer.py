@@ -30,13 +30,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastft.data.batch import BatchShape, PackedBatch
 from fastft.data.packing import PackedDataset, pack
 from fastft.data.stream import PackedStream, StreamCursor, batch_of
-from fastft.runtime.attention import describe_backend, patch_packed_attention
+from fastft.runtime.attention import (
+    SHAPE_ONLY_BACKENDS,
+    choose_backend,
+    describe_backend,
+    is_patched,
+    patch_packed_attention,
+)
 from fastft.training.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from fastft.training.events import EvalEvent, Event, StepEvent, Subscriber
-from fastft.training.graph import EAGER, StepGraph
-from fastft.training.loss import causal_lm_loss_sum
+from fastft.training.graph import EAGER, REPLAY, StepGraph
+from fastft.training.loss import causal_lm_loss_sum, router_aux_loss_coefficient
 from fastft.training.timing import NULL_PROFILE, StepProfile
 from fastft.training.timing_hooks import detach_profile
 
@@ -58,8 +65,14 @@ class TrainConfig:
     under 2 % of a step) and fills `StepEvent.phases`; False removes the profiler's hooks from the model.
     `cuda_graph` replays a micro-batch's forward and backward from a CUDA graph when its batches repeat one
     shape (fixed-length rows; `fastft.training.graph`): on a GPU the step stops waiting for the host. Packed
-    bins whose sequence lengths vary train eagerly either way. Every checkpointing mode is captured,
+    bins are padded to one shape for that (`static_shapes`). Every checkpointing mode is captured,
     offloaded ones included (their copies become graph nodes on the copy stream); False never captures.
+    `static_shapes` pads every packed micro-batch to one `fastft.data.batch.BatchShape` (the run's largest
+    micro-batch, rounded up: a pad tail segment that trains nothing), so chat data, whose bins never
+    repeat their lengths, replays a CUDA graph from the third step on. None (the default) pads where a
+    graph can replay: on CUDA with `cuda_graph`, a packed-attention backend that reads only the batch's
+    shape, and no router load-balancing loss (pad tokens would be routed); True pads everywhere (the CPU
+    too: the same losses and gradients, slower); False never pads.
     """
 
     max_steps: int | None = None
@@ -82,6 +95,7 @@ class TrainConfig:
     attention: str | None = "auto"
     profile: bool = True
     cuda_graph: bool = True
+    static_shapes: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_bins", "grad_accum_steps", "save_total_limit"):
@@ -234,6 +248,7 @@ class Trainer:
         # fp16's loss scaling changes between steps outside the graph's view: those runs stay eager
         graphs = self.config.cuda_graph and self.grad_scaler is None
         self.step_graph = StepGraph(self.parameters, enabled=graphs)
+        self._batch_shape: BatchShape | None | bool = None  # decided on the first step (`_shaped`)
         self.step = 0
         self.result = TrainResult(profile=self.profile)
         self._stop = threading.Event()
@@ -377,33 +392,85 @@ class Trainer:
         dtype = getattr(getattr(self.model, "fastft_info", None), "dtype", None)
         return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
-    def _micro_batch_loss(self, trained: int):
-        """``loss_fn(batch)``: a micro-batch's summed loss over the step's `trained` tokens, under autocast."""
+    def _micro_batch_loss(self, batch: PackedBatch, divisor: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's summed loss over the step's trained tokens (`divisor`, a device tensor: a CUDA
+        graph replays every step's count), under autocast."""
+        with torch.autocast(
+            self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+        ):
+            return causal_lm_loss_sum(self.model, batch) / divisor
 
-        def loss_fn(batch):
-            with torch.autocast(
-                self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
-            ):
-                return causal_lm_loss_sum(self.model, batch) / trained
+    # -- static shapes -------------------------------------------------------------------------
+    def _pads_batches(self, first: PackedBatch) -> bool:
+        """Whether this run pads its micro-batches to one `BatchShape` (`TrainConfig.static_shapes`); decided
+        on the run's first micro-batch (the attention backend is resolved on it)."""
+        asked = self.config.static_shapes
+        if asked is False:
+            return False
+        if router_aux_loss_coefficient(self.model) is not None:
+            if asked:
+                raise ValueError(
+                    "static_shapes=True cannot keep the router's load-balancing loss exact (pad tokens would "
+                    "be routed): leave static_shapes=None, or turn off output_router_logits."
+                )
+            return False
+        if asked:
+            return True
+        if not self.step_graph.policy.enabled or not is_patched(self.model):
+            return False
+        return choose_backend(self.model, first.to(self.device)) in SHAPE_ONLY_BACKENDS
 
-        return loss_fn
+    def _shaped(self, batches: list[PackedBatch]) -> list[PackedBatch]:
+        """The step's CPU micro-batches, padded to the run's `BatchShape` when it pads (widened, once, for a
+        stream's batch that does not fit)."""
+        if self._batch_shape is None:
+            if not self._pads_batches(batches[0]):
+                self._batch_shape = False
+                return batches
+            self._batch_shape = self._covering_shape()
+        if self._batch_shape is False:
+            return batches
+        for batch in batches:
+            if not self._batch_shape.holds(batch):
+                self._batch_shape = self._batch_shape.grown_to(batch)
+        return [batch.padded(self._batch_shape) for batch in batches]
+
+    def _covering_shape(self) -> BatchShape:
+        """The largest micro-batch this run can draw, rounded up: a `PackedDataset` knows its bins; a
+        stream's bins are bounded by `max_seq_length` (sequences and targets grow as they come)."""
+        size = self.config.micro_batch_bins
+        if isinstance(self.train_data, PackedDataset):
+            return BatchShape.covering(*self.train_data.largest_batch(size))
+        tokens = size * self.train_data.max_seq_length
+        return BatchShape.covering(tokens, 8, tokens // 2)
+
+    @property
+    def batch_shape(self) -> BatchShape | None:
+        """The static shape this run pads its micro-batches to; None when it does not (or before its first
+        step)."""
+        return self._batch_shape or None
 
     def _train_step(self) -> None:
         phases = self.profile or NULL_PROFILE  # top-level phases follow each other: data → forward → …
         phases.step_begin()
         make = batch_of if self._cursor is not None else self.train_data.batch
-        micro_batches = [make(bins).to(self.device) for bins in self.bins_for_step(self.step)]
+        micro_batches = self._shaped([make(bins) for bins in self.bins_for_step(self.step)])
         trained = sum(b.num_trained_tokens for b in micro_batches)
-        tokens = sum(b.num_tokens for b in micro_batches)
+        tokens = sum(b.real_tokens for b in micro_batches)
+        padding = sum(b.padding for b in micro_batches)
+        divisor = _device_scalar(trained, self.device)
+        micro_batches = [batch.to(self.device) for batch in micro_batches]
         timer = _StepTimer(self.device)
         loss_total = torch.zeros((), device=self.device)
+        replays = 0
         for index, batch in enumerate(micro_batches):
-            if self.step_graph.mode(batch, trained, first_micro_batch=index == 0) != EAGER:
+            if (mode := self.step_graph.mode(batch, first_micro_batch=index == 0)) != EAGER:
+                replays += mode == REPLAY
                 with phases.opaque("graph"):
-                    loss_total += self.step_graph.forward_backward(batch, self._micro_batch_loss(trained))
+                    loss_total += self.step_graph.forward_backward(batch, divisor, self._micro_batch_loss)
                 continue
             phases.begin("forward")  # the final norm's hook hands over to "loss"
-            loss = self._micro_batch_loss(trained)(batch)
+            loss = self._micro_batch_loss(batch, divisor)
             phases.begin("backward")
             (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             loss_total += loss.detach()
@@ -436,6 +503,7 @@ class Trainer:
         info = dict(
             step=self.step + 1, lr=learning_rate, trained=trained, tokens=tokens, timer=timer, timing=timing
         )
+        info.update(padding=padding, replays=replays, micro_batches=len(micro_batches))
         info["epoch"] = epoch
         self._pending.append(_PendingReadout(values, info))
 
@@ -461,6 +529,9 @@ class Trainer:
                 peak_memory_bytes=_peak_memory(self.device),
                 memory_kind="cuda" if self.device.type == "cuda" else "cpu-rss",
                 phases=phases,
+                padding_tokens=info["padding"],
+                graph_replays=info["replays"],
+                micro_batches=info["micro_batches"],
             )
             self.result.steps.append(event)
             self._publish(event)
@@ -548,6 +619,12 @@ class Trainer:
         self.result.steps = [StepEvent(**event) for event in state["steps"]]
         self.result.evals = [EvalEvent(**event) for event in state["evals"]]
         self.result.checkpoints.append(str(folder))
+
+
+def _device_scalar(value: float, device: torch.device) -> torch.Tensor:
+    """`value` as a 0-d float32 tensor on `device`, copied from pinned memory without a host sync."""
+    scalar = torch.tensor(float(value), dtype=torch.float32)
+    return scalar.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else scalar
 
 
 class _StepTimer:

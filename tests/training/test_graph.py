@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastft
-from fastft.data.batch import PackedBatch
+from fastft.data.batch import BatchShape, PackedBatch
 from fastft.data.packing import PackedDataset
 from fastft.data.tokenize import TokenizedData
 from fastft.training.graph import CAPTURE, EAGER, REPLAY, GraphPolicy, StepGraph, batch_signature
@@ -28,12 +28,28 @@ def _batch(lengths, trained_from=1, seed=0):
     return PackedBatch.from_sequences(ids, labels)
 
 
+def _divisor(batch):
+    return torch.tensor(float(batch.num_trained_tokens), device=batch.device)
+
+
 def test_signature_holds_every_host_value_a_step_reads():
     a, b = _batch([5, 7]), _batch([5, 7], seed=1)
-    assert batch_signature(a, 10) == batch_signature(b, 10)  # other tokens, same shape: replayable
-    assert batch_signature(a, 10) != batch_signature(a, 11)  # the loss divisor is baked into the graph
-    assert batch_signature(a, 10) != batch_signature(_batch([7, 5]), 10)  # same total, other boundaries
-    assert batch_signature(a, 10) != batch_signature(_batch([5, 7], trained_from=2), 10)  # trained count
+    assert batch_signature(a) == batch_signature(b)  # other tokens, same shape: replayable
+    assert batch_signature(a) != batch_signature(_batch([7, 5]))  # same total, other boundaries
+    assert batch_signature(a) != batch_signature(_batch([5, 7], trained_from=2))  # trained count
+
+
+def test_batches_padded_to_one_shape_share_one_signature_whatever_their_sequences():
+    shape = BatchShape.covering(tokens=40, sequences=5, targets=30)
+    ragged = [
+        _batch([5, 7]),
+        _batch([13, 2, 9], trained_from=3, seed=2),
+        _batch([40]),
+        _batch([3, 3, 3, 3, 3]),
+    ]
+    signatures = {batch_signature(batch.padded(shape)) for batch in ragged}
+    assert len(signatures) == 1
+    assert len({batch_signature(batch) for batch in ragged}) == len(ragged)  # unpadded, each its own
 
 
 def test_policy_captures_after_warmup_at_a_step_start_and_replays_the_same_shape():
@@ -65,16 +81,16 @@ def test_off_cuda_every_micro_batch_runs_eagerly_and_gives_the_plain_loss():
     graph = StepGraph(parameters)
     batch = _batch([9, 14])
 
-    def loss_fn(b):
+    def loss_fn(b, divisor):
         from fastft.training.loss import causal_lm_loss_sum
 
-        return causal_lm_loss_sum(model, b) / b.num_trained_tokens
+        return causal_lm_loss_sum(model, b) / divisor
 
     for _ in range(4):
-        assert graph.mode(batch, batch.num_trained_tokens, True) == EAGER
-        loss = graph.forward_backward(batch, loss_fn)
+        assert graph.mode(batch, True) == EAGER
+        loss = graph.forward_backward(batch, _divisor(batch), loss_fn)
     assert not graph.holds_gradients and graph.stats["captures"] == 0
-    expected = loss_fn(batch)
+    expected = loss_fn(batch, _divisor(batch))
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
@@ -156,15 +172,15 @@ def test_gpu_graph_is_dropped_for_another_shape_and_its_memory_returns():
     graph = StepGraph(parameters, warmup=1)
     from fastft.training.loss import causal_lm_loss_sum
 
-    def loss_fn(b):
+    def loss_fn(b, divisor):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return causal_lm_loss_sum(model, b) / b.num_trained_tokens
+            return causal_lm_loss_sum(model, b) / divisor
 
     short, long = _batch([40, 56]).to("cuda"), _batch([300, 211]).to("cuda")
     modes = []
     for batch in (short, short, short, long):
-        modes.append(graph.mode(batch, batch.num_trained_tokens, True))
-        loss = graph.forward_backward(batch, loss_fn)
+        modes.append(graph.mode(batch, True))
+        loss = graph.forward_backward(batch, _divisor(batch), loss_fn)
         assert torch.isfinite(loss)
         for p in parameters:
             p.grad.zero_()
@@ -173,13 +189,13 @@ def test_gpu_graph_is_dropped_for_another_shape_and_its_memory_returns():
     # replaying writes the new batch's tokens into the captured inputs: the loss follows the data
     graph = StepGraph(parameters, warmup=0)
     other = _batch([40, 56], seed=5).to("cuda")
-    graph.mode(short, short.num_trained_tokens, True)
-    first = graph.forward_backward(short, loss_fn).clone()
-    graph.mode(other, other.num_trained_tokens, True)
-    replayed = graph.forward_backward(other, loss_fn).clone()
+    graph.mode(short, True)
+    first = graph.forward_backward(short, _divisor(short), loss_fn).clone()
+    graph.mode(other, True)
+    replayed = graph.forward_backward(other, _divisor(other), loss_fn).clone()
     for p in parameters:
         p.grad.zero_()
-    assert replayed.item() == pytest.approx(loss_fn(other).item(), rel=2e-2)
+    assert replayed.item() == pytest.approx(loss_fn(other, _divisor(other)).item(), rel=2e-2)
     assert replayed.item() != first.item()
 
 
@@ -203,22 +219,22 @@ def test_gpu_capture_replays_each_checkpointing_mode_like_eager(mode):
     model.train()
     parameters = [p for p in model.parameters() if p.requires_grad]
 
-    def loss_fn(b):
+    def loss_fn(b, divisor):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return causal_lm_loss_sum(model, b) / b.num_trained_tokens
+            return causal_lm_loss_sum(model, b) / divisor
 
     batches = [_batch([70, 33, 120], seed=seed).to("cuda") for seed in range(5)]
     expected = []
     for batch in batches:
-        loss = loss_fn(batch)
+        loss = loss_fn(batch, _divisor(batch))
         loss.backward()
         expected.append((loss.item(), [p.grad.clone() for p in parameters]))
         for p in parameters:
             p.grad = None
     graph = StepGraph(parameters, warmup=1)
     for batch, (loss, grads) in zip(batches, expected, strict=True):
-        graph.mode(batch, batch.num_trained_tokens, True)
-        replayed = graph.forward_backward(batch, loss_fn).item()
+        graph.mode(batch, True)
+        replayed = graph.forward_backward(batch, _divisor(batch), loss_fn).item()
         assert replayed == pytest.approx(loss, rel=2e-2)
         for p, g in zip(parameters, grads, strict=True):
             scale = g.float().abs().max().clamp_min(1e-12)
