@@ -488,6 +488,11 @@ class RunPanel(Panel):
                 f"{speed:,.0f} trained tok/s",
                 f"{last.peak_memory_bytes / 2**30:.2f} GiB",
             ]
+            replayed = sum(e.graph_replays for e in recent)
+            if replayed:  # chat data replays too: its micro-batches are padded to one shape
+                parts.append(
+                    f"CUDA graph: {replayed}/{sum(e.micro_batches for e in recent)} micro-batches replayed"
+                )
         evals = [e for e in run.events[-50:] if isinstance(e, EvalEvent)]
         if evals:
             parts.append(f"eval loss {evals[-1].eval_loss:.4f}")

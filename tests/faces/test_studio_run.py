@@ -266,6 +266,21 @@ def test_live_plot_buffer_thins_old_points_and_keeps_the_whole_run():
     assert len(trace.x) <= 2000 and trace.x[-1] == 10_000 and panel.progress.value == 10_000
 
 
+def test_status_line_says_when_micro_batches_replay_a_cuda_graph():
+    panel = RunPanel(StudioState(), live="widget")
+    panel.run = Run(None, None, None, config=TrainConfig(max_steps=100))
+    event = dict(max_steps=100, epoch=0.0, learning_rate=1e-4, grad_norm=1.0, trained_tokens=100, tokens=128)
+    more = dict(step_seconds=0.01, trained_tokens_per_second=1e4, peak_memory_bytes=2**30, memory_kind="cuda")
+    panel.run.events = [StepEvent(step=s, loss=2.0, **event, **more) for s in range(1, 11)]
+    assert "CUDA graph" not in panel._status_line()  # eager steps: nothing to say
+    panel.run.events += [
+        StepEvent(step=s, loss=2.0, graph_replays=2, micro_batches=2, padding_tokens=9, **event, **more)
+        for s in range(11, 21)
+    ]
+    # the last 20 steps: 10 eager ones of one micro-batch, 10 replayed ones of two
+    assert "CUDA graph: 20/30 micro-batches replayed" in panel._status_line()
+
+
 def test_frontend_is_found_from_the_environment_and_display_mode_redraws_whole_figures():
     assert frontend({}, kernel=False) == "text"
     assert frontend({}, kernel=True) == "widget"
