@@ -85,6 +85,41 @@ class PackedBatch:
             sequence_lengths=tuple(lengths.tolist()),
         )
 
+    @classmethod
+    def from_position_ids(
+        cls, position_ids: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> PackedBatch:
+        """The boundaries of a padding-free row as Hugging Face collators build it (``[1, T]`` position ids
+        restarting at each sequence: ``DataCollatorWithFlattening``, TRL's ``padding_free``), for the
+        attention only: no labels or targets (the caller computes its loss). A sequence starts wherever a
+        position does not follow the one before it, as transformers detects packing; reading the lengths is
+        the one host sync of such a batch, made once for every layer."""
+        positions = position_ids.reshape(-1)
+        total = positions.numel()
+        starts = torch.nonzero(positions[1:] != positions[:-1] + 1).reshape(-1) + 1
+        boundaries = [0, *starts.tolist(), total]
+        lengths = [end - start for start, end in zip(boundaries, boundaries[1:], strict=False)]
+        device = position_ids.device
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        ids = (
+            input_ids.reshape(1, total)
+            if input_ids is not None
+            else torch.zeros_like(positions).view(1, total)
+        )
+        return cls(
+            input_ids=ids,
+            labels=torch.full((1, total), IGNORE_INDEX, dtype=torch.int64, device=device),
+            position_ids=positions.view(1, total),
+            cu_seqlens=torch.tensor(boundaries, dtype=torch.int32).to(device, non_blocking=True),
+            target_positions=empty,
+            target_ids=empty,
+            max_seqlen=max(lengths),
+            num_sequences=len(lengths),
+            num_tokens=total,
+            num_trained_tokens=0,
+            sequence_lengths=tuple(lengths),
+        )
+
     @property
     def real_tokens(self) -> int:
         """Tokens of the batch's sequences, without the padding of a static batch."""

@@ -206,8 +206,13 @@ def add_lora(
     set_gradient_checkpointing(peft_model, gradient_checkpointing)
     if fused:
         from fastft.models.patch import patch
+        from fastft.runtime.attention import is_patched, patch_packed_attention
 
-        patch(peft_model)
+        report = patch(peft_model)
+        # padding-free Hugging Face batches (TRL's packing, DataCollatorWithFlattening) then run through the
+        # packed attention; every other call keeps transformers' SDPA path (`fastft.runtime.attention`)
+        if report.fused.get("attention") and not is_patched(peft_model):
+            patch_packed_attention(peft_model, "auto")
     model_state(peft_model).lora = settings
     return peft_model
 

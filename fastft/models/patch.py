@@ -13,7 +13,10 @@ What a patched Llama / Mistral / Qwen2 / Qwen3 decoder layer runs (each line one
     or sparse MoE (+LoRA)     router -> one routing plan -> grouped GEMMs, LoRA on experts as its own grouped
                               path (fastft.models.moe; Qwen2-MoE, Qwen3-MoE, Mixtral)
 
-plus the final norm, and (in `fastft.training.loss`) the fused linear cross-entropy over the output head.
+plus the final norm, and the fused linear cross-entropy over the output head: in `fastft.training.loss` for
+fastft's own steps, and in the causal LM's forward when it is called the Hugging Face way, with ``labels=``
+(HF `Trainer`, TRL, a plain loop): the loss comes back without the ``[tokens x vocab]`` logits, which the
+output (`FusedLossOutput`) does not have; asking for them raises `LogitsNotComputedError`, naming the fix.
 
 Only instances change: each patched submodule gets an instance attribute ``forward`` (the class is never
 touched, so a patched and an unpatched model live side by side), and the original is kept for `unpatch`.
@@ -44,6 +47,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fastft.models import fusion
@@ -57,6 +61,37 @@ _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # and the fused MLP fo
 
 class UnfusedWarning(UserWarning):
     """Part (or all) of a model runs on the reference path rather than fastft's fused kernels."""
+
+
+_NO_LOGITS = (
+    "this loss came from fastft's fused linear cross-entropy, which never builds the [tokens x vocab] logits. "
+    "For logits, call the model without labels= (and compute the loss from them), or fastft.unpatch(model) "
+    "first; with the Hugging Face Trainer, evaluate with prediction_loss_only=True."
+)
+
+
+class LogitsNotComputedError(AttributeError):
+    """The output of a fused ``labels=`` forward was asked for logits it never computed."""
+
+
+@dataclass
+class FusedLossOutput(ModelOutput):
+    """What a patched causal LM returns for a ``labels=`` call: the loss (and the decoder's hidden states and
+    attentions when asked for), no logits."""
+
+    loss: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+    def __getattr__(self, name: str):
+        if name == "logits":
+            raise LogitsNotComputedError(f"outputs.logits: {_NO_LOGITS}")
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __getitem__(self, key):
+        if key == "logits":
+            raise KeyError(f"outputs['logits']: {_NO_LOGITS}")
+        return super().__getitem__(key)
 
 
 @dataclass
@@ -241,6 +276,77 @@ def _mlp_forward(self, hidden_states):
 # --------------------------------------------------------------------------------------------- patching
 
 
+def _causal_lm_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    logits_to_keep=0,
+    **kwargs,
+):
+    """A causal LM's forward where a ``labels=`` call gets its loss from the fused linear cross-entropy over
+    the decoder's hidden states (shifted as transformers shifts them, ``-100`` ignored, ``num_items_in_batch``
+    honoured as the HF Trainer passes it); every other call (no labels, a KV cache, the MoE router loss, a
+    head that is not a plain linear layer) runs the original forward."""
+    head = self.get_output_embeddings()
+    asks_router_loss = kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
+    if (
+        labels is None
+        or past_key_values is not None
+        or use_cache
+        or asks_router_loss
+        or kwargs.get("return_dict") is False
+        or type(head) is not torch.nn.Linear
+    ):
+        return self._fastft_original_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+    from fastft.kernels.fused_linear_ce import fused_linear_cross_entropy
+
+    num_items = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    outputs = self.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        inputs_embeds=inputs_embeds,
+        use_cache=False,
+        **kwargs,
+    )
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:
+        hidden, targets = hidden[:, :-1], labels[:, 1:]
+    else:
+        targets = shift_labels
+    loss = fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        head.weight,
+        targets.reshape(-1).to(hidden.device),
+        bias=head.bias,
+        softcap=getattr(self.config, "final_logit_softcapping", None),
+        reduction="mean" if num_items is None else "sum",
+    )
+    if num_items is not None:
+        loss = loss / num_items
+    return FusedLossOutput(
+        loss=loss,
+        hidden_states=getattr(outputs, "hidden_states", None),
+        attentions=getattr(outputs, "attentions", None),
+    )
+
+
 def _hook_adapter_copies(state: _PatchState, decoder: torch.nn.Module) -> None:
     """Before each training forward of the decoder: every active adapter's weights in the compute dtype, in one
     multi-tensor copy (`fastft.kernels.lora.AdapterComputeCopies`), for the fused forwards, their recompute and
@@ -357,6 +463,8 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
         report.not_fused.append(f"the MLPs ({plan.activation_reason})")
     report.fused = {name: count for name, count in counts.items() if count}
     report.fused["cross_entropy"] = 1
+    if type(base.get_output_embeddings()) is torch.nn.Linear and hasattr(base, "get_decoder"):
+        _install(base, _causal_lm_forward, state)  # model(..., labels=...) the Hugging Face way
     state.projections = _lora_projections(state.modules)
     _hook_adapter_copies(state, decoder)
     attach_layer_contexts(base)  # the fused forwards reach their layer's kept tensors and router collector

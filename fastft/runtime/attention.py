@@ -72,6 +72,7 @@ class PackedAttentionState:
     previous_implementation: str
     resolved: str | None = None  # the backend actually used, once known
     function: Callable | None = None  # and its function
+    hook: object = None  # the decoder's pre-hook for padding-free Hugging Face inputs (`_padding_free_hook`)
 
 
 # -- backends ------------------------------------------------------------------------------------
@@ -565,7 +566,52 @@ def patch_packed_attention(model: torch.nn.Module, backend: str | Callable = "au
     attach_layer_contexts(model)
     for config in _configs(model):
         config._attn_implementation = IMPLEMENTATION
+    if state.hook is None:
+        decoder = _decoder(model)
+        if decoder is not None:
+            hook = functools.partial(_padding_free_hook, state)
+            state.hook = decoder.register_forward_pre_hook(hook, with_kwargs=True)
     return model
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    return decoder if decoder is not None and hasattr(decoder, "layers") else None
+
+
+def _padding_free_hook(state: PackedAttentionState, decoder: torch.nn.Module, args: tuple, kwargs: dict):
+    """Padding-free inputs the Hugging Face way (``[1, T]`` rows whose ``position_ids`` restart at each
+    sequence and no attention mask: ``DataCollatorWithFlattening``, TRL's ``padding_free`` / packing) run
+    through the packed attention: the batch's boundaries are read once here, before the first layer
+    (`PackedBatch.from_position_ids`), instead of transformers building a ``[T, T]`` mask from them.
+    Anything else (a padding mask, a KV cache, fastft's own packed steps) is left as it is."""
+    position_ids = kwargs.get("position_ids")
+    if (
+        position_ids is None
+        or position_ids.dim() != 2
+        or position_ids.shape[0] != 1
+        or kwargs.get("attention_mask") is not None
+        or kwargs.get("fastft_batch") is not None
+        or kwargs.get("past_key_values") is not None
+        or kwargs.get("use_cache")
+    ):
+        return None
+    batch = PackedBatch.from_position_ids(position_ids, kwargs.get("input_ids"))
+    if batch.num_sequences == 1:
+        return None  # one causal sequence: transformers' own path needs no mask either
+    if state.resolved is None:
+        _resolve_for(state, batch)
+    kwargs = dict(kwargs, fastft_batch=batch, attention_mask=mask_marker(batch))
+    return args, kwargs
+
+
+def mask_marker(batch: PackedBatch) -> torch.Tensor:
+    """A 4-D attention mask with no entries: transformers skips building its own (and its packed-sequence
+    detection, a host sync) and fastft's packed attention reads the `PackedBatch` instead."""
+    return batch.artifact(
+        "mask_marker", lambda: torch.ones(1, 1, 0, 0, dtype=torch.bool, device=batch.device)
+    )
 
 
 def unpatch_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
@@ -574,6 +620,8 @@ def unpatch_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
     if state is not None:
         for config in _configs(model):
             config._attn_implementation = state.previous_implementation
+        if state.hook is not None:
+            state.hook.remove()
         models.attention = None
     return model
 
@@ -611,7 +659,10 @@ def choose_backend(model: torch.nn.Module, batch: PackedBatch) -> str:
     ranked them differently, so no per-run probe decides. Without ``varlen``: flash-attn, then
     SDPA with a dense mask while it stays small, else SDPA per sequence.
     """
-    state = model_state(model).attention
+    return _resolve_for(model_state(model).attention, batch)
+
+
+def _resolve_for(state: PackedAttentionState, batch: PackedBatch) -> str:
     if state.resolved is not None:
         return state.resolved
     available = available_backends(batch.device)

@@ -13,13 +13,7 @@ import torch.nn.functional as F
 
 from fastft.data.batch import PackedBatch
 from fastft.models.patch import is_fused
-from fastft.runtime.attention import choose_backend, is_patched
-
-
-def _marker(batch: PackedBatch) -> torch.Tensor:
-    # A 4-D attention mask makes transformers skip its own mask building (and its packed-sequence
-    # detection, a host sync); fastft's packed attention reads the PackedBatch instead.
-    return torch.ones(1, 1, 0, 0, dtype=torch.bool, device=batch.device)
+from fastft.runtime.attention import choose_backend, is_patched, mask_marker
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -42,7 +36,7 @@ def _loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
         choose_backend(model, batch)
         packed = {
             "fastft_batch": batch,
-            "attention_mask": batch.artifact("mask_marker", lambda: _marker(batch)),
+            "attention_mask": mask_marker(batch),
         }
     if _asks_for_router_logits(model):  # transformers' own aux loss would misread the packed mask marker
         packed["output_router_logits"] = False

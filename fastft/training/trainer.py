@@ -39,6 +39,7 @@ from fastft.runtime.attention import (
     describe_backend,
     is_patched,
     patch_packed_attention,
+    unpatch_packed_attention,
 )
 from fastft.training.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from fastft.training.events import EvalEvent, Event, StepEvent, Subscriber
@@ -217,6 +218,8 @@ class Trainer:
         self.device = next(model.parameters()).device
         if self.config.attention is not None:
             patch_packed_attention(model, self.config.attention)
+        else:  # the model's own attention, also where add_lora switched it to packed attention for the HF path
+            unpatch_packed_attention(model)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("The model has no trainable parameters: call fastft.add_lora(model, ...) first.")
