@@ -3,6 +3,7 @@
 BENCHMARKS = {
     "packing": "fastft.bench.packing",
     "step": "fastft.bench.step",
+    "sft": "fastft.bench.sft",
     "offload": "fastft.bench.offload",
     "kernels": "fastft.bench.kernels",
     "vram": "fastft.bench.vram",

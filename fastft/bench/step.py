@@ -333,8 +333,9 @@ def _worker_env(system: str, unsloth_path: str | None) -> dict:
     return env
 
 
-def _run_in_process(argv: list[str], env: dict, timeout: float) -> dict:
-    command = [sys.executable, "-m", "fastft.bench.step", *argv]
+def _run_in_process(argv: list[str], env: dict, timeout: float, module: str = "fastft.bench.step") -> dict:
+    """Run a benchmark's worker (`module` with `argv`) in its own process; its last JSON line, or the error."""
+    command = [sys.executable, "-m", module, *argv]
     try:
         completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

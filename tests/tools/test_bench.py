@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,3 +244,54 @@ def test_step_bench_table_reads_each_round_against_its_own_baseline_and_gives_th
         "12,300" in fastft_median and "16.5" in fastft_median and "1.23x" in fastft_median
     )  # 12,300 / 10,000
     assert _table(results[:2]).count("median") == 0  # one round: no median rows
+
+
+def test_sft_bench_chats_are_seeded_log_normal_turns_trained_on_answers_only():
+    from fastft.bench.sft import TEMPLATE_TOKENS, chat_rows
+
+    rows = chat_rows(
+        400, vocab=32001, user_median=120, assistant_median=220, sigma=0.7, max_length=4096, seed=0
+    )
+    again = chat_rows(
+        400, vocab=32001, user_median=120, assistant_median=220, sigma=0.7, max_length=4096, seed=0
+    )
+    assert all(
+        np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(rows, again, strict=True)
+    )
+    answers, prompts = [], []
+    for ids, labels in rows:
+        assert len(ids) <= 4096 and ids.min() >= 3 and ids.max() < 32001
+        trained = labels != -100
+        assert (
+            np.array_equal(labels[trained], ids[trained]) and not trained[0]
+        )  # a chat opens with its prompt
+        # runs of trained tokens are the answers, the others the user turns
+        edges = np.flatnonzero(np.diff(trained.astype(int))) + 1
+        for run in np.split(trained, edges):
+            (answers if run[0] else prompts).append(len(run) - TEMPLATE_TOKENS)
+    assert 180 < np.median(answers) < 260 and 95 < np.median(prompts) < 145
+    assert 1.2 < len(answers) / len(rows) < 2.8  # one to three turns
+
+
+def test_sft_bench_runs_fastft_and_its_trl_switch_on_a_preset(tmp_path):
+    """The benchmark end to end on the CPU, a tiny preset, short chats: every system reports real and trained
+    tokens per second on the same chats, and fastft's run counts its padding."""
+    import json
+
+    from fastft.bench import sft
+
+    out = tmp_path / "sft.json"
+    code = sft.main(
+        [
+            "--model", "tiny-llama", "--systems", "fastft,fastft-trl", "--workloads", "bf16", "--device", "cpu",
+            "--chats", "40", "--user-median", "10", "--assistant-median", "16", "--max-seq-length", "192",
+            "--warmup", "1", "--steps", "2", "--folder", str(tmp_path / "checkpoints"), "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    results = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"fastft", "fastft-trl"} and not any("error" in r for r in results.values())
+    for result in results.values():
+        assert 0 < result["trained_tokens_per_s"] < result["tokens_per_s"]
+        assert result["slowest_over_median"] >= 1.0
+    assert "vs HF+PEFT" in out.with_suffix(".md").read_text()

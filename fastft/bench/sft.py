@@ -1,0 +1,380 @@
+"""`fastft bench sft`: supervised fine-tuning on realistic packed chat data, every system side by side.
+
+The user's workload, not a microbenchmark: chats of 1 to 3 turns whose user and assistant turns have
+log-normal token lengths (median `--user-median` and `--assistant-median`, sigma `--sigma`, plus 5 template
+tokens per turn), trained on the assistant tokens only, packed best-fit into micro-batches of
+`--max-seq-length` tokens. Random weights of a catalog architecture (`fastft bench step`'s checkpoints),
+LoRA r=16 on the seven projections (and the experts of an MoE model). Systems, each in its own process:
+
+* ``fastft``      -- `load_model` + `add_lora` + fastft's `Trainer` (what `fastft.train` runs): packed
+  micro-batches padded to one shape and replayed as a CUDA graph, offloaded checkpointing.
+* ``fastft-trl``  -- the same model under TRL's ``SFTTrainer(packing=True)``: the one-import switch from
+  Unsloth (fastft keeps its own checkpointing, so TRL's ``gradient_checkpointing`` is off).
+* ``unsloth``     -- ``FastLanguageModel`` + ``get_peft_model(use_gradient_checkpointing="unsloth")`` under
+  the same ``SFTTrainer(packing=True)``.
+* ``hf``          -- transformers + PEFT (SDPA, gradient checkpointing) under the same trainer.
+
+Every system sees the same chats in its own packing. After `--warmup` steps, `--steps` steps are timed
+(wall clock between ``torch.cuda.synchronize()`` calls); the report gives real tokens per second (padding
+slots not counted), trained tokens per second, the median and the slowest step, and the peak of
+``torch.cuda.max_memory_allocated``.
+
+    fastft bench sft --systems fastft,fastft-trl,unsloth,hf --workloads bf16,nf4 --unsloth-path /tmp/site_unsloth
+    fastft bench sft --model Qwen/Qwen3-30B-A3B --layers 12 --workloads bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SYSTEMS = ("fastft", "fastft-trl", "unsloth", "hf")
+TEMPLATE_TOKENS = 5  # a turn's header and end tokens (role, separators), trained only on assistant turns' end
+
+
+# --------------------------------------------------------------------------------------------------- data
+
+
+def chat_rows(
+    count: int,
+    vocab: int,
+    user_median: float,
+    assistant_median: float,
+    sigma: float,
+    max_length: int,
+    seed: int,
+):
+    """`count` chats as (input_ids, labels) int64 arrays: 1 to 3 turns, log-normal turn lengths, labels on the
+    assistant turns only (-100 elsewhere), cut to `max_length` tokens (a chat cut mid-turn keeps its turns so
+    far). Token ids are random in ``[3, vocab)``; the same seed gives every system the same chats."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        ids, trained = [], []
+        for _ in range(int(rng.integers(1, 4))):
+            for median, labelled in ((user_median, False), (assistant_median, True)):
+                length = TEMPLATE_TOKENS + max(1, int(rng.lognormal(math.log(median), sigma)))
+                ids.append(rng.integers(3, vocab, length))
+                trained.append(np.full(length, labelled))
+        tokens, mask = np.concatenate(ids)[:max_length], np.concatenate(trained)[:max_length]
+        if not mask.any():
+            continue  # a chat cut before its first answer trains nothing
+        rows.append((tokens.astype(np.int64), np.where(mask, tokens, -100).astype(np.int64)))
+    return rows
+
+
+def _packed(rows, max_length: int):
+    from fastft.data.packing import PackedDataset, best_fit_decreasing
+    from fastft.data.tokenize import TokenizedData
+
+    data = TokenizedData(
+        input_ids=[ids for ids, _ in rows],
+        labels=[labels for _, labels in rows],
+        source_rows=list(range(len(rows))),
+    )
+    return PackedDataset(data, best_fit_decreasing(data.lengths, max_length), max_length)
+
+
+# ------------------------------------------------------------------------------------------------ workers
+
+
+def _model(args, device):
+    from fastft.bench.step import _fastft_model, _hf_model, _unsloth_model
+
+    precision, seq = args.workload, args.max_seq_length
+    if args.system in ("fastft", "fastft-trl"):
+        return _fastft_model(args.folder, precision, seq, "auto", device)
+    if args.system == "hf":
+        return _hf_model(args.folder, precision, False, device)
+    return _unsloth_model(args.folder, precision, seq)
+
+
+def _run_fastft(model, rows, args, device):
+    import torch
+
+    from fastft.training.trainer import TrainConfig, Trainer
+
+    trainer = Trainer(
+        model,
+        None,
+        _packed(rows, args.max_seq_length),
+        config=TrainConfig(max_steps=args.warmup + args.steps, warmup=0, learning_rate=1e-5),
+    )
+    trainer.train(steps=args.warmup)
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    started = time.perf_counter()
+    result = trainer.train(steps=args.steps)
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    seconds = time.perf_counter() - started
+    timed = result.steps[args.warmup :]
+    return dict(
+        seconds=seconds,
+        tokens=sum(e.tokens for e in timed),
+        trained=sum(e.trained_tokens for e in timed),
+        padding=sum(e.padding_tokens for e in timed),
+        step_seconds=[e.step_seconds for e in timed],
+        graph=result.cuda_graph,
+        attention=result.attention,
+    )
+
+
+def _run_trl(model, rows, args, device):
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.marks = []
+
+        def on_step_end(self, train_args, state, control, **kwargs):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.marks.append(time.perf_counter())
+
+    dataset = Dataset.from_dict(
+        {"input_ids": [ids.tolist() for ids, _ in rows], "labels": [labels.tolist() for _, labels in rows]}
+    )
+    cuda = device.type == "cuda"
+    config = SFTConfig(
+        output_dir=args.scratch,
+        max_steps=args.warmup + args.steps,
+        per_device_train_batch_size=1,
+        packing=True,
+        max_length=args.max_seq_length,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=cuda,
+        use_cpu=not cuda,
+        dataloader_num_workers=0,
+        gradient_checkpointing=args.system == "hf",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        seed=3407,
+    )
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset)
+    counts = []
+    collate = trainer.data_collator
+
+    def counting(features):
+        batch = collate(features)
+        counts.append((int(batch["input_ids"].numel()), int((batch["labels"][..., 1:] != -100).sum())))
+        return batch
+
+    trainer.data_collator = counting
+    clock = Clock()
+    trainer.add_callback(clock)
+    trainer.train()
+    marks = clock.marks
+    first, last = args.warmup - 1, args.warmup + args.steps - 1
+    timed = counts[args.warmup : args.warmup + args.steps]
+    return dict(
+        seconds=marks[last] - marks[first],
+        tokens=sum(tokens for tokens, _ in timed),
+        trained=sum(trained for _, trained in timed),
+        padding=0,
+        step_seconds=[b - a for a, b in zip(marks[first:last], marks[first + 1 : last + 1], strict=True)],
+    )
+
+
+def run_worker(args) -> dict:
+    import torch
+
+    if args.system == "unsloth":
+        import unsloth  # noqa: F401 - first, so it patches transformers and TRL before they load
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    model = _model(args, device)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    rows = chat_rows(
+        args.chats,
+        base.config.vocab_size,
+        args.user_median,
+        args.assistant_median,
+        args.sigma,
+        args.max_seq_length,
+        args.seed,
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    run = _run_fastft if args.system == "fastft" else _run_trl
+    measured = run(model, rows, args, device)
+    steps = measured.pop("step_seconds")
+    seconds = measured.pop("seconds")
+    median = statistics.median(steps)
+    result = dict(
+        system=args.system,
+        workload=args.workload,
+        tokens_per_s=measured["tokens"] / seconds,
+        trained_tokens_per_s=measured["trained"] / seconds,
+        step_ms=1000 * median,
+        slowest_step_ms=1000 * max(steps),
+        slowest_over_median=max(steps) / median,
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        padding_share=measured["padding"] / (measured["tokens"] + measured["padding"]),
+        **{key: value for key, value in measured.items() if key not in ("tokens", "trained", "padding")},
+    )
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def _table(results: list[dict]) -> str:
+    from fastft.bench.common import markdown_table
+
+    by_workload = {}
+    for result in results:
+        by_workload.setdefault(result["workload"], {})[result["system"]] = result
+    rows = []
+    for workload, systems in by_workload.items():
+        for system, result in systems.items():
+            if "error" in result:
+                rows.append(dict(workload=workload, system=system, note=result["error"][:160]))
+                continue
+            row = dict(result)
+            for baseline in ("unsloth", "hf"):
+                other = systems.get(baseline)
+                if other and "error" not in other and baseline != system:
+                    row[f"vs_{baseline}"] = f"{result['tokens_per_s'] / other['tokens_per_s']:.2f}x"
+            graph = result.get("graph")
+            row["note"] = f"graph {graph['replays']} replays" if graph else ""
+            rows.append(row)
+    columns = [
+        ("workload", "workload"),
+        ("system", "system"),
+        ("tokens_per_s", "tokens/s"),
+        ("trained_tokens_per_s", "trained tokens/s"),
+        ("step_ms", "median step ms"),
+        ("slowest_over_median", "slowest / median"),
+        ("peak_gib", "peak GiB"),
+        ("padding_share", "padding share"),
+        ("vs_unsloth", "vs Unsloth"),
+        ("vs_hf", "vs HF+PEFT"),
+        ("note", "note"),
+    ]
+    return markdown_table(rows, columns)
+
+
+def _write(path: str, args, results: list[dict]) -> str:
+    from fastft.bench.common import environment
+
+    table = _table(results)
+    settings = {key: getattr(args, key) for key in _DATA_SETTINGS + ("model", "layers", "warmup", "steps")}
+    output = {"benchmark": "sft", "settings": settings, "environment": environment(), "results": results}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(output, indent=2) + "\n")
+    out.with_suffix(".md").write_text(table + "\n")
+    return table
+
+
+_DATA_SETTINGS = ("chats", "user_median", "assistant_median", "sigma", "max_seq_length", "seed")
+
+
+def _ensure_checkpoint(args) -> Path:
+    import torch
+
+    from fastft.bench.step import checkpoint_folder, save_random_checkpoint
+    from fastft.models.presets import PRESETS
+
+    folder = checkpoint_folder(Path(args.folder), args.model, args.layers)
+    if (folder / "config.json").exists():
+        return folder
+    print(f"saving a random-weight {args.model} to {folder} ...", file=sys.stderr, flush=True)
+    if args.model in PRESETS:  # a tiny preset: the CPU smoke test of this benchmark
+        from fastft.models.loading import load_model
+
+        model, tokenizer = load_model(args.model)
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+    else:
+        save_random_checkpoint(args.model, folder, args.layers)
+        torch.cuda.empty_cache()
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fastft bench sft",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog architecture or preset"
+    )
+    parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
+    parser.add_argument(
+        "--systems", default="fastft,fastft-trl,hf", help=f"comma-separated, from {','.join(SYSTEMS)}"
+    )
+    parser.add_argument("--workloads", default="bf16,nf4", help="bf16 and/or nf4 (the base's precision)")
+    parser.add_argument("--chats", type=int, default=3000)
+    parser.add_argument("--user-median", type=float, default=120.0, help="median tokens of a user turn")
+    parser.add_argument("--assistant-median", type=float, default=220.0, help="median tokens of an answer")
+    parser.add_argument("--sigma", type=float, default=0.7, help="log-normal sigma of the turn lengths")
+    parser.add_argument("--max-seq-length", type=int, default=4096, help="tokens per packed micro-batch")
+    parser.add_argument("--seed", type=int, default=0, help="the chats' seed")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--folder", default="/dev/shm/fastft-bench-step", help="the random checkpoints")
+    parser.add_argument(
+        "--unsloth-path", default=None, help="site folder put first on PYTHONPATH for Unsloth"
+    )
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per system and workload")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="benchmarks/sft.json")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", default="/tmp/fastft-bench-sft", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(args)), flush=True)
+        return 0
+
+    from fastft.bench.step import _run_in_process, _worker_env
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if any(w not in ("bf16", "nf4") for w in workloads):
+        parser.error(f"--workloads {args.workloads}: bf16 and/or nf4")
+    folder = _ensure_checkpoint(args)
+    results = []
+    for workload in workloads:
+        for system in systems:
+            argv_worker = ["--worker", "--system", system, "--workload", workload, "--folder", str(folder)]
+            for key in _DATA_SETTINGS + ("warmup", "steps", "device"):
+                argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+            started = time.perf_counter()
+            result = _run_in_process(
+                argv_worker, _worker_env(system, args.unsloth_path), args.timeout, module="fastft.bench.sft"
+            )
+            result.setdefault("system", system)
+            result.setdefault("workload", workload)
+            result["wall_s"] = time.perf_counter() - started
+            results.append(result)
+            _write(args.out, args, results)  # a later timeout keeps what was measured
+            summary = result.get("error") or (
+                f"{result['tokens_per_s']:,.0f} tok/s, slowest step {result['slowest_over_median']:.2f}x the "
+                f"median, {result['peak_gib'] or 0:.1f} GiB"
+            )
+            print(f"{workload:>5} {system:>10}: {summary}", file=sys.stderr, flush=True)
+    print(_write(args.out, args, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
