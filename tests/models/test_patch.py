@@ -318,5 +318,11 @@ def test_unpatch_removes_the_adapter_copies_and_their_hook():
     decoder = model.get_base_model().model
     assert decoder._forward_pre_hooks
     unpatch(model)
+    # what stays is the packed attention's own hook for padding-free rows (add_lora switched it on), which
+    # unpatch_packed_attention removes
+    from fastft.runtime.attention import _padding_free_hook, unpatch_packed_attention
+
+    assert [getattr(hook, "func", None) for hook in decoder._forward_pre_hooks.values()] == [_padding_free_hook]
+    unpatch_packed_attention(model)
     assert not decoder._forward_pre_hooks
     assert not any("_fastft_compute_copy" in vars(p) for p in lora)
