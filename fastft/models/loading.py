@@ -9,7 +9,6 @@ quantisation code path.
 
 from __future__ import annotations
 
-import difflib
 import os
 import tempfile
 import warnings
@@ -20,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from fastft.models.hub import offline_fix, offline_reason
 from fastft.models.presets import PRESETS, build_preset_model, load_preset_tokenizer
 
 
@@ -158,8 +158,9 @@ def load_model(
         tokenizer = _load_tokenizer(folder, name, trust_remote_code, None)
     elif _looks_like_hub_id(name):
         source = "hub"
-        model = _from_pretrained(name, name, dtype, quantization, device, trust_remote_code, token)
-        tokenizer = _load_tokenizer(name, name, trust_remote_code, token)
+        offline = offline_reason() is not None  # then only the local cache is read: no retries
+        model = _from_pretrained(name, name, dtype, quantization, device, trust_remote_code, token, offline)
+        tokenizer = _load_tokenizer(name, name, trust_remote_code, token, offline)
     else:
         raise UnknownModelError(_unknown_model_message(name))
 
@@ -195,10 +196,9 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def _unknown_model_message(name: str) -> str:
-    from fastft.models.catalog import CATALOG
+    from fastft.models.catalog import CATALOG, close_names
 
-    candidates = list(PRESETS) + list(CATALOG)
-    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.4)
+    close = close_names(name, list(PRESETS) + list(CATALOG))
     suggestion = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return (
         f"'{name}' is not an embedded preset, an existing folder, or a hub id of the form 'org/name'."
@@ -206,9 +206,11 @@ def _unknown_model_message(name: str) -> str:
     )
 
 
-def _from_pretrained(source, name, dtype, quantization, device, trust_remote_code, token):
+def _from_pretrained(source, name, dtype, quantization, device, trust_remote_code, token, offline=False):
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, token=token)
+        config = AutoConfig.from_pretrained(
+            source, trust_remote_code=trust_remote_code, token=token, local_files_only=offline
+        )
     except ValueError as error:
         raw = _raw_config(source, token)
         if raw.get("auto_map") and not trust_remote_code:
@@ -223,6 +225,8 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
             ) from error
         raise ModelLoadError(f"Could not read the config of '{name}': {error}") from error
     except OSError as error:
+        if offline:
+            raise ModelLoadError(offline_fix(name)) from error
         raise ModelLoadError(
             f"Could not load '{name}': {error}\nFix: check the id or path; for a gated hub model accept its "
             "licence and log in (hf auth login); offline, download it first and pass the local folder."
@@ -237,6 +241,7 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
         token=token,
         use_safetensors=True,
         device_map={"": target},
+        local_files_only=offline,
     )
     if quantization is not None:
         kwargs.update(quantization_config=quantization)
@@ -259,9 +264,11 @@ def _raw_config(source, token) -> dict:
         return {}
 
 
-def _load_tokenizer(source, name, trust_remote_code, token):
+def _load_tokenizer(source, name, trust_remote_code, token, offline=False):
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, token=token)
+        return AutoTokenizer.from_pretrained(
+            source, trust_remote_code=trust_remote_code, token=token, local_files_only=offline
+        )
     except (OSError, ValueError) as error:
         raise ModelLoadError(
             f"Could not load a tokenizer for '{name}': {error}\nFix: save the tokenizer beside the weights "

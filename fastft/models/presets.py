@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
+if TYPE_CHECKING:  # imported where used, so listing presets (`fastft models`) needs neither
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 ASSETS_DIR = Path(__file__).parent / "assets"
 TOKENIZER_FILE = ASSETS_DIR / "tokenizer.json"
@@ -41,6 +43,8 @@ class Preset:
     config: dict = field(default_factory=dict)
 
     def make_config(self, vocab_size: int) -> PretrainedConfig:
+        from transformers import AutoConfig
+
         fields = dict(self.config, vocab_size=vocab_size, max_position_embeddings=4096)
         return AutoConfig.for_model(self.model_type, **fields)
 
@@ -133,6 +137,8 @@ DEFAULT_PRESET = "tiny-llama"
 
 def load_preset_tokenizer() -> PreTrainedTokenizerFast:
     """The byte-level BPE tokenizer shared by every preset, with its ChatML template."""
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(TOKENIZER_FILE),
         pad_token=SPECIAL_TOKENS["pad"],
@@ -149,6 +155,7 @@ def build_preset_model(
 ) -> torch.nn.Module:
     """The preset's architecture with weights drawn from a fixed seed (global RNG left untouched),
     replaced by its shipped warm-start weights where it has them (see `fastft.training.warmstart`)."""
+    import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GenerationConfig
 

@@ -9,7 +9,6 @@ walked as it is, with its actual dtypes and bitsandbytes quantisation.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import os
@@ -162,7 +161,7 @@ def inventory_of(model) -> ModelInventory:
 
 @functools.lru_cache(maxsize=64)
 def _inventory_of_name(name: str) -> ModelInventory:
-    from fastft.models.catalog import CATALOG
+    from fastft.models.catalog import CATALOG, close_names
     from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
 
     if name in PRESETS:
@@ -171,8 +170,7 @@ def _inventory_of_name(name: str) -> ModelInventory:
     if name.lower() in by_lower:  # hub ids are case-insensitive
         hub_id = by_lower[name.lower()]
         return _inventory_of_config(CATALOG[hub_id].to_config(), hub_id)
-    candidates = list(PRESETS) + list(CATALOG)
-    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.4)
+    close = close_names(name, list(PRESETS) + list(CATALOG))
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     path = Path(name).expanduser()
     if path.is_dir() or _looks_like_hub_id(name):
@@ -191,10 +189,15 @@ def _looks_like_hub_id(name: str) -> bool:
 def _fetch_config(name: str, path: Path, hint: str = ""):
     from transformers import AutoConfig
 
+    from fastft.models.hub import offline_fix, offline_reason
+
     source = str(path) if path.is_dir() else name
+    offline = not path.is_dir() and offline_reason() is not None
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, local_files_only=offline)
     except (OSError, ValueError) as error:
+        if offline:
+            raise ModelLoadError(f"{offline_fix(name, 'config.json')}{hint}") from error
         where = (
             "its folder has no readable config.json" if path.is_dir() else "its config could not be fetched"
         )

@@ -1,0 +1,60 @@
+"""Whether the Hugging Face hub can be reached, decided once per process and in about a second.
+
+Without this, a hub id on an offline machine went through huggingface_hub's retries (about 30 s of
+"Retrying in 8s" lines) before its error. `offline_reason` answers from ``HF_HUB_OFFLINE`` or one TCP
+connection to the endpoint, and the loaders then read only the local cache (``local_files_only=True``), so
+an offline hub id fails at once with `offline_fix`'s advice, and one already downloaded still loads.
+
+Plain Python, no torch or transformers: the CLI's ``estimate`` calls it before importing either.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from urllib.parse import urlparse
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+CONNECT_TIMEOUT_S = 1.5
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _env_offline() -> bool:
+    return any(
+        os.environ.get(name, "").strip().lower() in _TRUE
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _unreachable(endpoint: str) -> str | None:
+    url = urlparse(endpoint)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except OSError as error:
+        return f"{host}:{port} cannot be reached ({type(error).__name__}: {error})"
+
+
+def offline_reason() -> str | None:
+    """None when the hub can be reached; otherwise why not. The network is tried once per process."""
+    if _env_offline():
+        return "HF_HUB_OFFLINE is set"
+    return _unreachable(os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/"))
+
+
+def offline_fix(name: str, files: str = "") -> str:
+    """What to do about a hub id that is not in the local cache while the hub is out of reach (`files`: the
+    files the caller needs, e.g. "config.json"; empty for the whole repository)."""
+    download = f"hf download {name} {files}".rstrip()
+    return (
+        f"'{name}' is not in the local Hugging Face cache and the hub is out of reach ({offline_reason()}). "
+        f"Fix: on a machine with network run `{download}` (or unset HF_HUB_OFFLINE where there is network) "
+        "and pass the downloaded folder; embedded presets and catalog models (`fastft models`) need no download."
+    )
+
+
+__all__ = ["offline_fix", "offline_reason"]
