@@ -153,7 +153,7 @@ def _estimate_parser(sub) -> None:
 def _run_estimate(args) -> int:
     import json
 
-    from fastft.models.loading import ModelLoadError
+    from fastft.models.errors import ModelLoadError
     from fastft.vram import GPUS, VramEstimateError, estimate_vram, fits, max_context
 
     settings = dict(

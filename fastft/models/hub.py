@@ -51,7 +51,7 @@ def offline_fix(name: str, files: str = "") -> str:
     files the caller needs, e.g. "config.json"; empty for the whole repository)."""
     download = f"hf download {name} {files}".rstrip()
     return (
-        f"'{name}' is not in the local Hugging Face cache and the hub is out of reach ({offline_reason()}). "
+        f"'{name}' is not in the local Hugging Face cache, and the hub is offline here ({offline_reason()}). "
         f"Fix: on a machine with network run `{download}` (or unset HF_HUB_OFFLINE where there is network) "
         "and pass the downloaded folder; embedded presets and catalog models (`fastft models`) need no download."
     )

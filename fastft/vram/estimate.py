@@ -23,8 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fastft.runtime.attention import KEEP_FROM_LENGTH
-from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.checkpointing import KEEP_FROM_LENGTH, Checkpointing
 from fastft.vram import activations as act
 from fastft.vram.activations import Profile
 from fastft.vram.gpus import DEFAULT_CONTEXT_BYTES, GiB, GpuSpec, MiB

@@ -15,11 +15,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from fastft.models.errors import ModelLoadError, UnknownModelError
 
-from fastft.models.loading import ModelLoadError, UnknownModelError
-from fastft.runtime.state import state_of
+if TYPE_CHECKING:  # torch and transformers are imported where a model is built or walked: a catalog model's
+    import torch  # inventory comes from `fastft.vram.catalog_cache` without either
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -144,16 +145,17 @@ class LoadedModelState:
 
 def inventory_of(model) -> ModelInventory:
     """The inventory of a preset name, catalog hub id, local folder, hub id, config or loaded model."""
-    from transformers import PretrainedConfig
-
     if isinstance(model, ModelInventory):
         return model
+    if isinstance(model, (str, os.PathLike)):
+        return _inventory_of_name(os.fspath(model))
+    import torch
+    from transformers import PretrainedConfig
+
     if isinstance(model, torch.nn.Module):
         return _inventory_of_loaded(model)
     if isinstance(model, PretrainedConfig):
         return _inventory_of_config(model, getattr(model, "name_or_path", "") or model.model_type)
-    if isinstance(model, (str, os.PathLike)):
-        return _inventory_of_name(os.fspath(model))
     raise TypeError(
         f"estimate_vram takes a model name, a transformers config or a loaded model, not {type(model).__name__}."
     )
@@ -163,13 +165,16 @@ def inventory_of(model) -> ModelInventory:
 def _inventory_of_name(name: str) -> ModelInventory:
     from fastft.models.catalog import CATALOG, close_names
     from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
+    from fastft.vram.catalog_cache import cached_inventory
 
     if name in PRESETS:
-        return _inventory_of_config(PRESETS[name].make_config(TOKENIZER_VOCAB_SIZE), name)
+        return cached_inventory(name) or _inventory_of_config(
+            PRESETS[name].make_config(TOKENIZER_VOCAB_SIZE), name
+        )
     by_lower = {hub_id.lower(): hub_id for hub_id in CATALOG}
     if name.lower() in by_lower:  # hub ids are case-insensitive
         hub_id = by_lower[name.lower()]
-        return _inventory_of_config(CATALOG[hub_id].to_config(), hub_id)
+        return cached_inventory(hub_id) or _inventory_of_config(CATALOG[hub_id].to_config(), hub_id)
     close = close_names(name, list(PRESETS) + list(CATALOG))
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     path = Path(name).expanduser()
@@ -213,6 +218,7 @@ def _fetch_config(name: str, path: Path, hint: str = ""):
 
 @functools.lru_cache(maxsize=64)
 def _inventory_of_config_json(model_type: str, config_json: str, name: str) -> ModelInventory:
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
@@ -255,6 +261,8 @@ def _short_name(full_name: str) -> str:
 
 
 def _walk(model: torch.nn.Module, config, name: str, loaded: LoadedModelState | None) -> ModelInventory:
+    import torch
+
     from fastft.models.lora import linear_layer_names
 
     output = model.get_output_embeddings()
@@ -356,6 +364,8 @@ def _has_experts_sibling(model: torch.nn.Module, full_name: str) -> bool:
 
 def _logical_numel(parameter: torch.Tensor) -> int:
     """Elements of the unquantised weight (a packed 4-bit tensor holds two per byte)."""
+    import torch
+
     quant_state = getattr(parameter, "quant_state", None)
     if quant_state is not None and getattr(quant_state, "shape", None) is not None:
         return int(torch.Size(quant_state.shape).numel())
@@ -404,6 +414,8 @@ def _layers(
 
 def _quant_constant_bytes(parameter: torch.Tensor) -> int:
     """Bytes of a bitsandbytes weight's constants: absmax (and its nested state), codebook, int8 row scales."""
+    import torch
+
     total = 0
     state = getattr(parameter, "quant_state", None)
     if state is not None:
@@ -422,6 +434,10 @@ def _quant_constant_bytes(parameter: torch.Tensor) -> int:
 
 
 def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelState:
+    import torch
+
+    from fastft.runtime.state import state_of
+
     quantization = None
     weight_bytes = constants = upcast_pending = lora_params = lora_bytes = 0
     dtypes: dict[torch.dtype, int] = {}

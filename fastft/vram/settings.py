@@ -173,6 +173,8 @@ def _resolve_targets(inventory: ModelInventory, targets) -> list[str]:
         if loaded is not None and loaded.lora_targets:
             return [t for t in loaded.lora_targets if t in available] or available
         return available
+    if targets == "all-linear":  # what check_targets answers, without importing peft for the default
+        return list(available)
     from fastft.models.lora import LoraTargetError, check_targets
 
     try:
