@@ -52,6 +52,8 @@ _EXPORTS = {
     "CATALOG": "fastft.models.catalog",
     "find_model": "fastft.models.catalog",
     "FastLanguageModel": "fastft.facade",
+    "FastModel": "fastft.facade",
+    "is_bfloat16_supported": "fastft.facade",
     "Checkpointing": "fastft.runtime.checkpointing",
     # data
     "load_dataset": "fastft.data.loading",

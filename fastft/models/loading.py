@@ -120,7 +120,9 @@ def load_model(
     """Load a causal LM and its tokenizer, ready for `add_lora`.
 
     `name_or_path` is an embedded preset (`fastft.PRESETS`: "tiny-llama", "tiny-qwen3", …),
-    a local folder written by ``save_pretrained``, or a Hugging Face hub id.
+    a local folder written by ``save_pretrained``, a LoRA adapter folder (`save_adapter`: its recorded base
+    is loaded, then the adapter is attached, trainable; the model returned is then a `peft.PeftModel`),
+    or a Hugging Face hub id.
     `dtype=None` picks bf16 on a GPU that has it (fp16 on older GPUs) and fp32 on the CPU.
     `max_seq_length` is the longest sequence the model will be trained on; it becomes the
     tokenizer's ``model_max_length``.
@@ -141,6 +143,12 @@ def load_model(
                 model = _from_pretrained(folder, name, dtype, quantization, device, False, None)
         else:
             model.to(device)
+        # the name PEFT writes as the adapter's base_model_name_or_path, and load_model reads back
+        model.config.name_or_path = model.name_or_path = name
+    elif _is_adapter_folder(name):
+        return _load_adapter_folder(
+            name, max_seq_length, load_in_4bit, load_in_8bit, dtype, device, trust_remote_code, token
+        )
     elif Path(name).expanduser().is_dir():
         folder = str(Path(name).expanduser())
         source = "local"
@@ -170,6 +178,48 @@ def load_model(
         quantization="nf4" if load_in_4bit else "int8" if load_in_8bit else None,
         max_seq_length=max_seq_length,
     )
+    return model, tokenizer
+
+
+def _is_adapter_folder(name: str) -> bool:
+    folder = Path(name).expanduser()
+    return (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file()
+
+
+def _load_adapter_folder(
+    name, max_seq_length, load_in_4bit, load_in_8bit, dtype, device, trust_remote_code, token
+):
+    """A LoRA adapter folder (`save_adapter`, PEFT's ``save_pretrained``): its base (``base_model_name_or_path``,
+    a preset, folder or hub id) loaded as `load_model` loads it, the adapter attached trainable, and the
+    folder's tokenizer if it holds one."""
+    import json
+
+    from fastft.models.lora import load_adapter
+
+    folder = Path(name).expanduser()
+    base_name = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base_name:
+        raise ModelLoadError(
+            f"'{name}' is a LoRA adapter that does not record its base model (base_model_name_or_path is "
+            "empty). Fix: load the base with load_model(base_name) and attach the adapter with "
+            f"fastft.models.lora.load_adapter(model, '{name}') (or peft.PeftModel.from_pretrained)."
+        )
+    model, tokenizer = load_model(
+        base_name,
+        max_seq_length=max_seq_length,
+        load_in_4bit=load_in_4bit,
+        load_in_8bit=load_in_8bit,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        token=token,
+    )
+    if (folder / "tokenizer_config.json").is_file():
+        tokenizer = _load_tokenizer(str(folder), name, trust_remote_code, None)
+        _prepare_tokenizer(tokenizer, model, max_seq_length)
+    info = model.fastft_info
+    model = load_adapter(model, folder)
+    model.fastft_info = info
     return model, tokenizer
 
 

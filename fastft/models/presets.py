@@ -25,9 +25,16 @@ TOKENIZER_VOCAB_SIZE = 512
 PRESET_SEED = 1234
 
 SPECIAL_TOKENS = {"pad": "<|endoftext|>", "bos": "<|im_start|>", "eos": "<|im_end|>"}
+# ChatML; an assistant reply and its <|im_end|> inside {% generation %} markers, so
+# apply_chat_template(return_assistant_tokens_mask=True) and TRL's assistant_only_loss mark what is trained.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
