@@ -80,7 +80,8 @@ def estimate_vram(
     `checkpointing`: a `Checkpointing` or what it parses, as in `add_lora`: "none", "recompute" (each
     layer's input kept, the layer recomputed in backward) or "offload" (layer inputs in host memory, two
     buffers on the device); "auto" (the default, `add_lora`'s too) is "offload", what `add_lora("auto")`
-    runs on a GPU, so an estimate with no arguments describes the run training does. `optimizer`: "adamw" (fp32 m and v), "adamw_8bit" or "sgd". `gpu`: a preset name
+    runs on a GPU, so an estimate with no arguments describes the run training does (for a model that
+    has its adapters already, the checkpointing its `add_lora` call chose). `optimizer`: "adamw" (fp32 m and v), "adamw_8bit" or "sgd". `gpu`: a preset name
     (`GPUS`), a `GpuSpec`, "auto" (the visible GPU, if any) or None. `fused`: fastft's fused kernels, as
     ``add_lora(fused=True)`` (the default) swaps them in where the model's fusion plan
     (`fastft.models.fusion`) fuses the whole decoder: Llama/Mistral/Qwen2/Qwen3(-MoE)/Mixtral; False

@@ -138,6 +138,8 @@ class LoadedModelState:
     lora_r: int | None
     lora_targets: tuple[str, ...]
     fused: bool | None  # whether fastft's kernels are patched in (None: no LoRA yet, add_lora decides)
+    # the checkpointing kind its training runs on a GPU (add_lora's mode, "auto" resolved); None: no LoRA yet
+    checkpointing: str | None = None
 
 
 # -- resolving the model argument -----------------------------------------------------------------
@@ -504,4 +506,5 @@ def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelS
         lora_bytes=lora_bytes,
         lora_r=int(r) if r else None,
         lora_targets=targets,
+        checkpointing=settings.gradient_checkpointing.resolved(cuda=True).kind if settings else None,
     )

@@ -445,6 +445,13 @@ def test_estimate_fits_and_training_share_one_checkpointing_default():
     assert not verdict and verdict.fixes
     for fix in verdict.fixes:
         assert "checkpointing" not in fix.changes and "checkpointing" not in fix.description, fix
+    # a model with adapters already: "auto" is the mode its add_lora call chose
+    for mode, expected in (("auto", "offload"), ("recompute", "recompute"), ("none", "none")):
+        model = fastft.add_lora(fastft.load_model("tiny-llama")[0], r=8, gradient_checkpointing=mode)
+        assert estimate_vram(model, 256, gpu=None).settings.checkpointing == expected
+        assert (
+            estimate_vram(model, 256, gpu=None, checkpointing="offload").settings.checkpointing == "offload"
+        )
     assert "Fixes:" in verdict.message and "RTX 4090" in str(verdict)
     assert fits("tiny-llama", 512, gpu="t4").fits
 
