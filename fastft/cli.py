@@ -132,7 +132,12 @@ def _estimate_parser(sub) -> None:
     parser.add_argument(
         "--batch-tokens", type=int, default=None, help="tokens per micro-batch (default: seq-len)"
     )
-    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "nf4", "int8"])
+    parser.add_argument(
+        "--precision",
+        default="bf16",
+        choices=["bf16", "fp16", "fp32", "nf4", "int8"],
+        help="base weights: 16/32-bit, NF4 (QLoRA) or 8-bit",
+    )
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
     parser.add_argument("--targets", nargs="*", default=None, help="LoRA targets (default: all-linear)")
     parser.add_argument(
@@ -141,7 +146,12 @@ def _estimate_parser(sub) -> None:
         choices=CHECKPOINTING_KINDS,
         help="how layers keep activations; auto = offload, what add_lora('auto') runs on a GPU",
     )
-    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw_8bit", "sgd"])
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "adamw_8bit", "sgd"],
+        help="optimizer of the adapters",
+    )
     parser.add_argument(
         "--unfused", action="store_true", help="transformers + peft modules instead of fastft's fused kernels"
     )

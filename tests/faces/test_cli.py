@@ -67,11 +67,15 @@ def test_each_default_is_printed_once():
         assert "(default: None)" not in help_text, name
         formatter = parser._get_formatter()
         for action in parser._actions:
-            if not action.help or action.dest == "help":
+            if action.dest == "help" or not action.option_strings:
+                continue
+            has_default = action.default not in (None, argparse.SUPPRESS)
+            assert action.help or not has_default, f"{name} {action.dest}: a default but no help to show it"
+            if not action.help:
                 continue
             described = formatter._expand_help(action)
             assert described.count("default") <= 1, (name, action.dest, described)
-            if action.option_strings and action.default not in (None, argparse.SUPPRESS):
+            if has_default:
                 assert described.count("(default") == 1, (name, action.dest, described)
     demo = " ".join(_subparsers()["demo"].format_help().split())
     assert demo.count("demo-<date>-<time>") == 1
