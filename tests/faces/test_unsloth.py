@@ -244,6 +244,32 @@ def test_modules_to_save_trains_and_saves_the_embeddings_and_head(tmp_path, monk
         fastft.add_lora(fastft.load_model("tiny-llama")[0], modules_to_save=["embeddings"])
 
 
+def test_a_head_trained_whole_keeps_the_fused_loss_and_its_value():
+    from fastft.data.batch import PackedBatch
+    from fastft.training.loss import causal_lm_loss_sum
+
+    model, _ = _unsloth_model(modules_to_save=["lm_head"])
+    head = model.get_base_model().get_output_embeddings()
+    with torch.no_grad():
+        head.modules_to_save["default"].weight.mul_(1.5)  # the trained copy differs from the original
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 500, (n,), generator=generator) for n in (17, 9)]
+    batch = PackedBatch.from_sequences(ids, [i.clone() for i in ids])
+    calls = []
+    import fastft.kernels.fused_linear_ce as ce
+
+    real = ce.fused_linear_cross_entropy
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ce, "fused_linear_cross_entropy", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+        fused = causal_lm_loss_sum(model, batch)
+    assert calls and calls[0] is head.modules_to_save["default"].weight  # the trained copy, fused
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits[0]
+    eager = torch.nn.functional.cross_entropy(
+        logits[batch.target_positions].float(), batch.target_ids, reduction="sum"
+    )
+    assert torch.allclose(fused, eager, rtol=1e-5, atol=1e-4)
+
+
 def test_use_dora_trains_dora_or_names_the_alternative():
     model, tokenizer = _unsloth_model(use_dora=True)
     magnitudes = [n for n, p in model.named_parameters() if "lora_magnitude_vector" in n and p.requires_grad]
