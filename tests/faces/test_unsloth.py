@@ -102,6 +102,19 @@ def test_get_chat_template_maps_sharegpt_keys_and_keeps_a_token_the_tokenizer_ha
         get_chat_template(tokenizer, chat_template="not-a-template")
 
 
+def test_get_chat_template_stops_at_the_familys_marker_when_the_tokenizer_has_it():
+    tokenizer = fastft.load_model("tiny-llama")[1]
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
+    tokenizer = get_chat_template(tokenizer, chat_template="llama-3.1")
+    assert tokenizer.eos_token == "<|eot_id|>"  # generation stops at the end of the assistant's turn
+    text = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
+    assert text.count("<|eot_id|>") == 3 and "<|im_end|>" not in text  # system, user and assistant turns
+    kept = get_chat_template(fastft.load_model("tiny-llama")[1], chat_template="llama-3", map_eos_token=False)
+    assert kept.eos_token == "<|im_end|>" and "<|eot_id|>" in kept.apply_chat_template(
+        CONVERSATIONS[1], tokenize=False
+    )
+
+
 def test_preset_template_renders_as_before_and_trl_trains_only_the_assistant(tmp_path):
     from trl import SFTTrainer
 
