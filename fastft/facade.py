@@ -19,7 +19,9 @@ from fastft.models.lora import add_lora
 
 # Unsloth arguments that fastft accepts and ignores because they do not apply here.
 _IGNORED_LOAD = {"device_map", "fix_tokenizer", "use_exact_model_name", "fast_inference"}
-_IGNORED_PEFT = {"max_seq_length", "layers_to_transform", "layers_pattern"}
+_IGNORED_PEFT = {"max_seq_length"}
+# Unsloth arguments that would change which layers train: refused when set, never dropped.
+_UNSUPPORTED_PEFT = {"layers_to_transform": "target_modules", "layers_pattern": "target_modules"}
 # Modules Unsloth's continued-pretraining notebooks list in target_modules: trained whole (modules_to_save).
 _WHOLE_MODULES = ("embed_tokens", "lm_head")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
@@ -82,6 +84,12 @@ class FastLanguageModel:
         if loftq_config:
             raise ValueError("loftq_config is not supported by fastft; leave it None.")
         _drop_ignored(kwargs, _IGNORED_PEFT, "get_peft_model")
+        for name, instead in _UNSUPPORTED_PEFT.items():
+            if kwargs.pop(name, None) is not None:
+                raise ValueError(
+                    f"get_peft_model: {name} is not supported by fastft (every decoder layer is adapted); "
+                    f"choose what trains with {instead} instead, or leave {name}=None."
+                )
         if kwargs:
             raise TypeError(f"get_peft_model got unexpected arguments: {sorted(kwargs)}")
         whole = list(modules_to_save or [])

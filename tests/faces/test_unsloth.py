@@ -293,6 +293,9 @@ def test_use_dora_trains_dora_or_names_the_alternative():
     assert all(torch.isfinite(torch.tensor(e.loss)) for e in result.steps)
     with pytest.raises(ValueError, match="use_dora=False"):  # expert weights take plain LoRA only
         _unsloth_model("tiny-moe", target_modules="all-linear", use_dora=True)
+    with pytest.raises(ValueError, match="layers_to_transform"):  # refused, not dropped
+        _unsloth_model(layers_to_transform=[0, 1])
+    assert model_state(_unsloth_model(layers_to_transform=None)[0]).lora.r == 8
 
 
 def test_adapter_records_its_base_for_fastft_and_for_auto_peft(tmp_path, monkeypatch):
