@@ -5,6 +5,7 @@ folder, `modules_to_save`, DoRA, and adapters that record their base."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -303,7 +304,9 @@ def test_adapter_records_its_base_for_fastft_and_for_auto_peft(tmp_path, monkeyp
 
     monkeypatch.chdir(tmp_path)
     model, tokenizer = _unsloth_model()
-    fastft.save_adapter(model, "lora_model", tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no lookup of "tiny-llama" on the hub while saving, no warning
+        fastft.save_adapter(model, "lora_model", tokenizer)
     config = json.loads((tmp_path / "lora_model" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "tiny-llama"
     by_fastft, _ = fastft.load_model("lora_model")  # the preset name resolves to the embedded preset
