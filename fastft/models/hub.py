@@ -2,7 +2,7 @@
 
 Without this, a hub id on an offline machine went through huggingface_hub's retries (about 30 s of
 "Retrying in 8s" lines) before its error. `offline_reason` answers from ``HF_HUB_OFFLINE`` or one TCP
-connection to the endpoint, and the loaders then read only the local cache (``local_files_only=True``), so
+connection to the endpoint (to the proxy, where ``HTTPS_PROXY`` sends requests through one), and the loaders then read only the local cache (``local_files_only=True``), so
 an offline hub id fails at once with `offline_fix`'s advice, and one already downloaded still loads.
 
 Plain Python, no torch or transformers: the CLI's ``estimate`` calls it before importing either.
@@ -27,11 +27,24 @@ def _env_offline() -> bool:
     )
 
 
-@functools.lru_cache(maxsize=1)
-def _unreachable(endpoint: str) -> str | None:
-    url = urlparse(endpoint)
-    host = url.hostname or "huggingface.co"
-    port = url.port or (80 if url.scheme == "http" else 443)
+def _address(url: str, default_host: str) -> tuple[str, int]:
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    return parsed.hostname or default_host, parsed.port or (80 if parsed.scheme == "http" else 443)
+
+
+def _proxy_for(host: str) -> str | None:
+    """The proxy an HTTPS request to `host` goes through (``HTTPS_PROXY`` / ``ALL_PROXY``, minus ``NO_PROXY``)."""
+    env = {k.lower(): v for k, v in os.environ.items() if k.lower().endswith("_proxy") and v}
+    bypass = [entry.strip().lstrip(".") for entry in env.get("no_proxy", "").split(",") if entry.strip()]
+    if "*" in bypass or any(host == entry or host.endswith("." + entry) for entry in bypass):
+        return None
+    return env.get("https_proxy") or env.get("all_proxy")
+
+
+@functools.lru_cache(maxsize=4)
+def _unreachable(endpoint: str, proxy: str | None) -> str | None:
+    """Why one TCP connection to the endpoint (or to the proxy that requests would go through) failed."""
+    host, port = _address(proxy or endpoint, "huggingface.co")
     try:
         with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
             return None
@@ -43,7 +56,8 @@ def offline_reason() -> str | None:
     """None when the hub can be reached; otherwise why not. The network is tried once per process."""
     if _env_offline():
         return "HF_HUB_OFFLINE is set"
-    return _unreachable(os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/"))
+    endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
+    return _unreachable(endpoint, _proxy_for(_address(endpoint, "huggingface.co")[0]))
 
 
 def offline_fix(name: str, files: str = "") -> str:

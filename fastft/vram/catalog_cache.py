@@ -8,7 +8,7 @@ the arithmetic is milliseconds. The inventories of every preset (`fastft.models.
 ``python -m fastft.vram.catalog_cache`` and read back here.
 
 Each entry carries a fingerprint of its spec (model type and config), so an entry whose spec has changed
-since is never used: the estimate then builds the model as before. `tests/tools/test_vram.py` checks that
+since is never used: the estimate then builds the model as before. `tests/tools/test_vram_cache.py` checks that
 every preset and catalog entry has a current entry, and that rebuilt inventories equal the stored ones.
 The file records the transformers version it was built with; the shapes of these architectures do not
 change between versions, and a loaded model is always walked as it is.

@@ -98,7 +98,11 @@ def test_no_suggestion_for_a_far_name():
 def test_offline_hub_id_fails_at_once_naming_the_fix(tmp_path):
     """HF_HUB_OFFLINE unset and the hub out of reach (a closed loopback port stands for no network): one
     connection attempt, then only the local cache; no retries, and the error says what to do."""
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") and not k.lower().endswith("_proxy")
+    }
     env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
     started = time.perf_counter()
     completed = subprocess.run(
@@ -130,3 +134,30 @@ def test_offline_mode_is_named_in_the_error():
     with pytest.raises(ModelLoadError, match="offline here") as error:
         load_model("not-a/model")
     assert "hf download not-a/model`" in str(error.value)
+
+
+def test_reachability_is_checked_once_and_through_the_proxy(monkeypatch):
+    from fastft.models import hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://huggingface.co")
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # requests would go through it: test it
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    hub._unreachable.cache_clear()
+    attempts = []
+    real = hub.socket.create_connection
+    monkeypatch.setattr(
+        hub.socket, "create_connection", lambda *a, **k: attempts.append(a[0]) or real(*a, **k)
+    )
+    try:
+        assert "127.0.0.1:9 cannot be reached" in hub.offline_reason()
+        assert "127.0.0.1:9 cannot be reached" in hub.offline_reason()
+        assert attempts == [("127.0.0.1", 9)]  # one connection per process, not one per call
+        monkeypatch.setenv("NO_PROXY", "huggingface.co")
+        assert hub._proxy_for("huggingface.co") is None
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        assert hub.offline_reason() == "HF_HUB_OFFLINE is set"
+    finally:
+        hub._unreachable.cache_clear()
