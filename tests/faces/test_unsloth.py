@@ -116,6 +116,33 @@ def test_get_chat_template_stops_at_the_familys_marker_when_the_tokenizer_has_it
     )
 
 
+def test_standardize_sharegpt():
+    from fastft.chat_templates import standardize_sharegpt
+
+    dataset = Dataset.from_dict(
+        {
+            "conversations": [
+                [
+                    {"from": "system", "value": "Be kind."},
+                    {"from": "human", "value": "hi"},
+                    {"from": "gpt", "value": "hello"},
+                ]
+            ]
+        }  # fmt: skip
+    )
+    dataset = standardize_sharegpt(dataset)
+    assert dataset[0]["conversations"] == [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+    assert (
+        fastft.chat_templates.get_chat_template is get_chat_template
+    )  # `fastft.chat_templates` as Unsloth's
+    with pytest.raises(ValueError, match="narrator"):
+        standardize_sharegpt(Dataset.from_dict({"conversations": [[{"from": "narrator", "value": "x"}]]}))
+
+
 def test_preset_template_renders_as_before_and_trl_trains_only_the_assistant(tmp_path):
     from trl import SFTTrainer
 
