@@ -19,13 +19,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from fastft.data.hub import offline_fix, offline_reason
 from fastft.models.errors import (  # noqa: F401  (re-exported: `fastft.ModelLoadError` is read from here)
     ModelLoadError,
     QuantizationError,
     UnknownModelError,
     UnsupportedArchitectureError,
 )
-from fastft.models.hub import offline_fix, offline_reason
 from fastft.models.presets import PRESETS, build_preset_model, load_preset_tokenizer
 
 

@@ -196,7 +196,7 @@ def _looks_like_hub_id(name: str) -> bool:
 def _fetch_config(name: str, path: Path, hint: str = ""):
     from transformers import AutoConfig
 
-    from fastft.models.hub import offline_fix, offline_reason
+    from fastft.data.hub import offline_fix, offline_reason
 
     source = str(path) if path.is_dir() else name
     offline = not path.is_dir() and offline_reason() is not None

@@ -137,7 +137,7 @@ def test_offline_mode_is_named_in_the_error():
 
 
 def test_reachability_is_checked_once_and_through_the_proxy(monkeypatch):
-    from fastft.models import hub
+    from fastft.data import hub
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)

@@ -5,7 +5,9 @@ Without this, a hub id on an offline machine went through huggingface_hub's retr
 connection to the endpoint (to the proxy, where ``HTTPS_PROXY`` sends requests through one), and the loaders then read only the local cache (``local_files_only=True``), so
 an offline hub id fails at once with `offline_fix`'s advice, and one already downloaded still loads.
 
-Plain Python, no torch or transformers: the CLI's ``estimate`` calls it before importing either.
+Plain Python, no torch or transformers: the CLI's ``estimate`` calls it before importing either. The data
+layer holds it because `fastft.data.loading` reads hub datasets too (an offline hub dataset loads from its
+cached snapshot, or fails at once).
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from urllib.parse import urlparse
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CONNECT_TIMEOUT_S = 1.5
 _TRUE = {"1", "true", "yes", "on"}
+
+
+def declared_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) says so: the Hugging Face libraries then read
+    their caches themselves, without retries."""
+    return _env_offline()
 
 
 def _env_offline() -> bool:
@@ -60,10 +68,11 @@ def offline_reason() -> str | None:
     return _unreachable(endpoint, _proxy_for(_address(endpoint, "huggingface.co")[0]))
 
 
-def offline_fix(name: str, files: str = "") -> str:
+def offline_fix(name: str, files: str = "", repo_type: str = "model") -> str:
     """What to do about a hub id that is not in the local cache while the hub is out of reach (`files`: the
     files the caller needs, e.g. "config.json"; empty for the whole repository)."""
-    download = f"hf download {name} {files}".rstrip()
+    kind = " --repo-type dataset" if repo_type == "dataset" else ""
+    download = f"hf download {name}{kind} {files}".rstrip()
     return (
         f"'{name}' is not in the local Hugging Face cache, and the hub is offline here ({offline_reason()}). "
         f"Fix: on a machine with network run `{download}` (or unset HF_HUB_OFFLINE where there is network) "
@@ -71,4 +80,16 @@ def offline_fix(name: str, files: str = "") -> str:
     )
 
 
-__all__ = ["offline_fix", "offline_reason"]
+def cached_dataset_snapshot(repo_id: str) -> str | None:
+    """The local snapshot folder of hub dataset `repo_id` if the Hugging Face cache holds one, else None;
+    reads the cache only (no network)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+        return None
+
+
+__all__ = ["cached_dataset_snapshot", "declared_offline", "offline_fix", "offline_reason"]
