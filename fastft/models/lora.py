@@ -225,6 +225,7 @@ def add_lora(
         modules_to_save=list(saved_modules) or None,
         use_dora=bool(use_dora),
         task_type="CAUSAL_LM",
+        **_weight_tying(base, saved_modules),
     )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; not the user's concern
@@ -240,6 +241,15 @@ def add_lora(
         patch(peft_model)
     model_state(peft_model).lora = settings
     return peft_model
+
+
+def _weight_tying(model: torch.nn.Module, saved_modules: tuple[str, ...]) -> dict:
+    """On a model whose head is its embedding table (``tie_word_embeddings``), training either one whole
+    trains the one shared table (PEFT's ``ensure_weight_tying``), so the head and the embeddings stay tied."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if not (saved_modules and tied) or "ensure_weight_tying" not in LoraConfig.__dataclass_fields__:
+        return {}
+    return {"ensure_weight_tying": True}
 
 
 def _check_modules_to_save(model: torch.nn.Module, names) -> tuple[str, ...]:

@@ -285,6 +285,23 @@ def test_modules_to_save_trains_and_saves_the_embeddings_and_head(tmp_path, monk
         fastft.add_lora(fastft.load_model("tiny-llama")[0], modules_to_save=["embeddings"])
 
 
+def test_modules_to_save_keeps_tied_embeddings_tied(tmp_path):
+    model, tokenizer = _unsloth_model("tiny-qwen3", modules_to_save=["embed_tokens", "lm_head"])
+    base = model.get_base_model()
+    assert base.config.tie_word_embeddings
+    before = base.get_input_embeddings().weight.detach().clone()
+    fastft.train(model, tokenizer, [{"messages": c} for c in CONVERSATIONS], max_steps=2, progress=False)
+    embedding, head = base.get_input_embeddings().weight, base.get_output_embeddings().weight
+    assert embedding.requires_grad and embedding is head and not torch.equal(embedding, before)
+    model.save_pretrained(tmp_path / "lora_model")
+    loaded, _ = FastLanguageModel.from_pretrained(model_name=str(tmp_path / "lora_model"), max_seq_length=128)
+    ids = tokenizer("What is 2 + 3?", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.allclose(
+            loaded.eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits, atol=1e-6
+        )
+
+
 def test_a_head_trained_whole_keeps_the_fused_loss_and_its_value():
     from fastft.data.batch import PackedBatch
     from fastft.training.loss import causal_lm_loss_sum
