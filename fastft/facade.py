@@ -1,5 +1,5 @@
 """`FastLanguageModel`, `FastModel`, `is_bfloat16_supported`: Unsloth's calling convention on top of fastft,
-so switching is one import (`fastft.chat_templates` holds ``get_chat_template`` and
+so switching is changing the imports (`fastft.chat_templates` holds ``get_chat_template`` and
 ``train_on_responses_only``, as ``unsloth.chat_templates`` does).
 
 from fastft import FastLanguageModel            # instead of: from unsloth import FastLanguageModel
@@ -7,7 +7,8 @@ model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_lengt
 model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing="unsloth")
 
 An Unsloth argument that does not apply here is accepted with a warning saying so; one that changes what is
-trained (``modules_to_save``, ``use_dora``) is carried out, never dropped.
+trained is carried out (``modules_to_save``, ``use_dora``) or refused with the alternative
+(``layers_to_transform``, ``full_finetuning=True``), never dropped.
 """
 
 from __future__ import annotations
