@@ -52,6 +52,8 @@ _EXPORTS = {
     "CATALOG": "fastft.models.catalog",
     "find_model": "fastft.models.catalog",
     "FastLanguageModel": "fastft.facade",
+    "FastModel": "fastft.facade",
+    "is_bfloat16_supported": "fastft.facade",
     "Checkpointing": "fastft.runtime.checkpointing",
     # data
     "load_dataset": "fastft.data.loading",
@@ -98,8 +100,9 @@ _EXPORTS = {
     },
     "run_demo": "fastft.demo",
 }
-# Modules exported as themselves: ``fastft.studio()`` and ``fastft.studio.ModelPanel()``.
-_MODULES = {"studio": "fastft.studio"}
+# Modules exported as themselves: ``fastft.studio()``, ``fastft.studio.ModelPanel()``, and
+# ``fastft.chat_templates.get_chat_template`` (Unsloth's ``unsloth.chat_templates``).
+_MODULES = {"studio": "fastft.studio", "chat_templates": "fastft.chat_templates"}
 
 __all__ = [*_EXPORTS, *_MODULES, "__version__"]
 

@@ -1,6 +1,9 @@
 """The `fastft` command line: ``fastft demo`` runs the whole path offline; ``fastft models`` lists
-what can be loaded; ``fastft bench NAME`` reproduces a benchmark. Heavy imports happen inside each
-command, so ``--help`` answers at once."""
+what can be loaded; ``fastft estimate MODEL`` sizes a run; ``fastft bench NAME`` reproduces a benchmark.
+
+Building the parser imports only plain-Python modules (the demo's settings, the checkpointing modes, the
+benchmark names); torch, transformers, datasets and plotly are imported inside the command that needs them,
+so ``--help`` and ``--version`` answer at once (`tests/faces/test_cli.py` checks which modules load)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,19 @@ import sys
 from dataclasses import fields
 
 
+class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: …)" to an option's help unless the help already says its default in words
+    ("default: seq-len"), and never for a default of None (which only means "decided later")."""
+
+    def _get_help_string(self, action) -> str:
+        help_text = action.help or ""
+        if "(default" in help_text or action.default is None:
+            return help_text
+        return super()._get_help_string(action)
+
+
 def _demo_parser(sub) -> None:
-    from fastft.demo import DemoConfig
+    from fastft.training.demo_config import DemoConfig
 
     help_text = {
         "model": "embedded preset, local folder or hub id to fine-tune",
@@ -35,7 +49,7 @@ def _demo_parser(sub) -> None:
         help="fine-tune the embedded tiny-llama on the bundled skills data and write an HTML report",
         description="Load a model, add LoRA, pack the bundled data, measure accuracy, train, measure "
         "again, save the adapter and write runs/<name>/report.html. Offline; about a minute on a CPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnceFormatter,
     )
     defaults = DemoConfig(name="demo-<date>-<time>")
     for f in fields(DemoConfig):
@@ -111,18 +125,33 @@ def _estimate_parser(sub) -> None:
         help="estimate the GPU memory of LoRA/QLoRA training: breakdown, verdict, longest context",
         description="Estimate the VRAM of training MODEL with LoRA (no download for presets and catalog "
         "models; other hub ids read only their config.json) and judge it against a GPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnceFormatter,
     )
     parser.add_argument("model", help="embedded preset, catalog hub id, local folder or hub id")
     parser.add_argument("--seq-len", type=int, default=2048, help="longest sequence (packed bin), in tokens")
     parser.add_argument(
         "--batch-tokens", type=int, default=None, help="tokens per micro-batch (default: seq-len)"
     )
-    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "nf4", "int8"])
+    parser.add_argument(
+        "--precision",
+        default="bf16",
+        choices=["bf16", "fp16", "fp32", "nf4", "int8"],
+        help="base weights: 16/32-bit, NF4 (QLoRA) or 8-bit",
+    )
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
     parser.add_argument("--targets", nargs="*", default=None, help="LoRA targets (default: all-linear)")
-    parser.add_argument("--checkpointing", default="recompute", choices=CHECKPOINTING_KINDS)
-    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw_8bit", "sgd"])
+    parser.add_argument(
+        "--checkpointing",
+        default="auto",
+        choices=CHECKPOINTING_KINDS,
+        help="how layers keep activations; auto = offload, what add_lora('auto') runs on a GPU",
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "adamw_8bit", "sgd"],
+        help="optimizer of the adapters",
+    )
     parser.add_argument(
         "--unfused", action="store_true", help="transformers + peft modules instead of fastft's fused kernels"
     )
@@ -134,7 +163,7 @@ def _estimate_parser(sub) -> None:
 def _run_estimate(args) -> int:
     import json
 
-    from fastft.models.loading import ModelLoadError
+    from fastft.models.errors import ModelLoadError
     from fastft.vram import GPUS, VramEstimateError, estimate_vram, fits, max_context
 
     settings = dict(

@@ -1,8 +1,14 @@
-"""`FastLanguageModel`: Unsloth's calling convention on top of fastft, so switching is one import.
+"""`FastLanguageModel`, `FastModel`, `is_bfloat16_supported`: Unsloth's calling convention on top of fastft,
+so switching is changing the imports (`fastft.chat_templates` holds ``get_chat_template`` and
+``train_on_responses_only``, as ``unsloth.chat_templates`` does).
 
 from fastft import FastLanguageModel            # instead of: from unsloth import FastLanguageModel
 model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=2048)
 model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing="unsloth")
+
+An Unsloth argument that does not apply here is accepted with a warning saying so; one that changes what is
+trained is carried out (``modules_to_save``, ``use_dora``) or refused with the alternative
+(``layers_to_transform``, ``full_finetuning=True``), never dropped.
 """
 
 from __future__ import annotations
@@ -13,8 +19,13 @@ from fastft.models.loading import load_model
 from fastft.models.lora import add_lora
 
 # Unsloth arguments that fastft accepts and ignores because they do not apply here.
-_IGNORED_LOAD = {"device_map", "fix_tokenizer", "use_exact_model_name", "fast_inference", "full_finetuning"}
-_IGNORED_PEFT = {"max_seq_length", "use_dora", "layers_to_transform", "layers_pattern", "modules_to_save"}
+_IGNORED_LOAD = {"device_map", "fix_tokenizer", "use_exact_model_name", "fast_inference"}
+_IGNORED_PEFT = {"max_seq_length"}
+# Unsloth arguments that would change which layers train: refused when set, never dropped.
+_UNSUPPORTED_PEFT = {"layers_to_transform": "target_modules", "layers_pattern": "target_modules"}
+# Modules Unsloth's continued-pretraining notebooks list in target_modules: trained whole (modules_to_save).
+_WHOLE_MODULES = ("embed_tokens", "lm_head")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 
 
 class FastLanguageModel:
@@ -31,7 +42,14 @@ class FastLanguageModel:
         trust_remote_code: bool = False,
         **kwargs,
     ):
-        """`load_model` under Unsloth's argument names; returns ``(model, tokenizer)``."""
+        """`load_model` under Unsloth's argument names; returns ``(model, tokenizer)``. `model_name` may be
+        an adapter folder saved earlier (``model.save_pretrained("lora_model")``): its base and the adapter load."""
+        if kwargs.pop("full_finetuning", False):
+            raise ValueError(
+                "full_finetuning=True: fastft trains LoRA / QLoRA adapters, not every weight. Use "
+                "full_finetuning=False and get_peft_model(...); to train the embeddings or the head whole, pass "
+                "modules_to_save=['embed_tokens', 'lm_head'] there."
+            )
         _drop_ignored(kwargs, _IGNORED_LOAD, "from_pretrained")
         return load_model(
             model_name,
@@ -56,14 +74,29 @@ class FastLanguageModel:
         random_state: int = 3407,
         use_rslora: bool = False,
         loftq_config=None,
+        modules_to_save: list[str] | None = None,
+        use_dora: bool = False,
         **kwargs,
     ):
-        """`add_lora` under Unsloth's argument names ("unsloth" checkpointing = fastft's best mode)."""
+        """`add_lora` under Unsloth's argument names ("unsloth" checkpointing = fastft's best mode).
+
+        ``embed_tokens`` / ``lm_head`` in `target_modules` (as Unsloth's continued-pretraining notebooks
+        write them) are trained whole, as `modules_to_save`, the way Unsloth treats them."""
         if loftq_config:
             raise ValueError("loftq_config is not supported by fastft; leave it None.")
         _drop_ignored(kwargs, _IGNORED_PEFT, "get_peft_model")
+        for name, instead in _UNSUPPORTED_PEFT.items():
+            if kwargs.pop(name, None) is not None:
+                raise ValueError(
+                    f"get_peft_model: {name} is not supported by fastft (every decoder layer is adapted); "
+                    f"choose what trains with {instead} instead, or leave {name}=None."
+                )
         if kwargs:
             raise TypeError(f"get_peft_model got unexpected arguments: {sorted(kwargs)}")
+        whole = list(modules_to_save or [])
+        if not isinstance(target_modules, str):
+            whole += [name for name in target_modules if name in _WHOLE_MODULES and name not in whole]
+            target_modules = [name for name in target_modules if name not in _WHOLE_MODULES]
         return add_lora(
             model,
             r=r,
@@ -74,6 +107,8 @@ class FastLanguageModel:
             bias=bias,
             use_rslora=use_rslora,
             seed=random_state,
+            modules_to_save=whole or None,
+            use_dora=use_dora,
         )
 
     @staticmethod
@@ -87,6 +122,62 @@ class FastLanguageModel:
     def for_training(model):
         model.train()
         return model
+
+
+class FastModel(FastLanguageModel):
+    """Unsloth's `FastModel` for the text models fastft supports: `from_pretrained` as `FastLanguageModel`'s;
+    `get_peft_model` also takes the ``finetune_*`` switches, which pick the attention and MLP projections."""
+
+    @staticmethod
+    def get_peft_model(
+        model,
+        finetune_vision_layers: bool = False,
+        finetune_language_layers: bool = True,
+        finetune_attention_modules: bool = True,
+        finetune_mlp_modules: bool = True,
+        target_modules=None,
+        **kwargs,
+    ):
+        """`FastLanguageModel.get_peft_model`; without `target_modules`, the targets are the attention
+        projections (q/k/v/o) and/or the MLP ones (gate/up/down, experts) of the language layers."""
+        if finetune_vision_layers and _has_vision_tower(model):
+            raise ValueError(
+                "finetune_vision_layers=True: fastft trains the language layers of text models only; this "
+                "model has a vision tower. Use finetune_vision_layers=False."
+            )
+        if target_modules is None:
+            if not finetune_language_layers:
+                raise ValueError(
+                    "finetune_language_layers=False leaves nothing to train in a text model: set it True, "
+                    "or pass target_modules."
+                )
+            target_modules = _language_targets(model, finetune_attention_modules, finetune_mlp_modules)
+        return FastLanguageModel.get_peft_model(model, target_modules=target_modules, **kwargs)
+
+
+def is_bfloat16_supported() -> bool:
+    """Whether this machine trains in bf16: a CUDA GPU that supports it (Ampere and later); False on the CPU,
+    where fastft trains in fp32 (as Unsloth's function of this name answers)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def _has_vision_tower(model) -> bool:
+    config = getattr(model, "config", None)
+    return getattr(config, "vision_config", None) is not None
+
+
+def _language_targets(model, attention: bool, mlp: bool) -> list[str]:
+    from fastft.models.lora import linear_layer_names
+
+    if not (attention or mlp):
+        raise ValueError(
+            "finetune_attention_modules=False and finetune_mlp_modules=False leave nothing to train: set one "
+            "True, or pass target_modules."
+        )
+    names = linear_layer_names(model)
+    return [name for name in names if (name in _ATTENTION and attention) or (name not in _ATTENTION and mlp)]
 
 
 def _drop_ignored(kwargs: dict, ignored: set[str], where: str) -> None:

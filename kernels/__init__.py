@@ -16,12 +16,16 @@ package itself does not.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where used: the fusion plan reads `activations` without it
+    import torch
 
 
 def triton_available() -> bool:
     """Whether Triton can run here: on a CUDA GPU, or on the CPU under ``TRITON_INTERPRET=1``."""
+    import torch
+
     try:
         import triton  # noqa: F401
     except ImportError:

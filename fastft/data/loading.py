@@ -170,8 +170,17 @@ def _looks_like_path(source: str) -> bool:
 
 
 def _load_hub(source: str, fmt: str | None, split: str) -> datasets.Dataset:
+    from fastft.data.hub import cached_dataset_snapshot, declared_offline, offline_fix, offline_reason
+
+    target = source
+    if not declared_offline() and offline_reason() is not None:
+        # out of reach though not declared offline: `datasets` would retry for half a minute; read the
+        # cached snapshot instead, or say at once what to do
+        target = cached_dataset_snapshot(source)
+        if target is None:
+            raise FastftDataError(offline_fix(source, repo_type="dataset"))
     try:
-        loaded = datasets.load_dataset(source, split=split)
+        loaded = datasets.load_dataset(target, split=split)
     except Exception as e:  # anything the hub client raises: offline, gated, missing, bad config
         detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise FastftDataError(

@@ -12,10 +12,16 @@ from __future__ import annotations
 import copy
 import difflib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import AutoConfig, PretrainedConfig
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-__all__ = ["CATALOG", "ModelSpec", "find_model", "get_spec"]
+# How alike a typed name and a known one must be (difflib's ratio) to be offered as "did you mean": 0.6
+# offers "tiny-llama" for "tiny-lama" and nothing for "not-a/model" (0.53 to "tiny-moe").
+CLOSE_MATCH_CUTOFF = 0.6
+
+__all__ = ["CATALOG", "CLOSE_MATCH_CUTOFF", "ModelSpec", "close_names", "find_model", "get_spec"]
 
 # Per-head RMSNorm on queries and keys (a `head_dim` weight each).
 _QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
@@ -98,6 +104,8 @@ class ModelSpec:
 
     def to_config(self) -> PretrainedConfig:
         """The real `transformers` config of this architecture (built locally, no download)."""
+        from transformers import AutoConfig
+
         return AutoConfig.for_model(self.model_type, **copy.deepcopy(self.config))
 
     # -- the formula, one component at a time ------------------------------------------------------
@@ -603,14 +611,22 @@ def get_spec(hub_id: str) -> ModelSpec:
         return CATALOG[hub_id]
     except KeyError:
         pass
-    by_lower = {key.lower(): key for key in CATALOG}
-    by_short = {spec.short_name.lower(): spec.hub_id for spec in CATALOG.values()}
-    needle = hub_id.strip().lower()
-    close = [by_lower[m] for m in difflib.get_close_matches(needle, list(by_lower), n=5, cutoff=0.6)]
-    close += [by_short[m] for m in difflib.get_close_matches(needle, list(by_short), n=5, cutoff=0.6)]
-    close += [spec.hub_id for spec in find_model(hub_id)] if needle else []
+    by_short = {spec.short_name: spec.hub_id for spec in CATALOG.values()}
+    close = close_names(hub_id, list(CATALOG), n=5)
+    close += [by_short[m] for m in close_names(hub_id, list(by_short), n=5)]
+    close += [spec.hub_id for spec in find_model(hub_id)] if hub_id.strip() else []
     close = list(dict.fromkeys(close))[:5]
     hint = (
         f"close matches: {', '.join(close)}" if close else f"none close among the {len(CATALOG)} known models"
     )
     raise KeyError(f"{hub_id!r} is not in the model catalog; {hint}") from None
+
+
+def close_names(name: str, candidates: list[str], n: int = 3) -> list[str]:
+    """The `candidates` near enough to `name` to suggest (case-insensitive, `CLOSE_MATCH_CUTOFF`), nearest
+    first: every "did you mean" of fastft reads this, so a typo gets its fix and a far name no guess."""
+    by_lower = {candidate.lower(): candidate for candidate in candidates}
+    needle = name.strip().lower()
+    return [
+        by_lower[m] for m in difflib.get_close_matches(needle, list(by_lower), n=n, cutoff=CLOSE_MATCH_CUTOFF)
+    ]

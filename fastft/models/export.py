@@ -23,7 +23,9 @@ def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None) -> P
         raise TypeError("save_adapter needs a model with LoRA adapters (from fastft.add_lora).")
 
     def write(folder: Path) -> None:
-        model.save_pretrained(folder, safe_serialization=True)
+        # fastft never resizes embeddings, so PEFT's "auto" check (which looks the recorded base up on the
+        # hub, e.g. "tiny-llama") has nothing to find; modules_to_save are saved either way
+        model.save_pretrained(folder, safe_serialization=True, save_embedding_layers=False)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 

@@ -9,7 +9,6 @@ quantisation code path.
 
 from __future__ import annotations
 
-import difflib
 import os
 import tempfile
 import warnings
@@ -20,23 +19,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from fastft.data.hub import offline_fix, offline_reason
+from fastft.models.errors import (  # noqa: F401  (re-exported: `fastft.ModelLoadError` is read from here)
+    ModelLoadError,
+    QuantizationError,
+    UnknownModelError,
+    UnsupportedArchitectureError,
+)
 from fastft.models.presets import PRESETS, build_preset_model, load_preset_tokenizer
-
-
-class ModelLoadError(ValueError):
-    """A model could not be loaded; the message names the input and the fix."""
-
-
-class UnknownModelError(ModelLoadError):
-    pass
-
-
-class UnsupportedArchitectureError(ModelLoadError):
-    pass
-
-
-class QuantizationError(ModelLoadError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -130,7 +120,9 @@ def load_model(
     """Load a causal LM and its tokenizer, ready for `add_lora`.
 
     `name_or_path` is an embedded preset (`fastft.PRESETS`: "tiny-llama", "tiny-qwen3", …),
-    a local folder written by ``save_pretrained``, or a Hugging Face hub id.
+    a local folder written by ``save_pretrained``, a LoRA adapter folder (`save_adapter`: its recorded base
+    is loaded, then the adapter is attached, trainable; the model returned is then a `peft.PeftModel`),
+    or a Hugging Face hub id.
     `dtype=None` picks bf16 on a GPU that has it (fp16 on older GPUs) and fp32 on the CPU.
     `max_seq_length` is the longest sequence the model will be trained on; it becomes the
     tokenizer's ``model_max_length``.
@@ -151,6 +143,12 @@ def load_model(
                 model = _from_pretrained(folder, name, dtype, quantization, device, False, None)
         else:
             model.to(device)
+        # the name PEFT writes as the adapter's base_model_name_or_path, and load_model reads back
+        model.config.name_or_path = model.name_or_path = name
+    elif _is_adapter_folder(name):
+        return _load_adapter_folder(
+            name, max_seq_length, load_in_4bit, load_in_8bit, dtype, device, trust_remote_code, token
+        )
     elif Path(name).expanduser().is_dir():
         folder = str(Path(name).expanduser())
         source = "local"
@@ -158,8 +156,9 @@ def load_model(
         tokenizer = _load_tokenizer(folder, name, trust_remote_code, None)
     elif _looks_like_hub_id(name):
         source = "hub"
-        model = _from_pretrained(name, name, dtype, quantization, device, trust_remote_code, token)
-        tokenizer = _load_tokenizer(name, name, trust_remote_code, token)
+        offline = offline_reason() is not None  # then only the local cache is read: no retries
+        model = _from_pretrained(name, name, dtype, quantization, device, trust_remote_code, token, offline)
+        tokenizer = _load_tokenizer(name, name, trust_remote_code, token, offline)
     else:
         raise UnknownModelError(_unknown_model_message(name))
 
@@ -182,6 +181,48 @@ def load_model(
     return model, tokenizer
 
 
+def _is_adapter_folder(name: str) -> bool:
+    folder = Path(name).expanduser()
+    return (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file()
+
+
+def _load_adapter_folder(
+    name, max_seq_length, load_in_4bit, load_in_8bit, dtype, device, trust_remote_code, token
+):
+    """A LoRA adapter folder (`save_adapter`, PEFT's ``save_pretrained``): its base (``base_model_name_or_path``,
+    a preset, folder or hub id) loaded as `load_model` loads it, the adapter attached trainable, and the
+    folder's tokenizer if it holds one."""
+    import json
+
+    from fastft.models.lora import load_adapter
+
+    folder = Path(name).expanduser()
+    base_name = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base_name:
+        raise ModelLoadError(
+            f"'{name}' is a LoRA adapter that does not record its base model (base_model_name_or_path is "
+            "empty). Fix: load the base with load_model(base_name) and attach the adapter with "
+            f"fastft.models.lora.load_adapter(model, '{name}') (or peft.PeftModel.from_pretrained)."
+        )
+    model, tokenizer = load_model(
+        base_name,
+        max_seq_length=max_seq_length,
+        load_in_4bit=load_in_4bit,
+        load_in_8bit=load_in_8bit,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        token=token,
+    )
+    if (folder / "tokenizer_config.json").is_file():
+        tokenizer = _load_tokenizer(str(folder), name, trust_remote_code, None)
+        _prepare_tokenizer(tokenizer, model, max_seq_length)
+    info = model.fastft_info
+    model = load_adapter(model, folder)
+    model.fastft_info = info
+    return model, tokenizer
+
+
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype is None or dtype == "auto":
         return default_dtype(device)
@@ -195,10 +236,9 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def _unknown_model_message(name: str) -> str:
-    from fastft.models.catalog import CATALOG
+    from fastft.models.catalog import CATALOG, close_names
 
-    candidates = list(PRESETS) + list(CATALOG)
-    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.4)
+    close = close_names(name, list(PRESETS) + list(CATALOG))
     suggestion = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return (
         f"'{name}' is not an embedded preset, an existing folder, or a hub id of the form 'org/name'."
@@ -206,9 +246,11 @@ def _unknown_model_message(name: str) -> str:
     )
 
 
-def _from_pretrained(source, name, dtype, quantization, device, trust_remote_code, token):
+def _from_pretrained(source, name, dtype, quantization, device, trust_remote_code, token, offline=False):
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, token=token)
+        config = AutoConfig.from_pretrained(
+            source, trust_remote_code=trust_remote_code, token=token, local_files_only=offline
+        )
     except ValueError as error:
         raw = _raw_config(source, token)
         if raw.get("auto_map") and not trust_remote_code:
@@ -223,6 +265,8 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
             ) from error
         raise ModelLoadError(f"Could not read the config of '{name}': {error}") from error
     except OSError as error:
+        if offline:
+            raise ModelLoadError(offline_fix(name)) from error
         raise ModelLoadError(
             f"Could not load '{name}': {error}\nFix: check the id or path; for a gated hub model accept its "
             "licence and log in (hf auth login); offline, download it first and pass the local folder."
@@ -237,6 +281,7 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
         token=token,
         use_safetensors=True,
         device_map={"": target},
+        local_files_only=offline,
     )
     if quantization is not None:
         kwargs.update(quantization_config=quantization)
@@ -259,9 +304,11 @@ def _raw_config(source, token) -> dict:
         return {}
 
 
-def _load_tokenizer(source, name, trust_remote_code, token):
+def _load_tokenizer(source, name, trust_remote_code, token, offline=False):
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, token=token)
+        return AutoTokenizer.from_pretrained(
+            source, trust_remote_code=trust_remote_code, token=token, local_files_only=offline
+        )
     except (OSError, ValueError) as error:
         raise ModelLoadError(
             f"Could not load a tokenizer for '{name}': {error}\nFix: save the tokenizer beside the weights "

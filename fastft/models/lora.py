@@ -40,6 +40,8 @@ class LoraSettings:
     use_rslora: bool
     gradient_checkpointing: Checkpointing
     fused: bool = True
+    modules_to_save: tuple[str, ...] = ()
+    use_dora: bool = False
 
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:
@@ -127,6 +129,8 @@ def add_lora(
     use_rslora: bool = False,
     seed: int | None = 3407,
     fused: bool = True,
+    modules_to_save: list[str] | tuple[str, ...] | None = None,
+    use_dora: bool = False,
 ) -> PeftModel:
     """Wrap `model` with LoRA adapters of rank `r` and scale `alpha / r` and freeze the rest.
 
@@ -139,6 +143,10 @@ def add_lora(
     `seed` makes the adapters' initialisation reproducible without touching the global RNG.
     `fused` swaps fastft's kernels into the model (`fastft.patch`: Triton RMSNorm, RoPE, SwiGLU,
     LoRA-fused projections, fused linear cross-entropy); ``fused=False`` keeps transformers' modules.
+    `modules_to_save` names whole modules trained in full beside the adapters and saved with them, e.g.
+    ``["embed_tokens", "lm_head"]`` for continued pretraining on new text (PEFT's option of that name).
+    `use_dora` trains DoRA (weight-decomposed LoRA, PEFT's); its layers run PEFT's forward, not the fused
+    kernels, and expert weights cannot take it.
     """
     gradient_checkpointing = Checkpointing.parse(gradient_checkpointing)
     if r <= 0:
@@ -164,8 +172,28 @@ def add_lora(
             "expert after routing, and PEFT's expert adapters refuse dropout): use dropout=0, or leave "
             f"{experts} out of target_modules."
         )
+    saved_modules = _check_modules_to_save(base, modules_to_save)
+    if set(saved_modules) & set(targets):
+        raise ValueError(
+            f"{sorted(set(saved_modules) & set(targets))} are both LoRA targets and modules_to_save: a module is "
+            "either adapted or trained whole. Leave them out of target_modules (or of modules_to_save)."
+        )
+    if use_dora and experts:
+        raise ValueError(
+            f"use_dora=True cannot adapt the expert weights {experts} (PEFT's expert adapters have no DoRA): "
+            f"leave {experts} out of target_modules, or use plain LoRA (use_dora=False)."
+        )
     settings = LoraSettings(
-        r, float(alpha), float(dropout), tuple(targets), bias, use_rslora, gradient_checkpointing, fused
+        r,
+        float(alpha),
+        float(dropout),
+        tuple(targets),
+        bias,
+        use_rslora,
+        gradient_checkpointing,
+        fused,
+        saved_modules,
+        bool(use_dora),
     )
 
     if isinstance(model, PeftModel):
@@ -194,7 +222,10 @@ def add_lora(
         target_parameters=[f"{name}.{weight}" for name in experts for weight in EXPERT_WEIGHTS] or None,
         bias=bias,
         use_rslora=use_rslora,
+        modules_to_save=list(saved_modules) or None,
+        use_dora=bool(use_dora),
         task_type="CAUSAL_LM",
+        **_weight_tying(base, saved_modules),
     )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; not the user's concern
@@ -215,6 +246,38 @@ def add_lora(
             patch_packed_attention(peft_model, "auto")
     model_state(peft_model).lora = settings
     return peft_model
+
+
+def _weight_tying(model: torch.nn.Module, saved_modules: tuple[str, ...]) -> dict:
+    """On a model whose head is its embedding table (``tie_word_embeddings``), training either one whole
+    trains the one shared table (PEFT's ``ensure_weight_tying``), so the head and the embeddings stay tied."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if not (saved_modules and tied) or "ensure_weight_tying" not in LoraConfig.__dataclass_fields__:
+        return {}
+    return {"ensure_weight_tying": True}
+
+
+def _check_modules_to_save(model: torch.nn.Module, names) -> tuple[str, ...]:
+    """`modules_to_save` as a tuple of short module names, each naming a module of `model` (not a LoRA target:
+    a module is either adapted or trained whole)."""
+    if not names:
+        return ()
+    names = (names,) if isinstance(names, str) else tuple(names)
+    present = {full.rsplit(".", 1)[-1] for full, _ in model.named_modules() if full}
+    missing = [name for name in names if name not in present]
+    if missing:
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        found = {id(module): full.rsplit(".", 1)[-1] for full, module in model.named_modules()}
+        hint = ", ".join(
+            f"{what} '{found[id(module)]}'"
+            for what, module in (("the embeddings", embedding), ("the head", head))
+            if module is not None and id(module) in found
+        )
+        raise ValueError(
+            f"modules_to_save={list(names)}: {missing} name no module of this model. Its trainable-in-full "
+            f"candidates are {hint}, e.g. modules_to_save=['embed_tokens', 'lm_head'] on Llama-style models."
+        )
+    return names
 
 
 def set_gradient_checkpointing(model: torch.nn.Module, mode: Checkpointing | bool | str) -> None:
@@ -270,3 +333,36 @@ def trainable_parameter_count(model: torch.nn.Module) -> tuple[int, int]:
 def _describe(settings: LoraSettings) -> str:
     fields = asdict(settings) | {"gradient_checkpointing": str(settings.gradient_checkpointing)}
     return ", ".join(f"{key}={value}" for key, value in fields.items())
+
+
+def load_adapter(
+    model: torch.nn.Module,
+    folder,
+    gradient_checkpointing: Checkpointing | bool | str = "auto",
+    fused: bool = True,
+) -> PeftModel:
+    """Attach the adapter saved in `folder` (by `save_adapter` or PEFT) to the base `model`, trainable and set
+    up as `add_lora` sets up new adapters (checkpointing, fastft's kernels, the model's LoRA settings), so a
+    loaded adapter generates, trains on and saves again like one `add_lora` made."""
+    config = LoraConfig.from_pretrained(str(folder))
+    peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=True)
+    checkpointing = Checkpointing.parse(gradient_checkpointing)
+    set_gradient_checkpointing(peft_model, checkpointing)
+    if fused:
+        from fastft.models.patch import patch
+
+        patch(peft_model)
+    targets = sorted(config.target_modules or ()) if not isinstance(config.target_modules, str) else []
+    model_state(peft_model).lora = LoraSettings(
+        r=config.r,
+        alpha=float(config.lora_alpha),
+        dropout=float(config.lora_dropout),
+        target_modules=tuple(targets),
+        bias=config.bias,
+        use_rslora=config.use_rslora,
+        gradient_checkpointing=checkpointing,
+        fused=fused,
+        modules_to_save=tuple(config.modules_to_save or ()),
+        use_dora=bool(config.use_dora),
+    )
+    return peft_model

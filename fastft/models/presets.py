@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
+if TYPE_CHECKING:  # imported where used, so listing presets (`fastft models`) needs neither
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 ASSETS_DIR = Path(__file__).parent / "assets"
 TOKENIZER_FILE = ASSETS_DIR / "tokenizer.json"
@@ -23,9 +25,16 @@ TOKENIZER_VOCAB_SIZE = 512
 PRESET_SEED = 1234
 
 SPECIAL_TOKENS = {"pad": "<|endoftext|>", "bos": "<|im_start|>", "eos": "<|im_end|>"}
+# ChatML; an assistant reply and its <|im_end|> inside {% generation %} markers, so
+# apply_chat_template(return_assistant_tokens_mask=True) and TRL's assistant_only_loss mark what is trained.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -41,6 +50,8 @@ class Preset:
     config: dict = field(default_factory=dict)
 
     def make_config(self, vocab_size: int) -> PretrainedConfig:
+        from transformers import AutoConfig
+
         fields = dict(self.config, vocab_size=vocab_size, max_position_embeddings=4096)
         return AutoConfig.for_model(self.model_type, **fields)
 
@@ -133,6 +144,8 @@ DEFAULT_PRESET = "tiny-llama"
 
 def load_preset_tokenizer() -> PreTrainedTokenizerFast:
     """The byte-level BPE tokenizer shared by every preset, with its ChatML template."""
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(TOKENIZER_FILE),
         pad_token=SPECIAL_TOKENS["pad"],
@@ -149,6 +162,7 @@ def build_preset_model(
 ) -> torch.nn.Module:
     """The preset's architecture with weights drawn from a fixed seed (global RNG left untouched),
     replaced by its shipped warm-start weights where it has them (see `fastft.training.warmstart`)."""
+    import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GenerationConfig
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from fastft.data.batch import PackedBatch
+from fastft.runtime.checkpointing import KEEP_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, KeptTensors, attach_layer_contexts, layer_context
 from fastft.runtime.state import model_state, state_of
 
@@ -173,22 +174,8 @@ def _sdpa_uniform(query, key, value, length, scaling, kept: KeptTensors | None =
 
 
 # -- attention kept for the recompute ------------------------------------------------------------
-# Under offloaded checkpointing (`fastft.runtime.offload`) a layer's forward keeps its attention output and
-# log-sum-exp beside its input (`KeptTensors` under the name "attention": host memory, back on the device
-# with the input; the layer call's `KeptTensors` reaches the backend as ``kept``), and the
-# recompute hands them to the kernel's own backward instead of running the attention forward again. The
-# kernel is the one SDPA / varlen would run in training (`_fused_sdp_choice`), called through its ATen
-# op, so the forward and the backward see one kernel's output. On the CPU every gradient is bit-identical
-# to recomputing (tests/runtime/test_offload.py); on the GPU within bf16 rounding, because without keeping the
-# no-grad forward may run another kernel than the recompute (cuDNN vs FlashAttention-2 from 4,096 tokens
-# on the H200) and FlashAttention-2's backward sums dq with atomics. A layer that keeps its attention
-# output keeps o_proj's output too (`fastft.models.patch`), so its recompute skips that GEMM as well.
-# Measured on Llama-3.1-8B on the H200: 1 x 16,384 tokens +7.5 % tokens/s (attention alone); 2 x 2,048,
-# graphed steps in one process, three interleaved rounds: 325 -> 320 ms keeping the attention output,
-# -> 313 ms with o_proj's too (+3.7 %), for +94 MB of peak (two device buffers of both). Below
-# `KEEP_FROM_LENGTH` the attention forward is cheap beside the copies and buffers, so shorter bins keep
-# nothing; quantised bases keep nothing by default (`fastft.runtime.offload.keeps_by_default`).
-KEEP_FROM_LENGTH = 2048
+# What a layer keeps under offloaded checkpointing, and from which length (`KEEP_FROM_LENGTH`, with the
+# measurements behind it), is written beside the checkpointing modes in `fastft.runtime.checkpointing`.
 
 
 @dataclass(frozen=True)

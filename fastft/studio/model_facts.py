@@ -3,11 +3,11 @@ folder (shapes, parameters, what the fusion plan fuses), the choices to offer, a
 
 from __future__ import annotations
 
-import difflib
 import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastft.models.catalog import close_names
 from fastft.studio.notices import (
     facts_table,
     status_html,
@@ -192,6 +192,6 @@ def fusion_text(fused: list[str], not_fused: list[str]) -> str:
 def unknown_model_hint(name: str) -> str:
     if not name:
         return "Pick a preset or a catalog model, or type a hub id (org/name) or a local folder."
-    close = difflib.get_close_matches(name, model_choices(), n=3, cutoff=0.4)
+    close = close_names(name, model_choices())
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     return f"'{name}' is not a preset, a catalog model, an existing folder or a hub id (org/name).{hint}"

@@ -55,7 +55,7 @@ def save_checkpoint(folder, model, optimizer, scheduler, state: dict) -> Path:
     tensors, plain = rng_state()
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, save_embedding_layers=False)  # no hub lookup of the base (save_adapter)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(tensors, tmp / "rng.pt")

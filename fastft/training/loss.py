@@ -92,6 +92,25 @@ def _with_router_aux_loss(model: torch.nn.Module, batch: PackedBatch, coefficien
     return loss + coefficient * batch.num_trained_tokens * aux
 
 
+def _linear_head(head: torch.nn.Module | None) -> torch.nn.Linear | None:
+    """The `nn.Linear` the output head's forward runs: the head itself, or, for a head trained whole
+    (``add_lora(modules_to_save=["lm_head"])``), the module PEFT's wrapper would call (the active adapter's
+    trained copy, or the original while adapters are disabled). None for any other head (eager path)."""
+    if type(head) is torch.nn.Linear:
+        return head
+    copies = getattr(head, "modules_to_save", None)
+    if copies is None or not hasattr(head, "original_module"):
+        return None
+    active = head.active_adapters
+    if head.disable_adapters or not active or any(name not in copies for name in active):
+        module = head.original_module
+    elif len(active) == 1:
+        module = copies[active[0]]
+    else:
+        return None
+    return module if type(module) is torch.nn.Linear else None
+
+
 def _fused_loss_sum(model: torch.nn.Module, batch: PackedBatch, packed: dict) -> torch.Tensor | None:
     """The decoder's hidden states at the trained positions, then fused linear cross-entropy over the
     output head: the ``[tokens, vocab]`` logits never exist. None when the head is not a plain linear
@@ -101,8 +120,8 @@ def _fused_loss_sum(model: torch.nn.Module, batch: PackedBatch, packed: dict) ->
     from fastft.kernels.fused_linear_ce import fused_linear_cross_entropy
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    head = base.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or not hasattr(base, "get_decoder"):
+    head = _linear_head(base.get_output_embeddings())
+    if head is None or not hasattr(base, "get_decoder"):
         return None
     output = base.get_decoder()(
         input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **packed

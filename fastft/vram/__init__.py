@@ -3,7 +3,9 @@
 ``estimate_vram(model, seq_len, …)`` (`estimate`, its inputs checked by `settings`) returns a `VramEstimate` (`result`: a breakdown with
 ``.table()`` and ``.to_dict()``); ``max_context`` and ``fits`` (`fit`) answer the questions a user asks
 before training; ``measure`` runs real training steps on CUDA and reports the peak beside the estimate.
-The activation model, per layer and tensor, is `activations`; the model's shapes, `inventory`.
+The activation model, per layer and tensor, is `activations`; the model's shapes, `inventory` (for catalog
+models read from `catalog_cache`). Nothing here imports torch at import time (`measure` imports it when it
+runs), so ``fastft estimate`` on a catalog model runs without torch.
 """
 
 from fastft.vram.estimate import estimate_vram

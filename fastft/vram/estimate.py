@@ -23,8 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fastft.runtime.attention import KEEP_FROM_LENGTH
-from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.checkpointing import KEEP_FROM_LENGTH, Checkpointing
 from fastft.vram import activations as act
 from fastft.vram.activations import Profile
 from fastft.vram.gpus import DEFAULT_CONTEXT_BYTES, GiB, GpuSpec, MiB
@@ -61,7 +60,7 @@ def estimate_vram(
     precision: str | None = None,
     lora_r: int | None = None,
     targets: str | Sequence[str] | None = None,
-    checkpointing: Checkpointing | str | bool = "recompute",
+    checkpointing: Checkpointing | str | bool = "auto",
     optimizer: str = "adamw",
     gpu: str | GpuSpec | None = "auto",
     *,
@@ -80,7 +79,9 @@ def estimate_vram(
     `lora_r` (default 16) and `targets` ("all-linear" or short names such as ``["q_proj", "v_proj"]``).
     `checkpointing`: a `Checkpointing` or what it parses, as in `add_lora`: "none", "recompute" (each
     layer's input kept, the layer recomputed in backward) or "offload" (layer inputs in host memory, two
-    buffers on the device); "auto" is "offload", what `add_lora` picks on a GPU. `optimizer`: "adamw" (fp32 m and v), "adamw_8bit" or "sgd". `gpu`: a preset name
+    buffers on the device); "auto" (the default, `add_lora`'s too) is "offload", what `add_lora("auto")`
+    runs on a GPU, so an estimate with no arguments describes the run training does (for a model that
+    has its adapters already, the checkpointing its `add_lora` call chose). `optimizer`: "adamw" (fp32 m and v), "adamw_8bit" or "sgd". `gpu`: a preset name
     (`GPUS`), a `GpuSpec`, "auto" (the visible GPU, if any) or None. `fused`: fastft's fused kernels, as
     ``add_lora(fused=True)`` (the default) swaps them in where the model's fusion plan
     (`fastft.models.fusion`) fuses the whole decoder: Llama/Mistral/Qwen2/Qwen3(-MoE)/Mixtral; False

@@ -110,7 +110,14 @@ def get_gpu(gpu: str | GpuSpec) -> GpuSpec:
 
 
 def detect_gpu(index: int | None = None) -> GpuSpec | None:
-    """The visible CUDA GPU as a `GpuSpec` (capacity from `torch.cuda.get_device_properties`), or None."""
+    """The visible CUDA GPU as a `GpuSpec` (capacity from `torch.cuda.get_device_properties`), or None.
+
+    On Linux without a GPU device node (``/dev/nvidia*``, ROCm's ``/dev/kfd``) there is none, which is
+    answered without importing torch (seconds) unless torch is loaded already."""
+    import sys
+
+    if "torch" not in sys.modules and _no_gpu_device_nodes():
+        return None
     import torch
 
     if not torch.cuda.is_available():
@@ -124,6 +131,16 @@ def detect_gpu(index: int | None = None) -> GpuSpec | None:
         bf16=props.major >= 8,
         source=f"torch.cuda.get_device_properties({index})",
     )
+
+
+def _no_gpu_device_nodes() -> bool:
+    import glob
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False  # elsewhere ask torch
+    return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))
 
 
 def capped_gpu(capacity_bytes: int, label: str | None = None) -> GpuSpec:

@@ -9,18 +9,18 @@ walked as it is, with its actual dtypes and bitsandbytes quantisation.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from fastft.models.errors import ModelLoadError, UnknownModelError
 
-from fastft.models.loading import ModelLoadError, UnknownModelError
-from fastft.runtime.state import state_of
+if TYPE_CHECKING:  # torch and transformers are imported where a model is built or walked: a catalog model's
+    import torch  # inventory comes from `fastft.vram.catalog_cache` without either
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -138,6 +138,8 @@ class LoadedModelState:
     lora_r: int | None
     lora_targets: tuple[str, ...]
     fused: bool | None  # whether fastft's kernels are patched in (None: no LoRA yet, add_lora decides)
+    # the checkpointing kind its training runs on a GPU (add_lora's mode, "auto" resolved); None: no LoRA yet
+    checkpointing: str | None = None
 
 
 # -- resolving the model argument -----------------------------------------------------------------
@@ -145,16 +147,17 @@ class LoadedModelState:
 
 def inventory_of(model) -> ModelInventory:
     """The inventory of a preset name, catalog hub id, local folder, hub id, config or loaded model."""
-    from transformers import PretrainedConfig
-
     if isinstance(model, ModelInventory):
         return model
+    if isinstance(model, (str, os.PathLike)):
+        return _inventory_of_name(os.fspath(model))
+    import torch
+    from transformers import PretrainedConfig
+
     if isinstance(model, torch.nn.Module):
         return _inventory_of_loaded(model)
     if isinstance(model, PretrainedConfig):
         return _inventory_of_config(model, getattr(model, "name_or_path", "") or model.model_type)
-    if isinstance(model, (str, os.PathLike)):
-        return _inventory_of_name(os.fspath(model))
     raise TypeError(
         f"estimate_vram takes a model name, a transformers config or a loaded model, not {type(model).__name__}."
     )
@@ -162,17 +165,19 @@ def inventory_of(model) -> ModelInventory:
 
 @functools.lru_cache(maxsize=64)
 def _inventory_of_name(name: str) -> ModelInventory:
-    from fastft.models.catalog import CATALOG
+    from fastft.models.catalog import CATALOG, close_names
     from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
+    from fastft.vram.catalog_cache import cached_inventory
 
     if name in PRESETS:
-        return _inventory_of_config(PRESETS[name].make_config(TOKENIZER_VOCAB_SIZE), name)
+        return cached_inventory(name) or _inventory_of_config(
+            PRESETS[name].make_config(TOKENIZER_VOCAB_SIZE), name
+        )
     by_lower = {hub_id.lower(): hub_id for hub_id in CATALOG}
     if name.lower() in by_lower:  # hub ids are case-insensitive
         hub_id = by_lower[name.lower()]
-        return _inventory_of_config(CATALOG[hub_id].to_config(), hub_id)
-    candidates = list(PRESETS) + list(CATALOG)
-    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.4)
+        return cached_inventory(hub_id) or _inventory_of_config(CATALOG[hub_id].to_config(), hub_id)
+    close = close_names(name, list(PRESETS) + list(CATALOG))
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     path = Path(name).expanduser()
     if path.is_dir() or _looks_like_hub_id(name):
@@ -191,10 +196,15 @@ def _looks_like_hub_id(name: str) -> bool:
 def _fetch_config(name: str, path: Path, hint: str = ""):
     from transformers import AutoConfig
 
+    from fastft.data.hub import offline_fix, offline_reason
+
     source = str(path) if path.is_dir() else name
+    offline = not path.is_dir() and offline_reason() is not None
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, local_files_only=offline)
     except (OSError, ValueError) as error:
+        if offline:
+            raise ModelLoadError(f"{offline_fix(name, 'config.json')}{hint}") from error
         where = (
             "its folder has no readable config.json" if path.is_dir() else "its config could not be fetched"
         )
@@ -210,6 +220,7 @@ def _fetch_config(name: str, path: Path, hint: str = ""):
 
 @functools.lru_cache(maxsize=64)
 def _inventory_of_config_json(model_type: str, config_json: str, name: str) -> ModelInventory:
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
@@ -252,6 +263,8 @@ def _short_name(full_name: str) -> str:
 
 
 def _walk(model: torch.nn.Module, config, name: str, loaded: LoadedModelState | None) -> ModelInventory:
+    import torch
+
     from fastft.models.lora import linear_layer_names
 
     output = model.get_output_embeddings()
@@ -353,6 +366,8 @@ def _has_experts_sibling(model: torch.nn.Module, full_name: str) -> bool:
 
 def _logical_numel(parameter: torch.Tensor) -> int:
     """Elements of the unquantised weight (a packed 4-bit tensor holds two per byte)."""
+    import torch
+
     quant_state = getattr(parameter, "quant_state", None)
     if quant_state is not None and getattr(quant_state, "shape", None) is not None:
         return int(torch.Size(quant_state.shape).numel())
@@ -401,6 +416,8 @@ def _layers(
 
 def _quant_constant_bytes(parameter: torch.Tensor) -> int:
     """Bytes of a bitsandbytes weight's constants: absmax (and its nested state), codebook, int8 row scales."""
+    import torch
+
     total = 0
     state = getattr(parameter, "quant_state", None)
     if state is not None:
@@ -419,6 +436,10 @@ def _quant_constant_bytes(parameter: torch.Tensor) -> int:
 
 
 def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelState:
+    import torch
+
+    from fastft.runtime.state import state_of
+
     quantization = None
     weight_bytes = constants = upcast_pending = lora_params = lora_bytes = 0
     dtypes: dict[torch.dtype, int] = {}
@@ -485,4 +506,5 @@ def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelS
         lora_bytes=lora_bytes,
         lora_r=int(r) if r else None,
         lora_targets=targets,
+        checkpointing=settings.gradient_checkpointing.resolved(cuda=True).kind if settings else None,
     )

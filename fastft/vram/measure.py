@@ -12,13 +12,14 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from fastft.vram.estimate import estimate_vram
 from fastft.vram.result import VramEstimate, VramEstimateError
 from fastft.vram.settings import resolve_checkpointing
+
+if TYPE_CHECKING:  # torch and numpy are imported where a step runs: `import fastft.vram` needs neither
+    import torch
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class VramMeasurement:
 
 
 def _require_cuda() -> torch.device:
+    import torch
+
     if not torch.cuda.is_available():
         raise RuntimeError(
             "measure() runs real training steps and needs a CUDA GPU; none is visible. On a CPU use "
@@ -87,6 +90,8 @@ def build_random_model(name: str, precision: str = "bf16", device: torch.device 
     layer, quantised from the random weights; the model is then marked as loaded in 4/8-bit, so `add_lora`
     prepares it exactly as it prepares a quantised hub model.
     """
+    import torch
+
     from fastft.bench.common import build_model
 
     device = torch.device(device)
@@ -103,6 +108,8 @@ def build_random_model(name: str, precision: str = "bf16", device: torch.device 
 def _quantize_in_place(
     model: torch.nn.Module, precision: str, dtype: torch.dtype, device: torch.device
 ) -> None:
+    import torch
+
     try:
         import bitsandbytes as bnb
     except ImportError as error:
@@ -157,6 +164,8 @@ def _quantize_in_place(
 
 def synthetic_batch(tokens: int, seq_len: int, vocab: int, trained_fraction: float = 1.0, seed: int = 0):
     """A packed batch of `tokens` random tokens in sequences of `seq_len` (the last one shorter)."""
+    import numpy as np
+
     from fastft.data.batch import PackedBatch
 
     rng = np.random.default_rng(seed)
@@ -173,6 +182,8 @@ def synthetic_batch(tokens: int, seq_len: int, vocab: int, trained_fraction: flo
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` means the device ran out of memory (allocator or a library's own allocation)."""
+    import torch
+
     text = str(error)
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
 
@@ -186,11 +197,13 @@ class TrainingProbe:
         precision: str = "bf16",
         lora_r: int = 16,
         targets="all-linear",
-        checkpointing: str | bool = "recompute",
+        checkpointing: str | bool = "auto",
         optimizer: str = "adamw",
         seed: int = 0,
         fused: bool = True,
     ):
+        import torch
+
         from fastft.models.lora import add_lora
         from fastft.runtime.attention import patch_packed_attention
 
@@ -238,6 +251,8 @@ class TrainingProbe:
 
     def step(self, tokens: int, seq_len: int | None = None, trained_fraction: float = 1.0) -> StepMemory:
         """One optimizer step on `tokens` random tokens; raises torch.OutOfMemoryError when it does not fit."""
+        import torch
+
         from fastft.training.loss import causal_lm_loss_sum
 
         batch = synthetic_batch(tokens, seq_len or tokens, self.vocab, trained_fraction, self.seed).to(
@@ -283,16 +298,22 @@ class TrainingProbe:
 
     def recover(self) -> None:
         """Drop everything a failed step left behind (gradients, cached blocks)."""
+        import torch
+
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
 
     def context_bytes(self) -> int:
         """Device memory in use outside PyTorch's allocator (CUDA context, library handles)."""
+        import torch
+
         free, total = torch.cuda.mem_get_info(self.device)
         return int(total - free - torch.cuda.memory_reserved(self.device))
 
     def close(self) -> None:
+        import torch
+
         self.model = self.optimizer = self.parameters = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -305,7 +326,7 @@ def measure(
     precision: str = "bf16",
     lora_r: int = 16,
     targets="all-linear",
-    checkpointing: str | bool = "recompute",
+    checkpointing: str | bool = "auto",
     optimizer: str = "adamw",
     *,
     fused: bool = True,

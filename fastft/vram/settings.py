@@ -70,6 +70,12 @@ def resolve_run(
     loaded = inventory.loaded
     precision = _resolve_precision(precision, loaded)
     mode = resolve_checkpointing(checkpointing)
+    if (
+        loaded is not None
+        and loaded.checkpointing is not None
+        and Checkpointing.parse(checkpointing).kind == "auto"
+    ):
+        mode = loaded.checkpointing  # "auto" is what this model's training runs: add_lora's mode
     if optimizer not in OPTIMIZERS:
         raise VramEstimateError(f"optimizer={optimizer!r}: use one of {OPTIMIZERS}.")
     if loss not in LOSSES:
@@ -173,6 +179,8 @@ def _resolve_targets(inventory: ModelInventory, targets) -> list[str]:
         if loaded is not None and loaded.lora_targets:
             return [t for t in loaded.lora_targets if t in available] or available
         return available
+    if targets == "all-linear":  # what check_targets answers, without importing peft for the default
+        return list(available)
     from fastft.models.lora import LoraTargetError, check_targets
 
     try:

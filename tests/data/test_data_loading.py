@@ -712,3 +712,44 @@ def test_many_jsonl_rows_load_quickly(tmp_path):
     elapsed = time.perf_counter() - start
     assert len(ds) == 100_000 and ds.column_names == ["messages", "task"]
     assert elapsed < 20, f"100k rows took {elapsed:.1f}s"
+
+
+def test_an_unreachable_hub_dataset_loads_its_cached_snapshot_or_fails_at_once(tmp_path):
+    """Hub out of reach (a closed loopback port) without HF_HUB_OFFLINE: a cached dataset loads from its
+    snapshot and an uncached one fails at once naming the fix; `datasets` alone retried for ~25 s."""
+    import os
+    import subprocess
+    import sys
+
+    repo = tmp_path / "hf" / "hub" / "datasets--some-org--tiny"
+    commit = "a" * 40
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(3)]  # fmt: skip
+    (repo / "snapshots" / commit / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+        and not k.lower().endswith("_proxy")
+    }
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    code = (
+        "from fastft.data.errors import FastftDataError\n"
+        "from fastft.data.loading import load_dataset\n"
+        "ds = load_dataset('some-org/tiny')\n"
+        "print(len(ds), ds[2]['messages'][1]['content'])\n"
+        "try:\n"
+        "    load_dataset('some-org/not-cached')\n"
+        "except FastftDataError as error:\n"
+        "    print('ERROR', error)\n"
+    )
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "3 a2"
+    assert "hf download some-org/not-cached --repo-type dataset" in done.stdout
+    assert "127.0.0.1:9 cannot be reached" in done.stdout and "Retrying" not in done.stderr
+    assert time.perf_counter() - started < 120

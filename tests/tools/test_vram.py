@@ -94,7 +94,7 @@ def test_lora_parameters_equal_what_add_lora_creates(preset, r, targets):
 
 
 def test_optimizer_and_gradient_bytes_follow_the_adapter_count():
-    adamw = estimate_vram("Qwen/Qwen3-8B", 1024, gpu=None)
+    adamw = estimate_vram("Qwen/Qwen3-8B", 1024, checkpointing="recompute", gpu=None)
     n = adamw.lora_parameters
     assert n == 43_646_976  # r=16 on q/k/v/o/gate/up/down of 36 layers
     assert adamw["optimizer"] == 8 * n  # fp32 m and v
@@ -109,7 +109,7 @@ def test_optimizer_and_gradient_bytes_follow_the_adapter_count():
     assert adamw.component("gradients").own_bytes == 4 * per_layer
     # at 128 tokens a layer input (1 MiB) is smaller: the peak is the first layer's, all gradients made
     # and 35 layer inputs freed
-    short = estimate_vram("Qwen/Qwen3-8B", 128, gpu=None)
+    short = estimate_vram("Qwen/Qwen3-8B", 128, checkpointing="recompute", gpu=None)
     assert short.component("gradients").own_bytes == 4 * n - 35 * 128 * 4096 * 2
     assert estimate_vram("Qwen/Qwen3-8B", 1024, optimizer="adamw_8bit", gpu=None)["optimizer"] == 2 * n
     assert estimate_vram("Qwen/Qwen3-8B", 1024, optimizer="sgd", gpu=None)["optimizer"] == 0
@@ -292,7 +292,9 @@ def test_offload_counts_an_moe_layers_kept_routing_order():
 def test_int8_keeps_every_projection_input_and_the_down_projection_outlier_columns():
     tokens = 2048
     h, q, inter, layers = 4096, 4096, 14336, 32
-    estimate = estimate_vram("mistralai/Mistral-7B-Instruct-v0.3", tokens, precision="int8", gpu=None)
+    estimate = estimate_vram(
+        "mistralai/Mistral-7B-Instruct-v0.3", tokens, precision="int8", checkpointing="recompute", gpu=None
+    )
     # per layer: its input (checkpointing), and bitsandbytes' ctx.tensors: the attention input, o_proj's
     # input, the MLP input, down_proj's input and its outlier columns (worst case: all of them)
     kept = 2 * (h + q + h + inter) + 2 * inter
@@ -408,16 +410,48 @@ def test_max_context_is_the_longest_length_fits_accepts():
 
 
 def test_fits_offers_only_fixes_that_fit():
-    verdict = fits("Qwen/Qwen3-8B", 32768, gpu="rtx4090")
+    verdict = fits("Qwen/Qwen3-8B", 32768, gpu="rtx4090", checkpointing="recompute")
     assert not verdict and not verdict.fits and verdict.fixes
     descriptions = [fix.description for fix in verdict.fixes]
     assert "use checkpointing='offload'" in descriptions
     assert any(d.startswith("lower seq_len to ") for d in descriptions)
     assert any("nf4" in d for d in descriptions)
     for fix in verdict.fixes:
-        changes = dict(fix.changes)
+        changes = {"checkpointing": "recompute", **fix.changes}
         seq_len = changes.pop("seq_len", 32768)
         assert estimate_vram("Qwen/Qwen3-8B", seq_len, gpu="rtx4090", **changes).fits
+
+
+def test_estimate_fits_and_training_share_one_checkpointing_default():
+    """ "auto" is `add_lora`'s default and the estimator's: on a GPU both mean offload, so `fits` with no
+    checkpointing argument judges the run training does and never offers that mode as a fix."""
+    import inspect
+
+    from fastft.cli import build_parser
+    from fastft.models.lora import add_lora
+    from fastft.runtime.checkpointing import Checkpointing
+
+    training = inspect.signature(add_lora).parameters["gradient_checkpointing"].default
+    assert inspect.signature(estimate_vram).parameters["checkpointing"].default == training == "auto"
+    assert build_parser().parse_args(["estimate", "Qwen/Qwen3-8B"]).checkpointing == training
+    on_gpu = Checkpointing.parse(training).resolved(cuda=True).kind
+    default = estimate_vram("Qwen/Qwen3-8B", 65536, gpu="rtx4090")
+    assert default.settings.checkpointing == on_gpu == "offload"
+    offload = estimate_vram("Qwen/Qwen3-8B", 65536, gpu="rtx4090", checkpointing="offload")
+    assert default.total_bytes == offload.total_bytes
+    # 32k tokens fit under offload (the default) though not under recompute: no false alarm
+    assert fits("Qwen/Qwen3-8B", 32768, gpu="rtx4090")
+    verdict = fits("Qwen/Qwen3-8B", 65536, gpu="rtx4090")
+    assert not verdict and verdict.fixes
+    for fix in verdict.fixes:
+        assert "checkpointing" not in fix.changes and "checkpointing" not in fix.description, fix
+    # a model with adapters already: "auto" is the mode its add_lora call chose
+    for mode, expected in (("auto", "offload"), ("recompute", "recompute"), ("none", "none")):
+        model = fastft.add_lora(fastft.load_model("tiny-llama")[0], r=8, gradient_checkpointing=mode)
+        assert estimate_vram(model, 256, gpu=None).settings.checkpointing == expected
+        assert (
+            estimate_vram(model, 256, gpu=None, checkpointing="offload").settings.checkpointing == "offload"
+        )
     assert "Fixes:" in verdict.message and "RTX 4090" in str(verdict)
     assert fits("tiny-llama", 512, gpu="t4").fits
 
@@ -495,7 +529,7 @@ def test_cli_estimate_prints_the_breakdown_and_verdict(capsys):
     assert main(["estimate", "tiny-llama", "--seq-len", "512"]) == 0
     out = capsys.readouterr().out
     assert "component" in out and "saved activations" in out and "total" in out and "tiny-llama" in out
-    assert main(["estimate", "Qwen/Qwen3-8B", "--seq-len", "32768", "--gpu", "rtx4090", "--max-context"]) == 0
+    assert main(["estimate", "Qwen/Qwen3-8B", "--seq-len", "65536", "--gpu", "rtx4090", "--max-context"]) == 0
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "Fixes:" in out and "Longest context" in out
     assert main(["estimate", "tiny-llama", "--seq-len", "64", "--json", "--gpu", "h100"]) == 0

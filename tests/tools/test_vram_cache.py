@@ -1,0 +1,46 @@
+"""The shipped inventories of presets and catalog models (`fastft.vram.catalog_cache`): one per model, current
+with its spec, equal to the inventory built on the meta device, and ignored once the spec changes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fastft.models.catalog import CATALOG
+from fastft.models.presets import PRESETS
+from fastft.vram import catalog_cache, estimate_vram
+from fastft.vram.inventory import _inventory_of_config, _inventory_of_name
+
+
+def test_every_preset_and_catalog_model_has_a_current_entry():
+    names = catalog_cache.known_models()
+    assert names == [*PRESETS, *CATALOG]
+    missing = [name for name in names if catalog_cache.cached_inventory(name) is None]
+    assert not missing, f"run `python -m fastft.vram.catalog_cache` (stale or missing: {missing})"
+
+
+@pytest.mark.parametrize("name", catalog_cache.known_models())
+def test_stored_inventory_equals_the_meta_built_one(name):
+    assert catalog_cache.cached_inventory(name) == catalog_cache.build_inventory(name)
+
+
+def test_an_entry_whose_spec_changed_is_not_used(monkeypatch):
+    hub_id = "meta-llama/Llama-3.2-1B-Instruct"
+    stored = catalog_cache.cached_inventory(hub_id)
+    changed = dataclasses.replace(CATALOG[hub_id], config={**CATALOG[hub_id].config, "num_hidden_layers": 3})
+    monkeypatch.setitem(CATALOG, hub_id, changed)
+    assert catalog_cache.cached_inventory(hub_id) is None
+    rebuilt = _inventory_of_config(changed.to_config(), hub_id)
+    assert rebuilt.num_layers == 3 != stored.num_layers
+    _inventory_of_name.cache_clear()  # names resolved earlier in this process hold the catalog's spec
+    try:
+        estimate = estimate_vram(hub_id, 512, gpu=None)
+    finally:
+        _inventory_of_name.cache_clear()
+    assert estimate.total_bytes == estimate_vram(rebuilt, 512, gpu=None).total_bytes
+
+
+def test_round_trip_keeps_every_field():
+    inventory = catalog_cache.build_inventory("tiny-moe")
+    assert catalog_cache.inventory_from_dict(catalog_cache.inventory_to_dict(inventory)) == inventory
