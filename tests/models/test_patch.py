@@ -322,7 +322,9 @@ def test_unpatch_removes_the_adapter_copies_and_their_hook():
     # unpatch_packed_attention removes
     from fastft.runtime.attention import _padding_free_hook, unpatch_packed_attention
 
-    assert [getattr(hook, "func", None) for hook in decoder._forward_pre_hooks.values()] == [_padding_free_hook]
+    assert [getattr(hook, "func", None) for hook in decoder._forward_pre_hooks.values()] == [
+        _padding_free_hook
+    ]
     unpatch_packed_attention(model)
     assert not decoder._forward_pre_hooks
     assert not any("_fastft_compute_copy" in vars(p) for p in lora)
