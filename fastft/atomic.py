@@ -1,40 +1,161 @@
-"""Atomic writes: a folder or file appears complete under its final name, or not at all."""
+"""Atomic writes that never destroy what fastft did not write.
+
+A folder appears complete under its final name, or not at all. Every folder fastft writes carries a marker
+file (``MARKER``); an existing folder is replaced only when it carries that marker, is empty, or the caller
+says ``overwrite=True``. A file in the way is never renamed or removed.
+
+Replacing a folder takes two renames (the old one aside, the new one in); a process killed between them
+leaves the path empty for a moment, with both folders beside it under hidden names. `recover_folder`,
+called before every save and load of that path, puts the newest complete one back and says so.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.iterdir():
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+MARKER = ".fastft-folder.json"
+# the hidden siblings an interrupted save or prune can leave: .NAME.tmp-xxxxxxxx, .NAME.old-…, .NAME.prune-…
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|prune)-[0-9a-f]{8}$")
 
 
-def replace_folder_atomically(write: Callable[[Path], None], destination: str | os.PathLike) -> Path:
+class FolderInTheWayError(FileExistsError):
+    """The destination holds something fastft did not write; the message says how to proceed."""
+
+
+class DiskFullError(OSError):
+    """The disk filled up while writing; what was there before is intact."""
+
+
+class RecoveredFolderWarning(UserWarning):
+    """An interrupted save was found and its folder put back in place."""
+
+
+def expand(path: str | os.PathLike) -> Path:
+    """`path` as a `Path` with ``~`` expanded (every path fastft takes goes through here)."""
+    return Path(os.fspath(path)).expanduser()
+
+
+def written_by_fastft(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def check_destination(destination: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Raise `FolderInTheWayError` unless saving to `destination` destroys nothing fastft did not write."""
+    destination = expand(destination)
+    if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
+        raise FolderInTheWayError(
+            f"{destination} is a file, not a folder: fastft saves a folder there and never moves a file "
+            "away. Pick another path (a new folder name)."
+        )
+    if destination.is_dir() and not overwrite and not written_by_fastft(destination):
+        contents = sorted(path.name for path in destination.iterdir())
+        if contents:
+            shown = ", ".join(contents[:5]) + (", …" if len(contents) > 5 else "")
+            raise FolderInTheWayError(
+                f"{destination} already exists and was not written by fastft (it holds {shown}): saving "
+                "there would delete it. Pick a new folder, or pass overwrite=True to replace it."
+            )
+    return destination
+
+
+def leftovers(parent: Path, name: str | None = None) -> list[Path]:
+    """Hidden folders an interrupted save or prune left in `parent` (for the destination `name`, or all)."""
+    if not parent.is_dir():
+        return []
+    found = []
+    for path in parent.iterdir():
+        match = _LEFTOVER.match(path.name)
+        if match and (name is None or match["name"] == name):
+            found.append(path)
+    return found
+
+
+def recover_folder(destination: str | os.PathLike) -> Path:
+    """Finish or undo a save of `destination` that was killed half-way, then remove its leftovers.
+
+    When `destination` is missing, the newest complete new folder (marker written, so fsynced) is moved in,
+    else the old folder that the save had moved aside; a warning says which. Partial folders are removed.
+    """
+    destination = expand(destination)
+    found = leftovers(destination.parent, destination.name)
+    if not found:
+        return destination
+    if not destination.exists():
+        complete = [p for p in found if _LEFTOVER.match(p.name)["kind"] == "tmp" and written_by_fastft(p)]
+        aside = [p for p in found if _LEFTOVER.match(p.name)["kind"] == "old"]
+        candidates = sorted(complete, key=_mtime, reverse=True) or sorted(aside, key=_mtime, reverse=True)
+        if candidates:
+            os.replace(candidates[0], destination)
+            what = "the finished new save" if candidates[0] in complete else "the previous folder"
+            warnings.warn(
+                f"{destination} was missing after an interrupted save: fastft restored {what} "
+                f"(from {candidates[0].name}).",
+                RecoveredFolderWarning,
+                stacklevel=3,
+            )
+            found.remove(candidates[0])
+    for path in found:
+        remove_tree(path)
+    return destination
+
+
+def remove_leftovers(parent: str | os.PathLike) -> list[Path]:
+    """Recover every interrupted save in `parent`, then remove every hidden leftover; returns those removed."""
+    parent = expand(parent)
+    names = {_LEFTOVER.match(p.name)["name"] for p in leftovers(parent)}
+    for name in sorted(names):
+        recover_folder(parent / name)
+    left = leftovers(parent)
+    for path in left:
+        remove_tree(path)
+    return left
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a folder kill-safely: renamed to a hidden leftover name first, so no half-deleted folder ever
+    sits under a valid name (a kill mid-delete leaves a leftover the next run removes)."""
+    if not path.exists():
+        return
+    if not _LEFTOVER.match(path.name):
+        doomed = path.parent / f".{path.name}.prune-{uuid.uuid4().hex[:8]}"
+        os.replace(path, doomed)
+        path = doomed
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def replace_folder_atomically(
+    write: Callable[[Path], None],
+    destination: str | os.PathLike,
+    overwrite: bool = False,
+    kind: str = "folder",
+) -> Path:
     """Call ``write(tmp_folder)`` then move the result to `destination` in one rename.
 
-    An existing `destination` is swapped out and removed only after the new folder is in place.
+    `destination` may be missing, empty, a folder fastft wrote (`MARKER`), or anything with `overwrite`;
+    anything else raises `FolderInTheWayError` before a byte is written. An existing folder is swapped out
+    and removed only after the new folder is in place. A full disk raises `DiskFullError`, with
+    `destination` as it was.
     """
-    destination = Path(destination)
+    destination = recover_folder(expand(destination))
+    check_destination(destination, overwrite)
     destination.parent.mkdir(parents=True, exist_ok=True)
     tmp = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
         write(tmp)
         _fsync_tree(tmp)
+        # the marker comes last: a leftover folder that has it was completely written
+        _write_marker(tmp, kind)
         old = None
         if destination.exists():
             old = destination.parent / f".{destination.name}.old-{uuid.uuid4().hex[:8]}"
@@ -42,10 +163,31 @@ def replace_folder_atomically(write: Callable[[Path], None], destination: str | 
         os.replace(tmp, destination)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+    except (OSError, RuntimeError) as error:
+        if is_disk_full(error, destination.parent):
+            raise DiskFullError(
+                errno.ENOSPC,
+                f"no space left on device while writing {destination}; nothing under that path was changed. "
+                "Free some space or save somewhere else.",
+            ) from error
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return destination
+
+
+def is_disk_full(error: BaseException, folder: Path) -> bool:
+    """True when `error` came from a full disk: ENOSPC, or torch's serializer failing with no room left
+    (it reports a full disk as ``[enforce fail at inline_container.cc] unexpected pos`` or
+    ``file write failed``)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    if isinstance(error, RuntimeError) and ("unexpected pos" in text or "write failed" in text):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(folder).free < 16 * 2**20
+    return "No space left on device" in text
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -62,3 +204,34 @@ def write_text_atomically(path: Path, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _write_marker(folder: Path, kind: str) -> None:
+    with open(folder / MARKER, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"written_by": "fastft", "kind": kind}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
