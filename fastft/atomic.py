@@ -4,19 +4,24 @@ A folder appears complete under its final name, or not at all. Every folder fast
 file (``MARKER``); an existing folder is replaced only when it carries that marker, is empty, or the caller
 says ``overwrite=True``. A file in the way is never renamed or removed.
 
-Replacing a folder takes two renames (the old one aside, the new one in); a process killed between them
-leaves the path empty for a moment, with both folders beside it under hidden names. `recover_folder`,
-called before every save and load of that path, puts the newest complete one back and says so.
+Replacing a folder is one atomic exchange of the new and the old folder where Linux offers it
+(``renameat2(RENAME_EXCHANGE)``). Elsewhere it takes two renames (the old one aside, the new one in); a
+process killed between them leaves the path empty, with both folders beside it under hidden names.
+`recover_folder`, called before every save and load of that path, puts the newest complete one back and
+says so. Folders are deleted by renaming them to a hidden name first, so a kill mid-delete never leaves a
+half-deleted folder under a name that looks complete.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import uuid
 import warnings
@@ -156,13 +161,16 @@ def replace_folder_atomically(
         _fsync_tree(tmp)
         # the marker comes last: a leftover folder that has it was completely written
         _write_marker(tmp, kind)
-        old = None
-        if destination.exists():
-            old = destination.parent / f".{destination.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(destination, old)
-        os.replace(tmp, destination)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if destination.exists() and _exchange(tmp, destination):
+            remove_tree(_rename_for_removal(tmp))  # the old folder, now under the temporary name
+        else:
+            old = None
+            if destination.exists():  # two renames; a kill between them is undone by `recover_folder`
+                old = destination.parent / f".{destination.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(destination, old)
+            os.replace(tmp, destination)
+            if old is not None:
+                remove_tree(_rename_for_removal(old))
     except (OSError, RuntimeError) as error:
         if is_disk_full(error, destination.parent):
             raise DiskFullError(
@@ -175,6 +183,29 @@ def replace_folder_atomically(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return destination
+
+
+def _rename_for_removal(path: Path) -> Path:
+    """`path` renamed to a ``.prune-`` leftover (never restored by `recover_folder`), ready to delete."""
+    match = _LEFTOVER.match(path.name)
+    doomed = path.parent / f".{match['name'] if match else path.name}.prune-{uuid.uuid4().hex[:8]}"
+    os.replace(path, doomed)
+    return doomed
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``), so a kill at any moment
+    leaves a complete folder under each name; False where the system or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return result == 0
 
 
 def is_disk_full(error: BaseException, folder: Path) -> bool:
