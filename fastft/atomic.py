@@ -115,15 +115,15 @@ def recover_folder(destination: str | os.PathLike) -> Path:
 
 
 def remove_leftovers(parent: str | os.PathLike) -> list[Path]:
-    """Recover every interrupted save in `parent`, then remove every hidden leftover; returns those removed."""
+    """Recover every interrupted save in `parent`, then remove every hidden leftover; returns the leftovers
+    found (each now restored into place or removed)."""
     parent = expand(parent)
-    names = {_LEFTOVER.match(p.name)["name"] for p in leftovers(parent)}
-    for name in sorted(names):
+    found = leftovers(parent)
+    for name in sorted({_LEFTOVER.match(p.name)["name"] for p in found}):
         recover_folder(parent / name)
-    left = leftovers(parent)
-    for path in left:
+    for path in leftovers(parent):
         remove_tree(path)
-    return left
+    return found
 
 
 def remove_tree(path: Path) -> None:
@@ -171,7 +171,7 @@ def replace_folder_atomically(
             os.replace(tmp, destination)
             if old is not None:
                 remove_tree(_rename_for_removal(old))
-    except (OSError, RuntimeError) as error:
+    except Exception as error:  # safetensors reports a full disk as its own SafetensorError
         if is_disk_full(error, destination.parent):
             raise DiskFullError(
                 errno.ENOSPC,
@@ -209,16 +209,17 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def is_disk_full(error: BaseException, folder: Path) -> bool:
-    """True when `error` came from a full disk: ENOSPC, or torch's serializer failing with no room left
-    (it reports a full disk as ``[enforce fail at inline_container.cc] unexpected pos`` or
-    ``file write failed``)."""
+    """True when `error` came from a full disk: ENOSPC, safetensors' ``StorageFull``, or any failure while
+    the disk has (almost) no room left: torch's serializer reports a full disk as ``basic_ios::clear:
+    iostream error``, ``[enforce fail at inline_container.cc] unexpected pos`` or ``file write failed``."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(error)
-    if isinstance(error, RuntimeError) and ("unexpected pos" in text or "write failed" in text):
-        with contextlib.suppress(OSError):
-            return shutil.disk_usage(folder).free < 16 * 2**20
-    return "No space left on device" in text
+    if any(sign in text for sign in ("No space left on device", "StorageFull", "os error 28")):
+        return True
+    with contextlib.suppress(OSError):
+        return shutil.disk_usage(folder).free < 4 * 2**20
+    return False
 
 
 def write_text_atomically(path: Path, text: str) -> None:
