@@ -8,7 +8,8 @@ Host–device syncs: none inside a step. On CUDA the step's loss and gradient no
 pinned memory without blocking and read one step later, when their event has completed; the
 `StepEvent` of step s is emitted during step s+1 (and all are flushed at the end, before each
 checkpoint and on stop). A non-finite loss stops the run with `NonFiniteLossError`; checkpoints
-are written only after every earlier step was read back finite, so the last one is always good.
+are written only after every earlier step was read back finite and when every trained weight is finite
+(one device reduction and one sync per save, none per step), so the last one is always good.
 
 Data order is a pure function of (seed, epoch): bins are shuffled per epoch with a seeded
 generator, and step s always reads the same bins. Data larger than memory comes as a `PackedStream`
@@ -66,7 +67,11 @@ class TrainConfig:
     measure and pick, or None to leave the model's own attention (transformers' packed-sequence
     detection). `max_steps` wins over `epochs` when set. `warmup` is a step count (int) or a fraction of
     `max_steps` (float below 1). `eval_every` / `save_every` are in optimizer steps (None: only
-    at the end / never). `resume_from` is a checkpoint folder or "latest" (in `output_dir`).
+    at the end / never). `resume_from` is a checkpoint folder or "latest" (in `output_dir`: the newest one
+    that loads, skipping damaged ones with a warning). A resume keeps the checkpoint's optimizer and schedule,
+    and warns about each hyperparameter of this config it therefore ignores; ``reset_optimizer=True`` resumes
+    the weights, RNG and step with a fresh optimizer and this config's schedule (a new learning rate, warmup,
+    weight decay…), and says so. Every setting is checked here: a wrong one raises `SettingError` naming it.
     `profile` times the phases of every step (`fastft.profile.StepProfile`, ``Trainer.profile``;
     under 2 % of a step) and fills `StepEvent.phases`; False removes the profiler's hooks from the model.
     `cuda_graph` replays a micro-batch's forward and backward from a CUDA graph when its batches repeat one

@@ -20,7 +20,9 @@ REPOSITORY = re.search(
 ).group(1)
 SLUG = REPOSITORY.removeprefix("https://github.com/")  # owner/name
 # the install cells pin the release tag of pyproject's version, never a moving branch
-VERSION = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M).group(1)
+VERSION = re.search(
+    r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M
+).group(1)
 BINDER_NOTEBOOK = "00_studio.ipynb"  # the notebook Binder opens
 
 # What each notebook leaves in its working folder once it has run to its last cell.
