@@ -59,8 +59,8 @@ def check_destination(destination: str | os.PathLike, overwrite: bool = False) -
     destination = expand(destination)
     if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
         raise FolderInTheWayError(
-            f"{destination} is a file, not a folder: fastft saves a folder there and never moves a file "
-            "away. Pick another path (a new folder name)."
+            f"{destination} is a file{' (a link)' if destination.is_symlink() else ''}, not a folder: fastft "
+            "saves a folder there and never moves a file away. Pick another path (a new folder name)."
         )
     if destination.is_dir() and not overwrite and not written_by_fastft(destination):
         contents = sorted(path.name for path in destination.iterdir())

@@ -205,3 +205,15 @@ def test_lora_alpha_takes_a_float_on_the_command_line():
     args = build_parser().parse_args(["demo", "--lora-alpha", "16.5"])
     assert args.lora_alpha == 16.5
     assert DemoConfig(lora_alpha=16.5).lora_alpha == 16.5
+
+
+def test_a_failing_cli_run_prints_one_error_line_unless_a_traceback_is_asked_for(
+    tmp_path, capsys, monkeypatch
+):
+    argv = ["demo", "--model", "no-such-model", "--output-dir", str(tmp_path), "--name", "x"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "no-such-model" in err and "Traceback" not in err
+    monkeypatch.setenv("FASTFT_TRACEBACK", "1")
+    with pytest.raises(ModelLoadError):
+        main(argv)
