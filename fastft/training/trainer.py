@@ -181,8 +181,9 @@ def check_train_config(config: TrainConfig) -> None:
             else " Give a checkpoint folder (output_dir/checkpoint-N) or 'latest'."
         )
         raise SettingError(f"resume_from={config.resume_from!r} does not exist.{hint}")
-    if not isinstance(config.reset_optimizer, bool):
-        raise SettingError(f"reset_optimizer must be True or False, got {config.reset_optimizer!r}.")
+    for name in ("reset_optimizer", "profile", "cuda_graph"):
+        if not isinstance(getattr(config, name), bool):
+            raise SettingError(f"{name} must be True or False, got {getattr(config, name)!r}.")
     if (config.save_every or config.resume_from == "latest") and not config.output_dir:
         raise SettingError(
             "save_every and resume_from='latest' need output_dir=... (where checkpoints live)."

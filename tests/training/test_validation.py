@@ -44,6 +44,7 @@ ROWS = list(generate(40, seed=5))
         (dict(weight_decay=-0.1), r"weight_decay must be at least 0"),
         (dict(min_learning_rate_ratio=2), r"min_learning_rate_ratio must be in \[0, 1\]"),
         (dict(reset_optimizer="yes"), r"reset_optimizer must be True or False"),
+        (dict(profile="off"), r"profile must be True or False, got 'off'"),
         (dict(save_every=5), r"need output_dir"),
     ],
 )
