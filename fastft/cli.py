@@ -8,7 +8,9 @@ so ``--help`` and ``--version`` answer at once (`tests/faces/test_cli.py` checks
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import typing
 from dataclasses import fields
 
 
@@ -52,6 +54,7 @@ def _demo_parser(sub) -> None:
         formatter_class=_DefaultsOnceFormatter,
     )
     defaults = DemoConfig(name="demo-<date>-<time>")
+    kinds = typing.get_type_hints(DemoConfig)
     for f in fields(DemoConfig):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
@@ -62,7 +65,7 @@ def _demo_parser(sub) -> None:
         elif f.name == "name":
             parser.add_argument(flag, default=None, help=help_text[f.name])
         else:
-            kind = type(default) if default is not None else str
+            kind = kinds[f.name] if kinds[f.name] in (int, float) else str  # --lora-alpha 16.5 is a float
             parser.add_argument(flag, type=kind, default=default, help=help_text[f.name])
 
 
@@ -225,9 +228,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return {"demo": _run_demo, "models": _run_models, "estimate": _run_estimate, "bench": _run_bench}[
+    run = {"demo": _run_demo, "models": _run_models, "estimate": _run_estimate, "bench": _run_bench}[
         args.command
-    ](args)
+    ]
+    try:
+        return run(args)
+    except user_errors() as error:  # the error and its fix, without a traceback (FASTFT_TRACEBACK=1 shows it)
+        if os.environ.get("FASTFT_TRACEBACK"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message names the value and the fix: bad settings, data, paths, checkpoints, a run
+    stopped by the NaN guard, a full disk."""
+    from fastft.training.checkpoint import CheckpointError
+    from fastft.training.trainer import NonFiniteLossError
+
+    return (ValueError, OSError, CheckpointError, NonFiniteLossError)
 
 
 if __name__ == "__main__":

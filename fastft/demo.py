@@ -66,8 +66,9 @@ class DemoResult:
 def run_demo(config: DemoConfig | None = None, log=print) -> DemoResult:
     """Run the demo end to end and return its results (see `DemoConfig` for the knobs)."""
     config = config or DemoConfig()
+    config.check_paths()  # settings were checked when the config was built; paths before loading
     started = time.perf_counter()
-    run_dir = Path(config.output_dir) / config.name
+    run_dir = config.run_dir
     torch.manual_seed(config.seed)
 
     log(f"loading {config.model} …")

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (module prefix, layer); the longest matching prefix decides. Same-layer imports are free.
 LAYERS = {
     "fastft.atomic": 0,
+    "fastft.checks": 0,
     "fastft.kernels": 0,
     "fastft.data": 1,
     "fastft.runtime": 2,
@@ -35,7 +36,7 @@ LAYERS = {
     "fastft": 6,  # the public API (fastft/__init__.py) is a face: nothing below imports it
 }
 NAMES = ["kernels", "data", "runtime", "models", "training", "tools", "faces"]
-NAMES[0] = "kernels (and fastft.atomic)"
+NAMES[0] = "kernels (and fastft.atomic, fastft.checks)"
 
 # Third-party packages a layer below `FROM` never imports.
 THIRD_PARTY_FLOOR = {

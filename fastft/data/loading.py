@@ -315,7 +315,8 @@ def _iter_csv(path: Path, label: str, delimiter: str) -> Iterator[tuple[int, Any
     if csv.field_size_limit() < 2**31 - 1:
         csv.field_size_limit(2**31 - 1)  # long training texts exceed the 128 KiB default
     with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f, delimiter=delimiter)
+        # strict: an unclosed quote is an error, not a field that swallows the rest of the file
+        reader = csv.reader(f, delimiter=delimiter, strict=True)
         header: list[str] | None = None
         previous = 0  # physical lines consumed before the current record
         while True:
@@ -325,6 +326,14 @@ def _iter_csv(path: Path, label: str, delimiter: str) -> Iterator[tuple[int, Any
             except StopIteration:
                 return
             except csv.Error as e:
+                if "unexpected end of data" in str(e):
+                    raise MalformedRowError(
+                        label,
+                        "a quote opened in the record that starts here is never closed, so it would swallow "
+                        "the rest of the file",
+                        line=start,
+                        fix='Close the quote (a quote inside a quoted field is written twice: "").',
+                    ) from None
                 raise MalformedRowError(label, f"the CSV can't be parsed ({e})", line=start) from None
             except UnicodeDecodeError as e:
                 raise MalformedRowError(

@@ -87,8 +87,8 @@ class PackingStats:
         return (
             f"{self.sequences} sequences → {self.bins} bins of {self.max_seq_length} tokens "
             f"({self.efficiency:.1%} full, {self.sequences_per_bin:.1f} sequences/bin, "
-            f"{self.trained_tokens} trained tokens); truncated {t.truncated}, dropped {t.dropped_overlong}, "
-            f"skipped {t.skipped_empty} empty and {t.skipped_no_labels} without labels"
+            f"{self.trained_tokens} trained tokens); truncated {t.truncated}{_cut_detail(t)}, dropped "
+            f"{t.dropped_overlong}, skipped {t.skipped_empty} empty and {t.skipped_no_labels} without labels"
         )
 
 
@@ -96,6 +96,26 @@ def _trained_targets(labels: np.ndarray) -> int:
     """The targets a sequence trains in a batch: its labels after the first token (a batch never predicts
     a sequence's first token, `PackedBatch.from_sequences`)."""
     return int((labels[1:] != -100).sum())
+
+
+def _cut_detail(stats: TokenizeStats) -> str:
+    if not stats.truncated:
+        return ""
+    return f" ({stats.truncated_tokens} tokens lost; {stats.cut_prompts} cut in the prompt, answer kept)"
+
+
+def warn_truncated(stats: TokenizeStats, max_seq_length: int, overlong: str) -> None:
+    """Say how many rows were cut and how many tokens were lost (a warning, not only a counter in `.stats`)."""
+    if not stats.truncated:
+        return
+    ends = stats.truncated - stats.cut_prompts
+    how = f"{stats.cut_prompts} lost the start of their prompt (the answer kept whole), {ends} lost their end"
+    warnings.warn(
+        f"{stats.truncated} of {stats.rows} rows are longer than max_seq_length={max_seq_length}: {how}; "
+        f"{stats.truncated_tokens} tokens cut in all (overlong={overlong!r}). Raise max_seq_length to keep them "
+        "whole, or pass overlong='drop' to leave such rows out.",
+        stacklevel=3,
+    )
 
 
 class PackedDataset:
@@ -154,7 +174,7 @@ def pack(
     tokenizer,
     max_seq_length: int | None = None,
     train_on: str = "responses",
-    overlong: str = "truncate",
+    overlong: str = "cut_prompt",
     num_proc: int | None = None,
 ) -> PackedDataset:
     """Tokenise `dataset` (rows with ``messages`` or ``text``) and pack it into bins.
@@ -168,6 +188,7 @@ def pack(
     one. Other inputs (lists, generators) are tokenised in this process. For data that does not fit
     in memory, see `pack_shards`.
     """
+    _check_rows_given(dataset)
     max_seq_length = _max_seq_length(tokenizer, max_seq_length)
     check_arguments(max_seq_length, train_on, overlong)
     num_proc = _num_proc(dataset, num_proc)
@@ -177,6 +198,7 @@ def pack(
         data = tokenize_rows(_rows(dataset), tokenizer, max_seq_length, train_on=train_on, overlong=overlong)
     if not len(data):
         raise _nothing_trainable(data.stats)
+    warn_truncated(data.stats, max_seq_length, overlong)
     bins = best_fit_decreasing(data.lengths, max_seq_length)
     return PackedDataset(data, bins, max_seq_length)
 
@@ -187,7 +209,7 @@ def pack_shards(
     max_seq_length: int | None = None,
     shard_rows: int = 100_000,
     train_on: str = "responses",
-    overlong: str = "truncate",
+    overlong: str = "cut_prompt",
 ) -> Iterator[PackedDataset]:
     """Pack data larger than memory: one `PackedDataset` per `shard_rows` consecutive rows.
 
@@ -208,6 +230,7 @@ def pack_shards(
     `shard_rows` shrinks or as sequences approach `max_seq_length`. Arguments are checked on the
     call; `max_seq_length`, `train_on` and `overlong` are as in `pack`.
     """
+    _check_rows_given(rows)
     max_seq_length = _max_seq_length(tokenizer, max_seq_length)
     check_arguments(max_seq_length, train_on, overlong)
     if shard_rows < 1:
@@ -242,6 +265,25 @@ def _shards(
             break
     if totals.kept == 0:
         raise _nothing_trainable(totals)
+    warn_truncated(totals, max_seq_length, overlong)
+
+
+def _check_rows_given(dataset) -> None:
+    """Refuse what is not a collection of rows (None, a path, a dict) before tokenising starts."""
+    if dataset is None:
+        raise ValueError(
+            "dataset is None: pass rows (a list of dicts, a datasets.Dataset) or fastft.load_dataset(...)."
+        )
+    if isinstance(dataset, (str, os.PathLike)):
+        raise ValueError(
+            f"pack takes rows, not the path {os.fspath(dataset)!r}: load it first with "
+            f"fastft.load_dataset({os.fspath(dataset)!r})."
+        )
+    if isinstance(dataset, dict) or not isinstance(dataset, Iterable):
+        raise ValueError(
+            f"dataset must be rows (a list of dicts with 'messages' or 'text', or a datasets.Dataset), got a "
+            f"{type(dataset).__name__}."
+        )
 
 
 def _max_seq_length(tokenizer, max_seq_length: int | None) -> int:

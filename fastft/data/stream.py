@@ -38,7 +38,7 @@ class PackedStream:
         max_seq_length: int,
         shard_rows: int = 100_000,
         train_on: str = "responses",
-        overlong: str = "truncate",
+        overlong: str = "cut_prompt",
     ):
         if isinstance(rows, Iterator):
             raise TypeError(

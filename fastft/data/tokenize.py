@@ -21,12 +21,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fastft.checks import whole_number
+from fastft.data.errors import MalformedRowError
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
 IGNORE_INDEX = -100
 TRAIN_ON = ("responses", "all")
-OVERLONG = ("truncate", "drop")
+# "cut_prompt": keep the answer, cut the prompt from the left (else cut the end); "truncate": cut the end;
+# "drop": leave the row out
+OVERLONG = ("cut_prompt", "truncate", "drop")
 
 
 class ChatTemplateError(ValueError):
@@ -39,7 +44,9 @@ class TokenizeStats:
 
     rows: int = 0
     kept: int = 0
-    truncated: int = 0
+    truncated: int = 0  # rows cut to max_seq_length, at either end
+    truncated_tokens: int = 0  # tokens those cuts removed
+    cut_prompts: int = 0  # truncated rows whose prompt was cut from the left, the answer kept whole
     dropped_overlong: int = 0
     skipped_empty: int = 0
     skipped_no_labels: int = 0
@@ -146,15 +153,17 @@ def tokenize_rows(
     tokenizer,
     max_seq_length: int,
     train_on: str = "responses",
-    overlong: str = "truncate",
+    overlong: str = "cut_prompt",
     batch_size: int = 1024,
 ) -> TokenizedData:
     """Tokenise chat rows (``messages``) or text rows (``text``) into ids and labels.
 
     `train_on="responses"` labels only assistant turns (chats) — text rows are always trained on
-    whole; `train_on="all"` labels every token. Rows longer than `max_seq_length` are cut to it
-    (`overlong="truncate"`, counted) or left out (`"drop"`, counted). Empty rows and rows left with
-    no labelled token are skipped and counted. `rows` is read once, `batch_size` rows at a time.
+    whole; `train_on="all"` labels every token. Rows longer than `max_seq_length`: by default
+    (`overlong="cut_prompt"`) the prompt is cut from the left so the answer stays whole, and where the prompt
+    is too short for that the row's end is cut; `"truncate"` always cuts the end; `"drop"` leaves the row
+    out. Every cut row and its lost tokens are counted. Empty rows and rows left with no labelled token are
+    skipped and counted. `rows` is read once, `batch_size` rows at a time.
     """
     check_arguments(max_seq_length, train_on, overlong)
     out = TokenizedData([], [], [])
@@ -162,6 +171,8 @@ def tokenize_rows(
     for record in tokenized_records(rows, tokenizer, max_seq_length, train_on, overlong, batch_size):
         stats.rows += 1
         stats.truncated += record.truncated
+        stats.truncated_tokens += record.cut_tokens
+        stats.cut_prompts += record.cut_prompt
         if record.status == KEPT:
             out.input_ids.append(record.input_ids)
             out.labels.append(record.labels)
@@ -182,8 +193,7 @@ def check_arguments(max_seq_length: int, train_on: str, overlong: str) -> None:
         raise ValueError(f"train_on={train_on!r}: use one of {TRAIN_ON}.")
     if overlong not in OVERLONG:
         raise ValueError(f"overlong={overlong!r}: use one of {OVERLONG}.")
-    if max_seq_length < 2:
-        raise ValueError(f"max_seq_length must be at least 2, got {max_seq_length}.")
+    whole_number("max_seq_length", max_seq_length, minimum=2, fix="It is a token count, e.g. 2048.")
 
 
 # What became of a row (`RowRecord.status`).
@@ -202,6 +212,8 @@ class RowRecord:
     truncated: bool = False
     input_ids: np.ndarray | None = None
     labels: np.ndarray | None = None
+    cut_tokens: int = 0  # tokens the truncation removed
+    cut_prompt: bool = False  # the cut took the prompt's start, the answer stayed whole
 
 
 def tokenized_records(
@@ -209,7 +221,7 @@ def tokenized_records(
     tokenizer,
     max_seq_length: int,
     train_on: str = "responses",
-    overlong: str = "truncate",
+    overlong: str = "cut_prompt",
     batch_size: int = 1024,
 ) -> Iterator[RowRecord]:
     """One `RowRecord` per row of `rows`, read lazily `batch_size` rows at a time.
@@ -222,6 +234,14 @@ def tokenized_records(
     checked_template = False
     eos = tokenizer.eos_token or ""
     for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise MalformedRowError(
+                "the data",
+                f"the row is a {type(row).__name__}, not a dict",
+                row=index,
+                fix="Give rows as {'text': ...} or {'messages': [{'role': ..., 'content': ...}, ...]}, or load "
+                "the data with fastft.load_dataset(...).",
+            )
         if "messages" in row and row["messages"] is not None:
             messages = row["messages"]
             if not messages or all(not (m.get("content") or "").strip() for m in messages):
@@ -278,18 +298,29 @@ def _encode(
             for lo, hi in spans:
                 trained |= (starts >= lo) & (starts < hi)
             labels = np.where(trained, ids, IGNORE_INDEX).astype(np.int32)
-        truncated = False
+        truncated, cut_tokens, cut_prompt = False, 0, False
         if len(ids) > max_seq_length:
             if overlong == "drop":
                 yield RowRecord(index, DROPPED_OVERLONG)
                 continue
-            ids, labels = ids[:max_seq_length], labels[:max_seq_length]
-            truncated = True
+            truncated, cut_tokens = True, len(ids) - max_seq_length
+            ids, labels, cut_prompt = _cut(ids, labels, max_seq_length, overlong)
         labels[0] = IGNORE_INDEX  # the first token is never predicted
         if not (labels != IGNORE_INDEX).any():
-            yield RowRecord(index, SKIPPED_NO_LABELS, truncated)
+            yield RowRecord(index, SKIPPED_NO_LABELS, truncated, cut_tokens=cut_tokens, cut_prompt=cut_prompt)
             continue
-        yield RowRecord(index, KEPT, truncated, ids, labels)
+        yield RowRecord(index, KEPT, truncated, ids, labels, cut_tokens, cut_prompt)
+
+
+def _cut(ids: np.ndarray, labels: np.ndarray, max_seq_length: int, overlong: str):
+    """`ids` and `labels` cut to `max_seq_length`: from the left when that removes only prompt tokens
+    (``cut_prompt``; the answer stays whole and keeps a token of context), else from the right."""
+    excess = len(ids) - max_seq_length
+    trained = np.flatnonzero(labels != IGNORE_INDEX)
+    first_trained = int(trained[0]) if len(trained) else len(ids)
+    if overlong == "cut_prompt" and first_trained > excess:
+        return ids[excess:], labels[excess:], True
+    return ids[:max_seq_length], labels[:max_seq_length], False
 
 
 # --- datasets.Dataset input, serial or in several processes -----------------------------------------
@@ -330,7 +361,7 @@ def tokenize_dataset(
     tokenizer,
     max_seq_length: int,
     train_on: str = "responses",
-    overlong: str = "truncate",
+    overlong: str = "cut_prompt",
     num_proc: int = 1,
     batch_size: int = 1024,
 ) -> TokenizedData:
@@ -355,6 +386,8 @@ def tokenize_dataset(
         {
             "status": datasets.Value("int8"),
             "truncated": datasets.Value("bool"),
+            "cut_tokens": datasets.Value("int32"),
+            "cut_prompt": datasets.Value("bool"),
             # list literals (not datasets.List) so datasets 3.x reads them too
             "input_ids": [datasets.Value("int32")],
             "labels": [datasets.Value("int32")],
@@ -398,6 +431,8 @@ def _tokenize_batch(
     n = len(values)
     status = np.zeros(n, dtype=np.int8)
     truncated = np.zeros(n, dtype=bool)
+    cut_tokens = np.zeros(n, dtype=np.int32)
+    cut_prompt = np.zeros(n, dtype=bool)
     lengths = np.zeros(n, dtype=np.int64)
     ids: list[np.ndarray] = []
     labels: list[np.ndarray] = []
@@ -407,6 +442,8 @@ def _tokenize_batch(
     for record in records:  # kept rows come in input order
         status[record.index] = record.status
         truncated[record.index] = record.truncated
+        cut_tokens[record.index] = record.cut_tokens
+        cut_prompt[record.index] = record.cut_prompt
         if record.status == KEPT:
             lengths[record.index] = len(record.input_ids)
             ids.append(record.input_ids)
@@ -418,6 +455,8 @@ def _tokenize_batch(
         {
             "status": pa.array(status),
             "truncated": pa.array(truncated),
+            "cut_tokens": pa.array(cut_tokens),
+            "cut_prompt": pa.array(cut_prompt),
             "input_ids": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(ids) if ids else empty)),
             "labels": pa.ListArray.from_arrays(
                 offsets, pa.array(np.concatenate(labels) if labels else empty)
@@ -435,6 +474,8 @@ def _gather(table: pa.Table) -> TokenizedData:
         rows=len(status),
         kept=int(counts[KEPT]),
         truncated=int(table.column("truncated").to_numpy().sum()),
+        truncated_tokens=int(table.column("cut_tokens").to_numpy().sum()),
+        cut_prompts=int(table.column("cut_prompt").to_numpy().sum()),
         dropped_overlong=int(counts[DROPPED_OVERLONG]),
         skipped_empty=int(counts[SKIPPED_EMPTY]),
         skipped_no_labels=int(counts[SKIPPED_NO_LABELS]),

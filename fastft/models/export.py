@@ -1,6 +1,7 @@
 """Keep the result: a PEFT adapter folder, or a merged 16-bit model that plain transformers loads.
 
-Both are written atomically (into a temporary sibling folder, renamed into place). Merging
+Both are written atomically (into a temporary sibling folder, renamed into place) and never over a
+folder fastft did not write, unless ``overwrite=True`` (`fastft.atomic`). Merging
 never touches the trained model: merged weights W + (alpha/r)·B·A are computed into a fresh
 state dict, so training or generation can go on after saving.
 """
@@ -13,14 +14,18 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from fastft.atomic import replace_folder_atomically
+from fastft.atomic import check_destination, recover_folder, replace_folder_atomically
 
 
-def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None) -> Path:
+def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None, overwrite: bool = False) -> Path:
     """Write the LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``), and the
-    tokenizer if given; the folder loads with ``peft.PeftModel.from_pretrained(base, path)``."""
+    tokenizer if given; the folder loads with ``peft.PeftModel.from_pretrained(base, path)``.
+
+    An existing `path` is replaced only if fastft wrote it (or it is empty); ``overwrite=True`` replaces
+    any folder. A file at `path` is never touched."""
     if not isinstance(model, PeftModel):
         raise TypeError("save_adapter needs a model with LoRA adapters (from fastft.add_lora).")
+    check_destination(recover_folder(path), overwrite)
 
     def write(folder: Path) -> None:
         # fastft never resizes embeddings, so PEFT's "auto" check (which looks the recorded base up on the
@@ -29,7 +34,7 @@ def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None) -> P
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 
-    return replace_folder_atomically(write, path)
+    return replace_folder_atomically(write, path, overwrite=overwrite, kind="adapter")
 
 
 def merged_state_dict(model: PeftModel, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -72,14 +77,20 @@ def _clean(key: str) -> str:
 
 
 def save_merged(
-    model: PeftModel, path: str | os.PathLike, tokenizer=None, dtype: torch.dtype = torch.bfloat16
+    model: PeftModel,
+    path: str | os.PathLike,
+    tokenizer=None,
+    dtype: torch.dtype = torch.bfloat16,
+    overwrite: bool = False,
 ) -> Path:
     """Write the merged model in `dtype` (16-bit by default) as safetensors that plain
-    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads, plus the tokenizer."""
+    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads, plus the tokenizer.
+    `overwrite` as in `save_adapter`."""
     from transformers import AutoModelForCausalLM
 
     if not isinstance(model, PeftModel):
         raise TypeError("save_merged needs a model with LoRA adapters (from fastft.add_lora).")
+    check_destination(recover_folder(path), overwrite)  # before the merge's work, not after
     state = merged_state_dict(model, dtype)
     config = model.get_base_model().config
     with torch.device("meta"):
@@ -96,4 +107,4 @@ def save_merged(
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 
-    return replace_folder_atomically(write, path)
+    return replace_folder_atomically(write, path, overwrite=overwrite, kind="merged")

@@ -19,6 +19,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from fastft.atomic import recover_folder
+from fastft.checks import whole_number
 from fastft.data.hub import offline_fix, offline_reason
 from fastft.models.errors import (  # noqa: F401  (re-exported: `fastft.ModelLoadError` is read from here)
     ModelLoadError,
@@ -51,6 +53,32 @@ def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """`device` as a `torch.device` that this machine has (None: the GPU when there is one, else the CPU)."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(
+            f"device={device!r} is not a device: use 'cpu' or 'cuda' (or 'cuda:1')."
+        ) from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(
+                f"device={device!r}, but CUDA is not available here (torch {torch.__version__}, "
+                f"{'built without CUDA' if torch.version.cuda is None else 'no GPU visible'}): use device='cpu', "
+                "or leave device=None to pick the GPU when there is one."
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"device={device!r}, but this machine has {torch.cuda.device_count()} GPU(s): use 'cuda:0'…"
+            )
+    elif resolved.type not in ("cpu", "mps", "xpu", "meta"):
+        raise ModelLoadError(f"device={device!r}: use 'cpu' or 'cuda'.")
+    return resolved
 
 
 def _check_architecture(model_type: str, name: str, config) -> None:
@@ -128,7 +156,8 @@ def load_model(
     tokenizer's ``model_max_length``.
     Returns ``(model, tokenizer)``; ``model.fastft_info`` records how it was loaded.
     """
-    device = torch.device(device) if device is not None else default_device()
+    whole_number("max_seq_length", max_seq_length, minimum=2, fix="It is a token count, e.g. 2048.")
+    device = resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
     quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype)
     name = os.fspath(name_or_path)
@@ -145,7 +174,9 @@ def load_model(
             model.to(device)
         # the name PEFT writes as the adapter's base_model_name_or_path, and load_model reads back
         model.config.name_or_path = model.name_or_path = name
-    elif _is_adapter_folder(name):
+    elif recover_folder(name).is_dir() and _is_adapter_folder(
+        name
+    ):  # a save killed half-way: finished or undone
         return _load_adapter_folder(
             name, max_seq_length, load_in_4bit, load_in_8bit, dtype, device, trust_remote_code, token
         )

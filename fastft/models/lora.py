@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from fastft.checks import real_number, whole_number
 from fastft.runtime.checkpointing import Checkpointing
 from fastft.runtime.offload import disable_offload, enable_offload
 from fastft.runtime.state import model_state
@@ -149,13 +150,11 @@ def add_lora(
     kernels, and expert weights cannot take it.
     """
     gradient_checkpointing = Checkpointing.parse(gradient_checkpointing)
-    if r <= 0:
-        raise ValueError(f"LoRA rank r must be a positive integer, got {r}.")
-    if bias not in ("none", "all", "lora_only"):
-        raise ValueError(f"bias={bias!r}: use 'none', 'all' or 'lora_only'.")
+    check_lora_arguments(model, r, alpha, dropout, target_modules, bias, seed)
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     targets = resolve_targets(base, target_modules)
+    warn_rank_above_width(base, targets, r)
     experts = [name for name in targets if name in expert_module_names(base)]
     if experts and dropout and target_modules == "all-linear":
         warnings.warn(
@@ -278,6 +277,55 @@ def _check_modules_to_save(model: torch.nn.Module, names) -> tuple[str, ...]:
             f"candidates are {hint}, e.g. modules_to_save=['embed_tokens', 'lm_head'] on Llama-style models."
         )
     return names
+
+
+def check_lora_arguments(model, r, alpha, dropout, target_modules, bias, seed) -> None:
+    """Every `add_lora` argument's type and range, with the value and the fix; and no second set of adapters
+    on a base whose layers already carry adapters (peft would re-initialise them, trained or not)."""
+    whole_number("LoRA rank r", r, minimum=1, fix="Ranks are usually 8 to 64.")
+    real_number(
+        "alpha",
+        alpha,
+        low=0,
+        low_open=True,
+        fix="The adapter's scale is alpha / r; alpha = r or 2·r is usual.",
+    )
+    real_number("dropout", dropout, low=0, high=1, high_open=True, fix="0 to 0.1 is usual.")
+    if seed is not None:
+        whole_number("seed", seed, fix="Or seed=None to use the global RNG.")
+    if bias not in ("none", "all", "lora_only"):
+        raise ValueError(f"bias={bias!r}: use 'none', 'all' or 'lora_only'.")
+    names = [target_modules] if isinstance(target_modules, str) else target_modules
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+        raise LoraTargetError(
+            f"target_modules={target_modules!r}: give 'all-linear' or a non-empty list of layer names such as "
+            "['q_proj', 'v_proj'] (fastft.linear_layer_names(model) lists them)."
+        )
+    if not isinstance(model, PeftModel):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if any(isinstance(module, BaseTunerLayer) for module in model.modules()):
+            raise ValueError(
+                "This model's layers already carry LoRA adapters: it was passed to add_lora before, which wraps "
+                "its layers in place, and a second call would re-initialise the (maybe trained) adapters. Use "
+                "the model add_lora returned, or load the base again with load_model(...) for new adapters."
+            )
+
+
+def warn_rank_above_width(base: torch.nn.Module, targets: list[str], r: int) -> None:
+    """Warn when `r` is above half of a targeted layer's narrower side: such a rank adds parameters without
+    adding what a low-rank update is for (and at full width it is a full fine-tune with extra steps)."""
+    widths = [
+        min(module.in_features, module.out_features)
+        for name, module in base.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    ]
+    if widths and r > min(widths) / 2:
+        warnings.warn(
+            f"LoRA rank r={r} is above half the width of the narrowest targeted layer ({min(widths)}): the "
+            f"adapters get as many parameters as the layers themselves. Use r <= {max(1, min(widths) // 4)}.",
+            stacklevel=3,
+        )
 
 
 def set_gradient_checkpointing(model: torch.nn.Module, mode: Checkpointing | bool | str) -> None:

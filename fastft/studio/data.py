@@ -46,7 +46,8 @@ _KIND_STYLE = {
 @dataclass(frozen=True)
 class Segment:
     """A run of consecutive tokens of one kind in a previewed row: "prompt" (no loss), "trained"
-    (labelled: the loss is computed on it) or "cut" (beyond ``max_seq_length``, truncated away)."""
+    (labelled: the loss is computed on it) or "cut" (beyond ``max_seq_length``, truncated away: a long
+    prompt's start, or the end of a row whose prompt is too short to absorb the cut)."""
 
     text: str
     kind: str
@@ -265,7 +266,7 @@ class DataPanel(Panel):
             tokenizer,
             settings.max_seq_length,
             settings.train_on,
-            "truncate",
+            "cut_prompt",  # what `pack` does by default: a long prompt loses its start, the answer stays
             batch_size=1,
         )
         if row.get("messages") is not None:
@@ -275,11 +276,12 @@ class DataPanel(Panel):
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         offsets = encoded["offset_mapping"]
         labels = record.labels if record.status == KEPT else None
+        left = record.cut_tokens if record.cut_prompt else 0  # tokens cut from the start
         kinds = []
         for i in range(len(offsets)):
-            if i >= settings.max_seq_length:
+            if i < left or i - left >= settings.max_seq_length:
                 kinds.append("cut")
-            elif labels is not None and labels[i] != IGNORE_INDEX:
+            elif labels is not None and labels[i - left] != IGNORE_INDEX:
                 kinds.append("trained")
             else:
                 kinds.append("prompt")

@@ -3,23 +3,32 @@
 A checkpoint folder holds the PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``,
 loadable with plain `peft`), ``optimizer.pt`` and ``scheduler.pt`` (tensors and numbers only, read
 back with ``weights_only=True``), ``rng.pt`` (torch RNG states) and ``trainer_state.json``.
-Everything is written into a temporary sibling folder, fsynced, then renamed into place.
+Everything is written into a temporary sibling folder, fsynced, then renamed into place; old checkpoints are
+renamed to a hidden name before they are deleted, so a name ``checkpoint-N`` always holds a whole checkpoint.
+Loading reads and checks every file before it changes the model, and names the file that is broken.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from fastft.atomic import replace_folder_atomically
+from fastft.atomic import expand, recover_folder, remove_leftovers, remove_tree, replace_folder_atomically
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_FILES = (
+    "adapter_model.safetensors",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng.pt",
+    "trainer_state.json",
+)
 
 
 class CheckpointError(RuntimeError):
@@ -62,39 +71,111 @@ def save_checkpoint(folder, model, optimizer, scheduler, state: dict) -> Path:
         with open(tmp / "trainer_state.json", "w", encoding="utf-8") as f:
             json.dump(dict(state, rng=plain), f)
 
-    return replace_folder_atomically(write, folder)
+    folder = expand(folder)
+    # a checkpoint of an earlier run (fastft's, from before folders carried a marker) may be replaced too
+    return replace_folder_atomically(
+        write, folder, overwrite=(folder / "trainer_state.json").is_file(), kind="checkpoint"
+    )
 
 
-def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
-    """Restore adapters, optimizer, scheduler and RNG from `folder`; return the trainer state."""
+def load_checkpoint(folder, model, optimizer, scheduler, restore_optimizer: bool = True) -> dict:
+    """Restore adapters, optimizer, scheduler and RNG from `folder`; return the trainer state.
+
+    Every file is read and checked first (`read_checkpoint`), so a broken checkpoint raises
+    `CheckpointError` naming its file and leaves the model as it was. With ``restore_optimizer=False``
+    the optimizer and scheduler keep their fresh state (a resume with new hyperparameters)."""
+    device = next(p.device for p in model.parameters() if p.requires_grad)
+    contents = read_checkpoint(folder, device)
+    return apply_checkpoint(expand(folder), contents, model, optimizer, scheduler, restore_optimizer)
+
+
+def apply_checkpoint(
+    folder: Path, contents: dict, model, optimizer, scheduler, restore_optimizer: bool = True
+):
+    """Put what `read_checkpoint` read into the model, optimizer, scheduler and RNG; return the trainer state."""
     from peft import set_peft_model_state_dict
+
+    check_adapter_matches(folder, model, contents["adapter"])
+    set_peft_model_state_dict(model, contents["adapter"])
+    if restore_optimizer:
+        optimizer.load_state_dict(contents["optimizer"])
+        scheduler.load_state_dict(contents["scheduler"])
+    state = dict(contents["state"])
+    set_rng_state(contents["rng"], state.pop("rng"))
+    return state
+
+
+def read_checkpoint(folder, device: torch.device | str = "cpu") -> dict:
+    """Every file of a checkpoint, read safely (safetensors, ``weights_only=True``, JSON); `CheckpointError`
+    names the missing or unreadable file (torch's advice to load unsafely never reaches the user)."""
     from safetensors.torch import load_file
 
-    folder = Path(folder)
-    needed = ["adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json"]
-    missing = [name for name in needed if not (folder / name).exists()]
+    folder = recover_folder(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} does not exist (or is not a folder): it is not a checkpoint.")
+    missing = [name for name in CHECKPOINT_FILES if not (folder / name).exists()]
     if missing:
         raise CheckpointError(f"{folder} is not a complete fastft checkpoint: missing {missing}.")
-    device = next(p.device for p in model.parameters() if p.requires_grad)
-    weights = load_file(folder / "adapter_model.safetensors", device=str(device))
-    result = set_peft_model_state_dict(model, weights)
-    unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
+    contents = {}
+    for key, name, read in (
+        ("adapter", "adapter_model.safetensors", lambda path: load_file(path, device=str(device))),
+        ("optimizer", "optimizer.pt", lambda path: torch.load(path, weights_only=True, map_location=device)),
+        ("scheduler", "scheduler.pt", lambda path: torch.load(path, weights_only=True)),
+        ("rng", "rng.pt", lambda path: torch.load(path, weights_only=True)),
+        ("state", "trainer_state.json", _read_json),
+    ):
+        try:
+            contents[key] = read(folder / name)
+        except Exception as error:  # any reader's failure (safetensors has its own error type): damaged
+            raise CheckpointError(
+                f"{folder / name} cannot be read ({_first_line(error)}): this checkpoint is damaged or was not "
+                "written by fastft. Resume from another checkpoint (resume_from='latest' skips damaged ones)."
+            ) from None
+    if "rng" not in contents["state"] or "step" not in contents["state"]:
+        raise CheckpointError(f"{folder / 'trainer_state.json'} lacks the trainer state fastft writes.")
+    return contents
+
+
+def check_adapter_matches(folder: Path, model, weights: dict) -> None:
+    """Raise `CheckpointError` when the checkpoint's adapter is not this model's: other targets (keys) or
+    another rank (shapes), before any weight is loaded, so nothing is half-loaded."""
+    from peft import get_peft_model_state_dict
+
+    expected = get_peft_model_state_dict(model)
+    unexpected = sorted(set(weights) - set(expected))
+    missing = sorted(set(expected) - set(weights))
+    if unexpected or missing:
         raise CheckpointError(
-            f"{folder} holds adapter weights this model does not have ({unexpected[:3]} …): it was "
-            "written for another model or LoRA configuration."
+            f"{folder} holds an adapter for other LoRA targets than this model's (only in the checkpoint: "
+            f"{unexpected[:3]}, only in the model: {missing[:3]}): add_lora with the target_modules of the run "
+            "that wrote it, or start a new run in another output_dir."
         )
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True, map_location=device))
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-    with open(folder / "trainer_state.json", encoding="utf-8") as f:
-        state = json.load(f)
-    set_rng_state(torch.load(folder / "rng.pt", weights_only=True), state.pop("rng"))
-    return state
+    for key, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise CheckpointError(
+                f"{folder} holds {key} of shape {tuple(tensor.shape)}, this model's is {tuple(expected[key].shape)}: "
+                "the checkpoint was written with another LoRA rank r. add_lora with the r of the run that wrote "
+                "it, or start a new run in another output_dir."
+            )
+
+
+def _read_json(path: Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _first_line(error: BaseException) -> str:
+    """What went wrong, in one line; never torch's advice to retry with ``weights_only=False`` (loading a
+    checkpoint unsafely runs whatever code it holds)."""
+    if isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error):
+        return "it holds Python objects other than tensors and numbers, which fastft never unpickles"
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def list_checkpoints(output_dir) -> list[Path]:
     """Complete checkpoints in `output_dir`, oldest step first."""
-    output_dir = Path(output_dir)
+    output_dir = expand(output_dir)
     if not output_dir.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name))]
@@ -107,6 +188,11 @@ def latest_checkpoint(output_dir) -> Path | None:
 
 
 def prune_checkpoints(output_dir, keep: int) -> None:
-    """Remove all but the newest `keep` checkpoints."""
+    """Remove all but the newest `keep` checkpoints, each renamed to a hidden name before it is deleted."""
     for path in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
+
+
+def clean_output_dir(output_dir) -> list[Path]:
+    """Finish or undo saves a killed run left half-done in `output_dir` and remove its temporary folders."""
+    return remove_leftovers(output_dir)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
+
+from fastft.checks import SettingError, real_number, whole_number
 
 
 @dataclass
@@ -18,7 +21,7 @@ class DemoConfig:
     steps: int = 400
     learning_rate: float = 4e-3
     lora_r: int = 16
-    lora_alpha: float = 32
+    lora_alpha: float = 32.0
     micro_batch_bins: int = 4
     eval_every: int = 50
     eval_samples: int = 128
@@ -27,3 +30,42 @@ class DemoConfig:
     name: str = field(default_factory=lambda: datetime.now().strftime("demo-%Y%m%d-%H%M%S"))
     device: str | None = None
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        """Check every setting before anything is loaded (the demo fails in its first second, not after
+        loading, packing and an accuracy pass)."""
+        for name, minimum in (
+            ("max_seq_length", 2),
+            ("steps", 1),
+            ("lora_r", 1),
+            ("micro_batch_bins", 1),
+            ("eval_every", 1),
+            ("eval_samples", 1),
+        ):
+            whole_number(name.replace("_", "-"), getattr(self, name), minimum=minimum)
+        whole_number("seed", self.seed)
+        real_number(
+            "learning-rate", self.learning_rate, low=0, low_open=True, fix="The demo's default is 4e-3."
+        )
+        real_number("lora-alpha", self.lora_alpha, low=0, low_open=True, fix="The scale is alpha / r.")
+        for name in ("model", "dataset", "eval_dataset", "output_dir", "name"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise SettingError(
+                    f"{name.replace('_', '-')} must be a non-empty text, got {getattr(self, name)!r}."
+                )
+        if self.device is not None:
+            from fastft.models.loading import resolve_device
+
+            resolve_device(self.device)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir).expanduser() / self.name
+
+    def check_paths(self) -> None:
+        """The run folder can be written and its adapter folder saved, before any model is loaded."""
+        from fastft.atomic import check_destination
+        from fastft.training.trainer import check_writable
+
+        check_writable(self.run_dir)
+        check_destination(self.run_dir / "adapter")

@@ -68,6 +68,10 @@ def generate_answers(
 def evaluate_accuracy(model, tokenizer, rows: Sequence[dict], max_new_tokens: int = 16) -> AccuracyResult:
     """Generate an answer for each row (with ``messages``, ``answer`` and ``task``) and score it."""
     rows = list(rows)
+    if not rows:
+        raise ValueError(
+            "evaluate_accuracy got no rows: an accuracy over 0 questions means nothing. Pass eval rows."
+        )
     answers = generate_answers(model, tokenizer, [prompt_messages(r) for r in rows], max_new_tokens)
     correct: dict[str, list[float]] = defaultdict(list)
     completions = []

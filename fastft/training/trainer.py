@@ -8,7 +8,8 @@ Host–device syncs: none inside a step. On CUDA the step's loss and gradient no
 pinned memory without blocking and read one step later, when their event has completed; the
 `StepEvent` of step s is emitted during step s+1 (and all are flushed at the end, before each
 checkpoint and on stop). A non-finite loss stops the run with `NonFiniteLossError`; checkpoints
-are written only after every earlier step was read back finite, so the last one is always good.
+are written only after every earlier step was read back finite and when every trained weight is finite
+(one device reduction and one sync per save, none per step), so the last one is always good.
 
 Data order is a pure function of (seed, epoch): bins are shuffled per epoch with a seeded
 generator, and step s always reads the same bins. Data larger than memory comes as a `PackedStream`
@@ -18,11 +19,14 @@ and RNG, so a resumed run's losses equal the uninterrupted run's.
 
 from __future__ import annotations
 
+import difflib
 import math
+import os
 import random
 import resource
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastft.atomic import DiskFullError, expand
+from fastft.checks import SettingError, real_number, whole_number
 from fastft.data.batch import BatchShape, PackedBatch
 from fastft.data.packing import PackedDataset, pack
 from fastft.data.stream import PackedStream, StreamCursor, batch_of
@@ -41,7 +47,15 @@ from fastft.runtime.attention import (
     patch_packed_attention,
     unpatch_packed_attention,
 )
-from fastft.training.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from fastft.training.checkpoint import (
+    CheckpointError,
+    apply_checkpoint,
+    clean_output_dir,
+    list_checkpoints,
+    prune_checkpoints,
+    read_checkpoint,
+    save_checkpoint,
+)
 from fastft.training.events import EvalEvent, Event, StepEvent, Subscriber
 from fastft.training.graph import EAGER, REPLAY, StepGraph
 from fastft.training.loss import causal_lm_loss_sum, router_aux_loss_coefficient
@@ -61,7 +75,11 @@ class TrainConfig:
     measure and pick, or None to leave the model's own attention (transformers' packed-sequence
     detection). `max_steps` wins over `epochs` when set. `warmup` is a step count (int) or a fraction of
     `max_steps` (float below 1). `eval_every` / `save_every` are in optimizer steps (None: only
-    at the end / never). `resume_from` is a checkpoint folder or "latest" (in `output_dir`).
+    at the end / never). `resume_from` is a checkpoint folder or "latest" (in `output_dir`: the newest one
+    that loads, skipping damaged ones with a warning). A resume keeps the checkpoint's optimizer and schedule,
+    and warns about each hyperparameter of this config it therefore ignores; ``reset_optimizer=True`` resumes
+    the weights, RNG and step with a fresh optimizer and this config's schedule (a new learning rate, warmup,
+    weight decay…), and says so. Every setting is checked here: a wrong one raises `SettingError` naming it.
     `profile` times the phases of every step (`fastft.profile.StepProfile`, ``Trainer.profile``;
     under 2 % of a step) and fills `StepEvent.phases`; False removes the profiler's hooks from the model.
     `cuda_graph` replays a micro-batch's forward and backward from a CUDA graph when its batches repeat one
@@ -98,18 +116,105 @@ class TrainConfig:
     cuda_graph: bool = True
     static_shapes: bool | None = None
 
+    reset_optimizer: bool = False
+
     def __post_init__(self) -> None:
-        for name in ("micro_batch_bins", "grad_accum_steps", "save_total_limit"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be at least 1, got {self.max_steps}.")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}.")
-        if (self.save_every or self.resume_from == "latest") and not self.output_dir:
-            raise ValueError(
-                "save_every and resume_from='latest' need output_dir=... (where checkpoints live)."
-            )
+        check_train_config(self)
+
+
+def check_train_config(config: TrainConfig) -> None:
+    """Every setting's type and range, with the value and the fix; warnings for legal but doubtful values."""
+    for name in ("micro_batch_bins", "grad_accum_steps", "save_total_limit"):
+        whole_number(name, getattr(config, name), minimum=1)
+    if config.max_steps is not None:
+        whole_number("max_steps", config.max_steps, minimum=1, fix="Or leave max_steps=None to train epochs.")
+    real_number(
+        "epochs", config.epochs, low=0, low_open=True, fix="Pass epochs > 0, or max_steps=N for a step count."
+    )
+    real_number(
+        "learning_rate", config.learning_rate, low=0, low_open=True, fix="LoRA usually takes 1e-4 to 3e-3."
+    )
+    if config.learning_rate >= 1:
+        warnings.warn(
+            f"learning_rate={config.learning_rate:g} is far above what fine-tuning takes (LoRA: 1e-4 to 3e-3): "
+            "the weights will most likely blow up.",
+            stacklevel=4,
+        )
+    real_number("min_learning_rate_ratio", config.min_learning_rate_ratio, low=0, high=1)
+    if isinstance(config.warmup, float):
+        real_number(
+            "warmup",
+            config.warmup,
+            low=0,
+            high=1,
+            high_open=True,
+            fix="A float is a share of the run (0.05).",
+        )
+    else:
+        whole_number(
+            "warmup", config.warmup, minimum=0, fix="Pass a step count (int) or a share below 1 (float)."
+        )
+    if (
+        config.max_steps is not None
+        and not isinstance(config.warmup, float)
+        and config.warmup >= config.max_steps
+    ):
+        _warn_long_warmup(config.warmup, config.max_steps)
+    real_number("weight_decay", config.weight_decay, low=0)
+    if len(config.adam_betas) != 2:
+        raise SettingError(f"adam_betas must be two numbers, got {config.adam_betas!r}.")
+    for beta in config.adam_betas:
+        real_number("adam_betas", beta, low=0, high=1, high_open=True, fix="The defaults are (0.9, 0.999).")
+    real_number("adam_eps", config.adam_eps, low=0, low_open=True)
+    if config.max_grad_norm is not None:
+        real_number(
+            "max_grad_norm",
+            config.max_grad_norm,
+            low=0,
+            low_open=True,
+            fix="It caps the gradient's norm (1.0 is usual): a value <= 0 would reverse or zero every update. "
+            "Use None to turn clipping off.",
+        )
+    whole_number("seed", config.seed)
+    for name in ("eval_every", "save_every"):
+        if getattr(config, name) is not None:
+            whole_number(name, getattr(config, name), minimum=1, fix=f"Use {name}=None to turn it off.")
+    for name in ("output_dir", "resume_from"):
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise SettingError(f"{name} must be a path (str), got {value!r}.")
+        if value is not None and value != "latest":
+            setattr(config, name, str(expand(value)))
+    if (
+        config.resume_from is not None
+        and config.resume_from != "latest"
+        and not Path(config.resume_from).exists()
+    ):
+        hint = (
+            " Did you mean resume_from='latest' (the newest checkpoint in output_dir)?"
+            if difflib.get_close_matches(Path(config.resume_from).name, ["latest"], cutoff=0.6)
+            else " Give a checkpoint folder (output_dir/checkpoint-N) or 'latest'."
+        )
+        raise SettingError(f"resume_from={config.resume_from!r} does not exist.{hint}")
+    for name in ("reset_optimizer", "profile", "cuda_graph"):
+        if not isinstance(getattr(config, name), bool):
+            raise SettingError(f"{name} must be True or False, got {getattr(config, name)!r}.")
+    if config.static_shapes not in (None, True, False):
+        raise SettingError(
+            f"static_shapes must be None (pad where a CUDA graph replays), True or False, got {config.static_shapes!r}."
+        )
+    if (config.save_every or config.resume_from == "latest") and not config.output_dir:
+        raise SettingError(
+            "save_every and resume_from='latest' need output_dir=... (where checkpoints live)."
+        )
+
+
+def _warn_long_warmup(warmup_steps: int, max_steps: int) -> None:
+    warnings.warn(
+        f"warmup={warmup_steps} steps is not shorter than the run ({max_steps} steps): the learning rate never "
+        "reaches its peak. Use a shorter warmup, e.g. warmup=0.05 (5 % of the run).",
+        stacklevel=5,
+    )
 
 
 @dataclass
@@ -223,6 +328,9 @@ class Trainer:
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("The model has no trainable parameters: call fastft.add_lora(model, ...) first.")
+        _check_has_adapters(model)
+        if self.config.output_dir:
+            check_writable(self.config.output_dir)
         self.profile: StepProfile | None = None
         if self.config.profile:
             self.profile = StepProfile(model, self.device)
@@ -234,6 +342,8 @@ class Trainer:
         )
         warmup = self.config.warmup
         self.warmup_steps = int(warmup * self.max_steps) if isinstance(warmup, float) else int(warmup)
+        if self.config.max_steps is None and self.warmup_steps >= self.max_steps and self.warmup_steps > 0:
+            _warn_long_warmup(self.warmup_steps, self.max_steps)
         self.optimizer = torch.optim.AdamW(
             self.parameters,
             lr=self.config.learning_rate,
@@ -347,6 +457,8 @@ class Trainer:
             torch.manual_seed(config.seed)
             np.random.seed(config.seed % 2**32)
             random.seed(config.seed)
+        if config.output_dir and self.step == 0:
+            clean_output_dir(config.output_dir)  # what a killed run left half-written
         if config.resume_from and self.step == 0:
             self._resume(config.resume_from)
         started = time.perf_counter()
@@ -544,16 +656,13 @@ class Trainer:
             scaled = self.grad_scaler is not None
             if not (math.isfinite(loss) and (math.isfinite(grad_norm) or scaled)):
                 self._pending.clear()
-                last = self.result.checkpoints[-1] if self.result.checkpoints else None
-                keep = f"The last good checkpoint is {last}." if last else "No checkpoint was written yet."
                 what = (
                     f"loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
                 )
                 raise NonFiniteLossError(
                     f"The {what} at step {event.step} (loss {loss:.4g}, learning rate "
-                    f"{event.learning_rate:.3g}, gradient norm {grad_norm:.3g}). Training stopped. {keep} Fix: "
-                    "lower the learning rate, keep max_grad_norm on, or check the data of this step; resume "
-                    "with resume_from=<checkpoint>."
+                    f"{event.learning_rate:.3g}, gradient norm {grad_norm:.3g}). Training stopped. "
+                    f"{self._newest_good_checkpoint_text()}"
                 )
 
     def _flush(self) -> None:
@@ -592,9 +701,16 @@ class Trainer:
         return event
 
     def save_checkpoint(self) -> Path:
+        """Write ``output_dir/checkpoint-<step>`` (then prune to `save_total_limit`), only if every weight
+        is finite: `NonFiniteLossError` otherwise, naming the newest good checkpoint."""
         if not self.config.output_dir:
             raise ValueError("Set TrainConfig(output_dir=...) to save checkpoints.")
         self._flush()  # raises before writing if any step so far was not finite
+        if not self._weights_are_finite():
+            raise NonFiniteLossError(
+                f"The trained weights hold NaN or infinite values at step {self.step}, so no checkpoint was "
+                f"written. {self._newest_good_checkpoint_text()}"
+            )
         state = {
             "step": self.step,
             "max_steps": self.max_steps,
@@ -602,26 +718,159 @@ class Trainer:
             "steps": [event.as_dict() for event in self.result.steps],
             "evals": [event.as_dict() for event in self.result.evals],
         }
-        folder = Path(self.config.output_dir) / f"checkpoint-{self.step}"
-        save_checkpoint(folder, self.model, self.optimizer, self.scheduler, state)
+        folder = expand(self.config.output_dir) / f"checkpoint-{self.step}"
+        try:
+            save_checkpoint(folder, self.model, self.optimizer, self.scheduler, state)
+        except DiskFullError as error:
+            previous = self._newest_checkpoint()
+            intact = (
+                f"the previous checkpoint {previous} is intact"
+                if previous
+                else "no checkpoint was written yet"
+            )
+            raise DiskFullError(
+                error.errno,
+                f"no space left on device while writing {folder}; {intact}. Free some space (or set "
+                "output_dir to a disk with room, save_total_limit lower) and resume with resume_from='latest'.",
+            ) from error
         self.result.checkpoints.append(str(folder))
         prune_checkpoints(self.config.output_dir, self.config.save_total_limit)
         return folder
 
+    def _weights_are_finite(self) -> bool:
+        """One device-side reduction over the trained weights and one sync (at save time, never per step)."""
+        with torch.no_grad():
+            flags = [torch.isfinite(p).all() for p in self.parameters]
+            return bool(torch.stack(flags).all()) if flags else True
+
+    def _newest_checkpoint(self) -> Path | None:
+        """The newest checkpoint this run wrote or resumed from that is still on disk."""
+        for name in reversed(self.result.checkpoints):
+            if Path(name).is_dir():
+                return Path(name)
+        return None
+
+    def _newest_good_checkpoint_text(self) -> str:
+        newest = self._newest_checkpoint()
+        where = (
+            f"The newest good checkpoint is {newest} (its weights were checked finite when it was written)."
+            if newest
+            else "No checkpoint was written yet."
+        )
+        resume = (
+            f"resume_from={str(newest)!r}, reset_optimizer=True and a lower learning_rate"
+            if newest
+            else "a lower learning_rate"
+        )
+        return (
+            f"{where} Fix: lower the learning rate, keep max_grad_norm on, or check the data of this step; "
+            f"then train again with {resume}."
+        )
+
     def _resume(self, source: str) -> None:
-        folder = latest_checkpoint(self.config.output_dir) if source == "latest" else Path(source)
-        if folder is None:
-            return  # nothing to resume from yet: start fresh
-        state = load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
-        if state["max_steps"] != self.max_steps:
-            raise ValueError(
-                f"{folder} was written by a run of {state['max_steps']} steps, this one has {self.max_steps}: "
-                "resume with the same data and TrainConfig so the schedule and data order match."
-            )
+        """Restore the run from `source` (a checkpoint folder, or "latest": the newest loadable one)."""
+        if source == "latest":
+            loaded = self._resume_latest()
+            if loaded is None:
+                return  # nothing to resume from yet: start fresh
+            folder, state = loaded
+        else:
+            folder = Path(source)
+            state = self._load(folder)
         self.step = state["step"]
         self.result.steps = [StepEvent(**event) for event in state["steps"]]
         self.result.evals = [EvalEvent(**event) for event in state["evals"]]
         self.result.checkpoints.append(str(folder))
+        self._report_resumed_settings(folder, state.get("config", {}))
+
+    def _resume_latest(self) -> tuple[Path, dict] | None:
+        """Try the checkpoints newest first; warn about each damaged one skipped."""
+        checkpoints = list_checkpoints(self.config.output_dir)
+        for folder in reversed(checkpoints):
+            try:
+                return folder, self._load(folder)
+            except CheckpointError as error:
+                warnings.warn(
+                    f"Skipped a damaged checkpoint while resuming: {error}", ResumeWarning, stacklevel=4
+                )
+        if checkpoints:
+            raise CheckpointError(
+                f"No checkpoint in {self.config.output_dir} can be loaded (each is damaged, see the warnings): "
+                "start a new run in another output_dir, or resume_from=<a folder you trust>."
+            )
+        return None
+
+    def _load(self, folder: Path) -> dict:
+        contents = read_checkpoint(folder, self.device)  # every file checked before the model changes
+        saved_steps = contents["state"].get("max_steps")
+        if saved_steps != self.max_steps:
+            raise ValueError(
+                f"{folder} was written by a run of {saved_steps} steps, this one has {self.max_steps}: "
+                "resume with the same data and TrainConfig so the schedule and data order match."
+            )
+        restore = not self.config.reset_optimizer
+        state = apply_checkpoint(folder, contents, self.model, self.optimizer, self.scheduler, restore)
+        if self.config.reset_optimizer:  # a fresh optimizer; the schedule of this config, at the resumed step
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer,
+                cosine_with_warmup(self.warmup_steps, self.max_steps, self.config.min_learning_rate_ratio),
+            )
+            _advance_schedule(self.scheduler, state["step"])
+        return state
+
+    def _report_resumed_settings(self, folder: Path, saved: dict) -> None:
+        """Say which hyperparameters the resumed run trains with: the checkpoint's (kept, by default) or
+        this config's (``reset_optimizer=True``), naming every one that differs."""
+        differing = {
+            name: (saved[name], getattr(self.config, name))
+            for name in RESUMED_SETTINGS
+            if name in saved and _as_plain(saved[name]) != _as_plain(getattr(self.config, name))
+        }
+        if not differing:
+            return
+        listed = ", ".join(f"{name} {old!r} → {new!r}" for name, (old, new) in differing.items())
+        if self.config.reset_optimizer:
+            lr = self.scheduler.get_last_lr()[0]
+            message = (
+                f"Resumed from {folder} at step {self.step} with a fresh optimizer and this config's values: "
+                f"{listed} (learning rate now {lr:.3g}). The Adam moments start again from zero."
+            )
+        else:
+            message = (
+                f"Resumed from {folder} at step {self.step} keeping the checkpoint's optimizer and schedule, so "
+                f"these new values are NOT used: {listed}. Pass reset_optimizer=True to train on with them."
+            )
+        if "seed" in differing:
+            message += " The data order follows this config's seed from here on; the resume is not exact."
+        warnings.warn(message, ResumeWarning, stacklevel=4)
+
+
+# settings a checkpoint's optimizer and scheduler carry: a resume keeps the saved ones unless reset_optimizer
+RESUMED_SETTINGS = (
+    "learning_rate",
+    "min_learning_rate_ratio",
+    "warmup",
+    "weight_decay",
+    "adam_betas",
+    "adam_eps",
+    "seed",
+)
+
+
+class ResumeWarning(UserWarning):
+    """What a resume did with settings that differ from the checkpoint's, or a damaged checkpoint skipped."""
+
+
+def _as_plain(value):
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def _advance_schedule(scheduler, steps: int) -> None:
+    """Move a fresh LR schedule to `steps` optimizer steps without stepping the optimizer."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*", category=UserWarning)
+        for _ in range(steps):
+            scheduler.step()
 
 
 def _device_scalar(value: float, device: torch.device) -> torch.Tensor:
@@ -657,6 +906,38 @@ def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _check_has_adapters(model: torch.nn.Module) -> None:
+    """Refuse a model without LoRA adapters: training it would silently update every base weight."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if not any(isinstance(module, BaseTunerLayer) for module in model.modules()):
+        raise ValueError(
+            "This model has no LoRA adapters, so training it would update every base weight (full "
+            "fine-tuning, which fastft does not support yet; it is planned). Call "
+            "model = fastft.add_lora(model, ...) first."
+        )
+
+
+def check_writable(output_dir: str | os.PathLike) -> Path:
+    """Create `output_dir` and prove a file can be written there, before any step runs."""
+    folder = expand(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise SettingError(
+            f"output_dir={str(folder)!r} is a file, not a folder: pick a folder path for checkpoints."
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".fastft-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise SettingError(
+            f"output_dir={str(folder)!r} cannot be written ({error.strerror or error}): pick a folder you can "
+            "write to."
+        ) from None
+    return folder
 
 
 def train(

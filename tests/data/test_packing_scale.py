@@ -123,7 +123,12 @@ def awkward_chat_rows(n: int) -> list[dict]:
 
 @pytest.mark.parametrize(
     ("column", "train_on", "overlong"),
-    [("messages", "responses", "truncate"), ("messages", "all", "drop"), ("text", "responses", "truncate")],
+    [
+        ("messages", "responses", "truncate"),
+        ("messages", "responses", "cut_prompt"),
+        ("messages", "all", "drop"),
+        ("text", "responses", "truncate"),
+    ],
 )
 def test_tokenising_in_two_processes_equals_the_serial_result(tokenizer, column, train_on, overlong):
     if column == "messages":

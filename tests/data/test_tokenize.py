@@ -173,6 +173,43 @@ def test_overlong_truncate_cuts_to_max_seq_length_and_counts(tokenizer):
     assert data.lengths.dtype == np.int64 and data.lengths.tolist() == [len(i) for i in data.input_ids]
 
 
+def test_overlong_rows_keep_their_answer_by_default_the_prompt_cut_from_the_left(tokenizer):
+    """Issue 26: right truncation cut the answer off a long prompt and the row was skipped "without labels".
+    By default the prompt loses its start instead; where the prompt is too short for that, the end goes."""
+    max_len = 37
+    rows = [long_chat(100, 2), long_chat(3, 100), long_chat(3, 2), {"text": "lemon " * 80}]
+    full = tokenize_rows(rows, tokenizer, 10_000)
+    data = tokenize_rows(rows, tokenizer, max_len)  # overlong="cut_prompt", the default
+    assert data.source_rows == [0, 1, 2, 3]  # nothing skipped for lack of labels
+    np.testing.assert_array_equal(
+        data.input_ids[0], full.input_ids[0][-max_len:]
+    )  # the prompt's end + answer
+    kept_answer = data.labels[0][data.labels[0] != IGNORE_INDEX]
+    np.testing.assert_array_equal(kept_answer, full.labels[0][full.labels[0] != IGNORE_INDEX])  # all of it
+    np.testing.assert_array_equal(data.input_ids[1], full.input_ids[1][:max_len])  # answer longer: end cut
+    np.testing.assert_array_equal(data.input_ids[3], full.input_ids[3][:max_len])  # text: end cut
+    s = data.stats
+    assert (s.truncated, s.cut_prompts, s.skipped_no_labels) == (3, 1, 0)
+    lost = sum(len(full.input_ids[i]) - max_len for i in (0, 1, 3))
+    assert s.truncated_tokens == lost
+    assert total_accounted(s) == s.rows
+
+
+def test_pack_warns_how_many_rows_were_cut_and_the_summary_says_so(tokenizer):
+    from fastft.data.packing import pack
+
+    rows = [long_chat(100, 2), long_chat(3, 2), long_chat(3, 2)]
+    with pytest.warns(
+        UserWarning, match=r"1 of 3 rows are longer than max_seq_length=37: 1 lost the start of their prompt"
+    ) as caught:
+        packed = pack(rows, tokenizer, 37)
+    lost = packed.stats.tokenize.truncated_tokens
+    assert lost > 0 and f"{lost} tokens cut in all" in str(caught[0].message)
+    assert f"truncated 1 ({lost} tokens lost; 1 cut in the prompt, answer kept)" in packed.stats.summary()
+    truncating = pack(rows, tokenizer, 37, overlong="truncate")  # the old behaviour, still an option
+    assert truncating.stats.tokenize.cut_prompts == 0 and truncating.stats.sequences == 2
+
+
 def test_overlong_drop_leaves_long_rows_out_and_counts_them(tokenizer):
     max_len = 37
     rows = [long_chat(3, 100), long_chat(3, 2), {"text": "lemon " * 80}, long_chat(100, 2)]
@@ -193,7 +230,7 @@ def test_overlong_drop_leaves_long_rows_out_and_counts_them(tokenizer):
 def test_a_row_of_exactly_max_seq_length_is_neither_cut_nor_dropped(tokenizer):
     row = long_chat(2, 5)
     n = len(tokenize_rows([row], tokenizer, 10_000).input_ids[0])
-    for overlong in ("truncate", "drop"):
+    for overlong in ("cut_prompt", "truncate", "drop"):
         data = tokenize_rows([row], tokenizer, n, overlong=overlong)
         assert len(data.input_ids[0]) == n and data.stats.truncated == data.stats.dropped_overlong == 0
     assert tokenize_rows([row], tokenizer, n - 1, overlong="drop").stats.dropped_overlong == 1

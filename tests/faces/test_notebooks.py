@@ -19,6 +19,10 @@ REPOSITORY = re.search(
     r'^Repository = "([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M
 ).group(1)
 SLUG = REPOSITORY.removeprefix("https://github.com/")  # owner/name
+# the install cells pin the release tag of pyproject's version, never a moving branch
+VERSION = re.search(
+    r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M
+).group(1)
 BINDER_NOTEBOOK = "00_studio.ipynb"  # the notebook Binder opens
 
 # What each notebook leaves in its working folder once it has run to its last cell.
@@ -76,7 +80,7 @@ def test_badges_and_install_cell_point_at_this_project(path):
     install = _code_cells(notebook)[0].source
     pip = [line for line in install.splitlines() if "pip install" in line]
     assert len(pip) == 1 and pip[0].lstrip().startswith("%pip install"), install
-    assert f'"fastft[gpu] @ git+{REPOSITORY}"' in pip[0], pip[0]
+    assert f'"fastft[gpu] @ git+{REPOSITORY}@v{VERSION}"' in pip[0], pip[0]
     assert "torch" not in pip[0], "the install cell must never install torch (Colab's and Kaggle's stay)"
     # pip runs only when fastft cannot be imported: inside the except block of `import fastft`
     assert re.search(r"^try:\n    import fastft\nexcept ImportError:\n", install, re.M), install

@@ -241,7 +241,9 @@ def test_shorter_max_length_cuts_the_preview_and_drops_the_stale_pack(data_panel
     data_panel.max_seq_length.value = 16
     assert data_panel.state.packed is None and "Pack again" in data_panel.stats.value
     segments = data_panel.preview_segments(0)
-    assert segments[-1].kind == "cut" and sum(s.tokens for s in segments if s.kind != "cut") == 16
+    # as pack does by default: the long prompt loses its start, the answer stays whole
+    assert segments[0].kind == "cut" and segments[-1].kind == "trained"
+    assert sum(s.tokens for s in segments if s.kind != "cut") == 16
     assert "fastft.pack(rows, tokenizer, 16)" in data_panel.code()
     data_panel.max_seq_length.value = 256
 

@@ -237,7 +237,7 @@ def test_mistakes_before_a_run_are_shown_with_their_fix_not_raised():
     state.packed = _PACKED["packed"]
     panel.learning_rate.value = -1.0
     panel.start_button.click()
-    assert "learning_rate must be positive" in _text(panel.status) and panel.run is None
+    assert "learning_rate must be above 0, got -1" in _text(panel.status) and panel.run is None
     assert "A token id is outside" in explain(IndexError("index out of range in self"), Run(None, None, None))
 
 

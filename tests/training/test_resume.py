@@ -1,0 +1,141 @@
+"""Resume: new hyperparameters are either honoured (``reset_optimizer=True``) or reported as kept; damaged
+checkpoints are named by file and skipped by ``resume_from="latest"``; a checkpoint of another adapter
+is refused before anything loads; a typo of "latest" gets a hint."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import pytest
+import torch
+
+import fastft
+from fastft.checks import SettingError
+from fastft.data.skills import generate
+from fastft.training.checkpoint import CheckpointError, list_checkpoints
+from fastft.training.trainer import ResumeWarning, TrainConfig, Trainer, cosine_with_warmup
+
+ROWS = list(generate(120, seed=13))
+
+
+def _trainer(r: int = 4, targets="all-linear", **config) -> Trainer:
+    model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=128)
+    model = fastft.add_lora(model, r=r, alpha=8, target_modules=targets, dropout=0.1, seed=4)
+    # a fixed attention backend: "auto" times the backends and may pick another one run to run
+    defaults = dict(max_steps=8, learning_rate=2e-3, micro_batch_bins=2, seed=9, attention=None)
+    return Trainer(
+        model, tokenizer, fastft.pack(ROWS, tokenizer, 128), config=TrainConfig(**defaults | config)
+    )
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A finished run of 8 steps with checkpoints 4, 6 and 8, and the losses of its steps."""
+    folder = tmp_path_factory.mktemp("run")
+    result = _trainer(save_every=2, save_total_limit=3, output_dir=str(folder)).train()
+    assert [p.name for p in list_checkpoints(folder)] == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    return folder, [event.loss for event in result.steps]
+
+
+def _adapter_weights(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_a_resume_that_keeps_the_checkpoint_values_says_which_new_ones_it_ignores(run_dir):
+    folder, losses = run_dir
+    trainer = _trainer(learning_rate=1e-4, weight_decay=0.1, resume_from=str(folder / "checkpoint-4"))
+    with pytest.warns(ResumeWarning, match="NOT used") as caught:
+        result = trainer.train()
+    message = str(caught[0].message)
+    assert "learning_rate 0.002 → 0.0001" in message and "weight_decay 0.0 → 0.1" in message
+    assert "reset_optimizer=True" in message
+    # the old values really were kept: the same run (a new learning rate would move the losses by far more)
+    assert [e.loss for e in result.steps] == pytest.approx(losses, rel=1e-5)
+
+
+def test_reset_optimizer_trains_on_with_the_new_learning_rate_and_prints_it(run_dir):
+    folder, losses = run_dir
+    trainer = _trainer(learning_rate=1e-4, reset_optimizer=True, resume_from=str(folder / "checkpoint-4"))
+    with pytest.warns(ResumeWarning, match="fresh optimizer") as caught:
+        result = trainer.train()
+    schedule = cosine_with_warmup(trainer.warmup_steps, 8, 0.1)
+    assert f"learning rate now {1e-4 * schedule(4):.3g}" in str(caught[0].message)
+    resumed = result.steps[4:]
+    assert [e.step for e in resumed] == [5, 6, 7, 8]
+    for event in resumed:
+        assert event.learning_rate == pytest.approx(1e-4 * schedule(event.step - 1))
+    assert [e.loss for e in result.steps[:4]] == losses[:4]
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * schedule(8))
+
+
+def test_an_unchanged_resume_warns_nothing(run_dir):
+    folder, _ = run_dir
+    trainer = _trainer(resume_from=str(folder / "checkpoint-6"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumeWarning)
+        trainer.train()
+
+
+def _copy_run(run_dir, tmp_path):
+    import shutil
+
+    folder, _ = run_dir
+    copy = tmp_path / "run"
+    shutil.copytree(folder, copy)
+    return copy
+
+
+def test_a_truncated_file_is_named_and_latest_falls_back_to_the_newest_loadable(run_dir, tmp_path):
+    copy = _copy_run(run_dir, tmp_path)
+    _, losses = run_dir
+    adapter = copy / "checkpoint-8" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])
+    (copy / "checkpoint-6" / "trainer_state.json").write_text('{"step": 6, "max_st')
+
+    explicit = _trainer(resume_from=str(copy / "checkpoint-8"))
+    before = _adapter_weights(explicit)
+    with pytest.raises(CheckpointError, match=r"checkpoint-8/adapter_model\.safetensors cannot be read"):
+        explicit.train()
+    after = _adapter_weights(explicit)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # nothing half-loaded
+
+    trainer = _trainer(max_steps=8, resume_from="latest", output_dir=str(copy))
+    with pytest.warns(ResumeWarning, match="Skipped a damaged checkpoint") as caught:
+        result = trainer.train()
+    skipped = [str(w.message) for w in caught if "Skipped" in str(w.message)]
+    assert "checkpoint-8/adapter_model.safetensors" in skipped[0]
+    assert "checkpoint-6/trainer_state.json" in skipped[1]
+    assert [e.loss for e in result.steps] == pytest.approx(losses, rel=1e-5)  # resumed at 4, as the full run
+
+
+def test_an_unsafe_optimizer_file_is_refused_without_torch_advice(run_dir, tmp_path):
+    copy = _copy_run(run_dir, tmp_path)
+    torch.save(argparse.Namespace(payload="not tensors"), copy / "checkpoint-8" / "optimizer.pt")
+    with pytest.raises(CheckpointError) as error:
+        _trainer(resume_from=str(copy / "checkpoint-8")).train()
+    message = str(error.value)
+    assert "checkpoint-8/optimizer.pt" in message and "never unpickles" in message
+    assert "weights_only=False" not in message and "weights_only" not in message
+
+
+@pytest.mark.parametrize(
+    ("adapter", "expected"),
+    [(dict(r=8), "another LoRA rank r"), (dict(targets=["q_proj", "v_proj"]), "other LoRA targets")],
+)
+def test_a_checkpoint_of_another_adapter_is_refused_before_anything_loads(run_dir, adapter, expected):
+    folder, _ = run_dir
+    trainer = _trainer(resume_from=str(folder / "checkpoint-4"), **adapter)
+    before = _adapter_weights(trainer)
+    with pytest.raises(CheckpointError, match=expected):
+        trainer.train()
+    after = _adapter_weights(trainer)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_typo_of_latest_gets_a_hint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SettingError, match="Did you mean resume_from='latest'"):
+        TrainConfig(resume_from="lastest", output_dir="runs")
+    with pytest.raises(SettingError, match=r"does not exist\. Give a checkpoint folder"):
+        TrainConfig(resume_from="runs/checkpoint-9")
