@@ -141,6 +141,15 @@ class PackedDataset:
     def __len__(self) -> int:
         return len(self.bins)
 
+    def batches_repeat_one_shape(self) -> bool:
+        """Every batch of these bins has one shape as it is: fixed-length rows with the same number of trained
+        tokens each, the same number per bin (pretraining chunks, the benchmarks' random tokens), so a CUDA
+        graph replays it unpadded."""
+        lengths = self.data.lengths
+        if not len(lengths) or len(set(lengths.tolist())) != 1 or len({len(b) for b in self.bins}) != 1:
+            return False
+        return len({_trained_targets(labels) for labels in self.data.labels}) == 1
+
     def largest_batch(self, bins_per_batch: int) -> tuple[int, int, int]:
         """Bounds on a batch of `bins_per_batch` of these bins: (tokens, sequences, trained targets), each the
         sum of the largest bins' (`fastft.data.batch.BatchShape.covering` takes them)."""

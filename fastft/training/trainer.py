@@ -533,6 +533,8 @@ class Trainer:
             return True
         if not self.step_graph.policy.enabled or not is_patched(self.model):
             return False
+        if isinstance(self.train_data, PackedDataset) and self.train_data.batches_repeat_one_shape():
+            return False  # fixed-length rows replay as they are (and keep the uniform bins' cuDNN attention)
         return choose_backend(self.model, first.to(self.device)) in SHAPE_ONLY_BACKENDS
 
     def _shaped(self, batches: list[PackedBatch]) -> list[PackedBatch]:

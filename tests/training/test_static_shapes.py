@@ -254,3 +254,23 @@ def test_gpu_chat_data_replays_one_graph_and_trains_like_ragged_eager_steps(
     np.testing.assert_allclose([e.loss for e in graphed.steps], [e.loss for e in eager.steps], rtol=2e-2)
     assert len({e.loss for e in graphed.steps}) == steps  # every replay read its own batch
     assert [e.tokens for e in graphed.steps] == [e.tokens for e in eager.steps]  # real tokens, not pad slots
+
+
+def test_fixed_length_rows_are_left_unpadded_where_graphs_run_and_chat_data_is_padded():
+    """Rows that already share one shape replay as they are (and keep the uniform bins' attention path);
+    chat data is padded. The decision as a CUDA run makes it, with the graph policy switched on by hand."""
+    from fastft.data.packing import PackedDataset
+    from fastft.data.tokenize import TokenizedData
+
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model = _lora(model, fused=False)
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(3, 500, 64) for _ in range(8)]
+    fixed = PackedDataset(TokenizedData(input_ids=ids, labels=[i.copy() for i in ids], source_rows=list(range(8))),
+                          [[i] for i in range(8)], max_seq_length=64)  # fmt: skip
+    chats = fastft.pack(_chat_rows(48), tokenizer, max_seq_length=96)
+    assert fixed.batches_repeat_one_shape() and not chats.batches_repeat_one_shape()
+    for data, pads in ((fixed, False), (chats, True)):
+        trainer = Trainer(model, tokenizer, data, config=TrainConfig(max_steps=2, attention="sdpa_masked"))
+        trainer.step_graph.policy.enabled = True  # as on CUDA
+        assert trainer._pads_batches(data.batch([0])) is pads
