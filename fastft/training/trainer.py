@@ -40,6 +40,7 @@ from fastft.data.batch import BatchShape, PackedBatch
 from fastft.data.packing import PackedDataset, pack
 from fastft.data.stream import PackedStream, StreamCursor, batch_of
 from fastft.runtime.attention import (
+    BACKENDS,
     SHAPE_ONLY_BACKENDS,
     choose_backend,
     describe_backend,
@@ -199,6 +200,17 @@ def check_train_config(config: TrainConfig) -> None:
     for name in ("reset_optimizer", "profile", "cuda_graph"):
         if not isinstance(getattr(config, name), bool):
             raise SettingError(f"{name} must be True or False, got {getattr(config, name)!r}.")
+    if (
+        config.attention is not None
+        and not callable(config.attention)
+        and config.attention not in ("auto", *BACKENDS)
+    ):
+        close = difflib.get_close_matches(str(config.attention), ["auto", *BACKENDS], n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise SettingError(
+            f"attention={config.attention!r} is not a packed-attention backend.{hint} Use 'auto', one of "
+            f"{', '.join(BACKENDS)}, or None for the model's own attention."
+        )
     if config.static_shapes not in (None, True, False):
         raise SettingError(
             f"static_shapes must be None (pad where a CUDA graph replays), True or False, got {config.static_shapes!r}."

@@ -189,13 +189,6 @@ def test_a_run_on_static_shapes_trains_like_one_on_ragged_batches(accumulation):
     assert shape.tokens <= 96 * size + 63  # the run's largest micro-batch, rounded up: not a worst case
 
 
-def test_static_shapes_takes_none_true_or_false():
-    from fastft.checks import SettingError
-
-    with pytest.raises(SettingError, match="static_shapes must be None"):
-        TrainConfig(static_shapes="yes")
-
-
 def test_auto_pads_only_where_a_cuda_graph_can_replay():
     trainer, result = _run(None)  # the CPU: no graph, so no padding to pay for
     assert trainer.batch_shape is None and all(e.padding_tokens == 0 for e in result.steps)

@@ -46,6 +46,11 @@ ROWS = list(generate(40, seed=5))
         (dict(reset_optimizer="yes"), r"reset_optimizer must be True or False"),
         (dict(profile="off"), r"profile must be True or False, got 'off'"),
         (dict(save_every=5), r"need output_dir"),
+        (
+            dict(attention="varlne"),
+            r"attention='varlne' is not a packed-attention backend. Did you mean 'varlen'",
+        ),
+        (dict(static_shapes="yes"), r"static_shapes must be None"),
     ],
 )
 def test_train_config_refuses_values_that_break_training(settings, message):
