@@ -15,12 +15,14 @@ def _demo_parser(sub) -> None:
     help_text = {
         "model": "embedded preset, local folder or hub id to fine-tune",
         "dataset": "training data: bundled:NAME, a .jsonl/.json/.csv/.parquet file or a hub id",
-        "eval_dataset": "held-out data for eval loss and answer accuracy",
+        "eval_dataset": "held-out data for eval loss, content accuracy and format compliance",
         "max_seq_length": "tokens per packed bin (longer rows are truncated)",
         "steps": "optimizer steps",
         "learning_rate": "peak learning rate (linear warmup, cosine decay)",
         "lora_r": "LoRA rank",
         "lora_alpha": "LoRA alpha (scale = alpha / r)",
+        "gradient_checkpointing": "activation checkpointing: none (the tiny preset's activations are small; "
+        "recomputing them costs time), recompute, offload or auto",
         "micro_batch_bins": "packed bins concatenated into each forward pass",
         "eval_every": "steps between eval-loss measurements",
         "eval_samples": "held-out questions answered before and after training",

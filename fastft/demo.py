@@ -90,7 +90,13 @@ def run_demo(config: DemoConfig | None = None, log=print, started_at: float | No
 
     log(f"loading {config.model} …")
     model, tokenizer = load_model(config.model, max_seq_length=config.max_seq_length, device=config.device)
-    model = add_lora(model, r=config.lora_r, alpha=config.lora_alpha, seed=config.seed)
+    model = add_lora(
+        model,
+        r=config.lora_r,
+        alpha=config.lora_alpha,
+        gradient_checkpointing=config.gradient_checkpointing,
+        seed=config.seed,
+    )
     trainable, total = trainable_parameter_count(model)
 
     train_rows = load_dataset(config.dataset)
