@@ -36,7 +36,7 @@ def _demo_parser(sub) -> None:
         "demo",
         help="fine-tune the embedded tiny-llama on the bundled skills data and write an HTML report",
         description="Load a model, add LoRA, pack the bundled data, measure accuracy, train, measure "
-        "again, save the adapter and write runs/<name>/report.html. Offline; about a minute on a CPU.",
+        "again, save the adapter and write runs/<name>/report.html. Offline; about 3 minutes on a busy 2-core CPU (the README has the measured times).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     defaults = DemoConfig(name="demo-<date>-<time>")

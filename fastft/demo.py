@@ -1,4 +1,4 @@
-"""`fastft demo`: the whole path on the embedded default, offline, in about a minute on a CPU.
+"""`fastft demo`: the whole path on the embedded default, offline (about 3 minutes on a busy 2-core CPU: README).
 
 Loads `tiny-llama`, adds LoRA, packs the bundled skills data, measures on the held-out rows both content
 accuracy (the right answer in any wording) and format compliance (the bare answer the system prompt asks
