@@ -107,7 +107,7 @@ def run_demo(config: DemoConfig | None = None, log=print, started_at: float | No
     questions = [row for row in eval_rows.select(range(min(config.eval_samples, len(eval_rows))))]
     threads = _choose_threads(model, train_data, config.micro_batch_bins)
     if threads is not None:
-        log(f"CPU threads: {threads.describe()}")
+        log(f"CPU threads: {threads.describe('micro-batch')}")
 
     log(f"accuracy before training on {len(questions)} held-out questions …")
     before = evaluate_accuracy(model, tokenizer, questions)
@@ -156,7 +156,7 @@ def run_demo(config: DemoConfig | None = None, log=print, started_at: float | No
         "peak_memory_gib": max(s.peak_memory_bytes for s in steps) / 2**30,
         "memory_kind": steps[-1].memory_kind,
         "attention": result.attention,
-        "cpu_threads": threads.describe() if threads is not None else "not probed (GPU run)",
+        "cpu_threads": threads.describe("micro-batch") if threads is not None else "not probed (GPU run)",
         "accuracy_before": before.overall,
         "accuracy_after": after.overall,
         "content_accuracy_before": before.content,

@@ -27,12 +27,12 @@ class ThreadChoice:
     threads: int
     seconds: dict[int, float]
 
-    def describe(self) -> str:
-        """One line for a summary: what was kept and why."""
+    def describe(self, unit: str = "call") -> str:
+        """One line for a summary: what was kept and why (`unit` names one call of the timed workload)."""
         if len(self.seconds) < 2:
             return f"{self.threads} (the only count to try on this machine)"
         timings = ", ".join(f"{n}: {s * 1000:.0f} ms" for n, s in sorted(self.seconds.items()))
-        return f"{self.threads} (fastest of a timed probe: {timings} per step)"
+        return f"{self.threads} (fastest of a timed probe: {timings} per {unit})"
 
 
 def _median_seconds(workload: Callable[[], object], repeats: int) -> float:

@@ -34,8 +34,10 @@ def test_one_thread_is_kept_when_it_is_faster(two_default_threads):
     choice = threads.choose_cpu_threads(workload, repeats=2)
     assert choice.threads == 1 == torch.get_num_threads()
     assert choice.seconds[2] > choice.seconds[1] and sorted(set(calls)) == [1, 2] and len(calls) == 6
-    described = choice.describe()
-    assert described.startswith("1 (fastest of a timed probe: 1: ") and described.endswith(" ms per step)")
+    described = choice.describe("micro-batch")
+    assert described.startswith("1 (fastest of a timed probe: 1: ") and described.endswith(
+        " ms per micro-batch)"
+    )
     assert f"2: {choice.seconds[2] * 1000:.0f} ms" in described
 
 
