@@ -116,10 +116,34 @@ def normalize_answer(text: str) -> str:
     return text[:-1] if text.endswith(".") else text
 
 
+def _first_line(completion: str) -> str:
+    return completion.strip().split("\n", 1)[0] if completion.strip() else ""
+
+
 def score(completion: str, answer: str) -> float:
-    """1.0 when the completion's first line is exactly the answer (after normalisation), else 0.0."""
-    first_line = completion.strip().split("\n", 1)[0] if completion.strip() else ""
-    return float(normalize_answer(first_line) == normalize_answer(answer))
+    """Format compliance: 1.0 when the completion's first line is exactly the bare answer (after
+    `normalize_answer`), else 0.0. "The answer is 7000 m." scores 0 here: it ignores the system prompt."""
+    return float(normalize_answer(_first_line(completion)) == normalize_answer(answer))
+
+
+_ANSWER_PREFIX = re.compile(r"^(?:the )?answer(?: is)?\s*:?\s*", re.IGNORECASE)
+
+
+def content_answer(text: str) -> str:
+    """What a completion answers, whatever its wording: the first line without a leading "The answer is"
+    (or "Answer:"), a final period, or surrounding quotes, spaces collapsed."""
+    text = normalize_answer(_ANSWER_PREFIX.sub("", normalize_answer(_first_line(text))))
+    return text[1:-1].strip() if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+
+
+def content_score(completion: str, answer: str) -> float:
+    """Content accuracy: 1.0 when the completion gives the right answer in any wording ("The answer is
+    7000 m." counts), else 0.0. Case counts only where the answer has capitals (the uppercase task):
+    "7000 M" is right for "7000 m", "Tiger" is wrong for "TIGER"."""
+    given, expected = content_answer(completion), content_answer(answer)
+    if expected == expected.lower():
+        given = given.lower()
+    return float(given == expected)
 
 
 def generate(n: int, seed: int, exclude: set[str] | None = None, style: str = "terse") -> Iterator[dict]:

@@ -56,6 +56,9 @@ class RunReport:
     `summary` the headline facts (model, device, duration_s, final_loss, trainable parameters...),
     `samples` a list of dicts with keys ``prompt``, ``expected``, ``before`` and ``after``
     (completions before/after training), `created` an ISO-8601 time (default: now, local zone).
+    `accuracy_before`/`accuracy_after` map each task (and "all") to its share of right answers; when
+    `format_before`/`format_after` are given too, the first pair is content accuracy (the right answer in
+    any wording) and these are format compliance (the answer in the requested form), drawn apart.
     `timeline` holds the spans of one profiled step (dicts with the fields of
     `fastft.profile.PhaseSpan`) and `kernels` the rows of a profiling window's top kernels (dicts
     with the fields of `fastft.profile.KernelRow`); both feed the step-timing section.
@@ -68,6 +71,8 @@ class RunReport:
     summary: dict = field(default_factory=dict)
     accuracy_before: dict[str, float] | None = None
     accuracy_after: dict[str, float] | None = None
+    format_before: dict[str, float] | None = None
+    format_after: dict[str, float] | None = None
     samples: list[dict] = field(default_factory=list)
     timeline: list[dict] = field(default_factory=list)
     kernels: list[dict] = field(default_factory=list)
@@ -83,6 +88,8 @@ class RunReport:
             "config": self.config,
             "accuracy_before": self.accuracy_before,
             "accuracy_after": self.accuracy_after,
+            "format_before": self.format_before,
+            "format_after": self.format_after,
             "samples": self.samples,
             "timeline": self.timeline,
             "kernels": self.kernels,
@@ -285,7 +292,20 @@ def render_report(report: RunReport) -> str:
         ("fig-lr", learning_rate_figure(report.steps), False),
     ]
     if report.accuracy_before or report.accuracy_after:
-        figures.append(("fig-accuracy", accuracy_figure(report.accuracy_before, report.accuracy_after), True))
+        content = report.format_before or report.format_after
+        title = "Content accuracy per task (right answer, any wording)" if content else "Accuracy per task"
+        figures.append(
+            (
+                "fig-accuracy",
+                accuracy_figure(report.accuracy_before, report.accuracy_after, title=title),
+                True,
+            )
+        )
+    if report.format_before or report.format_after:
+        title = "Format compliance per task (the bare answer the prompt asks for)"
+        figures.append(
+            ("fig-format", accuracy_figure(report.format_before, report.format_after, title=title), True)
+        )
     fig_html = "".join(
         f'<section class="card{" wide" if wide else ""}">{_figure_div(fig, div_id)}</section>'
         for div_id, fig, wide in figures

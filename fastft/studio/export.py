@@ -1,4 +1,5 @@
-"""The Export panel: keep the trained adapter, merge it into a 16-bit model, and try a prompt (streamed).
+"""The Export panel: keep the trained adapter, merge it into a 16-bit model, try a prompt (streamed), and
+score held-out answers (content accuracy beside format compliance, as `fastft demo` reports them).
 
 Saving, merging and generating run one at a time on a background thread (`Worker`), so a click returns
 at once; ``panel.wait()`` blocks until the job is done (scripts, tests). None of them runs while a
@@ -18,6 +19,7 @@ from fastft.studio.state import StudioState, Worker
 __all__ = ["ExportPanel"]
 
 STREAM_INTERVAL = 0.05  # seconds between updates of the streamed answer (≤ 20 a second)
+HELD_OUT = "bundled:skills-eval"  # questions never trained on (the bundled data holds none of them)
 
 
 def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
@@ -45,6 +47,9 @@ class ExportPanel(Panel):
     `merge_button` (`fastft.save_merged`, refused for a 4/8-bit base with the way round it),
     `prompt`, `max_new_tokens`, `temperature` (0: greedy) + `generate_button`. The answer streams into
     `answer` token by token (`completion` holds its text); `status` shows what happened or what to fix.
+    `questions` + `score_button` ask that many held-out skills questions (`fastft.evaluate_accuracy`) and
+    show, per task, content accuracy (the right answer in any wording) beside format compliance (the bare
+    answer the system prompt asks for) in `scores` (`last_scores` holds the `AccuracyResult`).
     """
 
     def __init__(self, state: StudioState | None = None):
@@ -81,12 +86,19 @@ class ExportPanel(Panel):
         )
         self.generate_button = widgets.Button(description="Generate", icon="play", button_style="success")
         self.answer = widgets.HTML("")
+        self.questions = widgets.IntSlider(
+            value=64, min=8, max=256, step=8, description="questions", style=style, layout=wide
+        )
+        self.score_button = widgets.Button(description="Score held-out answers", icon="check")
+        self.scores = widgets.HTML("")
+        self.last_scores = None
         self.status = widgets.HTML("")
         self._defaults = {"adapter": self.adapter_dir.value, "merged": self.merged_dir.value}
 
         self.save_adapter_button.on_click(self._on_save_adapter)
         self.merge_button.on_click(self._on_merge)
         self.generate_button.on_click(self._on_generate)
+        self.score_button.on_click(self._on_score)
         self.state.observe(self._on_state, ("run", "model"))
         self.widget = widgets.VBox(
             [
@@ -99,6 +111,9 @@ class ExportPanel(Panel):
                 self.temperature,
                 self.generate_button,
                 self.answer,
+                widgets.HTML(f"<b>Score held-out answers</b> ({HELD_OUT})"),
+                widgets.HBox([self.questions, self.score_button]),
+                self.scores,
                 self.status,
             ]
         )
@@ -274,6 +289,29 @@ class ExportPanel(Panel):
         seconds = time.monotonic() - started
         return f"Generated {tokens} tokens in {seconds:.1f} s."
 
+    # -- scoring ----------------------------------------------------------------------------------------------
+    def _on_score(self, _button=None) -> None:
+        problem = self._ready()
+        if problem:
+            self._show(problem, "error")
+            return
+        self._show("Scoring…", "busy")
+        self.worker.start(lambda: self._job(self._score, int(self.questions.value)))
+
+    def _score(self, count: int) -> str:
+        from fastft.data.loading import load_dataset
+        from fastft.training.evaluate import evaluate_accuracy
+
+        rows = load_dataset(HELD_OUT)
+        rows = list(rows.select(range(min(count, len(rows)))))
+        result = evaluate_accuracy(self.state.model, self.state.tokenizer, rows)
+        self.last_scores = result
+        self.scores.value = scores_html(result)
+        return (
+            f"{len(rows)} held-out questions: content accuracy {result.content:.1%}, "
+            f"format compliance {result.overall:.1%}."
+        )
+
     def _draw_answer(self) -> None:
         self.updates += 1
         self.answer.value = (
@@ -299,5 +337,21 @@ class ExportPanel(Panel):
                 if self.temperature.value > 0
                 else "do_sample=False, "
             )
-            + "streamer=TextStreamer(tokenizer, skip_prompt=True))\n"
+            + "streamer=TextStreamer(tokenizer, skip_prompt=True))\n\n"
+            f"questions = fastft.load_dataset({HELD_OUT!r}).select(range({int(self.questions.value)}))\n"
+            "scores = fastft.evaluate_accuracy(model, tokenizer, questions)\n"
+            "print(f'content accuracy {scores.content:.1%}, format compliance {scores.overall:.1%}')\n"
         )
+
+
+def scores_html(result) -> str:
+    """A table of content accuracy and format compliance per task, "all" last."""
+    rows = "".join(
+        f"<tr><td>{html.escape(task)}</td><td style='text-align:right'>{content:.1%}</td>"
+        f"<td style='text-align:right'>{result.per_task.get(task, 0.0):.1%}</td></tr>"
+        for task, content in result.content_per_task.items()
+    )
+    return (
+        "<table style='font-size:12px'><tr><th>task</th><th>content accuracy<br>(right answer, any wording)</th>"
+        "<th>format compliance<br>(the bare answer asked for)</th></tr>" + rows + "</table>"
+    )

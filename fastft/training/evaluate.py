@@ -1,4 +1,8 @@
-"""Accuracy on rows with checkable answers (the bundled skills): greedy generation, then `score`."""
+"""Accuracy on rows with checkable answers (the bundled skills): greedy generation, then two scores.
+
+Format compliance (`score`: the bare answer the system prompt asks for) and content accuracy
+(`content_score`: the right answer in any wording). Fine-tuning can teach the first while hurting the
+second, so a run is judged on both."""
 
 from __future__ import annotations
 
@@ -8,19 +12,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastft.data.skills import score
+from fastft.data.skills import content_score, score
 
 
 @dataclass
 class AccuracyResult:
-    """Share of correct answers per task and overall ("all"), and each completion."""
+    """Per task and overall ("all"): the share of answers in the requested format (`per_task`) and the
+    share of right answers in any wording (`content_per_task`); and each completion."""
 
     per_task: dict[str, float]
     completions: list[dict] = field(default_factory=list)
+    content_per_task: dict[str, float] = field(default_factory=dict)
 
     @property
     def overall(self) -> float:
+        """Format compliance over all rows."""
         return self.per_task.get("all", 0.0)
+
+    @property
+    def content(self) -> float:
+        """Content accuracy over all rows."""
+        return self.content_per_task.get("all", 0.0)
 
 
 def prompt_messages(row: dict) -> list[dict]:
@@ -66,27 +78,35 @@ def generate_answers(
 
 
 def evaluate_accuracy(model, tokenizer, rows: Sequence[dict], max_new_tokens: int = 16) -> AccuracyResult:
-    """Generate an answer for each row (with ``messages``, ``answer`` and ``task``) and score it."""
+    """Generate an answer for each row (with ``messages``, ``answer`` and ``task``) and score it twice."""
     rows = list(rows)
     if not rows:
         raise ValueError(
             "evaluate_accuracy got no rows: an accuracy over 0 questions means nothing. Pass eval rows."
         )
     answers = generate_answers(model, tokenizer, [prompt_messages(r) for r in rows], max_new_tokens)
-    correct: dict[str, list[float]] = defaultdict(list)
+    formatted: dict[str, list[float]] = defaultdict(list)
+    right: dict[str, list[float]] = defaultdict(list)
     completions = []
     for row, answer in zip(rows, answers, strict=True):
-        ok = score(answer, row["answer"])
-        correct[row.get("task", "all")].append(ok)
+        task = row.get("task", "all")
+        formatted[task].append(score(answer, row["answer"]))
+        right[task].append(content_score(answer, row["answer"]))
         completions.append(
             {
                 "task": row.get("task"),
                 "prompt": prompt_messages(row)[-1]["content"],
                 "expected": row["answer"],
                 "completion": answer.strip(),
-                "correct": bool(ok),
+                "correct": bool(formatted[task][-1]),
+                "content_correct": bool(right[task][-1]),
             }
         )
-    per_task = {task: sum(v) / len(v) for task, v in sorted(correct.items())}
-    per_task["all"] = sum(sum(v) for v in correct.values()) / max(1, len(rows))
-    return AccuracyResult(per_task, completions)
+    return AccuracyResult(_shares(formatted, len(rows)), completions, _shares(right, len(rows)))
+
+
+def _shares(scores: dict[str, list[float]], n_rows: int) -> dict[str, float]:
+    """Mean score per task, sorted by task, and over all rows under "all"."""
+    shares = {task: sum(v) / len(v) for task, v in sorted(scores.items())}
+    shares["all"] = sum(sum(v) for v in scores.values()) / max(1, n_rows)
+    return shares

@@ -55,6 +55,20 @@ def test_score_accepts_the_answer_and_rejects_near_misses():
     assert skills.score("", "7") == 0.0
 
 
+def test_content_score_reads_the_answer_in_any_wording():
+    assert skills.content_score("The answer is 7000 m.", "7000 m") == 1.0
+    assert skills.content_score("  answer: 7000 m\nmore", "7000 m") == 1.0
+    assert skills.content_score("The answer is 'nus'.", "nus") == 1.0
+    assert skills.content_score("The answer is K.", "k") == 1.0  # case is no content for a lower-case answer
+    assert skills.content_score("The answer is eldEE.", "eelde") == 0.0
+    assert skills.content_score("The answer is 6000 g.", "2000 g") == 0.0
+    assert skills.content_score("Tiger", "TIGER") == 0.0  # ...but it is the uppercase task's content
+    assert skills.content_score("TIGER.", "TIGER") == 1.0
+    assert skills.content_score("", "7") == 0.0
+    # format compliance still rejects the wordy form the content score accepts
+    assert skills.score("The answer is 7000 m.", "7000 m") == 0.0
+
+
 def test_verbose_style_has_no_system_prompt():
     row = next(skills.generate(1, 3, style="verbose"))
     assert [m["role"] for m in row["messages"]] == ["user", "assistant"]

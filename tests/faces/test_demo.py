@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import fields
 
 import pytest
@@ -14,6 +15,8 @@ from peft import PeftModel
 import fastft
 from fastft.cli import build_parser, main
 from fastft.demo import DemoConfig, run_demo
+from fastft.runtime import threads
+from fastft.runtime.process_clock import process_started_at
 
 
 def test_demo_trains_evaluates_saves_and_reports(tmp_path):
@@ -28,18 +31,40 @@ def test_demo_trains_evaluates_saves_and_reports(tmp_path):
     page = (run_dir / "report.html").read_text(encoding="utf-8")
     assert "fastft demo" in page and "tiny-llama" in page and page.count("plotly") > 3
     data = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
-    assert len(data["steps"]) == 12 and data["accuracy_after"]["all"] == result.accuracy_after.overall
-    assert (
-        data["summary"]["held-out accuracy"].endswith("(16 questions)")
-        and "→" in data["summary"]["eval loss"]
+    assert len(data["steps"]) == 12 and "→" in data["summary"]["eval loss"]
+    # content accuracy (the right answer in any wording) beside format compliance (the bare answer), apart
+    assert data["accuracy_after"]["all"] == result.accuracy_after.content
+    assert data["format_after"]["all"] == result.accuracy_after.overall
+    assert data["summary"]["held-out content accuracy"].startswith(
+        f"{result.accuracy_before.content:.1%} → {result.accuracy_after.content:.1%} (16 questions"
     )
+    assert data["summary"]["held-out format compliance"].startswith(
+        f"{result.accuracy_before.overall:.1%} → {result.accuracy_after.overall:.1%}"
+    )
+    assert 'id="fig-accuracy"' in page and 'id="fig-format"' in page and "Content accuracy per task" in page
+    # the preset answers in its own words before training: right often, in the asked format never
+    assert result.accuracy_before.overall == 0.0 < result.accuracy_before.content
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert summary["steps"] == 12 and 0.0 <= summary["accuracy_after"] <= 1.0
+    assert summary["content_accuracy_before"] == result.accuracy_before.content
+    assert summary["content_accuracy_after"] == result.accuracy_after.content
+    # the CPU thread count was measured, and the time covers more than the training
+    assert summary["cpu_threads"].split(" ", 1)[0] in ("1", str(threads.TORCH_DEFAULT_THREADS))
+    assert "timed probe" in summary["cpu_threads"] or "only count" in summary["cpu_threads"]
+    assert 0 < summary["training_s"] < summary["duration_s"] and summary["duration_covers"] == "for run_demo"
     assert (run_dir / "checkpoints" / "checkpoint-12").is_dir()
     base, _ = fastft.load_model("tiny-llama")
     PeftModel.from_pretrained(base, run_dir / "adapter")
     text = result.text()
-    for needle in ("loss", "accuracy", "trained tokens/s", "report", str(run_dir / "report.html")):
+    for needle in (
+        "loss",
+        "content accuracy",
+        "format compliance",
+        "CPU threads",
+        "trained tokens/s",
+        "report",
+        str(run_dir / "report.html"),
+    ):
         assert needle in text
     # the attention the run resolved to is said, in the text, the summary and the report (CPU: masked SDPA)
     assert result.train.attention == "sdpa_masked (SDPA with a block-diagonal causal mask)"
@@ -95,4 +120,24 @@ def test_fastft_demo_command_runs_as_a_user_types_it(tmp_path):
         check=False,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
-    assert "accuracy" in completed.stdout and (tmp_path / "cli" / "report.html").exists()
+    assert "content accuracy" in completed.stdout and (tmp_path / "cli" / "report.html").exists()
+    summary = json.loads((tmp_path / "cli" / "summary.json").read_text(encoding="utf-8"))
+    # the printed time is the whole command's: from the process's start, imports included
+    assert summary["duration_covers"] == "for the whole command"
+    assert f"time                  {summary['duration_s']:.1f} s for the whole command" in completed.stdout
+
+
+def test_the_process_start_covers_the_imports():
+    if process_started_at() is None:
+        pytest.skip("no /proc on this system: the demo's time counts from run_demo")
+    code = (
+        "import time; before = time.time(); import torch; imported = time.time() - before;"
+        "from fastft.runtime.process_clock import process_started_at;"
+        "print(time.time() - process_started_at(), imported)"
+    )
+    launched = time.time()
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    wall = time.time() - launched
+    since_start, imported = map(float, completed.stdout.split())
+    # what the process reports covers its own imports and no more than its whole life (clock ticks: 10 ms)
+    assert imported <= since_start <= wall + 0.02

@@ -229,6 +229,21 @@ def test_render_sections(page):
     assert "no steps yet" in empty
 
 
+def test_content_accuracy_and_format_compliance_are_drawn_apart(tmp_path):
+    report = make_report()
+    plain = render_report(report)  # accuracy alone: one figure under its plain title
+    assert "Accuracy per task" in plain and 'id="fig-format"' not in plain
+    report.format_before = {"add": 0.0, "reverse": 0.0, "all": 0.0}
+    report.format_after = {"add": 0.8, "reverse": 0.4, "all": 0.6}
+    page = render_report(report)
+    assert 'id="fig-accuracy"' in page and 'id="fig-format"' in page
+    assert "Content accuracy per task (right answer, any wording)" in page
+    assert "Format compliance per task (the bare answer the prompt asks for)" in page
+    write_report(report, tmp_path / "report.html")
+    loaded = RunReport.from_json(tmp_path / "report.json")
+    assert loaded.format_after == report.format_after and loaded.accuracy_after == report.accuracy_after
+
+
 def test_plotlyjs_embedded_once_and_offline(page):
     bundle = get_plotlyjs()
     assert page.count(bundle) == 1

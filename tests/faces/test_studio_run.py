@@ -355,3 +355,22 @@ def test_generation_streams_the_answer_token_by_token(monkeypatch):
     state.run = type("Busy", (), {"active": True})()  # no export while a run trains the model
     panel.generate_button.click()
     assert "A run is training" in _text(panel.status)
+
+
+def test_scoring_shows_content_accuracy_beside_format_compliance():
+    state = _studio_state()  # the untrained preset: right in its own words, never in the bare format
+    panel = ExportPanel(state)
+    panel.questions.value = 16
+    panel.score_button.click()
+    assert panel.wait(60)
+    result = panel.last_scores
+    assert len(result.completions) == 16 and result.overall == 0.0 < result.content
+    shown, table = _text(panel.status), _text(panel.scores)
+    assert f"content accuracy {result.content:.1%}, format compliance 0.0%" in shown
+    assert "content accuracy" in table and "format compliance" in table
+    for task, content in result.content_per_task.items():
+        assert f"<td>{task}</td><td style='text-align:right'>{content:.1%}</td>" in table
+    assert "fastft.evaluate_accuracy(model, tokenizer, questions)" in panel.code()
+    state.run = type("Busy", (), {"active": True})()  # no scoring while a run trains the model
+    panel.score_button.click()
+    assert "A run is training" in _text(panel.status)
