@@ -83,7 +83,17 @@ def run_demo(config: DemoConfig | None = None, log=print, started_at: float | No
     the reported time covers imports too; without it the time counts from this call.
     """
     config = config or DemoConfig()
+    fresh = not config.run_dir.exists()
     config.check_paths()  # settings were checked when the config was built; paths before loading
+    try:
+        return _run(config, log, started_at)
+    except BaseException:
+        if fresh and config.run_dir.is_dir() and not any(config.run_dir.iterdir()):
+            config.run_dir.rmdir()  # a run that failed before writing anything leaves no empty folder behind
+        raise
+
+
+def _run(config: DemoConfig, log, started_at: float | None) -> DemoResult:
     covers = "for the whole command" if started_at is not None else "for run_demo"
     started_at = time.time() if started_at is None else started_at
     run_dir = config.run_dir

@@ -223,3 +223,10 @@ def test_a_failing_cli_run_prints_one_error_line_unless_a_traceback_is_asked_for
     monkeypatch.setenv("FASTFT_TRACEBACK", "1")
     with pytest.raises(ModelLoadError):
         main(argv)
+
+
+def test_a_demo_that_fails_to_load_its_model_leaves_no_empty_run_folder(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert main(["demo", "--model", "no-such-preset", "--output-dir", str(runs), "--name", "x"]) == 2
+    assert "no-such-preset" in capsys.readouterr().err
+    assert not (runs / "x").exists()
