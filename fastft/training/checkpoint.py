@@ -141,7 +141,7 @@ def check_adapter_matches(folder: Path, model, weights: dict) -> None:
     another rank (shapes), before any weight is loaded, so nothing is half-loaded."""
     from peft import get_peft_model_state_dict
 
-    expected = get_peft_model_state_dict(model)
+    expected = get_peft_model_state_dict(model, save_embedding_layers=False)  # no hub lookup of the base
     unexpected = sorted(set(weights) - set(expected))
     missing = sorted(set(expected) - set(weights))
     if unexpected or missing:
