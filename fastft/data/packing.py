@@ -92,12 +92,6 @@ class PackingStats:
         )
 
 
-def _trained_targets(labels: np.ndarray) -> int:
-    """The targets a sequence trains in a batch: its labels after the first token (a batch never predicts
-    a sequence's first token, `PackedBatch.from_sequences`)."""
-    return int((labels[1:] != -100).sum())
-
-
 def _cut_detail(stats: TokenizeStats) -> str:
     if not stats.truncated:
         return ""
@@ -126,7 +120,12 @@ class PackedDataset:
         self.bins = bins
         self.max_seq_length = max_seq_length
         tokens = int(data.lengths.sum()) if len(data) else 0
-        trained = sum(int((labels[1:] != -100).sum()) for labels in data.labels)
+        # each row's trained targets in a batch: its labels after the first token (a batch never predicts a
+        # sequence's first token, `PackedBatch.from_sequences`); counted once, for the stats and the shapes
+        self.trained_per_row = np.fromiter(
+            ((labels[1:] != -100).sum() for labels in data.labels), dtype=np.int64, count=len(data.labels)
+        )
+        trained = int(self.trained_per_row.sum())
         self.stats = PackingStats(
             sequences=len(data),
             bins=len(bins),
@@ -148,18 +147,15 @@ class PackedDataset:
         lengths = self.data.lengths
         if not len(lengths) or len(set(lengths.tolist())) != 1 or len({len(b) for b in self.bins}) != 1:
             return False
-        return len({_trained_targets(labels) for labels in self.data.labels}) == 1
+        return len(set(self.trained_per_row.tolist())) == 1
 
     def largest_batch(self, bins_per_batch: int) -> tuple[int, int, int]:
         """Bounds on a batch of `bins_per_batch` of these bins: (tokens, sequences, trained targets), each the
         sum of the largest bins' (`fastft.data.batch.BatchShape.covering` takes them)."""
         sizes = np.zeros((len(self.bins), 3), dtype=np.int64)
+        lengths = self.data.lengths
         for index, members in enumerate(self.bins):
-            sizes[index] = (
-                sum(len(self.data.input_ids[i]) for i in members),
-                len(members),
-                sum(_trained_targets(self.data.labels[i]) for i in members),
-            )
+            sizes[index] = (lengths[members].sum(), len(members), self.trained_per_row[members].sum())
         largest = -np.sort(-sizes, axis=0)[:bins_per_batch].sum(axis=0)
         return tuple(int(value) for value in largest)
 
