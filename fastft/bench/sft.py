@@ -8,11 +8,18 @@ LoRA r=16 on the seven projections (and the experts of an MoE model). Systems, e
 
 * ``fastft``      -- `load_model` + `add_lora` + fastft's `Trainer` (what `fastft.train` runs): packed
   micro-batches padded to one shape and replayed as a CUDA graph, offloaded checkpointing.
-* ``fastft-trl``  -- the same model under TRL's ``SFTTrainer(packing=True)``: the one-import switch from
-  Unsloth (fastft keeps its own checkpointing, so TRL's ``gradient_checkpointing`` is off).
+* ``fastft-trl``  -- the same model under TRL's ``SFTTrainer(packing=True)`` with TRL's defaults: the
+  one-import switch from Unsloth (TRL's ``gradient_checkpointing=True`` keeps fastft's offloaded
+  checkpointing: `fastft.models.lora.set_gradient_checkpointing` routes the model's switches).
 * ``unsloth``     -- ``FastLanguageModel`` + ``get_peft_model(use_gradient_checkpointing="unsloth")`` under
-  the same ``SFTTrainer(packing=True)``.
+  the same ``SFTTrainer(packing=True)`` (TRL's ``gradient_checkpointing`` off: Unsloth's own is on).
 * ``hf``          -- transformers + PEFT (SDPA, gradient checkpointing) under the same trainer.
+
+The baselines run with torch's cuDNN attention off unless ``--baseline-cudnn-attention on``: on packed
+rows Unsloth (on torch < 2.12, without flash-attn or xformers) calls SDPA once per packed segment, and
+cuDNN builds a plan for every new segment length; measured on an H200 (torch 2.11), Unsloth + TRL ran
+2,996 tokens/s with cuDNN and 4,670 without, so the baselines get their faster setting. fastft's own
+attention backend is its own choice (``attention`` in the result).
 
 Every system sees the same chats in its own packing. After `--warmup` steps, `--steps` steps are timed
 (wall clock between ``torch.cuda.synchronize()`` calls); the report gives real tokens per second (padding
@@ -158,7 +165,7 @@ def _run_trl(model, rows, args, device):
         bf16=cuda,
         use_cpu=not cuda,
         dataloader_num_workers=0,
-        gradient_checkpointing=args.system == "hf",
+        gradient_checkpointing=args.system != "unsloth",  # TRL's default; Unsloth checkpoints its own way
         gradient_checkpointing_kwargs={"use_reentrant": False},
         seed=3407,
     )
@@ -194,6 +201,9 @@ def run_worker(args) -> dict:
         import unsloth  # noqa: F401 - first, so it patches transformers and TRL before they load
     torch.manual_seed(0)
     device = torch.device(args.device)
+    baseline = args.system in ("unsloth", "hf")
+    if baseline and args.baseline_cudnn_attention == "off":
+        torch.backends.cuda.enable_cudnn_sdp(False)
     model = _model(args, device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     rows = chat_rows(
@@ -222,6 +232,7 @@ def run_worker(args) -> dict:
         slowest_over_median=max(steps) / median,
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         padding_share=measured["padding"] / (measured["tokens"] + measured["padding"]),
+        cudnn_attention=args.baseline_cudnn_attention if baseline else "fastft's choice",
         **{key: value for key, value in measured.items() if key not in ("tokens", "trained", "padding")},
     )
     return result
@@ -270,7 +281,8 @@ def _write(path: str, args, results: list[dict]) -> str:
     from fastft.bench.common import environment
 
     table = _table(results)
-    settings = {key: getattr(args, key) for key in _DATA_SETTINGS + ("model", "layers", "warmup", "steps")}
+    keys = _DATA_SETTINGS + ("model", "layers", "warmup", "steps", "baseline_cudnn_attention")
+    settings = {key: getattr(args, key) for key in keys}
     output = {"benchmark": "sft", "settings": settings, "environment": environment(), "results": results}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -331,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
         "--unsloth-path", default=None, help="site folder put first on PYTHONPATH for Unsloth"
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per system and workload")
+    parser.add_argument(
+        "--baseline-cudnn-attention",
+        choices=("on", "off"),
+        default="off",
+        help="torch's cuDNN attention for unsloth and hf (off: their faster setting on packed rows)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/sft.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -356,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     for workload in workloads:
         for system in systems:
             argv_worker = ["--worker", "--system", system, "--workload", workload, "--folder", str(folder)]
-            for key in _DATA_SETTINGS + ("warmup", "steps", "device"):
+            for key in _DATA_SETTINGS + ("warmup", "steps", "device", "baseline_cudnn_attention"):
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
             started = time.perf_counter()
             result = _run_in_process(

@@ -13,6 +13,7 @@ fastft's fused MoE forward (`fastft.models.moe`) runs those adapters as grouped 
 
 from __future__ import annotations
 
+import types
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -342,6 +343,8 @@ def set_gradient_checkpointing(model: torch.nn.Module, mode: Checkpointing | boo
     mode = checkpointing.checkpoints
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     options = {"use_reentrant": False}
+    for name in _ROUTED:  # transformers' own switches below (theirs call each other), then routed again
+        base.__dict__.pop(name, None)
     if hasattr(base, "activation_checkpointing_enable"):  # transformers ≥ 5.2x renamed the API
         if mode:
             base.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
@@ -357,6 +360,42 @@ def set_gradient_checkpointing(model: torch.nn.Module, mode: Checkpointing | boo
         enable_offload(base)
     else:
         disable_offload(base)
+    base._fastft_checkpointing = checkpointing
+    _route_checkpointing_calls(base)
+
+
+def _route_checkpointing_calls(base: torch.nn.Module) -> None:
+    """Make the Hugging Face switches of this instance go through `set_gradient_checkpointing`.
+
+    HF `Trainer` and TRL's `SFTTrainer` call ``model.gradient_checkpointing_enable()`` whenever their
+    config says ``gradient_checkpointing=True`` (TRL's default). transformers' own method would reset every
+    decoder layer to its plain recompute, dropping fastft's offload. Routed here, an enable keeps the mode
+    the model already checkpoints with ("offload" stays "offload"; a model on "none" starts recomputing),
+    and a disable turns checkpointing off, as it says. Instance attributes, so other models are untouched;
+    re-running is idempotent."""
+
+    def enable(
+        self, *args, **kwargs
+    ):  # the caller's kwargs (reentrant, every_n_layers...) yield to fastft's mode
+        current = getattr(self, "_fastft_checkpointing", Checkpointing("none"))
+        if current.checkpoints and is_checkpointing(self):
+            return  # already checkpointing in fastft's mode: the offloader and its settings stay
+        set_gradient_checkpointing(self, current if current.checkpoints else Checkpointing("recompute"))
+
+    def disable(self):
+        set_gradient_checkpointing(self, Checkpointing("none"))
+
+    for name in _ROUTED:
+        if hasattr(type(base), name):
+            setattr(base, name, types.MethodType(enable if name.endswith("enable") else disable, base))
+
+
+_ROUTED = (
+    "gradient_checkpointing_enable",
+    "gradient_checkpointing_disable",
+    "activation_checkpointing_enable",
+    "activation_checkpointing_disable",
+)
 
 
 def is_checkpointing(model: torch.nn.Module) -> bool:

@@ -251,3 +251,36 @@ def test_trl_sft_trainer_with_packing_trains_the_fused_model_and_logs_token_accu
     assert len(logged) == 3 and all(0.0 <= entry["mean_token_accuracy"] <= 1.0 for entry in logged)
     assert all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logged)
     assert len(boundary_reads) >= 3  # TRL's packed rows ran through fastft's packed attention
+
+
+def test_trl_default_gradient_checkpointing_keeps_fastft_offload(tmp_path):
+    """TRL's SFTConfig turns gradient_checkpointing on by default and calls the model's switch: the model
+    keeps fastft's offloaded checkpointing (the same offloader on every layer), never transformers'
+    plain recompute stacked or swapped in."""
+    trl = pytest.importorskip("trl")
+    from copy_stand_ins import SyncCopies
+    from datasets import Dataset
+
+    from fastft.runtime.offload import enable_offload, offloader_of
+
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(model, r=4, gradient_checkpointing="offload")
+    offloader = enable_offload(model, copies=SyncCopies())  # CPU stand-in copies: the offload path runs
+    layers = list(model.get_base_model().model.layers)
+    rows = [{"text": f"{i} plus {i} is {2 * i}. " * 3} for i in range(16)]
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        max_length=64,
+    )
+    assert config.gradient_checkpointing  # TRL's default, left as a user leaves it
+    trl.SFTTrainer(
+        model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
+    ).train()
+    assert offloader_of(model) is offloader
+    assert all(layer._gradient_checkpointing_func is offloader for layer in layers)
+    assert offloader.stats().layers_offloaded > 0

@@ -189,6 +189,30 @@ def test_switching_modes_is_idempotent_and_never_stacks():
         set_gradient_checkpointing(model, "offlaod")
 
 
+def test_hugging_face_checkpointing_switches_keep_fastft_mode_on_this_instance_only():
+    """HF Trainer and TRL (gradient_checkpointing=True, its default) call these on the model: an enable keeps
+    the offloader instead of resetting the layers to transformers' recompute; a disable turns it off."""
+    model = _model(mode="offload", force="sync")
+    other = _model(mode=False)
+    layers = list(model.get_base_model().model.layers)
+    first = offload.offloader_of(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert offload.offloader_of(model) is first
+    assert all(layer._gradient_checkpointing_func is first for layer in layers)
+    _, grads = _step(model, _batch())
+    assert _max_relative_error(grads, _reference("tiny-llama")[1]) <= 1e-6
+    assert not is_checkpointing(other)  # the other model's switches are its class's, untouched
+
+    model.gradient_checkpointing_disable()
+    assert offload.offloader_of(model) is None and not is_checkpointing(model)
+    model.gradient_checkpointing_enable()  # from "none": transformers' meaning, plain recompute
+    assert offload.offloader_of(model) is None and is_checkpointing(model)
+    other.gradient_checkpointing_enable()
+    assert is_checkpointing(other) and offload.offloader_of(other) is None
+
+
 def test_offload_on_cpu_is_plain_recompute():
     model = _model(mode="offload")  # not forced: CPU tensors take the plain recompute path
     _, grads = _step(model, _batch())
