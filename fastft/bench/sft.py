@@ -165,7 +165,8 @@ def _run_trl(model, rows, args, device):
         bf16=cuda,
         use_cpu=not cuda,
         dataloader_num_workers=0,
-        gradient_checkpointing=args.system != "unsloth",  # TRL's default; Unsloth checkpoints its own way
+        # TRL's default (on) unless --trl-gradient-checkpointing off; Unsloth checkpoints its own way
+        gradient_checkpointing=args.system != "unsloth" and args.trl_gradient_checkpointing == "on",
         gradient_checkpointing_kwargs={"use_reentrant": False},
         seed=3407,
     )
@@ -281,7 +282,14 @@ def _write(path: str, args, results: list[dict]) -> str:
     from fastft.bench.common import environment
 
     table = _table(results)
-    keys = _DATA_SETTINGS + ("model", "layers", "warmup", "steps", "baseline_cudnn_attention")
+    keys = _DATA_SETTINGS + (
+        "model",
+        "layers",
+        "warmup",
+        "steps",
+        "baseline_cudnn_attention",
+        "trl_gradient_checkpointing",
+    )
     settings = {key: getattr(args, key) for key in keys}
     output = {"benchmark": "sft", "settings": settings, "environment": environment(), "results": results}
     out = Path(path)
@@ -349,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         default="off",
         help="torch's cuDNN attention for unsloth and hf (off: their faster setting on packed rows)",
     )
+    parser.add_argument(
+        "--trl-gradient-checkpointing",
+        choices=("on", "off"),
+        default="on",
+        help="SFTConfig(gradient_checkpointing=...) for fastft-trl and hf (on: TRL's default)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/sft.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -374,7 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     for workload in workloads:
         for system in systems:
             argv_worker = ["--worker", "--system", system, "--workload", workload, "--folder", str(folder)]
-            for key in _DATA_SETTINGS + ("warmup", "steps", "device", "baseline_cudnn_attention"):
+            for key in _DATA_SETTINGS + (
+                "warmup",
+                "steps",
+                "device",
+                "baseline_cudnn_attention",
+                "trl_gradient_checkpointing",
+            ):
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
             started = time.perf_counter()
             result = _run_in_process(
