@@ -61,6 +61,8 @@ _EXPORTS = {
     "MalformedRowError": "fastft.data.errors",
     "pack": "fastft.data.packing",
     "pack_shards": "fastft.data.packing",
+    "pack_pairs": "fastft.data.pairs",
+    "PackedPairs": "fastft.data.pairs",
     "PackedDataset": "fastft.data.packing",
     "PackedStream": "fastft.data.stream",
     "PackedBatch": "fastft.data.batch",

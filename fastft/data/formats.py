@@ -10,6 +10,11 @@ Formats:
   optional top-level ``system`` string.
 * ``messages``: ``messages`` (or ``conversations``) as a list of ``{"role": ..., "content": ...}``.
 * ``text``: a ``text`` string.
+* ``preference``: ``chosen`` and ``rejected`` (strings, or lists of messages), with an optional ``prompt``
+  (a string, or a list of messages). Chat lists that repeat the prompt (UltraFeedback-binarized: each side is
+  the whole conversation) keep only what follows it; without ``prompt`` the two sides' common leading
+  messages are the prompt. Normalised to one ``pair`` field, ``{"prompt": [...], "chosen": [...],
+  "rejected": [...]}``, each a list of messages (`fastft.data.pairs`).
 
 Each ``from_*`` function takes one row (a mapping) and returns only the normalised field
 (``{"messages": [...]}`` or ``{"text": ...}``); it raises `FastftDataError` with a reason (no
@@ -35,11 +40,12 @@ __all__ = [
     "from_alpaca",
     "from_messages",
     "from_sharegpt",
+    "from_preference",
     "from_text",
     "output_column",
 ]
 
-FORMATS: tuple[str, ...] = ("alpaca", "sharegpt", "messages", "text")
+FORMATS: tuple[str, ...] = ("alpaca", "sharegpt", "messages", "text", "preference")
 """Format names accepted by ``load_dataset(format=...)`` besides ``"auto"``."""
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -66,6 +72,8 @@ _EXPECTED = {
     "sharegpt": 'sharegpt rows need \'conversations\', a list of {"from": ..., "value": ...}',
     "messages": "messages rows need 'messages' (or 'conversations'), a list of {\"role\": ..., \"content\": ...}",
     "text": "text rows need a 'text' string",
+    "preference": "preference rows need 'chosen' and 'rejected' (strings or lists of messages) and optionally "
+    "'prompt' (a string or a list of messages)",
 }
 
 
@@ -205,17 +213,71 @@ def from_text(row: Mapping[str, Any]) -> dict[str, str]:
     return {"text": _require_str(row, "text", "text")}
 
 
+def _side(row: Mapping[str, Any], field: str, default_role: str) -> list[dict[str, str]]:
+    """One field of a preference row as messages: a string is one `default_role` message."""
+    if field not in row or row[field] is None:
+        raise _missing(field, "preference")
+    value = row[field]
+    if isinstance(value, str):
+        if not value.strip():
+            raise FastftDataError(f"'{field}' is an empty string ({_EXPECTED['preference']})")
+        return [{"role": default_role, "content": value}]
+    if not isinstance(value, (list, tuple)):
+        raise FastftDataError(f"'{field}' is {describe(value)}, not a string or a list of messages")
+    try:
+        return from_messages({"messages": value})["messages"]
+    except FastftDataError as e:
+        raise FastftDataError(f"'{field}': {e}") from None
+
+
+def from_preference(row: Mapping[str, Any]) -> dict[str, dict[str, list[dict[str, str]]]]:
+    """Preference row to ``{"pair": {"prompt": [...], "chosen": [...], "rejected": [...]}}``.
+
+    Each response must be non-empty and end with an assistant message; the prompt must end with a user
+    (or tool) message, so the responses are what the model says next."""
+    chosen = _side(row, "chosen", "assistant")
+    rejected = _side(row, "rejected", "assistant")
+    if row.get("prompt") is not None:
+        prompt = _side(row, "prompt", "user")
+        for side in (chosen, rejected):
+            if len(side) > len(prompt) and side[: len(prompt)] == prompt:
+                side[:] = side[len(prompt) :]  # the side repeats the conversation: keep the answer
+    else:
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        if not prompt:
+            raise FastftDataError(
+                "no 'prompt' field, and 'chosen' and 'rejected' share no leading messages to take as the "
+                "prompt: add a 'prompt' (a string or a list of messages)"
+            )
+    if prompt[-1]["role"] not in ("user", "tool"):
+        raise FastftDataError(
+            f"the prompt ends with a {prompt[-1]['role']} message: it must end with a user (or tool) message, "
+            "so that chosen and rejected are the answers to it"
+        )
+    for name, side in (("chosen", chosen), ("rejected", rejected)):
+        if side[-1]["role"] != "assistant" or any(m["role"] == "system" for m in side):
+            raise FastftDataError(f"'{name}' must be the assistant's answer (end with an assistant message)")
+        if not any(m["content"].strip() for m in side if m["role"] == "assistant"):
+            raise FastftDataError(f"'{name}' is an empty answer")
+    return {"pair": {"prompt": prompt, "chosen": chosen, "rejected": rejected}}
+
+
 _CONVERTERS: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
     "alpaca": from_alpaca,
     "sharegpt": from_sharegpt,
     "messages": from_messages,
     "text": from_text,
+    "preference": from_preference,
 }
 _CONSUMED: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "input", "output", "system"),
     "sharegpt": ("conversations", "system"),
     "messages": ("messages",),
     "text": ("text",),
+    "preference": ("prompt", "chosen", "rejected"),
 }
 
 
@@ -229,8 +291,9 @@ def converter(fmt: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
 
 
 def output_column(fmt: str) -> str:
-    """The normalised column a format produces: ``"text"`` for text, else ``"messages"``."""
-    return "text" if fmt == "text" else "messages"
+    """The normalised column a format produces: ``"text"`` for text, ``"pair"`` for preference rows, else
+    ``"messages"``."""
+    return {"text": "text", "preference": "pair"}.get(fmt, "messages")
 
 
 def consumed_fields(fmt: str, row: Mapping[str, Any]) -> tuple[str, ...]:
@@ -246,7 +309,7 @@ def consumed_fields(fmt: str, row: Mapping[str, Any]) -> tuple[str, ...]:
 def detect_format(row: Mapping[str, Any]) -> str:
     """Guess the format of one row from its fields.
 
-    ``messages`` wins, then ``conversations`` (sharegpt when its first turn has ``from``/``value``, messages
+    ``chosen`` with ``rejected`` (preference) wins, then ``messages``, then ``conversations`` (sharegpt when its first turn has ``from``/``value``, messages
     when it has ``role``/``content``), then ``instruction`` (alpaca), then ``text``. Fields whose value is
     None count as absent. A row that fits none raises `FastftDataError` naming its fields and the expected
     ones.
@@ -254,6 +317,8 @@ def detect_format(row: Mapping[str, Any]) -> str:
     if not isinstance(row, Mapping):
         raise FastftDataError(f"a row must be an object with named fields, not {describe(row)}")
     row = {k: v for k, v in row.items() if v is not None}  # a dataset column that is null here is absent
+    if "chosen" in row and "rejected" in row:  # before messages: preference sets often carry one too
+        return "preference"
     if "messages" in row:
         return "messages"
     if "conversations" in row:
@@ -269,6 +334,7 @@ def detect_format(row: Mapping[str, Any]) -> str:
     fields = ", ".join(repr(k) for k in list(row)[:12]) or "none"
     raise FastftDataError(
         f"can't tell the format of a row with fields {fields}; expected 'messages' (chat), "
-        "'conversations' (sharegpt), 'instruction' and 'output' (alpaca), or 'text'. "
+        "'conversations' (sharegpt), 'instruction' and 'output' (alpaca), 'text', or 'chosen' and "
+        "'rejected' (preference pairs). "
         "Rename the fields, or pass format= explicitly"
     )

@@ -33,6 +33,11 @@ SUPPORTED_SUFFIXES: tuple[str, ...] = (".jsonl", ".ndjson", ".json", ".csv", ".t
 _MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 # a list literal (not datasets.List) so datasets 3.x reads it too
 _MESSAGE_FEATURE = [{"role": datasets.Value("string"), "content": datasets.Value("string")}]
+_PAIR_SIDES = ("prompt", "chosen", "rejected")
+_PAIR_TYPE = pa.struct([(side, _MESSAGE_TYPE) for side in _PAIR_SIDES])
+_PAIR_FEATURE = {side: _MESSAGE_FEATURE for side in _PAIR_SIDES}
+_COLUMN_TYPES = {"messages": _MESSAGE_TYPE, "pair": _PAIR_TYPE, "text": pa.string()}
+_COLUMN_FEATURES = {"messages": _MESSAGE_FEATURE, "pair": _PAIR_FEATURE, "text": datasets.Value("string")}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _PATHY_SUFFIXES = {*SUPPORTED_SUFFIXES, ".txt", ".arrow", ".gz", ".zip", ".xz", ".bz2", ".zst", ".xlsx"}
 _decode_json = json.JSONDecoder().decode
@@ -45,12 +50,13 @@ def list_bundled() -> list[str]:
 
 
 def dataset_kind(ds: datasets.Dataset) -> str:
-    """``"chat"`` when `ds` has a ``messages`` column, ``"text"`` when it has a ``text`` column.
-
-    ``messages`` wins when both exist. Raises `FastftDataError` for a dataset with neither (not normalised:
-    pass it through `load_dataset` first).
+    """``"pairs"`` when `ds` has a ``pair`` column (preference rows), ``"chat"`` when it has a ``messages``
+    column, ``"text"`` when it has a ``text`` column, in that order. Raises `FastftDataError` for a dataset
+    with none (not normalised: pass it through `load_dataset` first).
     """
     columns = ds.column_names
+    if "pair" in columns:
+        return "pairs"
     if "messages" in columns:
         return "chat"
     if "text" in columns:
@@ -452,9 +458,7 @@ def _build(items: Iterable[tuple[int, Any]], fmt: str | None, label: str, kind: 
     names: dict[str, None] = {}
     for extra in extras:
         names.update(dict.fromkeys(extra))
-    columns: dict[str, pa.Array] = {
-        column: pa.array(main, type=_MESSAGE_TYPE if column == "messages" else pa.string())
-    }
+    columns: dict[str, pa.Array] = {column: pa.array(main, type=_COLUMN_TYPES[column])}
     for name in names:
         values = [extra.get(name) for extra in extras]
         columns[name] = _extra_column(name, values, locations, label, kind)
@@ -500,7 +504,7 @@ def _normalise_dataset(ds: datasets.Dataset, fmt: str | None, label: str) -> dat
     column = output_column(fmt)
     remove = [c for c in consumed_fields(fmt, first_row) if c in ds.column_names]
     features = datasets.Features({c: ds.features[c] for c in ds.column_names if c not in remove})
-    features[column] = _MESSAGE_FEATURE if column == "messages" else datasets.Value("string")
+    features[column] = _COLUMN_FEATURES[column]
     convert = converter(fmt)
 
     def normalise(batch: dict[str, list], indices: list[int]) -> dict[str, list]:

@@ -242,6 +242,8 @@ def tokenized_records(
                 fix="Give rows as {'text': ...} or {'messages': [{'role': ..., 'content': ...}, ...]}, or load "
                 "the data with fastft.load_dataset(...).",
             )
+        if row.get("pair") is not None or ("chosen" in row and "rejected" in row):
+            raise ValueError(_PAIRS_FOR_SFT)
         if "messages" in row and row["messages"] is not None:
             messages = row["messages"]
             if not messages or all(not (m.get("content") or "").strip() for m in messages):
@@ -332,9 +334,17 @@ def is_dataset(obj: object) -> bool:
     return module is not None and isinstance(obj, module.Dataset)
 
 
+_PAIRS_FOR_SFT = (
+    "These rows are preference pairs (chosen and rejected answers): train them with "
+    "fastft.train(..., method='dpo') (or 'orpo', 'simpo'), or pack them with fastft.pack_pairs(rows, tokenizer)."
+)
+
+
 def dataset_column(dataset) -> str:
     """``"messages"`` or ``"text"``: the column of `dataset` that tokenisation reads."""
     column_names = dataset.column_names
+    if "pair" in column_names:
+        raise ValueError(_PAIRS_FOR_SFT)
     key = "messages" if "messages" in column_names else "text"
     if key not in column_names:
         raise ValueError(

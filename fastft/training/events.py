@@ -26,7 +26,9 @@ class StepEvent:
 
     `tokens` are real tokens; `padding_tokens` the pad slots a static-shape step added on top
     (`TrainConfig.static_shapes`). `graph_replays` counts the step's `micro_batches` that replayed a CUDA
-    graph (`fastft.training.graph`).
+    graph (`fastft.training.graph`). A preference run (`TrainConfig.method`) sets `preference`: the step's
+    ``pairs`` and their mean ``rewards_chosen``, ``rewards_rejected``, ``margin`` and ``accuracy`` (the share
+    of pairs whose chosen answer has the higher reward; `fastft.training.preference`).
     """
 
     step: int
@@ -45,6 +47,7 @@ class StepEvent:
     padding_tokens: int = 0
     graph_replays: int = 0
     micro_batches: int = 1
+    preference: dict[str, float] | None = field(default=None, hash=False)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -52,11 +55,13 @@ class StepEvent:
 
 @dataclass(frozen=True)
 class EvalEvent:
-    """Loss on the held-out set, token-weighted over all its trained tokens."""
+    """Loss on the held-out set, token-weighted over all its trained tokens; for a preference run the mean pair
+    loss, with `preference` holding the held-out pairs' mean rewards, margin and accuracy (as `StepEvent`)."""
 
     step: int
     eval_loss: float
     eval_trained_tokens: int
+    preference: dict[str, float] | None = field(default=None, hash=False)
 
     def as_dict(self) -> dict:
         return asdict(self)

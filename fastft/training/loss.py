@@ -31,6 +31,18 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tens
 
 
 def _loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    return _target_losses(model, batch, "sum")
+
+
+def target_losses(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Cross-entropy (fp32) of each trained target of the batch, ``[num_targets]`` in the order of
+    ``batch.target_ids`` (0 at an ignored pad target); the same forward as `causal_lm_loss_sum`, with the
+    fused head where the model has one (no ``[tokens, vocab]`` logits). Its negation is each target's
+    log-probability (`fastft.training.preference` sums them per sequence)."""
+    return _target_losses(model, batch, "none")
+
+
+def _target_losses(model: torch.nn.Module, batch: PackedBatch, reduction: str) -> torch.Tensor:
     packed = {}
     if is_patched(model):
         choose_backend(model, batch)
@@ -41,7 +53,7 @@ def _loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     if _asks_for_router_logits(model):  # transformers' own aux loss would misread the packed mask marker
         packed["output_router_logits"] = False
     if is_fused(model):
-        loss = _fused_loss_sum(model, batch, packed)
+        loss = _fused_loss_sum(model, batch, packed, reduction)
         if loss is not None:
             return loss
     output = model(
@@ -52,7 +64,7 @@ def _loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
         **packed,
     )
     logits = output.logits[0]
-    return F.cross_entropy(logits.float(), batch.target_ids, reduction="sum")
+    return F.cross_entropy(logits.float(), batch.target_ids, reduction=reduction)
 
 
 def _asks_for_router_logits(model: torch.nn.Module) -> bool:
@@ -111,7 +123,9 @@ def _linear_head(head: torch.nn.Module | None) -> torch.nn.Linear | None:
     return module if type(module) is torch.nn.Linear else None
 
 
-def _fused_loss_sum(model: torch.nn.Module, batch: PackedBatch, packed: dict) -> torch.Tensor | None:
+def _fused_loss_sum(
+    model: torch.nn.Module, batch: PackedBatch, packed: dict, reduction: str = "sum"
+) -> torch.Tensor | None:
     """The decoder's hidden states at the trained positions, then fused linear cross-entropy over the
     output head: the ``[tokens, vocab]`` logits never exist. None when the head is not a plain linear
     layer (the caller then takes the eager path)."""
@@ -129,5 +143,5 @@ def _fused_loss_sum(model: torch.nn.Module, batch: PackedBatch, packed: dict) ->
     hidden = output[0][0].index_select(0, batch.target_positions)
     softcap = getattr(base.config, "final_logit_softcapping", None)
     return fused_linear_cross_entropy(
-        hidden, head.weight, batch.target_ids, bias=head.bias, softcap=softcap, reduction="sum"
+        hidden, head.weight, batch.target_ids, bias=head.bias, softcap=softcap, reduction=reduction
     )

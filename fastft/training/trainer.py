@@ -93,6 +93,12 @@ class TrainConfig:
     graph can replay: on CUDA with `cuda_graph`, a packed-attention backend that reads only the batch's
     shape, and no router load-balancing loss (pad tokens would be routed); True pads everywhere (the CPU
     too: the same losses and gradients, slower); False never pads.
+
+    `method` is "sft" (next-token cross-entropy on the trained tokens) or a preference objective on packed
+    pairs (`fastft.data.pairs.pack_pairs`; `fastft.training.preference`): "dpo" (with `dpo_loss` "sigmoid",
+    "ipo" or "robust"; the reference is the model with its adapters disabled), "orpo" or "simpo" (no
+    reference). `beta` defaults to 0.1 (2.0 for SimPO); `label_smoothing` is DPO's and SimPO's ε,
+    `simpo_gamma` SimPO's margin γ. Preference steps run eagerly (no CUDA graph, no padding).
     """
 
     max_steps: int | None = None
@@ -116,6 +122,11 @@ class TrainConfig:
     profile: bool = True
     cuda_graph: bool = True
     static_shapes: bool | None = None
+    method: str = "sft"
+    beta: float | None = None
+    dpo_loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
 
     reset_optimizer: bool = False
 
@@ -215,10 +226,49 @@ def check_train_config(config: TrainConfig) -> None:
         raise SettingError(
             f"static_shapes must be None (pad where a CUDA graph replays), True or False, got {config.static_shapes!r}."
         )
+    _check_method(config)
     if (config.save_every or config.resume_from == "latest") and not config.output_dir:
         raise SettingError(
             "save_every and resume_from='latest' need output_dir=... (where checkpoints live)."
         )
+
+
+def _check_method(config: TrainConfig) -> None:
+    from fastft.training.preference import DPO_LOSSES, METHODS
+
+    for name, value, valid in (("method", config.method, METHODS), ("dpo_loss", config.dpo_loss, DPO_LOSSES)):
+        if value not in valid:
+            close = difflib.get_close_matches(str(value), valid, n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise SettingError(f"{name}={value!r} is not one of {', '.join(valid)}.{hint}")
+    if config.beta is not None:
+        real_number("beta", config.beta, low=0, low_open=True, fix="DPO usually takes 0.1, SimPO 2.0.")
+    real_number(
+        "label_smoothing",
+        config.label_smoothing,
+        low=0,
+        high=0.5,
+        high_open=True,
+        fix="It is ε, a share below 0.5.",
+    )
+    real_number("simpo_gamma", config.simpo_gamma, low=0)
+    if config.method != "sft" and config.static_shapes:
+        raise SettingError(
+            f"static_shapes=True does not apply to method={config.method!r}: preference steps run eagerly. "
+            "Leave static_shapes=None."
+        )
+
+
+def preference_settings(config: TrainConfig):
+    """The run's `PreferenceLoss`, None for SFT."""
+    from fastft.training.preference import DEFAULT_BETA, PreferenceLoss
+
+    if config.method == "sft":
+        return None
+    beta = config.beta if config.beta is not None else DEFAULT_BETA[config.method]
+    return PreferenceLoss(
+        config.method, config.dpo_loss, float(beta), config.label_smoothing, config.simpo_gamma
+    )
 
 
 def _warn_long_warmup(warmup_steps: int, max_steps: int) -> None:
@@ -307,6 +357,9 @@ class Trainer:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or TrainConfig()
+        self.preference = preference_settings(self.config)
+        if self.preference is not None:
+            train_data, eval_data = _as_pairs(train_data, tokenizer), _as_pairs(eval_data, tokenizer)
         if isinstance(train_data, (PackedDataset, PackedStream)):
             self.train_data = train_data
         else:
@@ -371,7 +424,7 @@ class Trainer:
         self.autocast_dtype = self._autocast_dtype()
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
         # fp16's loss scaling changes between steps outside the graph's view: those runs stay eager
-        graphs = self.config.cuda_graph and self.grad_scaler is None
+        graphs = self.config.cuda_graph and self.grad_scaler is None and self.preference is None
         self.step_graph = StepGraph(self.parameters, enabled=graphs)
         self._batch_shape: BatchShape | None | bool = None  # decided on the first step (`_shaped`)
         self.step = 0
@@ -521,18 +574,25 @@ class Trainer:
 
     def _micro_batch_loss(self, batch: PackedBatch, divisor: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed loss over the step's trained tokens (`divisor`, a device tensor: a CUDA
-        graph replays every step's count), under autocast."""
+        graph replays every step's count), under autocast. A preference run divides its pair losses by the
+        step's pairs instead and adds the batch's metric sums to `_metric_sums`."""
         with torch.autocast(
             self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
         ):
-            return causal_lm_loss_sum(self.model, batch) / divisor
+            if self.preference is None:
+                return causal_lm_loss_sum(self.model, batch) / divisor
+            from fastft.training.preference import pair_loss_sum
+
+            loss, metrics = pair_loss_sum(self.model, batch, self.preference)
+            self._metric_sums += metrics
+            return loss / divisor
 
     # -- static shapes -------------------------------------------------------------------------
     def _pads_batches(self, first: PackedBatch) -> bool:
         """Whether this run pads its micro-batches to one `BatchShape` (`TrainConfig.static_shapes`); decided
         on the run's first micro-batch (the attention backend is resolved on it)."""
         asked = self.config.static_shapes
-        if asked is False:
+        if asked is False or self.preference is not None:
             return False
         if router_aux_loss_coefficient(self.model) is not None:
             if asked:
@@ -587,7 +647,9 @@ class Trainer:
         trained = sum(b.num_trained_tokens for b in micro_batches)
         tokens = sum(b.real_tokens for b in micro_batches)
         padding = sum(b.padding for b in micro_batches)
-        divisor = _device_scalar(trained, self.device)
+        pairs = sum(b.num_sequences for b in micro_batches) // 2
+        divisor = _device_scalar(trained if self.preference is None else pairs, self.device)
+        self._metric_sums = torch.zeros(4, device=self.device)
         micro_batches = [batch.to(self.device) for batch in micro_batches]
         timer = _StepTimer(self.device)
         loss_total = torch.zeros((), device=self.device)
@@ -624,6 +686,8 @@ class Trainer:
         timing = phases.step_end(self.step + 1)
         timer.stop()
         values = torch.stack([loss_total.float(), grad_norm.detach().float().to(self.device)])
+        if self.preference is not None:
+            values = torch.cat([values, self._metric_sums / pairs])
         epoch = (
             self._cursor.epoch_progress
             if self._cursor is not None
@@ -632,14 +696,14 @@ class Trainer:
         info = dict(
             step=self.step + 1, lr=learning_rate, trained=trained, tokens=tokens, timer=timer, timing=timing
         )
-        info.update(padding=padding, replays=replays, micro_batches=len(micro_batches))
+        info.update(padding=padding, replays=replays, micro_batches=len(micro_batches), pairs=pairs)
         info["epoch"] = epoch
         self._pending.append(_PendingReadout(values, info))
 
     def _emit_ready(self, wait: bool = False) -> None:
         while self._pending and (wait or self._pending[0].ready()):
             readout = self._pending.pop(0)
-            loss, grad_norm = readout.read()
+            loss, grad_norm, *metrics = readout.read()
             info = readout.info
             seconds = info["timer"].seconds()
             timing = info["timing"]  # recorded before the readout: complete once it is
@@ -661,6 +725,7 @@ class Trainer:
                 padding_tokens=info["padding"],
                 graph_replays=info["replays"],
                 micro_batches=info["micro_batches"],
+                preference=_preference_metrics(metrics, info["pairs"]),
             )
             self.result.steps.append(event)
             self._publish(event)
@@ -689,13 +754,15 @@ class Trainer:
     # -- evaluation and checkpoints ----------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> EvalEvent:
-        """Token-weighted loss over the whole eval set (a sync point; not part of a step)."""
+        """Token-weighted loss over the whole eval set (a sync point; not part of a step); for a preference
+        run the mean pair loss, with the pairs' mean rewards, margin and accuracy."""
         if self.eval_data is None:
             raise ValueError("No eval data: pass eval_data=... to the Trainer.")
         self._flush()
         self.model.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float64)
-        trained = 0
+        metric_sums = torch.zeros(4, device=self.device, dtype=torch.float64)
+        trained = pairs = 0
         size = self.config.micro_batch_bins
         try:
             for start in range(0, len(self.eval_data), size):
@@ -705,11 +772,27 @@ class Trainer:
                 with torch.autocast(
                     self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
                 ):
-                    total += causal_lm_loss_sum(self.model, batch).double()
+                    if self.preference is None:
+                        total += causal_lm_loss_sum(self.model, batch).double()
+                    else:
+                        from fastft.training.preference import pair_loss_sum
+
+                        loss, metrics = pair_loss_sum(self.model, batch, self.preference)
+                        total += loss.double()
+                        metric_sums += metrics.double()
+                        pairs += batch.num_sequences // 2
                 trained += batch.num_trained_tokens
         finally:
             self.model.train()
-        event = EvalEvent(step=self.step, eval_loss=float(total / trained), eval_trained_tokens=trained)
+        preference = None
+        if self.preference is not None:
+            preference = _preference_metrics((metric_sums / pairs).tolist(), pairs)
+        event = EvalEvent(
+            step=self.step,
+            eval_loss=float(total / (trained if self.preference is None else pairs)),
+            eval_trained_tokens=trained,
+            preference=preference,
+        )
         self.result.evals.append(event)
         self._publish(event)
         return event
@@ -885,6 +968,28 @@ def _advance_schedule(scheduler, steps: int) -> None:
         warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*", category=UserWarning)
         for _ in range(steps):
             scheduler.step()
+
+
+def _as_pairs(data, tokenizer):
+    """Preference data as `PackedPairs` (rows are packed with `pack_pairs`); None stays None."""
+    from fastft.data.pairs import PackedPairs, pack_pairs
+
+    if data is None or isinstance(data, PackedPairs):
+        return data
+    if isinstance(data, (PackedDataset, PackedStream)):
+        raise ValueError(
+            "A preference method trains on pairs: pass the preference rows, or fastft.pack_pairs(rows, tokenizer), "
+            "not a dataset packed for SFT."
+        )
+    return pack_pairs(data, tokenizer)
+
+
+def _preference_metrics(values: list[float], pairs: int) -> dict[str, float] | None:
+    from fastft.training.preference import METRICS
+
+    if not values:
+        return None
+    return {"pairs": pairs, **dict(zip(METRICS, values, strict=True))}
 
 
 def _device_scalar(value: float, device: torch.device) -> torch.Tensor:

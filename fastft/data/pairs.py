@@ -1,0 +1,190 @@
+"""Preference pairs: a prompt with a chosen and a rejected answer, tokenised and packed for DPO-family training.
+
+`pack_pairs(rows, tokenizer, max_seq_length)` renders each side as ``prompt + answer`` with the tokenizer's
+chat template and labels the answer's tokens only (the prompt, earlier assistant turns of the prompt
+included, trains nothing). A pair's two sequences always share one bin, chosen first, so every micro-batch
+holds whole pairs, chosen and rejected alternating, padding-free with one boundary tensor built once per
+batch (`PackedBatch.from_sequences`). Bins are filled best-fit by the pairs' total lengths.
+
+A pair longer than `max_seq_length` (both sides together) is cut, and counted in `PairStats`: first the
+shared prompt from the left (both sides lose the same tokens, one prompt token always stays), then the longer
+answer from the right until the two fit. Rows come from `fastft.load_dataset` (format ``preference``) or as
+dicts with ``prompt`` / ``chosen`` / ``rejected`` (strings or messages); a malformed row raises
+`MalformedRowError` naming the row.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastft.data.errors import FastftDataError, MalformedRowError
+from fastft.data.formats import from_preference
+from fastft.data.packing import PackedDataset, best_fit_decreasing
+from fastft.data.tokenize import IGNORE_INDEX, TokenizedData, _check_template, _render_batch, render_chats
+
+__all__ = ["PackedPairs", "PairStats", "pack_pairs"]
+
+
+@dataclass(frozen=True)
+class PairStats:
+    """What `pack_pairs` did: pairs kept, pairs whose prompt or answers were cut (and the tokens cut)."""
+
+    rows: int
+    pairs: int
+    cut_prompt: int = 0
+    cut_answer: int = 0
+    cut_tokens: int = 0
+    dropped: int = 0  # an answer with no token left to train after the cut
+
+    def __str__(self) -> str:
+        text = f"{self.pairs} of {self.rows} pairs"
+        cuts = []
+        if self.cut_prompt:
+            cuts.append(f"{self.cut_prompt} prompts cut from the left")
+        if self.cut_answer:
+            cuts.append(f"{self.cut_answer} answers cut at the end")
+        if cuts:
+            text += f" ({', '.join(cuts)}: {self.cut_tokens} tokens)"
+        if self.dropped:
+            text += f"; {self.dropped} dropped (no answer token left)"
+        return text
+
+
+class PackedPairs(PackedDataset):
+    """A `PackedDataset` whose bins hold whole pairs: sequence ``2 i`` is pair ``i``'s chosen side, ``2 i + 1``
+    its rejected side, and a bin lists both. `pair_stats` says what was cut."""
+
+    def __init__(
+        self, data: TokenizedData, bins: list[list[int]], max_seq_length: int, pair_stats: PairStats
+    ):
+        super().__init__(data, bins, max_seq_length)
+        self.pair_stats = pair_stats
+
+    @property
+    def pairs(self) -> int:
+        return len(self.data) // 2
+
+
+def _pair_of(row, index: int) -> dict:
+    if isinstance(row, dict) and isinstance(row.get("pair"), dict):
+        return row["pair"]
+    if not isinstance(row, dict):
+        raise MalformedRowError("the data", f"the row is a {type(row).__name__}, not a dict", row=index)
+    try:
+        return from_preference(row)["pair"]
+    except FastftDataError as error:
+        raise MalformedRowError("the data", str(error), row=index) from None
+
+
+def _cut_pair(prompt_tokens: int, chosen: tuple, rejected: tuple, max_seq_length: int):
+    """Both sides cut so their lengths add up to at most `max_seq_length`; (chosen, rejected, prompt cut?,
+    answer cut?, tokens cut)."""
+    (c_ids, c_labels), (r_ids, r_labels) = chosen, rejected
+    excess = len(c_ids) + len(r_ids) - max_seq_length
+    if excess <= 0:
+        return chosen, rejected, False, False, 0
+    cut = 0
+    prompt_cut = min(-(-excess // 2), prompt_tokens - 1)
+    if prompt_cut > 0:
+        c_ids, c_labels, r_ids, r_labels = (x[prompt_cut:] for x in (c_ids, c_labels, r_ids, r_labels))
+        cut += 2 * prompt_cut
+    answer_cut = False
+    while len(c_ids) + len(r_ids) > max_seq_length:
+        over = len(c_ids) + len(r_ids) - max_seq_length
+        if len(c_ids) >= len(r_ids):
+            keep = max(len(r_ids), len(c_ids) - over)
+            cut += len(c_ids) - keep
+            c_ids, c_labels = c_ids[:keep], c_labels[:keep]
+        else:
+            keep = max(len(c_ids), len(r_ids) - over)
+            cut += len(r_ids) - keep
+            r_ids, r_labels = r_ids[:keep], r_labels[:keep]
+        answer_cut = True
+    return (c_ids, c_labels), (r_ids, r_labels), prompt_cut > 0, answer_cut, cut
+
+
+def pack_pairs(rows: Iterable, tokenizer, max_seq_length: int | None = None) -> PackedPairs:
+    """Tokenise preference `rows` and pack them pair by pair (see the module docstring).
+
+    `max_seq_length` bounds a pair's two sides together (a bin holds at least one whole pair); it defaults to
+    the tokenizer's ``model_max_length``."""
+    if max_seq_length is None:
+        max_seq_length = int(tokenizer.model_max_length)
+        if max_seq_length > 1_000_000:
+            raise ValueError("pass max_seq_length=…: this tokenizer does not say how long its inputs are")
+    if max_seq_length < 4:
+        raise ValueError(
+            f"max_seq_length={max_seq_length} cannot hold a pair: use at least a few hundred tokens"
+        )
+    if getattr(rows, "column_names", None) is not None and "pair" not in rows.column_names:
+        raise ValueError(
+            f"these rows have columns {rows.column_names} and no 'pair': load preference data with "
+            "fastft.load_dataset(...) (rows with 'chosen' and 'rejected')"
+        )
+    pairs = [_pair_of(row, index) for index, row in enumerate(rows)]
+    if not pairs:
+        raise ValueError("no preference rows: pass rows with 'prompt', 'chosen' and 'rejected'")
+    _check_template(tokenizer)
+    prompts = _render_batch(tokenizer, [pair["prompt"] for pair in pairs], add_generation_prompt=True)
+    conversations = [pair["prompt"] + pair[side] for pair in pairs for side in ("chosen", "rejected")]
+    rendered = render_chats(tokenizer, conversations)
+    texts = [text for text, _ in rendered]
+    encoded = tokenizer(
+        texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
+    )
+    input_ids, labels, sources = [], [], []
+    cut_prompt = cut_answer = cut_tokens = dropped = 0
+    for index, prompt in enumerate(prompts):
+        sides = []
+        prompt_tokens = None
+        for j in (2 * index, 2 * index + 1):
+            text, spans = rendered[j]
+            if not text.startswith(prompt):
+                raise MalformedRowError(
+                    "the data",
+                    "the chat template renders the prompt differently once an answer follows it, so the "
+                    "answer's tokens cannot be told apart",
+                    row=index,
+                    fix="Use a chat template whose rendering of a conversation starts with its rendered prompt.",
+                )
+            ids = np.asarray(encoded["input_ids"][j], dtype=np.int32)
+            starts = np.asarray(encoded["offset_mapping"][j], dtype=np.int64).reshape(-1, 2)[:, 0]
+            trained = np.zeros(len(ids), dtype=bool)
+            for lo, hi in spans:
+                if lo >= len(prompt):  # the answer's assistant turns, never the prompt's earlier ones
+                    trained |= (starts >= lo) & (starts < hi)
+            side_labels = np.where(trained, ids, IGNORE_INDEX).astype(np.int32)
+            in_prompt = int((starts < len(prompt)).sum())
+            prompt_tokens = in_prompt if prompt_tokens is None else min(prompt_tokens, in_prompt)
+            sides.append((ids, side_labels))
+        chosen, rejected, prompt_was_cut, answer_was_cut, tokens = _cut_pair(
+            prompt_tokens, sides[0], sides[1], max_seq_length
+        )
+        cut_prompt += prompt_was_cut
+        cut_answer += answer_was_cut
+        cut_tokens += tokens
+        for _, side_labels in (chosen, rejected):
+            side_labels[0] = IGNORE_INDEX  # a sequence's first token is never predicted
+        if any(not (side_labels != IGNORE_INDEX).any() for _, side_labels in (chosen, rejected)):
+            dropped += 1
+            continue
+        for ids, side_labels in (chosen, rejected):
+            input_ids.append(ids)
+            labels.append(side_labels)
+            sources.append(index)
+    stats = PairStats(len(pairs), len(input_ids) // 2, cut_prompt, cut_answer, cut_tokens, dropped)
+    if not input_ids:
+        raise ValueError(f"No trainable pairs: {stats}. Raise max_seq_length.")
+    if cut_prompt or cut_answer or dropped:
+        warnings.warn(f"pack_pairs: {stats} to fit max_seq_length={max_seq_length}.", stacklevel=2)
+    data = TokenizedData(input_ids=input_ids, labels=labels, source_rows=sources)
+    pair_lengths = data.lengths[0::2] + data.lengths[1::2]
+    bins = [
+        [2 * p + side for p in pair_bin for side in (0, 1)]
+        for pair_bin in best_fit_decreasing(pair_lengths, max_seq_length)
+    ]
+    return PackedPairs(data, bins, max_seq_length, stats)

@@ -1,0 +1,135 @@
+"""Preference tuning on packed pairs: DPO (sigmoid, IPO, robust), ORPO and SimPO.
+
+A micro-batch of `fastft.data.pairs.PackedPairs` holds whole pairs, chosen and rejected alternating. One
+forward gives every trained target's log-probability through the model's fused head
+(`fastft.training.loss.target_losses`: the ``[tokens, vocab]`` logits never exist, forward or backward); they
+are summed per sequence on the device (no host sync), so sequence ``2 i`` is pair ``i``'s chosen answer and
+``2 i + 1`` its rejected one. DPO's reference log-probs come from the same model with its adapters disabled
+(PEFT's ``disable_adapter()``), under ``no_grad``: no second copy of the weights.
+
+With ``c``/``r`` the policy's summed log-probs of the chosen/rejected answer, ``c0``/``r0`` the reference's,
+``|c|``/``|r|`` the answers' token counts, β `beta` and ε `label_smoothing`:
+
+* ``dpo`` sigmoid: ``z = β ((c - c0) - (r - r0))``, loss ``-(1-ε) log σ(z) - ε log σ(-z)``;
+* ``dpo`` robust: ``(-(1-ε) log σ(z) + ε log σ(-z)) / (1 - 2ε)``;
+* ``dpo`` IPO: with length-averaged log-ratios, ``((c - c0) / |c| - (r - r0) / |r| - 1 / (2β))²``;
+* ``orpo`` (no reference): with ``c̄ = c / |c|``, ``r̄ = r / |r|``, the chosen answer's mean NLL ``-c̄`` minus
+  ``β log σ(log-odds)``, ``log-odds = (c̄ - r̄) - (log(1 - e^c̄) - log(1 - e^r̄))``;
+* ``simpo`` (no reference): ``z = β (c̄ - r̄) - γ``, loss ``-(1-ε) log σ(z) - ε log σ(-z)``.
+
+Rewards are ``β (c - c0)`` and ``β (r - r0)`` for DPO (IPO included), ``β c̄`` and ``β r̄`` for ORPO and
+SimPO (TRL's conventions); the margin is their difference and the accuracy the share of pairs whose
+chosen reward is the higher. The step loss is the mean over the step's pairs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastft.data.batch import PackedBatch
+from fastft.training.loss import target_losses
+
+METHODS = ("sft", "dpo", "orpo", "simpo")
+DPO_LOSSES = ("sigmoid", "ipo", "robust")
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
+METRICS = ("rewards_chosen", "rewards_rejected", "margin", "accuracy")
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """One preference objective (`TrainConfig`'s ``method``, ``dpo_loss``, ``beta``, ``label_smoothing``,
+    ``simpo_gamma``)."""
+
+    method: str = "dpo"
+    dpo_loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.method == "dpo"
+
+
+def sequence_log_probs(model: torch.nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probs, trained-token counts) of each sequence of `batch`, both ``[num_sequences]`` fp32
+    on the model's device. Pad targets (a static shape's) count nothing."""
+    log_probs = -target_losses(model, batch)
+    sequence = torch.searchsorted(batch.cu_seqlens[1:].to(torch.int64), batch.target_positions, right=True)
+    trained = (batch.target_ids != -100).to(log_probs.dtype)
+    sums = log_probs.new_zeros(batch.num_sequences).index_add_(0, sequence, log_probs * trained)
+    counts = log_probs.new_zeros(batch.num_sequences).index_add_(0, sequence, trained)
+    return sums, counts
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """The base model's forward: PEFT's ``disable_adapter()`` (its context manager), with autograd off."""
+    with model.disable_adapter(), torch.no_grad():
+        yield
+
+
+def pair_losses(
+    settings: PreferenceLoss,
+    policy: tuple[torch.Tensor, torch.Tensor],
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses and the chosen and rejected rewards, each ``[pairs]``, from per-sequence (sums, counts)
+    of the policy and (for DPO) the reference (see the module docstring)."""
+    sums, counts = policy
+    beta, smoothing = settings.beta, settings.label_smoothing
+    if settings.method == "dpo":
+        if reference is None:
+            raise ValueError("DPO needs the reference log-probs (the model with its adapters disabled)")
+        ratios = sums - reference[0]
+        chosen_ratio, rejected_ratio = ratios[0::2], ratios[1::2]
+        logits = chosen_ratio - rejected_ratio
+        if settings.dpo_loss == "ipo":
+            averaged = ratios / counts.clamp(min=1)
+            losses = (averaged[0::2] - averaged[1::2] - 1 / (2 * beta)) ** 2
+        elif settings.dpo_loss == "robust":
+            losses = (
+                -F.logsigmoid(beta * logits) * (1 - smoothing) + F.logsigmoid(-beta * logits) * smoothing
+            ) / (1 - 2 * smoothing)
+        else:
+            losses = -F.logsigmoid(beta * logits) * (1 - smoothing) - F.logsigmoid(-beta * logits) * smoothing
+        return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    averaged = sums / counts.clamp(min=1)
+    chosen, rejected = averaged[0::2], averaged[1::2]
+    if settings.method == "orpo":
+        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        losses = -chosen - beta * F.logsigmoid(log_odds)
+    elif settings.method == "simpo":
+        logits = beta * (chosen - rejected) - settings.simpo_gamma
+        losses = -F.logsigmoid(logits) * (1 - smoothing) - F.logsigmoid(-logits) * smoothing
+    else:
+        raise ValueError(f"unknown preference method {settings.method!r}; use one of {METHODS[1:]}")
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def pair_loss_sum(
+    model: torch.nn.Module, batch: PackedBatch, settings: PreferenceLoss
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's summed pair loss (a scalar with its graph) and its metric sums ``[4]`` (chosen and
+    rejected rewards, margin, correctly ordered pairs), detached; the caller divides by the step's pairs."""
+    if batch.num_sequences % 2:
+        raise ValueError(
+            f"a preference micro-batch needs whole pairs, got {batch.num_sequences} sequences: pack the data "
+            "with fastft.pack_pairs(...)"
+        )
+    reference = None
+    if settings.needs_reference:
+        with adapters_disabled(model):
+            reference = sequence_log_probs(model, batch)
+    losses, chosen_rewards, rejected_rewards = pair_losses(
+        settings, sequence_log_probs(model, batch), reference
+    )
+    margin = chosen_rewards - rejected_rewards
+    metrics = torch.stack(
+        [chosen_rewards.sum(), rejected_rewards.sum(), margin.sum(), (margin > 0).to(margin.dtype).sum()]
+    )
+    return losses.sum(), metrics.float()

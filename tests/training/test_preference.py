@@ -1,0 +1,195 @@
+"""DPO-family losses on packed pairs against a plain-PyTorch reference (unpacked sequences, full logits)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastft
+from fastft.checks import SettingError
+from fastft.data.pairs import pack_pairs
+from fastft.training.preference import PreferenceLoss, adapters_disabled, pair_loss_sum, sequence_log_probs
+from fastft.training.trainer import TrainConfig, Trainer
+
+SETTINGS = [
+    PreferenceLoss("dpo", "sigmoid", beta=0.3),
+    PreferenceLoss("dpo", "ipo", beta=0.7),
+    PreferenceLoss("dpo", "robust", beta=0.2, label_smoothing=0.1),
+    PreferenceLoss("orpo", beta=0.25),
+    PreferenceLoss("simpo", beta=2.0, simpo_gamma=0.5, label_smoothing=0.05),
+]
+
+
+def _rows(count=5, seed=0):
+    rng = np.random.default_rng(seed)
+    words = "the a cat dog runs sat on mat blue green red one two three four".split()
+
+    def text(n):
+        return " ".join(rng.choice(words, n))
+
+    return [
+        {
+            "prompt": text(int(rng.integers(3, 17))),
+            "chosen": text(int(rng.integers(1, 9))),
+            "rejected": text(int(rng.integers(2, 13))),
+        }
+        for _ in range(count)
+    ]
+
+
+def _model(fused=True):
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(model, r=4, alpha=8, gradient_checkpointing=False, fused=fused, seed=1)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    model.train()
+    return model, tokenizer
+
+
+def _reference_log_probs(model, pairs):
+    """Each sequence alone, the full logits, log-softmax, the labelled tokens summed."""
+    sums, counts = [], []
+    for ids, labels in zip(pairs.data.input_ids, pairs.data.labels, strict=True):
+        ids = torch.as_tensor(ids, dtype=torch.long)[None]
+        labels = torch.as_tensor(labels, dtype=torch.long)
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        targets = labels[1:]
+        keep = targets != -100
+        logp = logits.log_softmax(-1)[keep].gather(1, targets[keep][:, None])[:, 0]
+        sums.append(logp.sum())
+        counts.append(keep.sum().float())
+    return torch.stack(sums), torch.stack(counts)
+
+
+def _reference_losses(settings, policy, reference):
+    """The losses written out from the papers' definitions (TRL's conventions), independently of fastft."""
+    (s, n), beta, eps = policy, settings.beta, settings.label_smoothing
+    c, r, nc, nr = s[0::2], s[1::2], n[0::2], n[1::2]
+    if settings.method == "dpo":
+        c0, r0 = reference[0][0::2], reference[0][1::2]
+        delta = (c - c0) - (r - r0)
+        if settings.dpo_loss == "sigmoid":
+            return -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
+        if settings.dpo_loss == "robust":
+            return (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (
+                1 - 2 * eps
+            )
+        return ((c - c0) / nc - (r - r0) / nr - 1 / (2 * beta)) ** 2
+    ca, ra = c / nc, r / nr
+    if settings.method == "orpo":
+        odds = lambda x: x - torch.log(1 - torch.exp(x))  # noqa: E731 - log(p / (1 - p))
+        return -ca - beta * F.logsigmoid(odds(ca) - odds(ra))
+    z = beta * (ca - ra) - settings.simpo_gamma
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_sequence_log_probs_of_a_packed_batch_equal_each_sequence_alone(fused):
+    model, tokenizer = _model(fused)
+    pairs = pack_pairs(_rows(), tokenizer, 512)
+    batch = pairs.batch(range(len(pairs)))
+    members = [row for b in range(len(pairs)) for row in pairs.bins[b]]
+    sums, counts = sequence_log_probs(model, batch)
+    expected_sums, expected_counts = _reference_log_probs(model, pairs)
+    torch.testing.assert_close(counts, expected_counts[members], rtol=0, atol=0)
+    torch.testing.assert_close(sums, expected_sums[members], rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_is_the_model_with_its_adapters_off():
+    model, tokenizer = _model()
+    pairs = pack_pairs(_rows(3), tokenizer, 512)
+    batch = pairs.batch(range(len(pairs)))
+    with adapters_disabled(model):
+        reference, _ = sequence_log_probs(model, batch)
+    with_adapters, _ = sequence_log_probs(model, batch)
+    assert (reference - with_adapters).abs().max() > 1e-3  # the adapters change the answer's probability
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.zero_()
+    base, _ = sequence_log_probs(model, batch)
+    torch.testing.assert_close(reference, base, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s.method}-{s.dpo_loss}")
+def test_each_loss_and_every_lora_gradient_equal_the_plain_reference(settings):
+    model, tokenizer = _model()
+    pairs = pack_pairs(_rows(6, seed=3), tokenizer, 160)  # several bins, pairs of awkward lengths
+    order = [row for b in range(len(pairs)) for row in pairs.bins[b]]
+    parameters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    model.zero_grad(set_to_none=True)
+    total = sum(pair_loss_sum(model, pairs.batch([b]), settings)[0] for b in range(len(pairs)))
+    loss = total / pairs.pairs
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in parameters.items()}
+
+    model.zero_grad(set_to_none=True)
+    policy = _reference_log_probs(model, pairs)
+    with adapters_disabled(model):
+        reference = _reference_log_probs(model, pairs)
+    expected = _reference_losses(settings, policy, reference).mean()
+    expected.backward()
+    assert len(order) == 2 * pairs.pairs
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for name, parameter in parameters.items():  # relative error in norm, as the other parity tests
+        assert parameter.grad.norm() > 0, name
+        assert (grads[name] - parameter.grad).norm() / parameter.grad.norm() <= 1e-5, name
+
+
+def test_dpo_training_orders_held_out_pairs():
+    """A short DPO run on programmatic pairs (the bare right answer chosen, a wrong wordy one rejected)
+    raises the held-out accuracy and margin from the start (every reward 0: the policy is the reference)."""
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(model, r=8, seed=0)
+    rows = [
+        {
+            "prompt": f"What is {i} plus {i + 3}?",
+            "chosen": f"{2 * i + 3}",
+            "rejected": f"The answer is {2 * i + 5}.",
+        }
+        for i in range(48)
+    ]
+    config = TrainConfig(
+        method="dpo", beta=0.1, max_steps=8, learning_rate=2e-3, warmup=0, micro_batch_bins=2
+    )
+    train, held_out = pack_pairs(rows[:40], tokenizer, 128), pack_pairs(rows[40:], tokenizer, 128)
+    assert len(train) >= 8  # a step draws 2 of its bins, a few pairs, not the whole set
+    trainer = Trainer(model, tokenizer, train, held_out, config)
+    before = trainer.evaluate()
+    assert before.preference["margin"] == pytest.approx(0.0, abs=1e-6)
+    result = trainer.train()
+    after = trainer.evaluate()
+    assert after.preference["accuracy"] == 1.0 and after.preference["margin"] > 0.5
+    assert after.eval_loss < before.eval_loss
+    step = result.steps[-1].preference
+    assert step["pairs"] > 0 and set(step) == {
+        "pairs",
+        "rewards_chosen",
+        "rewards_rejected",
+        "margin",
+        "accuracy",
+    }
+
+
+def test_preference_settings_are_checked_with_the_fix():
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(model, r=4)
+    with pytest.raises(SettingError, match="Did you mean 'simpo'"):
+        TrainConfig(method="simpO")
+    with pytest.raises(SettingError, match="dpo_loss"):
+        TrainConfig(method="dpo", dpo_loss="hinge")
+    with pytest.raises(SettingError, match="static_shapes"):
+        TrainConfig(method="dpo", static_shapes=True)
+    with pytest.raises(SettingError, match="beta"):
+        TrainConfig(method="dpo", beta=0)
+    packed_for_sft = fastft.pack(
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+        tokenizer,
+        64,
+    )
+    with pytest.raises(ValueError, match="trains on pairs"):
+        Trainer(model, tokenizer, packed_for_sft, config=TrainConfig(method="dpo"))
