@@ -52,7 +52,7 @@ def _demo_parser(sub) -> None:
         "demo",
         help="fine-tune the embedded tiny-llama on the bundled skills data and write an HTML report",
         description="Load a model, add LoRA, pack the bundled data, measure accuracy, train, measure "
-        "again, save the adapter and write runs/<name>/report.html. Offline; about 3 minutes on a busy 2-core CPU (the README has the measured times).",
+        "again, save the adapter and write runs/<name>/report.html. Offline; about 40 s of training on a quiet 2-core CPU (the README has the measured times).",
         formatter_class=_DefaultsOnceFormatter,
     )
     defaults = DemoConfig(name="demo-<date>-<time>")

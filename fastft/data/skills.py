@@ -105,9 +105,9 @@ TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
 }
 
 SYSTEM_PROMPT = "Answer with the result only."
-# The tiny-llama preset was pretrained on all tasks with answers in this wordier style and no
-# system prompt (fastft.training.warmstart); the bundled SFT data teaches it to follow SYSTEM_PROMPT.
-VERBOSE_ANSWER = "The answer is {answer}."
+# The tiny-llama preset was pretrained on the tasks with answers in this wordier, answer-first style and
+# no system prompt (fastft.training.warmstart); the bundled SFT data teaches it to follow SYSTEM_PROMPT.
+VERBOSE_ANSWER = "{answer} is the answer."
 
 
 def normalize_answer(text: str) -> str:
@@ -122,24 +122,26 @@ def _first_line(completion: str) -> str:
 
 def score(completion: str, answer: str) -> float:
     """Format compliance: 1.0 when the completion's first line is exactly the bare answer (after
-    `normalize_answer`), else 0.0. "The answer is 7000 m." scores 0 here: it ignores the system prompt."""
+    `normalize_answer`), else 0.0. "7000 m is the answer." scores 0 here: it ignores the system prompt."""
     return float(normalize_answer(_first_line(completion)) == normalize_answer(answer))
 
 
 _ANSWER_PREFIX = re.compile(r"^(?:the )?answer(?: is)?\s*:?\s*", re.IGNORECASE)
+_ANSWER_SUFFIX = re.compile(r",?\s*(?:is )?the answer$", re.IGNORECASE)
 
 
 def content_answer(text: str) -> str:
     """What a completion answers, whatever its wording: the first line without a leading "The answer is"
-    (or "Answer:"), a final period, or surrounding quotes, spaces collapsed."""
-    text = normalize_answer(_ANSWER_PREFIX.sub("", normalize_answer(_first_line(text))))
+    (or "Answer:"), a trailing "is the answer", a final period, or surrounding quotes, spaces collapsed."""
+    text = normalize_answer(_first_line(text))
+    text = normalize_answer(_ANSWER_SUFFIX.sub("", _ANSWER_PREFIX.sub("", text)))
     return text[1:-1].strip() if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
 
 
 def content_score(completion: str, answer: str) -> float:
-    """Content accuracy: 1.0 when the completion gives the right answer in any wording ("The answer is
-    7000 m." counts), else 0.0. Case counts only where the answer has capitals (the uppercase task):
-    "7000 M" is right for "7000 m", "Tiger" is wrong for "TIGER"."""
+    """Content accuracy: 1.0 when the completion gives the right answer in any wording ("7000 m is the
+    answer." and "The answer is 7000 m." count), else 0.0. Case counts only where the answer has capitals
+    (the uppercase task): "7000 M" is right for "7000 m", "Tiger" is wrong for "TIGER"."""
     given, expected = content_answer(completion), content_answer(answer)
     if expected == expected.lower():
         given = given.lower()

@@ -18,14 +18,14 @@ class DemoConfig:
     dataset: str = "bundled:skills"
     eval_dataset: str = "bundled:skills-eval"
     max_seq_length: int = 256
-    steps: int = 600
+    steps: int = 150
     learning_rate: float = 4e-3
     lora_r: int = 16
     lora_alpha: float = 32.0
     # the tiny preset's activations take a few MiB: recomputing them would only cost time
     gradient_checkpointing: str = "none"
     micro_batch_bins: int = 4
-    eval_every: int = 100
+    eval_every: int = 50
     eval_samples: int = 128
     seed: int = 3407
     output_dir: str = "runs"

@@ -8,8 +8,8 @@ from fastft.training.evaluate import evaluate_accuracy
 
 
 def test_the_untrained_preset_is_right_in_its_own_words_but_ignores_the_format():
-    # tiny-llama was pretrained to answer "The answer is …." with no system prompt: before any fine-tuning
-    # it gets many held-out answers right in that wording and none in the bare form the system prompt asks
+    # tiny-llama was pretrained to answer "… is the answer." with no system prompt: before any fine-tuning
+    # it gets some held-out answers right in that wording and none in the bare form the system prompt asks
     model, tokenizer = fastft.load_model("tiny-llama")
     rows = list(fastft.load_dataset("bundled:skills-eval").select(range(24)))
     result = evaluate_accuracy(model, tokenizer, rows)
