@@ -32,7 +32,8 @@ class TemplateTranslationError(ValueError):
 class Pieces:
     """The literal text around each message of a chat template (see the module doc)."""
 
-    head: str  # once, before the first message (BOS excluded: llama.cpp adds it)
+    head: str  # before the first message unless it is a system one with its own piece (a default system
+    # block, or ""; BOS excluded: llama.cpp adds it)
     system: tuple[str, str] | None  # before / after a system message's content; None: no system role
     user: tuple[str, str]
     assistant: tuple[str, str]
@@ -90,12 +91,12 @@ def measure(tokenizer) -> Pieces:
         if bos and with_system.startswith(bos):
             with_system = with_system[len(bos) :]
         system_pre, rest = _split(with_system, _S)
-        if not system_pre.startswith(head):
-            raise TemplateTranslationError("a system message changes the text before the first message")
         suffix = user_pre + _U + user_post
         if not rest.endswith(suffix):
             raise TemplateTranslationError("a system message changes how the user message after it renders")
-        system = (system_pre[len(head) :], rest[: len(rest) - len(suffix)])
+        # the head (a default system block, or text before every conversation) is replaced by a system
+        # message's own text when the conversation opens with one
+        system = (system_pre, rest[: len(rest) - len(suffix)])
     return Pieces(
         head=head, system=system, user=(user_pre, user_post), assistant=assistant, generation=generation
     )
@@ -103,7 +104,8 @@ def measure(tokenizer) -> Pieces:
 
 def render_pieces(pieces: Pieces, messages: list[dict], generation: bool) -> str:
     """What the Go template built by `go_template` renders for `messages` (Ollama's .Messages)."""
-    out = [pieces.head]
+    opens_with_system = bool(messages) and messages[0]["role"] == "system" and pieces.system is not None
+    out = [] if opens_with_system else [pieces.head]
     for i, message in enumerate(messages):
         last = i == len(messages) - 1
         role, content = message["role"], message["content"]
@@ -132,8 +134,11 @@ def go_template(pieces: Pieces) -> str:
     system = ""
     if pieces.system is not None:
         system = f'{{{{ if eq .Role "system" }}}}{literal(pieces.system[0])}{{{{ .Content }}}}{literal(pieces.system[1])}{{{{ else }}}}'
+    head = literal(pieces.head)
+    if head and pieces.system is not None:
+        head = f'{{{{ if or (not .Messages) (ne (index .Messages 0).Role "system") }}}}{head}{{{{ end }}}}'
     return (
-        literal(pieces.head)
+        head
         + "{{ range $i, $_ := .Messages }}{{ $last := eq (len (slice $.Messages $i)) 1 }}"
         + system
         + f'{{{{ if eq .Role "user" }}}}{literal(pieces.user[0])}{{{{ .Content }}}}{literal(pieces.user[1])}'

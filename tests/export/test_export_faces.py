@@ -119,3 +119,32 @@ def test_export_rss_bench_streams_a_small_llama_3_1_shape(tmp_path):
     if result["peak_reset"]:
         # streaming: the export's extra memory is a few tensors, not a second copy of the weights
         assert result["export_extra_bytes"] < result["weights_bytes"]
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama-3.1", "qwen-2.5", "phi-3"])
+def test_chat_templates_translate_to_ollama_and_render_the_same(name):
+    from fastft.chat_templates import get_chat_template
+    from fastft.export.ollama import render_pieces, translate
+    from fastft.models.presets import load_preset_tokenizer
+
+    tokenizer = get_chat_template(load_preset_tokenizer(), chat_template=name)
+    template, pieces = translate(tokenizer)
+    assert "{{ range $i, $_ := .Messages }}" in template and "{{-" not in template
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+    for conversation in (messages, messages[1:]):  # with a system message, and with the default one
+        want = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        assert render_pieces(pieces, conversation, True) == want.removeprefix(tokenizer.bos_token or "\0")
+
+
+def test_a_template_that_merges_the_system_prompt_into_the_user_turn_is_refused():
+    from fastft.chat_templates import get_chat_template
+    from fastft.export.ollama import TemplateTranslationError, translate
+    from fastft.models.presets import load_preset_tokenizer
+
+    with pytest.raises(TemplateTranslationError, match="system message changes how the user message"):
+        translate(get_chat_template(load_preset_tokenizer(), chat_template="mistral"))
