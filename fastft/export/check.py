@@ -7,7 +7,9 @@ like the tokenizer?
    `gguf` reader, its dequantisers and a PyTorch forward written from llama.cpp's graphs, never
    transformers). The reference is the merged model (LoRA added in fp32, rounded to the 16-bit type the
    export starts from, computed in fp32) run by transformers. On each prompt both answer greedily, and
-   the next-token logits are compared at every position of the prompt and the reference's answer.
+   the next-token logits are compared at every position of the prompt and the reference's answer; the
+   top-1 agreement that is judged is the one at the positions that predict the answer (generation reads
+   those), the prompt's own positions are reported beside it.
 
 Tolerances per quantisation (`TOLERANCES`, stated in the README's export section): f32/f16/bf16 must give
 the same greedy answer on every prompt; every quantisation must reach its top-1 next-token agreement.
@@ -53,9 +55,10 @@ class PromptResult:
     reference: str
     exported: str
     matched: bool
-    top1: float
+    top1: float  # at the positions that predict the merged model's answer
     positions: int
     max_logit_diff: float
+    top1_prompt: float = 1.0  # at the prompt's own positions (reported, not judged)
 
 
 @dataclass
@@ -285,15 +288,19 @@ def check_gguf(
         with torch.no_grad():
             want = reference(torch.tensor([sequence])).logits[0].float()
         got = exported.logits(sequence)
+        # the positions that predict the answer (the prompt's last token on): what generation reads; the
+        # prompt's own positions (a system prompt's words) are reported apart, in `top1_prompt`
         agree = (want.argmax(-1) == got.argmax(-1)).float()
+        answer = agree[len(ids) - 1 : -1] if ours else agree[-1:]
         check.prompts.append(
             PromptResult(
                 prompt=_last_user(prompt),
                 reference=tokenizer.decode(ours, skip_special_tokens=True),
                 exported=tokenizer.decode(theirs, skip_special_tokens=True),
                 matched=ours == theirs,
-                top1=float(agree.mean()),
-                positions=len(sequence),
+                top1=float(answer.mean()),
+                positions=len(answer),
+                top1_prompt=float(agree[: len(ids) - 1].mean()) if len(ids) > 1 else 1.0,
                 max_logit_diff=float((want - got).abs().max()),
             )
         )

@@ -99,7 +99,7 @@ def test_studio_export_tab_writes_gguf_and_ollama_with_progress_and_the_table(tm
     assert panel.wait(900)
     status = html.unescape(panel.status.value)
     if shutil.which("llama-quantize") is None:  # the K-quant is refused with the way to get it
-        assert "llama-quantize, which is not on PATH" in status and not (tmp_path / "ollama").exists()
+        assert "llama-quantize tool, which is not on PATH" in status and not (tmp_path / "ollama").exists()
     else:
         assert "check passed" in status and (tmp_path / "ollama" / "Modelfile").is_file()
     assert "save_ollama" in panel.code()

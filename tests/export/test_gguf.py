@@ -149,7 +149,7 @@ def test_gpt_oss_and_unknown_quantizations_raise_clear_errors(tmp_path):
     with pytest.raises(GGUFExportError, match="unknown GGUF quantization 'q7'"):
         save_gguf(llama, tmp_path / "g.gguf", tokenizer, "q7")
     if shutil.which("llama-quantize") is None:
-        with pytest.raises(GGUFExportError, match="llama-quantize, which is not on PATH"):
+        with pytest.raises(GGUFExportError, match="llama-quantize tool, which is not on PATH"):
             save_gguf(llama, tmp_path / "g.gguf", tokenizer, "q4_k_m")
     assert list(tmp_path.iterdir()) == []
 
