@@ -259,13 +259,14 @@ def check_gguf(
     prompts: list | None = None,
     max_new_tokens: int = 24,
     reference=None,
+    progress=None,
 ) -> ExportCheck:
     """Check the GGUF file at `path` against `model` (the trained PEFT model, or a plain transformers model)
     and `tokenizer`; returns an `ExportCheck` (``.passed``, ``.table()``), never raises on a mismatch.
 
     `prompts` are chat conversations (lists of messages, answered after a generation prompt) or plain
     strings; by default the first 8 held-out skills questions. `reference` may pass a merged model already
-    built by `merged_reference`."""
+    built by `merged_reference`; `progress("check", done, total)` is called after each prompt."""
     path = Path(path)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     check = ExportCheck(path=path, quantization=quantization)
@@ -274,7 +275,8 @@ def check_gguf(
     reference = reference if reference is not None else merged_reference(model, quantization)
     eos = tokenizer.eos_token_id
     file_eos = exported.meta.get("tokenizer.ggml.eos_token_id")
-    for prompt in prompts if prompts is not None else default_prompts():
+    prompts = prompts if prompts is not None else default_prompts()
+    for number, prompt in enumerate(prompts, 1):
         if isinstance(prompt, str):
             text = prompt
         else:
@@ -304,6 +306,8 @@ def check_gguf(
                 max_logit_diff=float((want - got).abs().max()),
             )
         )
+        if progress is not None:
+            progress("check", number, len(prompts))
     return check
 
 

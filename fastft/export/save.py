@@ -90,7 +90,7 @@ def save_gguf(
         if check:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # transformers' notes on a model it builds for the check
-                report = check_gguf(tmp, model, tokenizer, quantization, prompts=prompts)
+                report = check_gguf(tmp, model, tokenizer, quantization, prompts=prompts, progress=progress)
             report.path = path
             if not report.passed:
                 raise GGUFCheckError(report)

@@ -281,7 +281,8 @@ class ExportPanel(Panel):
     def _gguf_progress(self, stage: str, done: int, total: int) -> None:
         self.gguf_progress.max = max(total, 1)
         self.gguf_progress.value = done
-        self.gguf_stage.value = f"{html.escape(stage)} {done}/{total} tensors" if stage == "write" else ""
+        what = "tensors written" if stage == "write" else "prompts checked"
+        self.gguf_stage.value = f"{done}/{total} {what}"
 
     def _export_gguf(self, kind: str, target: str, quantization: str) -> str:
         from fastft.export import GGUFCheckError, save_gguf, save_ollama
