@@ -26,9 +26,11 @@ def trained(request):
     """A preset with LoRA trained for a few steps on the bundled skills data."""
     model, tokenizer = fastft.load_model(request.param, max_seq_length=256)
     model = fastft.add_lora(model, r=8, alpha=16, gradient_checkpointing="none")
-    rows = fastft.load_dataset("bundled:skills").select(range(64))
+    # 12 steps: after 4, a q8_0 tiny-moe (no warm start) agreed on 97.9 % of answer tokens, its near-tied
+    # logits flipping under the quantisation; the bar is the >= 99 % of a model that has learnt something
+    rows = fastft.load_dataset("bundled:skills").select(range(128))
     fastft.train(
-        model, tokenizer, fastft.pack(rows, tokenizer, 256), max_steps=4, learning_rate=2e-3, progress=False
+        model, tokenizer, fastft.pack(rows, tokenizer, 256), max_steps=12, learning_rate=2e-3, progress=False
     )
     model.eval()
     return request.param, model, tokenizer
