@@ -1,5 +1,6 @@
 """The `fastft` command line: ``fastft demo`` runs the whole path offline; ``fastft models`` lists
-what can be loaded; ``fastft estimate MODEL`` sizes a run; ``fastft bench NAME`` reproduces a benchmark.
+what can be loaded; ``fastft estimate MODEL`` sizes a run; ``fastft bench NAME`` reproduces a benchmark; ``fastft export RUN_DIR
+--gguf q8_0`` writes a checked GGUF file and an Ollama Modelfile.
 
 Building the parser imports only plain-Python modules (the demo's settings, the checkpointing modes, the
 benchmark names); torch, transformers, datasets and plotly are imported inside the command that needs them,
@@ -215,6 +216,87 @@ def _run_estimate(args) -> int:
     return 0
 
 
+def _export_parser(sub) -> None:
+    parser = sub.add_parser(
+        "export",
+        help="export a run's trained model as a checked GGUF file plus an Ollama Modelfile",
+        description="Merge RUN_DIR's adapter into its base, write it as GGUF (quantised as asked) with an Ollama "
+        "Modelfile, read the file back and check it answers like the merged model. RUN_DIR is a run folder "
+        "(its adapter/ or newest checkpoint) or an adapter folder.",
+        formatter_class=_DefaultsOnceFormatter,
+    )
+    parser.add_argument("run_dir", help="run folder (runs/NAME) or adapter folder")
+    parser.add_argument(
+        "--gguf",
+        default="q8_0",
+        metavar="QUANT",
+        help="f16, bf16, q8_0, q4_0 (written by fastft) or a K-quant such as q4_k_m (needs llama-quantize)",
+    )
+    parser.add_argument("--out", default=None, help="output folder (default: RUN_DIR/gguf-QUANT)")
+    parser.add_argument("--prompts", type=int, default=8, help="held-out questions the check compares")
+    parser.add_argument("--no-check", action="store_true", help="skip the read-back check (not recommended)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an output folder fastft did not write"
+    )
+
+
+def _run_export(args) -> int:
+    from pathlib import Path
+
+    from fastft.export import GGUFCheckError, save_ollama
+    from fastft.export.check import default_prompts
+    from fastft.models.loading import load_model
+
+    run_dir = Path(args.run_dir).expanduser()
+    adapter = _adapter_folder(run_dir)
+    out = Path(args.out) if args.out else run_dir / f"gguf-{args.gguf.lower()}"
+    print(f"loading {adapter}", file=sys.stderr)
+    model, tokenizer = load_model(str(adapter))
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage == "write" and (done == total or done % 20 == 0):
+            print(f"  wrote {done}/{total} tensors", file=sys.stderr)
+
+    try:
+        result = save_ollama(
+            model,
+            out,
+            tokenizer,
+            args.gguf,
+            check=not args.no_check,
+            prompts=default_prompts(args.prompts),
+            overwrite=args.overwrite,
+            progress=progress,
+        )
+    except GGUFCheckError as error:
+        print(error.check.table(), file=sys.stderr)
+        print(f"error: the exported file failed its check and was not kept: {error}", file=sys.stderr)
+        return 1
+    if result.check is not None:
+        print(result.check.table())
+    print(f"\nwrote {result.path} and {result.modelfile}")
+    print(f"Ollama: ollama create NAME -f {result.modelfile}")
+    return 0
+
+
+def _adapter_folder(run_dir):
+    """The adapter a run folder holds: RUN_DIR itself, RUN_DIR/adapter, or its newest checkpoint."""
+    if (run_dir / "adapter_config.json").is_file():
+        return run_dir
+    if (run_dir / "adapter" / "adapter_config.json").is_file():
+        return run_dir / "adapter"
+    checkpoints = sorted(
+        (p for p in (run_dir / "checkpoints").glob("checkpoint-*") if (p / "adapter_config.json").is_file()),
+        key=lambda p: int(p.name.rpartition("-")[2]) if p.name.rpartition("-")[2].isdigit() else -1,
+    )
+    if checkpoints:
+        return checkpoints[-1]
+    raise ValueError(
+        f"{run_dir} holds no adapter (adapter_config.json, adapter/ or checkpoints/checkpoint-N/): give a run "
+        "folder written by fastft train / fastft demo, or an adapter folder (fastft.save_adapter)."
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fastft import __version__
 
@@ -227,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     _models_parser(sub)
     _estimate_parser(sub)
     _bench_parser(sub)
+    _export_parser(sub)
     return parser
 
 
@@ -236,9 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    run = {"demo": _run_demo, "models": _run_models, "estimate": _run_estimate, "bench": _run_bench}[
-        args.command
-    ]
+    run = {
+        "demo": _run_demo,
+        "models": _run_models,
+        "estimate": _run_estimate,
+        "bench": _run_bench,
+        "export": _run_export,
+    }[args.command]
     try:
         return run(args)
     except user_errors() as error:  # the error and its fix, without a traceback (FASTFT_TRACEBACK=1 shows it)

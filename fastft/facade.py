@@ -9,12 +9,16 @@ model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, use_gradien
 An Unsloth argument that does not apply here is accepted with a warning saying so; one that changes what is
 trained is carried out (``modules_to_save``, ``use_dora``) or refused with the alternative
 (``layers_to_transform``, ``full_finetuning=True``), never dropped.
+
+Each model returned carries Unsloth's saving methods (``save_pretrained_merged``, ``save_pretrained_gguf``,
+``push_to_hub_merged``, ``push_to_hub_gguf``: `fastft.facade_export`).
 """
 
 from __future__ import annotations
 
 import warnings
 
+from fastft.facade_export import bind
 from fastft.models.loading import load_model
 from fastft.models.lora import add_lora
 
@@ -51,7 +55,7 @@ class FastLanguageModel:
                 "modules_to_save=['embed_tokens', 'lm_head'] there."
             )
         _drop_ignored(kwargs, _IGNORED_LOAD, "from_pretrained")
-        return load_model(
+        model, tokenizer = load_model(
             model_name,
             max_seq_length=max_seq_length,
             dtype=dtype,
@@ -61,6 +65,7 @@ class FastLanguageModel:
             trust_remote_code=trust_remote_code,
             **kwargs,
         )
+        return bind(model), tokenizer
 
     @staticmethod
     def get_peft_model(
@@ -97,18 +102,20 @@ class FastLanguageModel:
         if not isinstance(target_modules, str):
             whole += [name for name in target_modules if name in _WHOLE_MODULES and name not in whole]
             target_modules = [name for name in target_modules if name not in _WHOLE_MODULES]
-        return add_lora(
-            model,
-            r=r,
-            alpha=lora_alpha,
-            dropout=lora_dropout,
-            target_modules=target_modules,
-            gradient_checkpointing=use_gradient_checkpointing,
-            bias=bias,
-            use_rslora=use_rslora,
-            seed=random_state,
-            modules_to_save=whole or None,
-            use_dora=use_dora,
+        return bind(
+            add_lora(
+                model,
+                r=r,
+                alpha=lora_alpha,
+                dropout=lora_dropout,
+                target_modules=target_modules,
+                gradient_checkpointing=use_gradient_checkpointing,
+                bias=bias,
+                use_rslora=use_rslora,
+                seed=random_state,
+                modules_to_save=whole or None,
+                use_dora=use_dora,
+            )
         )
 
     @staticmethod

@@ -24,6 +24,7 @@ LAYERS = {
     "fastft.runtime": 2,
     "fastft.models": 3,
     "fastft.training": 4,
+    "fastft.export": 4,
     "fastft.vram": 5,
     "fastft.profile": 5,
     "fastft.bench": 5,
@@ -31,6 +32,7 @@ LAYERS = {
     "fastft.studio": 6,
     "fastft.cli": 6,
     "fastft.facade": 6,
+    "fastft.facade_export": 6,
     "fastft.demo": 6,
     "fastft.__main__": 6,
     "fastft": 6,  # the public API (fastft/__init__.py) is a face: nothing below imports it

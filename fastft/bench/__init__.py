@@ -11,4 +11,5 @@ BENCHMARKS = {
     "profiler": "fastft.bench.profiler",
     "moe": "fastft.bench.moe",
     "attention": "fastft.bench.attention",
+    "export_rss": "fastft.bench.export_rss",
 }

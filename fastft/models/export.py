@@ -9,6 +9,8 @@ state dict, so training or generation can go on after saving.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,8 +41,6 @@ def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None, over
 
 def merged_state_dict(model: PeftModel, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The base model's state dict with every LoRA delta added in fp32, cast to `dtype`."""
-    from peft.tuners.lora import LoraLayer
-
     base = model.get_base_model()
     if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
         raise ValueError(
@@ -48,27 +48,49 @@ def merged_state_dict(model: PeftModel, dtype: torch.dtype = torch.bfloat16) -> 
             "load_model(name, load_in_4bit=False), attach the saved adapter with "
             "peft.PeftModel.from_pretrained(base, adapter_folder), then merge."
         )
-    deltas: dict[str, torch.Tensor] = {}
+    return {key: value.to(dtype) for key, value in merged_tensors(model)}
+
+
+def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The merged weights one tensor at a time, in state-dict order: (key without PEFT's levels, CPU tensor).
+    An adapted weight comes as fp32 W + the active adapters' (alpha/r)·B·A; any other tensor as stored (the
+    model's own tensor, not a copy, on a CPU model). An NF4 base weight is dequantised exactly
+    (bitsandbytes' own dequantisation) before its delta is added. Only one merged tensor exists at a time,
+    so a caller that writes each before asking for the next never holds a second copy of the model.
+
+    `model` may also be a plain transformers model (no adapters): its own weights come out."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    if getattr(base, "is_loaded_in_8bit", False):
+        raise ValueError(
+            "Merging into an 8-bit base is not supported: load the base in 16-bit (load_in_8bit=False), attach "
+            "the saved adapter with peft.PeftModel.from_pretrained(base, adapter_folder), then export."
+        )
+    lora_of: dict[str, LoraLayer] = {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
-            delta = None
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    d = module.get_delta_weight(adapter).float()
-                    delta = d if delta is None else delta + d
-            if delta is not None:
-                # a PEFT ParamWrapper (LoRA on stacked expert weights) adapts one parameter of the module
-                # it wraps, possibly under further wrappers: the key names the innermost one
-                deltas[_clean(f"{name}.base_layer.{getattr(module, 'parameter_name', 'weight')}")] = delta
-    merged: dict[str, torch.Tensor] = {}
-    for key, value in base.state_dict().items():
-        if "lora_" in key:
+            lora_of[_clean(f"{name}.base_layer.{getattr(module, 'parameter_name', 'weight')}")] = module
+    for key, value in base.state_dict(keep_vars=True).items():
+        if "lora_" in key or _QUANT_STATE.search(key):
             continue
         key = _clean(key)
-        if key in deltas:
-            value = value.float() + deltas[key]
-        merged[key] = value.detach().to(dtype=dtype, device="cpu")
-    return merged
+        if getattr(value, "quant_state", None) is not None:  # bitsandbytes Params4bit
+            import bitsandbytes.functional as bnbf
+
+            value = bnbf.dequantize_4bit(value.data, value.quant_state)
+        value = value.detach().to(device="cpu")
+        module = lora_of.get(key)
+        if module is not None:
+            value = value.float()
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    value = value + module.get_delta_weight(adapter).detach().to("cpu", torch.float32)
+        yield key, value
+
+
+# the keys bitsandbytes adds beside a 4-bit weight (absmax, quant_map, nested_*, quant_state.*)
+_QUANT_STATE = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\..*)$")
 
 
 def _clean(key: str) -> str:

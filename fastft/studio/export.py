@@ -1,5 +1,6 @@
-"""The Export panel: keep the trained adapter, merge it into a 16-bit model, try a prompt (streamed), and
-score held-out answers (content accuracy beside format compliance, as `fastft demo` reports them).
+"""The Export panel: keep the trained adapter, merge it into a 16-bit model, export a checked GGUF file or
+Ollama folder, try a prompt (streamed), and score held-out answers (content accuracy beside format
+compliance, as `fastft demo` reports them).
 
 Saving, merging and generating run one at a time on a background thread (`Worker`), so a click returns
 at once; ``panel.wait()`` blocks until the job is done (scripts, tests). None of them runs while a
@@ -20,6 +21,15 @@ __all__ = ["ExportPanel"]
 
 STREAM_INTERVAL = 0.05  # seconds between updates of the streamed answer (≤ 20 a second)
 HELD_OUT = "bundled:skills-eval"  # questions never trained on (the bundled data holds none of them)
+# (label, quantization) of the GGUF export; the K-quants need llama.cpp's llama-quantize on PATH
+GGUF_CHOICES = [
+    ("q8_0 (8-bit, near lossless)", "q8_0"),
+    ("bf16 (16-bit, exact)", "bf16"),
+    ("f16 (16-bit)", "f16"),
+    ("q4_0 (4-bit)", "q4_0"),
+    ("q4_k_m (4-bit K-quant, llama-quantize)", "q4_k_m"),
+    ("q5_k_m (5-bit K-quant, llama-quantize)", "q5_k_m"),
+]
 
 
 def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
@@ -72,6 +82,25 @@ class ExportPanel(Panel):
             value="runs/merged", description="merged folder", style=style, layout=wide
         )
         self.merge_button = widgets.Button(description="Merge to 16-bit", icon="compress")
+        self.gguf_format = widgets.ToggleButtons(
+            options=[("GGUF file", "gguf"), ("Ollama folder", "ollama")],
+            value="gguf",
+            description="export as",
+            style=style,
+        )
+        self.gguf_quantization = widgets.Dropdown(
+            options=GGUF_CHOICES, value="q8_0", description="quantization", style=style
+        )
+        self.gguf_path = widgets.Text(
+            value="runs/model.gguf", description="GGUF path", style=style, layout=wide
+        )
+        self.gguf_button = widgets.Button(description="Export + check", icon="download")
+        self.gguf_progress = widgets.IntProgress(
+            value=0, min=0, max=1, description="", bar_style="info", layout=widgets.Layout(width="480px")
+        )
+        self.gguf_stage = widgets.HTML("")
+        self.gguf_check = widgets.HTML("")
+        self.last_export = None
         self.prompt = widgets.Textarea(
             value="Compute 48 plus 8.",
             description="prompt",
@@ -93,10 +122,16 @@ class ExportPanel(Panel):
         self.scores = widgets.HTML("")
         self.last_scores = None
         self.status = widgets.HTML("")
-        self._defaults = {"adapter": self.adapter_dir.value, "merged": self.merged_dir.value}
+        self._defaults = {
+            "adapter": self.adapter_dir.value,
+            "merged": self.merged_dir.value,
+            "gguf": self.gguf_path.value,
+        }
 
         self.save_adapter_button.on_click(self._on_save_adapter)
         self.merge_button.on_click(self._on_merge)
+        self.gguf_button.on_click(self._on_gguf)
+        self.gguf_format.observe(self._on_gguf_format, "value")
         self.generate_button.on_click(self._on_generate)
         self.score_button.on_click(self._on_score)
         self.state.observe(self._on_state, ("run", "model"))
@@ -105,6 +140,13 @@ class ExportPanel(Panel):
                 widgets.HTML("<b>Keep the result</b>"),
                 widgets.HBox([self.adapter_dir, self.save_adapter_button]),
                 widgets.HBox([self.merged_dir, self.merge_button]),
+                widgets.HTML(
+                    "<b>Export for llama.cpp / Ollama / LM Studio</b> (read back and checked against the merged model)"
+                ),
+                widgets.HBox([self.gguf_format, self.gguf_quantization]),
+                widgets.HBox([self.gguf_path, self.gguf_button]),
+                widgets.HBox([self.gguf_progress, self.gguf_stage]),
+                self.gguf_check,
                 widgets.HTML("<b>Try a prompt</b>"),
                 self.prompt,
                 self.max_new_tokens,
@@ -130,6 +172,8 @@ class ExportPanel(Panel):
         for key, widget in (("adapter", self.adapter_dir), ("merged", self.merged_dir)):
             if widget.value == self._defaults[key]:
                 widget.value = self._defaults[key] = f"{output}/{key}"
+        if self.gguf_path.value == self._defaults["gguf"]:
+            self.gguf_path.value = self._defaults["gguf"] = self._gguf_default(output)
 
     def _ready(self) -> str | None:
         """Why nothing can be exported now, or None."""
@@ -203,6 +247,66 @@ class ExportPanel(Panel):
         path = save_merged(self.state.model, folder, self.state.tokenizer)
         self.last_saved = str(path)
         return f"Merged 16-bit model saved to {path}; transformers.AutoModelForCausalLM.from_pretrained loads it."
+
+    # -- GGUF / Ollama ---------------------------------------------------------------------------------------
+    def _gguf_default(self, output: str = "runs") -> str:
+        return f"{output}/model.gguf" if self.gguf_format.value == "gguf" else f"{output}/ollama"
+
+    def _on_gguf_format(self, _change=None) -> None:
+        """Switch the default path between a .gguf file and an Ollama folder (unless the user typed one)."""
+        if self.gguf_path.value == self._defaults["gguf"] or self.gguf_path.value in (
+            "runs/model.gguf",
+            "runs/ollama",
+        ):
+            output = self.gguf_path.value.rpartition("/")[0] or "runs"
+            self.gguf_path.value = self._defaults["gguf"] = self._gguf_default(output)
+        self.gguf_path.description = "GGUF path" if self.gguf_format.value == "gguf" else "Ollama folder"
+
+    def _on_gguf(self, _button=None) -> None:
+        problem = self._ready()
+        if problem:
+            self._show(problem, "error")
+            return
+        target = self.gguf_path.value.strip()
+        if not target:
+            self._show("Name a file (model.gguf) or an Ollama folder.", "error")
+            return
+        self.gguf_progress.value, self.gguf_progress.max, self.gguf_progress.bar_style = 0, 1, "info"
+        self.gguf_check.value = ""
+        self._show(f"Exporting to {target}…", "busy")
+        self.worker.start(
+            lambda: self._job(self._export_gguf, self.gguf_format.value, target, self.gguf_quantization.value)
+        )
+
+    def _gguf_progress(self, stage: str, done: int, total: int) -> None:
+        self.gguf_progress.max = max(total, 1)
+        self.gguf_progress.value = done
+        what = "tensors written" if stage == "write" else "prompts checked"
+        self.gguf_stage.value = f"{done}/{total} {what}"
+
+    def _export_gguf(self, kind: str, target: str, quantization: str) -> str:
+        from fastft.export import GGUFCheckError, save_gguf, save_ollama
+
+        save = save_gguf if kind == "gguf" else save_ollama
+        self.gguf_stage.value = "writing…"
+        try:
+            result = save(
+                self.state.model, target, self.state.tokenizer, quantization, progress=self._gguf_progress
+            )
+        except GGUFCheckError as error:
+            self.gguf_progress.bar_style = "danger"
+            self.gguf_stage.value = "check failed"
+            self.gguf_check.value = error.check.html()
+            raise
+        self.last_export = result
+        self.gguf_progress.value = self.gguf_progress.max
+        self.gguf_progress.bar_style = "success"
+        self.gguf_stage.value = "checked"
+        self.gguf_check.value = result.check.html() if result.check is not None else ""
+        where = f"{result.path}" + (
+            f" and {result.modelfile} (ollama create NAME -f {result.modelfile})" if result.modelfile else ""
+        )
+        return f"Exported {where}. {result.check.message() if result.check else ''}"
 
     def _job(self, function, *args) -> None:
         try:
@@ -326,7 +430,10 @@ class ExportPanel(Panel):
             "import fastft\n"
             "from transformers import TextStreamer\n\n"
             f"fastft.save_adapter(model, {self.adapter_dir.value.strip()!r}, tokenizer)\n"
-            f"fastft.save_merged(model, {self.merged_dir.value.strip()!r}, tokenizer)  # 16-bit bases only\n\n"
+            f"fastft.save_merged(model, {self.merged_dir.value.strip()!r}, tokenizer)  # 16-bit bases only\n"
+            f"export = fastft.{'save_gguf' if self.gguf_format.value == 'gguf' else 'save_ollama'}(model, "
+            f"{self.gguf_path.value.strip()!r}, tokenizer, {self.gguf_quantization.value!r})\n"
+            "print(export.check.table())  # per prompt: matched / differs against the merged model\n\n"
             f"messages = [{{'role': 'user', 'content': {self.prompt.value!r}}}]\n"
             "text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)\n"
             "inputs = tokenizer(text, return_tensors='pt', add_special_tokens=False).to(model.device)\n"

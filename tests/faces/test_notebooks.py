@@ -31,6 +31,7 @@ PRODUCES = {
     "01_quickstart_sft.ipynb": [
         "runs/quickstart/adapter/adapter_config.json",
         "runs/quickstart/merged/config.json",
+        "runs/quickstart/model.Q8_0.gguf",  # written only if its read-back check passed
     ],
     "02_qlora_long_context.ipynb": ["runs/qlora_long_context/adapter/adapter_config.json"],
     "03_moe.ipynb": ["runs/moe/adapter/adapter_config.json"],

@@ -1,0 +1,323 @@
+"""The read-back check: does the written GGUF file answer like the merged model, and does it stop and chat
+like the tokenizer?
+
+1. **Metadata against the tokenizer.** The file's tokens, EOS / BOS / PAD ids and chat template must equal
+   the tokenizer's, and the file's template must render a conversation exactly as the tokenizer does.
+2. **Answers against the merged model.** The file is run by `fastft.export.reference.GGUFModel` (the
+   `gguf` reader, its dequantisers and a PyTorch forward written from llama.cpp's graphs, never
+   transformers). The reference is the merged model (LoRA added in fp32, rounded to the 16-bit type the
+   export starts from, computed in fp32) run by transformers. On each prompt both answer greedily, and
+   the next-token logits are compared at every position of the prompt and the reference's answer; the
+   top-1 agreement that is judged is the one at the positions that predict the answer (generation reads
+   those), the prompt's own positions are reported beside it.
+
+Tolerances per quantisation (`TOLERANCES`, stated in the README's export section): f32/f16/bf16 must give
+the same greedy answer on every prompt; every quantisation must reach its top-1 next-token agreement.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fastft.export.reference import GGUFModel, read_metadata
+
+# top-1 next-token agreement over every checked position, and whether greedy answers must all match
+TOLERANCES: dict[str, dict[str, float | bool]] = {
+    "f32": {"top1": 0.99, "greedy": True},
+    "f16": {"top1": 0.99, "greedy": True},
+    "bf16": {"top1": 0.99, "greedy": True},
+    "q8_0": {"top1": 0.99, "greedy": False},
+    "q4_0": {"top1": 0.85, "greedy": False},
+    **{name: {"top1": 0.85, "greedy": False} for name in ("q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")},
+    **{name: {"top1": 0.70, "greedy": False} for name in ("q2_k", "q3_k_m")},
+}
+DEFAULT_PROMPTS = "bundled:skills-eval"
+
+
+class GGUFCheckError(RuntimeError):
+    """The written file does not answer or stop like the model it came from; ``.check`` holds the details."""
+
+    def __init__(self, check: ExportCheck):
+        self.check = check
+        super().__init__(check.message())
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    """One prompt: both greedy answers, whether they match, and the top-1 agreement of its positions."""
+
+    prompt: str
+    reference: str
+    exported: str
+    matched: bool
+    top1: float  # at the positions that predict the merged model's answer
+    positions: int
+    max_logit_diff: float
+    top1_prompt: float = 1.0  # at the prompt's own positions (reported, not judged)
+
+
+@dataclass
+class ExportCheck:
+    """The check of one exported file: per-prompt results, the metadata problems found, the verdict."""
+
+    path: Path
+    quantization: str
+    prompts: list[PromptResult] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def tolerance(self) -> dict[str, float | bool]:
+        return TOLERANCES[self.quantization]
+
+    @property
+    def top1(self) -> float:
+        total = sum(p.positions for p in self.prompts)
+        return sum(p.top1 * p.positions for p in self.prompts) / total if total else 0.0
+
+    @property
+    def matched(self) -> int:
+        return sum(p.matched for p in self.prompts)
+
+    @property
+    def failures(self) -> list[str]:
+        """Every reason the check fails (empty when it passes)."""
+        found = list(self.problems)
+        if self.prompts and self.top1 < self.tolerance["top1"]:
+            found.append(
+                f"top-1 next-token agreement {self.top1:.1%} is below the {self.tolerance['top1']:.0%} that "
+                f"{self.quantization} must reach"
+            )
+        if self.tolerance["greedy"] and self.matched < len(self.prompts):
+            found.append(
+                f"{len(self.prompts) - self.matched} of {len(self.prompts)} greedy answers differ from the merged "
+                f"model's, and at {self.quantization} every one must match"
+            )
+        return found
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def message(self) -> str:
+        head = (
+            f"{self.path.name} ({self.quantization}): {self.matched}/{len(self.prompts)} greedy answers match the "
+            f"merged model, top-1 next-token agreement {self.top1:.1%}"
+        )
+        if self.passed:
+            return head + "; check passed."
+        return head + ". The check FAILED:\n- " + "\n- ".join(self.failures)
+
+    def table(self) -> str:
+        """A plain-text table of the prompts: matched / differs, and both answers."""
+        lines = [self.message(), "", f"{'':8} {'top-1':>6}  prompt → merged | gguf"]
+        for p in self.prompts:
+            lines.append(
+                f"{'matched' if p.matched else 'differs':8} {p.top1:6.1%}  {_short(p.prompt)} → "
+                f"{p.reference!r} | {p.exported!r}"
+            )
+        return "\n".join(lines)
+
+    def html(self) -> str:
+        """The per-prompt table as HTML (the studio's Export tab shows it)."""
+        rows = "".join(
+            f"<tr><td style='color:{'#1a7f37' if p.matched else '#cf222e'}'>{'matched' if p.matched else 'differs'}</td>"
+            f"<td style='text-align:right'>{p.top1:.1%}</td><td>{html.escape(_short(p.prompt, 60))}</td>"
+            f"<td><code>{html.escape(p.reference)}</code></td><td><code>{html.escape(p.exported)}</code></td></tr>"
+            for p in self.prompts
+        )
+        problems = "".join(f"<li>{html.escape(text)}</li>" for text in self.failures)
+        return (
+            f"<div><b>{html.escape(self.message().splitlines()[0])}</b></div>"
+            + (f"<ul style='color:#cf222e'>{problems}</ul>" if problems else "")
+            + "<table style='font-size:12px'><tr><th></th><th>top-1</th><th>prompt</th><th>merged model</th>"
+            "<th>GGUF file</th></tr>" + rows + "</table>"
+        )
+
+
+def default_prompts(count: int = 8) -> list[list[dict]]:
+    """The first `count` held-out questions the demo and the studio evaluate on, as chat prompts."""
+    from fastft.data.loading import load_dataset
+    from fastft.training.evaluate import prompt_messages
+
+    rows = load_dataset(DEFAULT_PROMPTS)
+    return [prompt_messages(rows[i]) for i in range(min(count, len(rows)))]
+
+
+def check_metadata(path: str | os.PathLike, tokenizer, model_config=None) -> list[str]:
+    """What in the file's metadata disagrees with the tokenizer (empty when nothing does)."""
+    meta = read_metadata(path)
+    problems = []
+    for kind in ("eos", "bos", "pad"):
+        expected = getattr(tokenizer, f"{kind}_token_id", None)
+        found = meta.get(f"tokenizer.ggml.{kind}_token_id")
+        if expected is not None and found != expected:
+            name = getattr(tokenizer, f"{kind}_token", None)
+            problems.append(
+                f"the file's {kind.upper()} token id is {found}, the tokenizer's is {expected} ({name!r})"
+                + (": the exported model would not stop where the trained one does" if kind == "eos" else "")
+            )
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    vocab = {token_id: token for token, token_id in tokenizer.get_vocab().items()}
+    wrong = [i for i, token in vocab.items() if i >= len(tokens) or tokens[i] != token]
+    if wrong:
+        problems.append(
+            f"{len(wrong)} token(s) differ from the tokenizer's vocabulary (first at id {wrong[0]})"
+        )
+    template = getattr(tokenizer, "chat_template", None)
+    found_template = meta.get("tokenizer.chat_template")
+    if template and not found_template:
+        problems.append(
+            "the chat template was dropped: the file has no tokenizer.chat_template, so llama.cpp and Ollama "
+            "would prompt the model in a format it was not trained on"
+        )
+    elif template and found_template != template:
+        sample = [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "U"},
+            {"role": "assistant", "content": "A"},
+            {"role": "user", "content": "V"},
+        ]
+        try:
+            ours = tokenizer.apply_chat_template(sample, tokenize=False, add_generation_prompt=True)
+            theirs = tokenizer.apply_chat_template(
+                sample, tokenize=False, add_generation_prompt=True, chat_template=found_template
+            )
+        except Exception as error:  # noqa: BLE001 - a template that fails to render is the problem found
+            problems.append(f"the file's chat template does not render: {error}")
+        else:
+            if ours != theirs:
+                problems.append(
+                    "the file's chat template renders a conversation differently from the tokenizer's"
+                )
+    if model_config is not None:
+        size = len(tokens)
+        if size != model_config.vocab_size:
+            problems.append(
+                f"the file has {size} tokens, the model's embedding {model_config.vocab_size} rows"
+            )
+    return problems
+
+
+def reference_dtype(quantization: str) -> torch.dtype:
+    """The type the merged reference is rounded to: the export's own 16/32-bit type, else bf16."""
+    return {"f32": torch.float32, "f16": torch.float16}.get(quantization, torch.bfloat16)
+
+
+def merged_reference(model, quantization: str):
+    """The merged model as plain transformers runs it: LoRA added in fp32, its matrices rounded to
+    `reference_dtype`, computed in fp32 on the CPU (one extra copy of the weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from fastft.models.export import merged_tensors
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    dtype = reference_dtype(quantization)
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # rounded as the file stores them: matrices at the export's 16-bit type, norms and biases (1-D) in f32
+    state = {
+        key: value.to(dtype).float() if value.dim() > 1 else value.float()
+        for key, value in merged_tensors(model)
+    }
+    clean.load_state_dict(state, strict=False, assign=True)
+    clean.tie_weights()
+    for name, module in list(clean.named_modules()):
+        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
+            # non-persistent buffers (RoPE's inverse frequencies) are not in a state dict: rebuild the module
+            fresh = type(module)(config=module.config if hasattr(module, "config") else config)
+            parent_name, _, child = name.rpartition(".")
+            setattr(clean.get_submodule(parent_name) if parent_name else clean, child, fresh)
+    left = [name for name, p in clean.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"the merged reference lacks weights for {left[:3]}")
+    return clean.eval()
+
+
+@torch.no_grad()
+def _greedy(model, ids: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
+    ids, new = list(ids), []
+    for _ in range(max_new_tokens):
+        token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        new.append(token)
+        ids.append(token)
+        if token in stop:
+            break
+    return new
+
+
+def check_gguf(
+    path: str | os.PathLike,
+    model,
+    tokenizer,
+    quantization: str,
+    prompts: list | None = None,
+    max_new_tokens: int = 24,
+    reference=None,
+    progress=None,
+) -> ExportCheck:
+    """Check the GGUF file at `path` against `model` (the trained PEFT model, or a plain transformers model)
+    and `tokenizer`; returns an `ExportCheck` (``.passed``, ``.table()``), never raises on a mismatch.
+
+    `prompts` are chat conversations (lists of messages, answered after a generation prompt) or plain
+    strings; by default the first 8 held-out skills questions. `reference` may pass a merged model already
+    built by `merged_reference`; `progress("check", done, total)` is called after each prompt."""
+    path = Path(path)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check = ExportCheck(path=path, quantization=quantization)
+    check.problems = check_metadata(path, tokenizer, base.config)
+    exported = GGUFModel(path)
+    reference = reference if reference is not None else merged_reference(model, quantization)
+    eos = tokenizer.eos_token_id
+    file_eos = exported.meta.get("tokenizer.ggml.eos_token_id")
+    prompts = prompts if prompts is not None else default_prompts()
+    for number, prompt in enumerate(prompts, 1):
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if exported.meta.get("tokenizer.ggml.add_bos_token") and tokenizer.bos_token_id is not None:
+            ids = [tokenizer.bos_token_id, *ids] if ids[:1] != [tokenizer.bos_token_id] else ids
+        ours = _greedy(reference, ids, max_new_tokens, {eos} if eos is not None else set())
+        theirs = exported.generate(ids, max_new_tokens, {file_eos} if file_eos is not None else set())
+        sequence = ids + ours
+        with torch.no_grad():
+            want = reference(torch.tensor([sequence])).logits[0].float()
+        got = exported.logits(sequence)
+        # the positions that predict the answer (the prompt's last token on): what generation reads; the
+        # prompt's own positions (a system prompt's words) are reported apart, in `top1_prompt`
+        agree = (want.argmax(-1) == got.argmax(-1)).float()
+        answer = agree[len(ids) - 1 : -1] if ours else agree[-1:]
+        check.prompts.append(
+            PromptResult(
+                prompt=_last_user(prompt),
+                reference=tokenizer.decode(ours, skip_special_tokens=True),
+                exported=tokenizer.decode(theirs, skip_special_tokens=True),
+                matched=ours == theirs,
+                top1=float(answer.mean()),
+                positions=len(answer),
+                top1_prompt=float(agree[: len(ids) - 1].mean()) if len(ids) > 1 else 1.0,
+                max_logit_diff=float((want - got).abs().max()),
+            )
+        )
+        if progress is not None:
+            progress("check", number, len(prompts))
+    return check
+
+
+def _last_user(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    users = [m["content"] for m in prompt if m.get("role") == "user"]
+    return users[-1] if users else str(prompt[-1].get("content", ""))
+
+
+def _short(text: str, width: int = 40) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"

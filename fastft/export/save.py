@@ -1,0 +1,153 @@
+"""`save_gguf` and `save_ollama`: the trained model as a file llama.cpp, Ollama and LM Studio run, checked.
+
+Every export is read back before it is kept (`fastft.export.check`): written under a temporary name, run
+from the file and compared with the merged model; a file that fails is deleted and `GGUFCheckError` says
+what differs. ``check=False`` skips it (the file is still written atomically).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastft.atomic import expand, replace_folder_atomically
+from fastft.export.check import ExportCheck, GGUFCheckError, check_gguf
+from fastft.export.writer import (
+    K_QUANTS,
+    check_file_destination,
+    normalise_quantization,
+    quantize_with_llama_cpp,
+    remove_quietly,
+    require_llama_quantize,
+    temporary_sibling,
+    write_gguf,
+)
+
+
+@dataclass
+class GGUFExport:
+    """A written GGUF file: where, at which quantisation, its read-back check (None with ``check=False``),
+    the tensors kept at another type than asked, and the Ollama Modelfile when `save_ollama` wrote one."""
+
+    path: Path
+    quantization: str
+    check: ExportCheck | None
+    kept: dict[str, str]
+    modelfile: Path | None = None
+
+    def __str__(self) -> str:
+        verdict = self.check.message() if self.check is not None else "not checked (check=False)"
+        return f"{self.path}: {verdict}"
+
+
+def save_gguf(
+    model,
+    path: str | os.PathLike,
+    tokenizer,
+    quantization: str = "q8_0",
+    check: bool = True,
+    prompts: list | None = None,
+    overwrite: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+    metadata: dict[str, object] | None = None,
+) -> GGUFExport:
+    """Write `model` (trained with LoRA, merged on the fly; an NF4 base is dequantised exactly) as one GGUF
+    file at `path`, quantised as asked: ``f16``, ``bf16``, ``q8_0`` or ``q4_0`` by fastft, or llama.cpp's
+    K-quants (``q4_k_m``, ``q5_k_m``, …) through ``llama-quantize`` on PATH.
+
+    The file is checked before it is kept (see the module doc): `prompts` are chat conversations or strings
+    (default: 8 held-out skills questions). An existing file is replaced only if fastft wrote it, or with
+    ``overwrite=True``. `progress(stage, done, total)` reports "write" per tensor and "check" per prompt.
+    `metadata` adds or replaces GGUF metadata entries (None removes one); the check tests the file as
+    written. Returns a `GGUFExport`; raises `GGUFCheckError` (the file is not kept) when the check fails."""
+    quantization = normalise_quantization(quantization)
+    path = expand(path)
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(
+            f"save_gguf writes one .gguf file; {path} does not end in .gguf. Name it e.g. model.gguf"
+        )
+    check_file_destination(path, overwrite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(path)
+    on_tensor = (lambda done, total: progress("write", done, total)) if progress else None
+    try:
+        if quantization in K_QUANTS:
+            require_llama_quantize(quantization)  # before any work
+            source = temporary_sibling(path)
+            try:
+                written = write_gguf(model, source, tokenizer, "bf16", metadata=metadata, progress=on_tensor)
+                quantize_with_llama_cpp(source, tmp, quantization)
+            finally:
+                remove_quietly(source)
+            kept = written.kept
+        else:
+            written = write_gguf(model, tmp, tokenizer, quantization, metadata=metadata, progress=on_tensor)
+            kept = written.kept
+        report = None
+        if check:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # transformers' notes on a model it builds for the check
+                report = check_gguf(tmp, model, tokenizer, quantization, prompts=prompts, progress=progress)
+            report.path = path
+            if not report.passed:
+                raise GGUFCheckError(report)
+        os.replace(tmp, path)
+        _fsync_folder(path.parent)
+    finally:
+        remove_quietly(tmp)
+    return GGUFExport(path=path, quantization=quantization, check=report, kept=kept)
+
+
+def save_ollama(
+    model,
+    folder: str | os.PathLike,
+    tokenizer,
+    quantization: str = "q8_0",
+    check: bool = True,
+    prompts: list | None = None,
+    overwrite: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+    parameters: dict[str, object] | None = None,
+    system: str | None = None,
+) -> GGUFExport:
+    """Write a folder Ollama imports: ``model.<QUANT>.gguf`` (as `save_gguf`, checked) and a ``Modelfile``
+    whose TEMPLATE is the chat template translated to Ollama's template language (checked by rendering
+    both), with the stop tokens and default parameters (`parameters` adds or replaces them; `system` sets a
+    default system prompt). Then: ``ollama create NAME -f FOLDER/Modelfile``.
+
+    The folder is written atomically and replaces only a folder fastft wrote (or any with `overwrite`)."""
+    from fastft.export.ollama import modelfile
+
+    quantization = normalise_quantization(quantization)
+    name = f"model.{quantization.upper()}.gguf"
+    results: list[GGUFExport] = []
+
+    def write(target: Path) -> None:
+        text = modelfile(model, tokenizer, f"./{name}", parameters=parameters, system=system)
+        result = save_gguf(
+            model, target / name, tokenizer, quantization, check=check, prompts=prompts, progress=progress
+        )
+        (target / "Modelfile").write_text(text, encoding="utf-8")
+        results.append(result)
+
+    destination = replace_folder_atomically(write, folder, overwrite=overwrite, kind="ollama")
+    result = results[0]
+    result.path = destination / name
+    result.modelfile = destination / "Modelfile"
+    if result.check is not None:
+        result.check.path = result.path
+    return result
+
+
+def _fsync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+__all__ = ["GGUFCheckError", "GGUFExport", "save_gguf", "save_ollama"]

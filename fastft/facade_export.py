@@ -1,0 +1,163 @@
+"""Unsloth's saving methods on a fastft model: ``model.save_pretrained_merged(dir, tokenizer,
+save_method=...)``, ``model.save_pretrained_gguf(dir, tokenizer, quantization_method=...)`` and the
+``push_to_hub_*`` variants, bound to each model `FastLanguageModel` returns (per instance: no class is
+patched), so an Unsloth notebook runs unchanged to its last cell.
+
+The ``push_to_hub_*`` methods never connect: they need network access and a Hugging Face token, and say so
+with the local command that does the same.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+# Unsloth's quantization_method names → fastft's
+GGUF_METHODS = {
+    "not_quantized": "bf16",
+    "fast_quantized": "q8_0",
+    "quantized": "q4_k_m",
+    "f32": "f32",
+    "f16": "f16",
+    "bf16": "bf16",
+    "q8_0": "q8_0",
+    "q4_0": "q4_0",
+    "q4_k_m": "q4_k_m",
+    "q5_k_m": "q5_k_m",
+    "q4_k_s": "q4_k_s",
+    "q5_k_s": "q5_k_s",
+    "q6_k": "q6_k",
+    "q3_k_m": "q3_k_m",
+    "q2_k": "q2_k",
+}
+# Unsloth arguments of the save methods that do not apply here (memory knobs of its own converter)
+_IGNORED = {
+    "maximum_memory_usage",
+    "temporary_location",
+    "safe_serialization",
+    "max_shard_size",
+    "first_conversion",
+}
+
+
+class HubUploadError(RuntimeError):
+    """Uploading needs network access and a token; fastft does not upload (the message gives the way)."""
+
+
+def save_pretrained_merged(
+    model, save_directory, tokenizer=None, save_method: str = "merged_16bit", **kwargs
+):
+    """Unsloth's ``save_pretrained_merged``: ``"merged_16bit"`` writes the merged 16-bit model
+    (`fastft.save_merged`), ``"lora"`` the adapter (`fastft.save_adapter`). Returns the folder."""
+    import torch
+
+    from fastft.models.export import save_adapter, save_merged
+
+    _refuse_push(kwargs, "save_pretrained_merged", "push_to_hub_merged")
+    overwrite = bool(kwargs.pop("overwrite", False))
+    _drop(kwargs, "save_pretrained_merged")
+    if save_method == "lora":
+        return save_adapter(model, save_directory, tokenizer, overwrite=overwrite)
+    if save_method == "merged_16bit":
+        dtype = torch.float16 if getattr(model, "dtype", None) == torch.float16 else torch.bfloat16
+        return save_merged(model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite)
+    if save_method in ("merged_4bit", "merged_4bit_forced"):
+        raise ValueError(
+            f"save_method={save_method!r}: fastft does not write merged 4-bit models (merging into 4-bit weights "
+            "loses the adapter's precision). Use save_method='merged_16bit', or save_pretrained_gguf(dir, "
+            "tokenizer, quantization_method='q4_k_m') for a small 4-bit file."
+        )
+    raise ValueError(f"save_method={save_method!r}: choose 'merged_16bit' or 'lora'.")
+
+
+def save_pretrained_gguf(
+    model, save_directory, tokenizer=None, quantization_method="fast_quantized", **kwargs
+):
+    """Unsloth's ``save_pretrained_gguf``: a folder with ``model.<QUANT>.gguf`` per quantisation and an Ollama
+    ``Modelfile`` (`fastft.save_ollama`), each file checked after it is written. `quantization_method` is
+    one name or a list (Unsloth's "not_quantized" = bf16, "fast_quantized" = q8_0, "quantized" = q4_k_m).
+    Returns the `GGUFExport` (a list of them for a list of methods)."""
+    from pathlib import Path
+
+    from fastft.export import save_gguf, save_ollama
+
+    if tokenizer is None:
+        raise ValueError(
+            "save_pretrained_gguf needs the tokenizer: model.save_pretrained_gguf(dir, tokenizer, ...)"
+        )
+    _refuse_push(kwargs, "save_pretrained_gguf", "push_to_hub_gguf")
+    overwrite = bool(kwargs.pop("overwrite", False))
+    check = bool(kwargs.pop("check", True))
+    _drop(kwargs, "save_pretrained_gguf")
+    methods = [quantization_method] if isinstance(quantization_method, str) else list(quantization_method)
+    unknown = [m for m in methods if str(m).lower() not in GGUF_METHODS]
+    if unknown:
+        raise ValueError(f"quantization_method {unknown[0]!r}: choose one of {', '.join(GGUF_METHODS)}.")
+    names = [GGUF_METHODS[str(m).lower()] for m in methods]
+    first = save_ollama(model, save_directory, tokenizer, names[0], check=check, overwrite=overwrite)
+    results = [first]
+    for name in names[1:]:
+        target = Path(first.path).parent / f"model.{name.upper()}.gguf"
+        results.append(save_gguf(model, target, tokenizer, name, check=check))
+    return results[0] if isinstance(quantization_method, str) else results
+
+
+def push_to_hub_merged(model, repo_id=None, tokenizer=None, save_method="merged_16bit", token=None, **kwargs):
+    """Refused: uploading needs network access and a token; save locally and upload with the hub's CLI."""
+    raise HubUploadError(
+        _upload_message(
+            "push_to_hub_merged",
+            f"model.save_pretrained_merged('merged', tokenizer, save_method={save_method!r})",
+            "merged",
+            repo_id,
+        )
+    )
+
+
+def push_to_hub_gguf(
+    model, repo_id=None, tokenizer=None, quantization_method="fast_quantized", token=None, **kwargs
+):
+    """Refused: uploading needs network access and a token; save locally and upload with the hub's CLI."""
+    raise HubUploadError(
+        _upload_message(
+            "push_to_hub_gguf",
+            f"model.save_pretrained_gguf('gguf', tokenizer, quantization_method={quantization_method!r})",
+            "gguf",
+            repo_id,
+        )
+    )
+
+
+def bind(model):
+    """Give `model` (one instance) Unsloth's saving methods; returns it."""
+    for function in (save_pretrained_merged, save_pretrained_gguf, push_to_hub_merged, push_to_hub_gguf):
+        object.__setattr__(model, function.__name__, types.MethodType(function, model))
+    return model
+
+
+def _upload_message(method: str, save_call: str, folder: str, repo_id) -> str:
+    repo = repo_id or "USER/REPO"
+    return (
+        f"{method} uploads to the Hugging Face hub, which needs network access and a token (token=... or the "
+        f"HF_TOKEN variable); fastft does not upload. Save locally, then upload: {save_call}, then "
+        f"`hf upload {repo} {folder}` (huggingface_hub's CLI) on a machine that is online."
+    )
+
+
+def _refuse_push(kwargs: dict, method: str, push_method: str) -> None:
+    if kwargs.pop("push_to_hub", False):
+        raise HubUploadError(
+            f"{method}(push_to_hub=True) uploads, which needs network access and a token; fastft does not upload. "
+            f"Save without push_to_hub, then upload the folder with `hf upload USER/REPO FOLDER` ({push_method} "
+            "says the same)."
+        )
+    kwargs.pop("token", None)
+
+
+def _drop(kwargs: dict, method: str) -> None:
+    for name in sorted(kwargs):
+        if name in _IGNORED:
+            kwargs.pop(name)
+            warnings.warn(f"{method}: '{name}' does not apply in fastft and is ignored.", stacklevel=3)
+    if kwargs:
+        raise TypeError(f"{method} got unexpected arguments: {sorted(kwargs)}")
