@@ -241,9 +241,7 @@ class LiveFigure:
                     self._fall_back()
                     return
                 self.probe.observe(self._on_probe, names="rendered")
-                self._timer = threading.Timer(probe_timeout, self._on_timeout)
-                self._timer.daemon = True
-                self._timer.start()
+                self._arm(probe_timeout)
             self.widget.children = [c for c in (self.figure, self.probe) if c is not None]
         else:
             self.figure = go.Figure(figure)
@@ -264,6 +262,29 @@ class LiveFigure:
                 self.figure, self.mode = widget, "widget"
                 _fill_width(widget)
                 self.widget.children = [widget, self.probe]
+
+    def _arm(self, timeout: float) -> None:
+        """Start the probe's clock once the cell that made this figure has finished: the browser's report
+        is read by the kernel only between cells, so time spent running the cell must not count."""
+        shell = None
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython() if getattr(get_ipython(), "kernel", None) is not None else None
+        except ImportError:
+            pass
+
+        def start(*_args) -> None:
+            if shell is not None:
+                shell.events.unregister("post_run_cell", start)
+            timer = threading.Timer(timeout, self._on_timeout)
+            timer.daemon = True
+            timer.start()
+
+        if shell is None:
+            start()
+        else:
+            shell.events.register("post_run_cell", start)
 
     def _on_timeout(self) -> None:
         with self._lock:
@@ -332,11 +353,16 @@ class LiveFigure:
             if self.mode == "widget":
                 with self.figure.batch_update():
                     self.figure.data = ()
-                    # an assigned layout keeps the old shapes and annotations it does not name
-                    self.figure.layout.shapes = ()
-                    self.figure.layout.annotations = ()
                     self.figure.add_traces(list(figure.data))
                     self.figure.layout = figure.layout
+                # the browser merges a new layout into the old one, so shapes and annotations the new one
+                # lacks (a capacity line over an empty chart) would stay there: name them exactly
+                self.figure.plotly_relayout(
+                    {
+                        "shapes": [shape.to_plotly_json() for shape in figure.layout.shapes],
+                        "annotations": [note.to_plotly_json() for note in figure.layout.annotations],
+                    }
+                )
                 _fill_width(self.figure)
             else:
                 import plotly.graph_objects as go
@@ -373,13 +399,17 @@ def _fill_width(figure) -> None:
     figure.layout.width = None
     figure.layout.autosize = True
     if hasattr(figure, "_config"):  # a FigureWidget: redraw at its panel's width when that changes
-        figure._config = {**(figure._config or {}), "responsive": True, "displaylogo": False}
+        figure._config = {**(figure._config or {}), **_CONFIG}
+
+
+_CONFIG = {"responsive": True, "displaylogo": False}
 
 
 def mime_bundle(figure) -> dict:
     """The figure as the notebook's plotly renderer draws it (Colab's, Kaggle's, …); HTML otherwise."""
     try:
-        bundle = figure._repr_mimebundle_(include=None, exclude=None)
+        # `responsive`: the figure follows its output's width (the renderer's copy is configured, not plotly's)
+        bundle = figure._repr_mimebundle_(include=None, exclude=None, config=_CONFIG)
     except Exception:  # noqa: BLE001 - no renderer for this frontend
         bundle = None
     if bundle:
@@ -387,6 +417,6 @@ def mime_bundle(figure) -> dict:
     import plotly.io as pio
 
     return {
-        "text/html": pio.to_html(figure, include_plotlyjs="cdn", full_html=False),
+        "text/html": pio.to_html(figure, include_plotlyjs="cdn", full_html=False, config=_CONFIG),
         "text/plain": f"<plotly figure: {len(figure.data)} traces>",
     }

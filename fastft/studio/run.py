@@ -23,7 +23,7 @@ from fastft.studio.live import (
     Ticker,
     frontend,
 )
-from fastft.studio.notices import LABEL_STYLE, Panel, StatusLog, button, code_section, field, row
+from fastft.studio.notices import Panel, StatusLog, button, code_section, field, row
 from fastft.studio.run_control import Run, explain
 from fastft.studio.state import StudioState
 from fastft.training.events import EvalEvent, StepEvent
@@ -81,8 +81,8 @@ class RunPanel(Panel):
         self.eval_series = SeriesBuffer(("eval_loss",), max_points)
         self._ema = Ema(0.9)
 
-        style = LABEL_STYLE
-        wide = field("16em", max_width="26em")
+        style = {"description_width": "11em"}  # "grad accumulation", "eval every (0: end)" in full
+        wide = field("18em", max_width="28em")
         self.steps = widgets.BoundedIntText(
             value=60, min=1, max=10_000_000, description="steps", style=style, layout=wide
         )

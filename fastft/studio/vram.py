@@ -65,6 +65,7 @@ class VramPanel(Panel):
         self._lookup = Debouncer(self._fetch)
         self.lookups = 0  # configs read (a name is read once)
         self._update_lock = threading.RLock()
+        self._blank = True  # the chart shows no estimate
         _warm_offline_check()
 
         self.detected = detect_gpu()
@@ -261,7 +262,7 @@ class VramPanel(Panel):
             if model is None:  # looked up on a timer thread; `update` runs again when it is known
                 self._clear()
                 self.status.value = _box(
-                    f"Reading the config of {source} (in the background: the notebook stays usable)…", "busy"
+                    f"Looking up {source} (in the background: the notebook stays usable)…", "busy"
                 )
                 self._lookup(source)
                 return
@@ -284,6 +285,7 @@ class VramPanel(Panel):
             smallest,
         )
         self.status.value = ""
+        self._blank = False
         self.figure.replace(vram_figure(verdict.estimate))
         self.figure.flush()
         self.verdict.value = _box(verdict.message, "ok" if verdict.fits else "warn")
@@ -320,8 +322,10 @@ class VramPanel(Panel):
 
         self.fit = self.estimate = self.max_context = self.smallest_gpu = None
         self.verdict.value = self.longest.value = self.breakdown.value = self.suggestion.value = ""
-        self.figure.replace(vram_figure({}))
-        self.figure.flush()
+        if not self._blank:  # a plotly figure costs ~0.1 s to build: not once per keystroke
+            self.figure.replace(vram_figure({}))
+            self.figure.flush()
+            self._blank = True
 
     def _known(self, source):
         """`source` itself when it needs no lookup (a loaded model, a preset, a catalog id), its inventory
@@ -401,16 +405,12 @@ class VramPanel(Panel):
 
 
 def _quick(name: str) -> bool:
-    """Whether `name` is estimated (or refused) from what fastft ships, with no lookup: a preset, a catalog
-    id, or a name that is neither a folder nor a hub id."""
+    """Whether `name` is estimated from what fastft ships (a preset or a catalog id), on the spot; any other
+    name (a hub id, a folder, or a half-typed word) is looked up once typing pauses."""
     from fastft.models.catalog import CATALOG
     from fastft.models.presets import PRESETS
 
-    if name in PRESETS or name.lower() in {hub_id.lower() for hub_id in CATALOG}:
-        return True
-    parts = name.split("/")
-    hub_like = len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
-    return not hub_like and not Path(name).expanduser().is_dir()
+    return name in PRESETS or name.lower() in {hub_id.lower() for hub_id in CATALOG}
 
 
 def _inventory(model):
@@ -442,7 +442,9 @@ def _offline_and_not_cached(name: str) -> None:
     transformers or trying the network."""
     from fastft.data.hub import offline_fix, offline_reason
 
-    if Path(name).expanduser().is_dir() or offline_reason() is None:
+    parts = name.split("/")
+    hub_id = len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+    if not hub_id or Path(name).expanduser().is_dir() or offline_reason() is None:
         return
     try:
         from huggingface_hub import try_to_load_from_cache

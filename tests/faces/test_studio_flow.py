@@ -111,7 +111,7 @@ def test_a_hub_id_typed_offline_is_looked_up_once_off_the_thread_and_answers_fas
         panel.model_name.value = prefix
     typed = time.monotonic() - started
     assert typed < 0.5, f"keystrokes took {typed:.2f} s"
-    assert "Reading the config of some/model" in _text(panel.status) and panel.estimate is None
+    assert "Looking up some/model" in _text(panel.status) and panel.estimate is None
     assert panel.wait(10)
     answered = time.monotonic() - started
     assert answered < 2.0, f"answered after {answered:.2f} s"

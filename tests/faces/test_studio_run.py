@@ -108,6 +108,7 @@ def test_vram_panel_names_the_fix_before_a_run_that_cannot_fit():
     assert "smaller model or a larger GPU" in _text(panel.verdict)
 
     panel.model_name.value = "no-such-model"  # shown with the presets to pick from, never raised
+    assert panel.wait()  # any name but a preset or a catalog id is looked up once typing pauses
     assert "tiny-llama" in _text(panel.status) and panel.estimate is None and panel.verdict.value == ""
 
 
