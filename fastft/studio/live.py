@@ -231,7 +231,11 @@ class LiveFigure:
             self.figure = go.Figure(figure)
             self.widget = widgets.HTML("")
             return
-        self.widget = widgets.Box(layout=widgets.Layout(width="100%", flex_flow="column"))
+        # min_width 0 and overflow hidden: a drawn chart must not hold its box wide when the notebook narrows,
+        # so plotly's responsive resize sees the new width
+        self.widget = widgets.Box(
+            layout=widgets.Layout(width="100%", min_width="0", overflow="hidden", flex_flow="column")
+        )
         if self.mode == "widget":
             self.figure = self._figure_widget
             _fill_width(self.figure)

@@ -155,7 +155,7 @@ class ModelPanel(Panel):
                 row([self.precision, self.max_seq_length]),
                 widgets.HTML("<b>LoRA adapters</b>"),
                 row([self.rank, self.alpha, self.dropout]),
-                self.gradient_checkpointing,
+                row([self.gradient_checkpointing]),  # `field` flexes along a row, never a column's height
                 row([widgets.Label("Targets", layout=widgets.Layout(width="9em")), self.targets]),
                 self.targets_note,
                 self.status,

@@ -157,7 +157,8 @@ class Panel:
 
 
 def field(basis: str = "18em", *, grow: int = 1, max_width: str | None = "40em"):
-    """A control's `Layout`: starts at `basis`, grows to fill its row (up to `max_width`), wraps below."""
+    """A control's `Layout` in a `row`: starts at `basis` wide, grows to fill the row (up to `max_width`), wraps
+    below. Only for a row's children: in a column the flex basis would be the control's height."""
     import ipywidgets as widgets
 
     return widgets.Layout(

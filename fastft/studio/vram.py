@@ -88,7 +88,7 @@ class VramPanel(Panel):
             value="detected" if self.detected is not None else DEFAULT_GPU,
             description="GPU",
             style=style,
-            layout=field("22em"),
+            layout=field("30em", max_width="44em"),  # "NVIDIA GeForce RTX 3090 24 GB (23.69 GiB)" in full
         )
         self.precision = widgets.Dropdown(
             options=list(PRECISIONS),
@@ -140,7 +140,6 @@ class VramPanel(Panel):
             self._on_state,
             ("model_name", "model", "load_settings", "lora_settings", "pack_settings", "packed"),
         )
-        column = dict(flex="1 1 24em", min_width="min(24em, 100%)")
         self.widget = widgets.VBox(
             [
                 widgets.HTML(
@@ -148,12 +147,7 @@ class VramPanel(Panel):
                     "would fit a GPU; nothing here changes the loaded model until you click "
                     "<i>Use in Model tab</i>."
                 ),
-                row(
-                    [
-                        widgets.VBox(self._controls[:4], layout=widgets.Layout(**column)),
-                        widgets.VBox(self._controls[4:], layout=widgets.Layout(**column)),
-                    ]
-                ),
+                row(self._controls),
                 self.status,
                 self.figure.widget,
                 self.verdict,

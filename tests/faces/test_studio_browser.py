@@ -40,7 +40,9 @@ ACTION_TIMEOUT = 90_000  # ms for any one wait in the browser (loading a model o
 RUN_STEPS = 200  # the run asked for: long enough that Stop comes well before its end
 STEPS_TO_SEE = 5  # steps seen before Stop: within the 90 s wait at 1.5 s a step (2 busy cores)
 VIEWPORT = {"width": 1440, "height": 900}
-WIDTHS = (1024, 1440)  # the layouts checked
+# The layouts checked, narrowest first: the page opens at the first, and a chart drawn at one width follows a
+# wider panel but not yet a narrower one (a FigureWidget does not shrink after it is drawn; see issue notes).
+WIDTHS = (1024, 1440)
 HUB_ANSWER_S = 2.0  # a hub id typed offline is answered within this
 # The tabs whose layout is checked. Export is being rewritten on its own branch (its "Score held-out answers"
 # button still has a fixed width): add it here when that lands.
@@ -259,7 +261,7 @@ def test_studio_in_jupyterlab_with_clicks(lab, tmp_path):
             executable_path=_chromium(), headless=True, args=["--no-sandbox", "--disable-gpu"]
         )
         try:
-            page = browser.new_page(viewport=VIEWPORT)
+            page = browser.new_page(viewport={**VIEWPORT, "width": WIDTHS[0]})
             page.set_default_timeout(ACTION_TIMEOUT)
             expect.set_options(timeout=ACTION_TIMEOUT)
             try:
@@ -304,10 +306,22 @@ _PLOT_LABELS_JS = """
 }
 """
 
+# Buttons and control labels whose text does not fit (ipywidgets cuts it with an ellipsis), and drop-downs
+# narrower than their chosen option's text.
 _CUT_BUTTONS_JS = """
-(root) => [...root.querySelectorAll('button')]
-  .filter(b => b.offsetParent !== null && b.clientWidth > 0 && b.scrollWidth > b.clientWidth + 1)
-  .map(b => (b.textContent || b.title || '').trim())
+(root) => {
+  const cut = [...root.querySelectorAll('button, .widget-label')]
+    .filter(b => b.offsetParent !== null && b.clientWidth > 0 && b.scrollWidth > b.clientWidth + 1)
+    .map(b => (b.textContent || b.title || '').trim());
+  const ruler = document.createElement('canvas').getContext('2d');
+  for (const select of root.querySelectorAll('select')) {
+    if (select.offsetParent === null || select.selectedIndex < 0 || select.multiple) continue;
+    ruler.font = getComputedStyle(select).font;
+    const text = select.options[select.selectedIndex].text;
+    if (ruler.measureText(text).width > select.clientWidth - 24) cut.push('select: ' + text);
+  }
+  return cut;
+}
 """
 
 
@@ -328,6 +342,13 @@ def _until_bars(locator, timeout: float = ACTION_TIMEOUT / 1000) -> int:
         time.sleep(0.25)
 
 
+_TALL_CONTROLS_JS = """
+(root) => [...root.querySelectorAll('.widget-text, .widget-dropdown, .widget-slider, .widget-checkbox, button')]
+  .filter(e => e.offsetParent !== null && e.getBoundingClientRect().height > 80)
+  .map(e => (e.textContent || '').trim().slice(0, 40))
+"""
+
+
 def _overlaps(labels: list[dict]) -> list[tuple[str, str]]:
     found = []
     for i, a in enumerate(labels):
@@ -342,20 +363,24 @@ def _overlaps(labels: list[dict]) -> list[tuple[str, str]]:
     return found
 
 
-def _check_layout(page, studio, tabs, width: int) -> None:
-    """At `width` px: no button's text is cut, no two labels of a chart overlap, and charts fill their panel."""
+def _check_layout(page, studio, tabs, width: int, shots: Path | None = None) -> None:
+    """At `width` px: no button's text is cut, no two labels of a chart overlap, and charts fill their panel
+    (a screenshot of each tab goes to `shots` when given)."""
     page.set_viewport_size({"width": width, "height": VIEWPORT["height"]})
     for title in LAYOUT_TABS:
         tabs.filter(has_text=title).click()
         page.wait_for_timeout(600)  # plotly redraws at the new width
+        if shots is not None:
+            page.screenshot(path=str(shots / f"{title.lower()}-{width}.png"), full_page=True)
+        tall = studio.evaluate(_TALL_CONTROLS_JS)
+        assert not tall, f"{title} tab at {width} px: controls far taller than their line: {tall}"
         cut = studio.evaluate(_CUT_BUTTONS_JS)
         assert not cut, f"{title} tab at {width} px: button text cut: {cut}"
         for plot in studio.evaluate(_PLOT_LABELS_JS):
             overlaps = _overlaps(plot["labels"])
             assert not overlaps, f"{title} tab at {width} px: overlapping plot labels {overlaps}"
-            assert plot["plot"] >= 0.9 * plot["panel"] - 40, (
-                f"{title} tab at {width} px: a chart fills {plot}"
-            )
+            fills = 0.9 * plot["panel"] - 40 <= plot["plot"] <= plot["panel"] + 1
+            assert fills, f"{title} tab at {width} px: a chart does not fill its panel: {plot}"
 
 
 def _drive(page, lab: Lab, shot: Path) -> None:
@@ -392,6 +417,7 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     # a Load that fails keeps the model: the error says so, and the Export tab still has it
     combo.fill("nobody/no-such-model")
     combo.press("Enter")
+    expect(panel()).to_contain_text("to load nobody/no-such-model")  # the kernel has the new name
     panel().get_by_role("button", name="Load model").click()
     expect(panel()).to_contain_text("tiny-llama is still loaded")
     expect(panel().get_by_role("button", name="Load model")).to_be_enabled()
@@ -437,7 +463,7 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     _until_bars(panel())
 
     for width in WIDTHS:
-        _check_layout(page, studio, tabs, width)
+        _check_layout(page, studio, tabs, width, shot.parent)
 
     # Run: a short run, Start, watch it move, Stop
     tabs.filter(has_text="Run").click()
@@ -464,7 +490,7 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     expect(panel()).to_contain_text("Stopped at step")
     expect(panel().get_by_role("button", name="Start")).to_be_enabled()
     page.wait_for_timeout(1_000)  # the last plot update
-    _check_layout(page, studio, tabs, 1024)  # the run's charts, drawn now
+    _check_layout(page, studio, tabs, WIDTHS[-1], shot.parent)  # the run's charts, drawn now
     page.set_viewport_size(VIEWPORT)
     tabs.filter(has_text="Run").click()
     # the studio's header at the top of the window: tabs, settings, buttons, progress and the plots below
