@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import warnings
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,13 @@ class _BitsandbytesCpuKernelNotice(logging.Filter):
 
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BitsandbytesCpuKernelNotice())
+
+# peft 0.21 reads transformers' deprecated `model.is_gradient_checkpointing` whenever a PeftModel is made (its
+# own `PeftModel.from_pretrained` included, which the notebooks use to reload an adapter with plain peft): a
+# red FutureWarning about code neither fastft nor its user wrote. Only this message is dropped.
+warnings.filterwarnings(
+    "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+)
 
 _EXPORTS = {
     # models

@@ -73,9 +73,11 @@ def offline_fix(name: str, files: str = "", repo_type: str = "model") -> str:
     files the caller needs, e.g. "config.json"; empty for the whole repository)."""
     kind = " --repo-type dataset" if repo_type == "dataset" else ""
     download = f"hf download {name}{kind} {files}".rstrip()
+    # "unset HF_HUB_OFFLINE" only where it is set: otherwise the network itself is out of reach
+    unset = " (or unset HF_HUB_OFFLINE where there is network)" if _env_offline() else ""
     return (
         f"'{name}' is not in the local Hugging Face cache, and the hub is offline here ({offline_reason()}). "
-        f"Fix: on a machine with network run `{download}` (or unset HF_HUB_OFFLINE where there is network) "
+        f"Fix: on a machine with network run `{download}`{unset} "
         "and pass the downloaded folder; embedded presets and catalog models (`fastft models`) need no download."
     )
 

@@ -12,8 +12,11 @@ profiler's phases are also torch.profiler ranges, so the trace shows them by nam
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
+import re
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -161,7 +164,10 @@ def profile_window(
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     step_profile = getattr(trainer, "profile", None)
     labels = {*_phase_names(step_profile)}
-    with torch.profiler.profile(activities=activities) as profiler:
+    profiler = torch.profiler.profile(activities=activities)
+    with _without_kineto_notices():
+        profiler.start()
+    try:
         if step_profile is not None:
             step_profile._annotate(True)
         try:
@@ -171,6 +177,9 @@ def profile_window(
         finally:
             if step_profile is not None:
                 step_profile._annotate(False)
+    finally:
+        with _without_kineto_notices():
+            profiler.stop()
     target = Path(path) if path is not None else None
     if target is not None:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -193,6 +202,41 @@ def profile_window(
     else:
         result.kernels, result.kernel_ms = _top_operators(profiler, labels, top)
     return result
+
+
+# Kineto (torch.profiler's C++ side) writes "USDT:… profiler_start" / "profiler_stop" (and "STAGE:… Completed
+# Stage") lines straight to file descriptor 2 at every start and stop, whatever KINETO_LOG_LEVEL says: in a
+# notebook they show as red stderr. Only those lines are dropped, and only around start and stop.
+_KINETO_NOTICE = re.compile(
+    r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] (profiler_st(art|op)|Completed Stage: .*)$"
+)
+
+
+@contextlib.contextmanager
+def _without_kineto_notices():
+    """Run the block with fd 2 sent to a temporary file, then write back every line but Kineto's notices."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real fd 2 here: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [
+                line
+                for line in caught.read().decode("utf-8", "replace").splitlines(keepends=True)
+                if not _KINETO_NOTICE.match(line.rstrip("\n"))
+            ]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def _phase_names(step_profile) -> list[str]:

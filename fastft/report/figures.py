@@ -37,6 +37,7 @@ __all__ = [
 
 TEMPLATE = "plotly_white"
 HEIGHT = 350
+TOOLBAR_PX = 30  # height of the strip at the top where plotly's toolbar shows on hover
 GIB = 1024**3
 FONT_FAMILY = "system-ui, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
 
@@ -87,9 +88,19 @@ def _base_layout(fig: go.Figure, title: str, x_title: str, y_title: str) -> go.F
     fig.update_layout(
         template=TEMPLATE,
         height=HEIGHT,
-        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 16}},
+        # the title sits below the strip where plotly's toolbar appears on hover, so the two never meet
+        title={
+            "text": title,
+            "x": 0.01,
+            "xanchor": "left",
+            "yref": "container",
+            "y": 1.0,
+            "yanchor": "top",
+            "pad": {"t": TOOLBAR_PX},
+            "font": {"size": 16},
+        },
         font={"family": FONT_FAMILY, "size": 12},
-        margin={"l": 64, "r": 24, "t": 64, "b": 48},
+        margin={"l": 64, "r": 24, "t": 64 + TOOLBAR_PX // 2, "b": 48},
         legend={"orientation": "h", "x": 1.0, "xanchor": "right", "y": 1.0, "yanchor": "bottom"},
         hovermode="x unified",
     )
@@ -463,6 +474,8 @@ OUTLIER_STEP_RATIO = 2.5
 
 
 def _cut_outlier_steps(fig: go.Figure, x: Sequence[int], totals: Sequence[float]) -> None:
+    """Cut bars taller than `OUTLIER_STEP_RATIO` × the median at that height and label their real time; cut
+    steps close together (the first few steps, typically) share one label, so labels never overlap."""
     if len(totals) < 3:
         return
     ceiling = OUTLIER_STEP_RATIO * statistics.median(totals)
@@ -470,9 +483,25 @@ def _cut_outlier_steps(fig: go.Figure, x: Sequence[int], totals: Sequence[float]
     if not cut or ceiling <= 0:
         return
     fig.update_yaxes(range=[0, ceiling * 1.05])
-    for step, total in cut[:3]:
+    gap = max(1, (max(x) - min(x)) / 8)  # a label is about an eighth of the axis wide
+    groups: list[list[tuple[int, float]]] = []
+    for step, total in cut:
+        if groups and step - groups[-1][0][0] <= gap:
+            groups[-1].append((step, total))
+        else:
+            groups.append([(step, total)])
+    for group in groups[:4]:
+        top = max(total for _, total in group)
+        text = f"{top:,.0f} ms" if len(group) == 1 else f"{len(group)} steps, up to {top:,.0f} ms"
         fig.add_annotation(
-            x=step, y=ceiling, text=f"{total:,.0f} ms", showarrow=False, yshift=8, font={"size": 10}
+            x=group[0][0],
+            y=ceiling * 1.05,
+            text=text,
+            showarrow=False,
+            xanchor="left",
+            yanchor="top",
+            font={"size": 10},
+            bgcolor="rgba(255,255,255,0.8)",
         )
 
 
@@ -630,22 +659,34 @@ def vram_figure(estimate) -> go.Figure:
         verdict = "fits" if fits else f"short by {total - capacity:.2f} GiB"
         title = f"{total:.2f} GiB of {gpu['label']} ({capacity:.2f} GiB): {verdict}"
         fig.add_vline(x=capacity, line={"color": _RED, "width": 2, "dash": "dash"})
+        top = max(total, capacity) * 1.08
+        # inside the plot, in the strip above the bar, on the side of the line with room for it
         fig.add_annotation(
             x=capacity,
             y=1.0,
             yref="paper",
             text=f"capacity {capacity:.2f} GiB",
             showarrow=False,
-            xanchor="right" if fits else "left",
-            yanchor="bottom",
+            xanchor="right" if capacity > top / 2 else "left",
+            xshift=-4 if capacity > top / 2 else 4,
+            yanchor="top",
             font={"color": _RED, "size": 11},
+            bgcolor="rgba(255,255,255,0.85)",
         )
     else:
         title = f"{total:.2f} GiB (no GPU chosen)"
-    _base_layout(fig, title, "GiB", "")
+    _base_layout(fig, title, "", "")
     top = max(total, capacity or 0.0) * 1.08
-    fig.update_layout(barmode="stack", height=220, hovermode="closest", bargap=0.35)
-    fig.update_xaxes(range=[0, top if top > 0 else 1])
+    fig.update_layout(
+        barmode="stack",
+        height=260,
+        hovermode="closest",
+        bargap=0.45,
+        # the legend below the axis: never beside the title or the capacity label
+        legend={"orientation": "h", "x": 0.0, "xanchor": "left", "y": -0.25, "yanchor": "top"},
+        margin={"b": 72},
+    )
+    fig.update_xaxes(range=[0, top if top > 0 else 1], ticksuffix=" GiB")
     fig.update_yaxes(showticklabels=False)
     return fig
 
@@ -729,9 +770,9 @@ def run_dashboard_figure(
         template=TEMPLATE,
         height=2 * HEIGHT - 60,
         font={"family": FONT_FAMILY, "size": 12},
-        margin={"l": 56, "r": 24, "t": 48, "b": 40},
+        margin={"l": 56, "r": 24, "t": 48 + TOOLBAR_PX // 2, "b": 72},
         showlegend=True,
-        legend={"orientation": "h", "x": 0.0, "y": -0.08, "yanchor": "top"},
+        legend={"orientation": "h", "x": 0.0, "y": -0.1, "yanchor": "top"},
         hovermode="x unified",
         uirevision="run",  # keep the user's zoom while the data grows
     )

@@ -17,14 +17,17 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from fastft.studio.notices import (
+    LABEL_STYLE,
     Panel,
+    button,
     call_code,
     code_html,
     code_section,
     error_html,
     facts_table,
+    field,
     py_repr,
-    show_figure,
+    row,
     status_html,
 )
 from fastft.studio.state import StudioState, Worker
@@ -35,7 +38,7 @@ FORMATS = ("auto", "alpaca", "sharegpt", "messages", "text")
 TEMPLATES = {"tokenizer": "the tokenizer's own", "chatml": "ChatML (<|im_start|>role …<|im_end|>)"}
 UPLOAD_SUFFIXES = ".jsonl,.ndjson,.json,.csv,.tsv,.parquet"
 PREVIEW_TOKENS = 2048  # tokens drawn per row; the rest is summarised
-_WIDE = {"description_width": "110px"}
+_WIDE = LABEL_STYLE
 _KIND_STYLE = {
     "prompt": "color:#4a5563",
     "trained": "background:#c9efd6;color:#10331f;border-radius:2px",
@@ -77,8 +80,10 @@ class DataPanel(Panel):
     ``error``, ``code_view``.
     """
 
-    def __init__(self, state: StudioState | None = None):
+    def __init__(self, state: StudioState | None = None, *, live: str | None = None):
         from fastft.data.loading import list_bundled
+        from fastft.report.figures import sequence_length_figure
+        from fastft.studio.live import LiveFigure
 
         self.state = state if state is not None else StudioState()
         self._worker = Worker("fastft-studio-data")
@@ -99,19 +104,28 @@ class DataPanel(Panel):
             placeholder="bundled:NAME, a file path or a hub id (org/name)",
             description="Data",
             ensure_option=False,
-            layout=widgets.Layout(width="520px"),
+            layout=field("24em", grow=3, max_width="48em"),
             style=_WIDE,
         )
-        self.upload = widgets.FileUpload(accept=UPLOAD_SUFFIXES, multiple=False, description="Upload")
-        self.format = widgets.Dropdown(
-            options=list(FORMATS), value=settings.format, description="Format", style=_WIDE
+        self.upload = widgets.FileUpload(
+            accept=UPLOAD_SUFFIXES,
+            multiple=False,
+            description="Upload",
+            layout=widgets.Layout(width="auto", flex="0 0 auto"),
         )
-        self.load_button = widgets.Button(description="Load data", button_style="primary", icon="folder-open")
+        self.format = widgets.Dropdown(
+            options=list(FORMATS),
+            value=settings.format,
+            description="Format",
+            style=_WIDE,
+            layout=field("16em", max_width="22em"),
+        )
+        self.load_button = button(description="Load data", button_style="primary", icon="folder-open")
         self.chat_template = widgets.Dropdown(
             options=[(label, key) for key, label in TEMPLATES.items()],
             value=settings.chat_template,
             description="Chat template",
-            layout=widgets.Layout(width="420px"),
+            layout=field("22em", max_width="36em"),
             style=_WIDE,
         )
         self.train_on = widgets.ToggleButtons(
@@ -126,7 +140,7 @@ class DataPanel(Panel):
             max=1 << 20,
             step=64,
             description="Max length",
-            layout=widgets.Layout(width="230px"),
+            layout=field("14em", max_width="20em"),
             style=_WIDE,
         )
         self.row = widgets.BoundedIntText(
@@ -134,13 +148,16 @@ class DataPanel(Panel):
             min=0,
             max=0,
             description="Preview row",
-            layout=widgets.Layout(width="230px"),
+            layout=field("14em", max_width="20em"),
             style=_WIDE,
         )
         self.preview = widgets.HTML()
-        self.pack_button = widgets.Button(description="Pack", button_style="primary", icon="cubes")
+        self.pack_button = button(description="Pack", button_style="primary", icon="cubes")
         self.stats = widgets.HTML()
-        self.histogram = widgets.Output()
+        self.length_plot = LiveFigure(sequence_length_figure([]), live)
+        self.histogram = self.length_plot.widget
+        self.histogram.layout.display = "none"  # until the first Pack
+        self.rows_info = widgets.HTML()  # "N rows of chats from …": stays until other rows are loaded
         self.status = widgets.HTML()
         self.error = widgets.HTML()
         self.code_view = widgets.HTML()
@@ -149,14 +166,15 @@ class DataPanel(Panel):
         self.widget = widgets.VBox(
             [
                 widgets.HTML("<b>2. Pick data</b>"),
-                widgets.HBox([self.source, self.load_button, self.upload]),
-                widgets.HBox([self.format, self.chat_template]),
-                widgets.HBox([self.train_on, self.max_seq_length]),
+                row([self.source, self.load_button, self.upload]),
+                row([self.format, self.chat_template]),
+                row([self.train_on, self.max_seq_length]),
+                self.rows_info,
                 self.status,
                 self.error,
-                widgets.HBox([self.row, widgets.HTML(_legend())]),
+                row([self.row, widgets.HTML(_legend())]),
                 self.preview,
-                widgets.HBox([self.pack_button]),
+                row([self.pack_button]),
                 self.stats,
                 self.histogram,
                 code,
@@ -327,6 +345,7 @@ class DataPanel(Panel):
 
         rows = fastft.load_dataset(source, format=fmt)
         state = self.state
+        self._clear_stats()  # the last pack's numbers describe other rows
         state.rows, state.dataset_name = rows, source
         state.pack_settings.format = fmt
         self._loaded_format = fmt
@@ -364,7 +383,7 @@ class DataPanel(Panel):
         text = f"{len(rows):,} row{'s' if len(rows) != 1 else ''} of {'chats' if kind == 'chat' else 'plain text'} from {self.state.dataset_name}"
         if extra:
             text += f" (other columns kept: {', '.join(extra)})"
-        self.status.value = status_html(text, "ok")
+        self.rows_info.value = status_html(text, "ok")
         self._render_preview()
 
     def _render_preview(self) -> None:
@@ -396,7 +415,15 @@ class DataPanel(Panel):
         ]
         self.stats.value = facts_table(rows)
         self.figure = sequence_length_figure(packed.data.lengths, stats.max_seq_length, truncated=t.truncated)
-        show_figure(self.histogram, self.figure)
+        self.length_plot.replace(self.figure)
+        self.length_plot.flush()
+        self.histogram.layout.display = None
+
+    def _clear_stats(self, note: str = "") -> None:
+        """Take the last pack's statistics and histogram off the screen (`note`: say why instead)."""
+        self.stats.value = note
+        self.figure = None
+        self.histogram.layout.display = "none"
 
     def _refresh(self) -> None:
         self.code_view.value = code_html(self.code())
@@ -449,7 +476,7 @@ class DataPanel(Panel):
         state = self.state
         if state.packed is not None and self._packed_with != self._pack_key():
             state.packed = None
-            self.stats.value = status_html(f"{reason}: click Pack again.", "warn")
+            self._clear_stats(status_html(f"{reason}: click Pack again.", "warn"))
             state.notify("packed")
 
     # ------------------------------------------------------------------------------------------ events
@@ -479,8 +506,7 @@ class DataPanel(Panel):
             self._render_preview()
             self._refresh()
         elif name == "packed" and self.state.packed is None and self.figure is not None:
-            self.figure = None
-            self.histogram.clear_output()
+            self._clear_stats(self.stats.value if "Pack again" in self.stats.value else "")
 
 
 def _segments_html(segments: list[Segment], note: str = "") -> str:

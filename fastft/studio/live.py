@@ -1,18 +1,25 @@
 """Live plots for the studio: bounded float32 series, a throttle, and a figure that updates in place.
 
-Three ways to show a figure that changes while a run trains (`frontend` picks one):
+How a changing figure is shown is decided by what the front end really renders, not by guessing from
+environment variables (`frontend` says "auto" in any kernel):
 
-- ``"widget"``: a plotly ``FigureWidget`` whose traces are updated in place (JupyterLab 4, Notebook 7,
-  VS Code, Voila: wherever custom widgets render);
-- ``"display"``: where they do not (Colab, Kaggle: found from their environment variables, never by
-  importing ``google.colab``), an ``ipywidgets.Output`` whose content is replaced by the figure as the
-  notebook's plotly renderer draws it, at most every `DISPLAY_INTERVAL` seconds (each update resends
-  the whole figure);
+- ``"widget"``: a plotly ``FigureWidget`` whose traces are updated in place (only the changed arrays
+  travel). In "auto" mode each `LiveFigure` starts this way with a `RenderProbe` beside it: a tiny
+  custom widget of the same kind (anywidget) that tells the kernel once the browser has drawn it.
+- ``"display"``: when no probe has reported after `PROBE_TIMEOUT` seconds (custom widgets do not render
+  here: Colab without its custom widget manager, Kaggle, nbviewer-like front ends), the figure moves to
+  an ``ipywidgets.Output`` (a core widget every Jupyter front end draws) whose one display output is
+  replaced at most every `DISPLAY_INTERVAL` seconds, only when the data changed, with the front end's
+  own plotly renderer (plotly.js itself is not resent: it comes from the page or the CDN). A probe that
+  reports later switches the figure back to the widget.
 - ``"text"``: no kernel (a script, a test): nothing is drawn; the figure object is still kept up to date.
+
+Widget values are only ever set (from any thread); nothing prints into an ``Output`` with ``with
+output:`` from a worker thread, which only shows where the kernel's current cell happens to be.
 
 A run of 10,000 steps must not slow the browser: `SeriesBuffer` keeps at most `max_points` points,
 dropping every other one whenever it fills, so the whole run stays visible at a uniform spacing.
-Updates are throttled by the caller (`Ticker`, a few per second).
+Updates are throttled by the caller (`Ticker`, about once a second).
 """
 
 from __future__ import annotations
@@ -24,18 +31,17 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-MODES = ("widget", "display", "text")
-WIDGET_INTERVAL = 0.5  # seconds between updates of a FigureWidget (cheap: only changed arrays are sent)
+MODES = ("auto", "widget", "display", "text")
+WIDGET_INTERVAL = 1.0  # seconds between updates of the run's plots (the ticker)
 DISPLAY_INTERVAL = 2.0  # seconds between re-renders of a whole figure in the display fallback
-_COLAB = ("COLAB_RELEASE_TAG", "COLAB_BACKEND_VERSION")
-_KAGGLE = ("KAGGLE_KERNEL_RUN_TYPE", "KAGGLE_URL_BASE")
+PROBE_TIMEOUT = 8.0  # seconds a `RenderProbe` has to report before a figure falls back to "display"
 
 
 def frontend(env: Mapping[str, str] | None = None, kernel: bool | None = None) -> str:
-    """How live figures are shown here: "widget", "display" or "text" (see the module docstring).
+    """How live figures are shown here: "auto" in a kernel, "text" without one (see the module docstring).
 
-    ``FASTFT_LIVE=widget|display|text`` overrides the guess (e.g. ``widget`` on Colab after
-    ``google.colab.output.enable_custom_widget_manager()``).
+    ``FASTFT_LIVE=widget|display|text`` overrides it (e.g. ``display`` where custom widgets are known not
+    to render, to skip the probe's wait).
     """
     env = os.environ if env is None else env
     forced = env.get("FASTFT_LIVE", "").strip().lower()
@@ -45,11 +51,41 @@ def frontend(env: Mapping[str, str] | None = None, kernel: bool | None = None) -
         from fastft.studio.notices import in_kernel
 
         kernel = in_kernel()
-    if not kernel:
-        return "text"
-    if any(env.get(name) for name in (*_COLAB, *_KAGGLE)):
-        return "display"
-    return "widget"
+    return "auto" if kernel else "text"
+
+
+_PROBE_ESM = """
+export default {
+  render({ model, el }) {
+    model.set("rendered", true);
+    model.save_changes();
+  }
+};
+"""
+
+
+def render_probe():
+    """A zero-size custom widget whose ``rendered`` trait turns True once a browser has drawn it (None
+    where anywidget is missing: then custom widgets are taken not to render)."""
+    try:
+        import anywidget
+        import traitlets
+    except ImportError:
+        return None
+    global _Probe
+    if _Probe is None:
+
+        class RenderProbe(anywidget.AnyWidget):
+            _esm = _PROBE_ESM
+            rendered = traitlets.Bool(False).tag(sync=True)
+
+        _Probe = RenderProbe
+    import ipywidgets as widgets
+
+    return _Probe(layout=widgets.Layout(width="0", height="0", overflow="hidden", margin="0"))
+
+
+_Probe = None
 
 
 class SeriesBuffer:
@@ -158,38 +194,128 @@ class Ticker:
 
 
 class LiveFigure:
-    """A plotly figure shown once and then updated in place, the way this frontend allows.
+    """A plotly figure shown once and then updated in place, the way this front end allows.
 
-    `figure` is the figure being updated (a ``FigureWidget`` in "widget" mode, else a plain
-    ``go.Figure``); `widget` is what to put in a panel (the FigureWidget, an ``Output``, or an empty
-    ``HTML`` in "text" mode). `set_data` changes some traces' x/y (cheap, throttled by the caller);
-    `replace` swaps in a whole new figure. In "display" mode the render is throttled here to at most
-    one per `DISPLAY_INTERVAL` seconds; `flush()` forces the last one out.
+    `figure` is the figure being updated (a ``FigureWidget`` while in "widget" mode, else a plain
+    ``go.Figure``); `widget` is what to put in a panel (a box holding the FigureWidget or the ``Output``,
+    or an empty ``HTML`` in "text" mode); `mode` is the current way ("widget", "display" or "text").
+    `set_data` changes some traces' x/y (cheap); `update_from` takes another figure's data, trace by
+    trace when the traces match, else `replace`s the whole figure. The display fallback is throttled
+    here to one render per `DISPLAY_INTERVAL` seconds; `flush()` forces the last one out.
     """
 
-    def __init__(self, figure, mode: str | None = None):
+    def __init__(self, figure, mode: str | None = None, *, probe_timeout: float = PROBE_TIMEOUT):
         import ipywidgets as widgets
         import plotly.graph_objects as go
 
-        self.mode = mode or frontend()
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r}: use one of {MODES}.")
+        requested = mode or frontend()
+        if requested not in MODES:
+            raise ValueError(f"mode={requested!r}: use one of {MODES}.")
+        self.requested = requested
         self._lock = threading.RLock()
         self._last_render = 0.0
         self._dirty = False
+        self._signature = None
+        self._output = None
+        self.probe = None
+        self.rendered = False  # a probe reported: custom widgets render here
+        self.fell_back_at: float | None = None
+        self.mode = "text" if requested == "text" else ("display" if requested == "display" else "widget")
+        self._figure_widget = None
         if self.mode == "widget":
             try:
-                self.figure = go.FigureWidget(figure)
-            except Exception:  # noqa: BLE001 - FigureWidget needs anywidget (plotly ≥ 6); fall back
+                self._figure_widget = go.FigureWidget(figure)
+            except Exception:  # noqa: BLE001 - FigureWidget needs anywidget (plotly >= 6); fall back
                 self.mode = "display"
+        if self.mode == "text":
+            self.figure = go.Figure(figure)
+            self.widget = widgets.HTML("")
+            return
+        # min_width 0 and overflow hidden: a drawn chart must not hold its box wide when the notebook narrows,
+        # so plotly's responsive resize sees the new width
+        self.widget = widgets.Box(
+            layout=widgets.Layout(width="100%", min_width="0", overflow="hidden", flex_flow="column")
+        )
         if self.mode == "widget":
-            self.widget = self.figure
+            self.figure = self._figure_widget
+            _fill_width(self.figure)
+            if requested == "auto":
+                self.probe = render_probe()
+                if self.probe is None:
+                    self._fall_back()
+                    return
+                self.probe.observe(self._on_probe, names="rendered")
+                self._arm(probe_timeout)
+            self.widget.children = [c for c in (self.figure, self.probe) if c is not None]
         else:
             self.figure = go.Figure(figure)
-            self.widget = widgets.Output() if self.mode == "display" else widgets.HTML("")
-            if self.mode == "display":
-                self._render(force=True)
+            self._show_output()
 
+    # -- choosing the way -------------------------------------------------------------------------------
+    def _on_probe(self, change) -> None:
+        if not change["new"]:
+            return
+        with self._lock:
+            self.rendered = True
+            if self.mode == "display":  # the probe was late: back to the widget, with the latest data
+                widget = self._figure_widget
+                with widget.batch_update():
+                    widget.data = ()
+                    widget.add_traces(list(self.figure.data))
+                    widget.layout = self.figure.layout
+                self.figure, self.mode = widget, "widget"
+                _fill_width(widget)
+                self.widget.children = [widget, self.probe]
+
+    def _arm(self, timeout: float) -> None:
+        """Start the probe's clock once the cell that made this figure has finished: the browser's report
+        is read by the kernel only between cells, so time spent running the cell must not count."""
+        shell = None
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython() if getattr(get_ipython(), "kernel", None) is not None else None
+        except ImportError:
+            pass
+
+        def start(*_args) -> None:
+            if shell is not None:
+                shell.events.unregister("post_run_cell", start)
+            timer = threading.Timer(timeout, self._on_timeout)
+            timer.daemon = True
+            timer.start()
+
+        if shell is None:
+            start()
+        else:
+            shell.events.register("post_run_cell", start)
+
+    def _on_timeout(self) -> None:
+        with self._lock:
+            if not self.rendered and self.mode == "widget":
+                self._fall_back()
+
+    def _fall_back(self) -> None:
+        """Custom widgets do not render here: show the figure in a core `Output` instead."""
+        import plotly.graph_objects as go
+
+        self.figure = go.Figure(self.figure)
+        self.mode = "display"
+        self.fell_back_at = time.monotonic()
+        self._show_output()
+        if self.probe is not None:  # it stays, invisible, in case the browser draws it after all
+            self.widget.children = [self._output, self.probe]
+
+    def _show_output(self) -> None:
+        import ipywidgets as widgets
+
+        if self._output is None:
+            self._output = widgets.Output(layout=widgets.Layout(width="100%"))
+        self.widget.children = [self._output]
+        self._dirty = True
+        self._render(force=True)
+
+    # -- updates ----------------------------------------------------------------------------------------
     def set_data(self, traces: Mapping[int, tuple[Sequence[float], Sequence[float]]], **layout) -> None:
         """Set the x/y arrays of traces by index (and optional layout properties) in one update."""
         with self._lock:
@@ -208,6 +334,23 @@ class LiveFigure:
         if layout:
             self.figure.update_layout(**layout)
 
+    def update_from(self, figure) -> None:
+        """Show `figure`'s data: trace by trace (only the arrays and the annotations travel) when its
+        traces have the same names and types as those shown, else by `replace`."""
+        names = [(t.type, t.name) for t in figure.data]
+        with self._lock:
+            if names != [(t.type, t.name) for t in self.figure.data] or not names:
+                self.replace(figure)
+                return
+            layout = figure.layout
+            changes = {
+                "title": layout.title,
+                "annotations": layout.annotations,
+                "shapes": layout.shapes,
+                "yaxis": {"range": layout.yaxis.range, "autorange": layout.yaxis.range is None},
+            }
+            self.set_data({i: (t.x, t.y) for i, t in enumerate(figure.data)}, **changes)
+
     def replace(self, figure) -> None:
         """Show another figure in the same place (traces and layout replaced)."""
         with self._lock:
@@ -216,6 +359,15 @@ class LiveFigure:
                     self.figure.data = ()
                     self.figure.add_traces(list(figure.data))
                     self.figure.layout = figure.layout
+                # the browser merges a new layout into the old one, so shapes and annotations the new one
+                # lacks (a capacity line over an empty chart) would stay there: name them exactly
+                self.figure.plotly_relayout(
+                    {
+                        "shapes": [shape.to_plotly_json() for shape in figure.layout.shapes],
+                        "annotations": [note.to_plotly_json() for note in figure.layout.annotations],
+                    }
+                )
+                _fill_width(self.figure)
             else:
                 import plotly.graph_objects as go
 
@@ -230,21 +382,38 @@ class LiveFigure:
                 self._render(force=True)
 
     def _render(self, force: bool = False) -> None:
-        if self.mode != "display":
+        if self.mode != "display" or self._output is None:
             return
         now = time.monotonic()
         if not force and now - self._last_render < DISPLAY_INTERVAL:
             return
+        signature = hash(self.figure.to_json())
         self._last_render, self._dirty = now, False
-        self.widget.outputs = (
-            {"output_type": "display_data", "data": mime_bundle(self.figure), "metadata": {}},
-        )
+        if signature == self._signature:
+            return  # nothing changed: nothing resent
+        self._signature = signature
+        bundle = mime_bundle(self.figure)
+        # Setting `outputs` replaces the one display output in a single message: no clear, no flicker,
+        # and it is safe from any thread (unlike `with output:`).
+        self._output.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
+
+
+def _fill_width(figure) -> None:
+    """Let the figure follow its panel's width (plotly's autosize), whatever width it was made with."""
+    figure.layout.width = None
+    figure.layout.autosize = True
+    if hasattr(figure, "_config"):  # a FigureWidget: redraw at its panel's width when that changes
+        figure._config = {**(figure._config or {}), **_CONFIG}
+
+
+_CONFIG = {"responsive": True, "displaylogo": False}
 
 
 def mime_bundle(figure) -> dict:
     """The figure as the notebook's plotly renderer draws it (Colab's, Kaggle's, …); HTML otherwise."""
     try:
-        bundle = figure._repr_mimebundle_(include=None, exclude=None)
+        # `responsive`: the figure follows its output's width (the renderer's copy is configured, not plotly's)
+        bundle = figure._repr_mimebundle_(include=None, exclude=None, config=_CONFIG)
     except Exception:  # noqa: BLE001 - no renderer for this frontend
         bundle = None
     if bundle:
@@ -252,6 +421,6 @@ def mime_bundle(figure) -> dict:
     import plotly.io as pio
 
     return {
-        "text/html": pio.to_html(figure, include_plotlyjs="cdn", full_html=False),
+        "text/html": pio.to_html(figure, include_plotlyjs="cdn", full_html=False, config=_CONFIG),
         "text/plain": f"<plotly figure: {len(figure.data)} traces>",
     }

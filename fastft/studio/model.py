@@ -10,7 +10,9 @@ patch report says what runs on fused kernels.
 from __future__ import annotations
 
 import gc
+import re
 import warnings
+from pathlib import Path
 
 import ipywidgets as widgets
 
@@ -27,20 +29,24 @@ from fastft.studio.model_facts import (
     unknown_model_hint,
 )
 from fastft.studio.notices import (
+    LABEL_STYLE,
     Panel,
+    button,
     call_code,
     code_html,
     code_section,
     error_html,
     facts_table,
+    field,
     py_repr,
+    row,
     status_html,
 )
-from fastft.studio.state import PRECISIONS, LoraSettings, StudioState, Worker
+from fastft.studio.state import PRECISIONS, Debouncer, LoraSettings, StudioState, Worker
 
 __all__ = ["ModelFacts", "ModelPanel", "model_choices", "model_facts"]  # the facts live in model_facts
 
-_WIDE = {"description_width": "110px"}
+_WIDE = LABEL_STYLE
 
 
 class ModelPanel(Panel):
@@ -72,11 +78,11 @@ class ModelPanel(Panel):
             placeholder="preset, catalog id, org/name or a local folder",
             description="Model",
             ensure_option=False,
-            layout=widgets.Layout(width="520px"),
+            layout=field("24em", grow=3, max_width="48em"),
             style=_WIDE,
         )
-        self.load_button = widgets.Button(description="Load model", button_style="primary", icon="download")
-        self.apply_button = widgets.Button(
+        self.load_button = button(description="Load model", button_style="primary", icon="download")
+        self.apply_button = button(
             description="Apply LoRA",
             icon="refresh",
             disabled=True,
@@ -95,7 +101,7 @@ class ModelPanel(Panel):
             max=1 << 20,
             step=64,
             description="Max length",
-            layout=widgets.Layout(width="230px"),
+            layout=field("14em", max_width="20em"),
             style=_WIDE,
         )
         lora = state.lora_settings
@@ -104,7 +110,7 @@ class ModelPanel(Panel):
             min=1,
             max=4096,
             description="LoRA rank",
-            layout=widgets.Layout(width="230px"),
+            layout=field("14em", max_width="20em"),
             style=_WIDE,
         )
         self.alpha = widgets.BoundedFloatText(
@@ -112,7 +118,7 @@ class ModelPanel(Panel):
             min=0.0,
             max=65536.0,
             description="Alpha",
-            layout=widgets.Layout(width="230px"),
+            layout=field("14em", max_width="20em"),
             style=_WIDE,
         )
         self.dropout = widgets.BoundedFloatText(
@@ -121,20 +127,21 @@ class ModelPanel(Panel):
             max=0.9,
             step=0.05,
             description="Dropout",
-            layout=widgets.Layout(width="230px"),
+            layout=field("14em", max_width="20em"),
             style=_WIDE,
         )
         self.gradient_checkpointing = widgets.Dropdown(
             options=[(Checkpointing(kind).label, kind) for kind in CHECKPOINTING_KINDS],
             value=lora.gradient_checkpointing,
             description="Checkpointing",
-            layout=widgets.Layout(width="460px"),
+            layout=field("22em", max_width="36em"),
             style=_WIDE,
         )
         self.target_checkboxes: dict[str, widgets.Checkbox] = {}
-        self.targets = widgets.HBox(layout=widgets.Layout(flex_flow="row wrap"))
+        self.targets = widgets.HBox(layout=widgets.Layout(flex_flow="row wrap", flex="1 1 20em"))
         self.targets_note = widgets.HTML()
         self.status = widgets.HTML()
+        self.saved_note = widgets.HTML()  # where the adapter of the model a Load replaced was saved
         self.error = widgets.HTML()
         self.summary = widgets.HTML()
         self.code_view = widgets.HTML()
@@ -143,21 +150,23 @@ class ModelPanel(Panel):
         self.widget = widgets.VBox(
             [
                 widgets.HTML("<b>1. Pick a model</b>"),
-                widgets.HBox([self.model_name, self.load_button, self.apply_button]),
+                row([self.model_name, self.load_button, self.apply_button]),
                 self.info,
-                widgets.HBox([self.precision, self.max_seq_length]),
+                row([self.precision, self.max_seq_length]),
                 widgets.HTML("<b>LoRA adapters</b>"),
-                widgets.HBox([self.rank, self.alpha, self.dropout]),
-                self.gradient_checkpointing,
-                widgets.HBox([widgets.Label("Targets", layout=widgets.Layout(width="110px")), self.targets]),
+                row([self.rank, self.alpha, self.dropout]),
+                row([self.gradient_checkpointing]),  # `field` flexes along a row, never a column's height
+                row([widgets.Label("Targets", layout=widgets.Layout(width="9em")), self.targets]),
                 self.targets_note,
                 self.status,
+                self.saved_note,
                 self.error,
                 self.summary,
                 code,
             ]
         )
 
+        self._describe_later = Debouncer(self._describe)
         self.model_name.observe(self._on_pick, names="value")
         for control in (self.precision, self.max_seq_length):
             control.observe(self._on_load_settings, names="value")
@@ -165,7 +174,7 @@ class ModelPanel(Panel):
             control.observe(self._on_lora_settings, names="value")
         self.load_button.on_click(lambda _: self.load())
         self.apply_button.on_click(lambda _: self.apply_lora())
-        state.observe(self._on_state, ("model",))
+        state.observe(self._on_state, ("model", "plan"))
 
         self.info.value = facts_html(model_facts(self.model_name.value))
         if state.model is not None:  # a studio re-run on a kept state: show what is loaded
@@ -245,26 +254,73 @@ class ModelPanel(Panel):
     # ------------------------------------------------------------------------------------------ jobs
 
     def _load_job(self, name: str) -> None:
+        """Load `name` beside the current model and swap only once it has loaded: a failed Load keeps
+        what was loaded (and trained). A trained, unsaved adapter is saved first, and where is said."""
         import fastft
 
         state = self.state
         settings = state.load_settings
         lora = self._lora_settings()
+        previous, previous_name = state.model, self._loaded_name
         self._busy(True, f"Loading {name} ({settings.precision}) and adding LoRA adapters…")
         try:
-            self._release_model()
+            try:
+                saved = self._save_unsaved(name)
+            except Exception as error:  # noqa: BLE001 - nothing is loaded over an adapter we could not keep
+                self.error.value = error_html(
+                    f"The trained adapter of {previous_name} could not be saved ({type(error).__name__}: "
+                    f"{error}), so {name} was not loaded and {previous_name} stays. Fix: save it in the Export "
+                    "tab, or set the Run tab's output dir to a folder that can be written.",
+                    "Unsaved training kept",
+                )
+                return
+            if saved:
+                self.saved_note.value = status_html(
+                    f"The adapter trained on {previous_name} was saved to {saved} before loading {name} "
+                    f"(reload it with PeftModel.from_pretrained(base, {py_repr(saved)})).",
+                    "ok",
+                )
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 model, tokenizer = fastft.load_model(name, **settings.load_kwargs)
                 model = fastft.add_lora(model, **lora.add_lora_kwargs)
-            state.model, state.tokenizer = model, tokenizer
-            self._loaded_name = name
-            self._show_loaded(_notes(caught))
-            state.notify("model")
         except Exception as error:  # noqa: BLE001 - every failure is shown in the panel, none raised
-            self.error.value = error_html(error)
+            kept = f" {previous_name} is still loaded." if previous is not None and previous_name else ""
+            self.error.value = error_html(
+                f"{_message(error)}{kept}", f"{type(error).__name__} (nothing changed)"
+            )
+            return
         finally:
             self._busy(False)
+        self._release_model()
+        state.model, state.tokenizer = model, tokenizer
+        self._loaded_name = name
+        self._show_loaded(_notes(caught))
+        state.notify("model")
+
+    def _save_unsaved(self, next_name: str) -> str | None:
+        """Save the loaded model's adapter when a run trained it and nothing holds that training yet;
+        the folder it went to, or None when there was nothing to save."""
+        import fastft
+
+        state = self.state
+        steps = state.unsaved_steps()
+        if not steps:
+            return None
+        output_dir = getattr(getattr(state.run, "config", None), "output_dir", None) or "runs/studio"
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "-", self._loaded_name or "model").strip("-")
+        folder = Path(output_dir).expanduser() / f"adapter-{stem}-step{steps}"
+        index = 1
+        while folder.exists():
+            index += 1
+            folder = folder.with_name(f"adapter-{stem}-step{steps}-{index}")
+        self._busy(
+            True,
+            f"Saving the adapter trained on {self._loaded_name} ({steps} steps) before loading {next_name}…",
+        )
+        path = fastft.save_adapter(state.model, str(folder), state.tokenizer)
+        state.mark_saved(str(path))
+        return str(path)
 
     def _apply_job(self) -> None:
         import fastft
@@ -294,14 +350,12 @@ class ModelPanel(Panel):
             self._busy(False)
 
     def _release_model(self) -> None:
-        """Drop the previous model before loading the next, so two never share the GPU."""
+        """Drop the previous model once the next one has loaded, and give its GPU memory back (the state
+        is told once, when the new model is in place)."""
         if self.state.model is None:
             return
-        self.state.model = None
-        self._loaded_name = None
+        self.state.model = self.state.tokenizer = None
         self.fused_report = None
-        self.summary.value = ""
-        self.state.notify("model")
         gc.collect()
         try:
             import torch
@@ -384,7 +438,10 @@ class ModelPanel(Panel):
             box.close()
         self.target_checkboxes = {
             name: widgets.Checkbox(
-                value=name in chosen, description=name, indent=False, layout=widgets.Layout(width="130px")
+                value=name in chosen,
+                description=name,
+                indent=False,
+                layout=widgets.Layout(width="auto", min_width="10em"),
             )
             for name in names
         }
@@ -444,9 +501,23 @@ class ModelPanel(Panel):
         if name != self._loaded_name and self.target_checkboxes:
             self._set_targets([])  # another model: its layers are known after Load
             self._write_lora()
-        self.info.value = facts_html(model_facts(name))
+        self._describe_later.cancel()
+        if _quick(name):
+            self.info.value = facts_html(model_facts(name))
+        else:  # a folder's config is read on a timer thread once typing pauses, never per keystroke
+            self._describe_later(name)
         self.state.notify("model_name")
         self._refresh()
+
+    def _describe(self, name: str) -> None:
+        if (self.model_name.value or "").strip() != name:
+            return
+        try:
+            html = facts_html(model_facts(name))
+        except Exception as error:  # noqa: BLE001 - a description must never break the picker
+            html = status_html(f"{name}: {type(error).__name__}: {error}", "warn")
+        if (self.model_name.value or "").strip() == name:
+            self.info.value = html
 
     def _on_load_settings(self, _change=None) -> None:
         settings = self.state.load_settings
@@ -473,9 +544,37 @@ class ModelPanel(Panel):
         self.state.notify("lora_settings")
 
     def _on_state(self, name: str) -> None:
+        if name == "plan":  # the VRAM tab's "Use in Model tab": its settings become these controls
+            state = self.state
+            name, load, lora = state.model_name, state.load_settings, state.lora_settings
+            plan = (load.precision, int(load.max_seq_length), int(lora.r), lora.gradient_checkpointing)
+            if name and self.model_name.value.strip() != name:  # each control writes the state back as it
+                self.model_name.value = name  # changes, so the plan is read first
+            self.precision.value, self.max_seq_length.value = plan[0], plan[1]
+            self.rank.value, self.gradient_checkpointing.value = plan[2], plan[3]
+            self.status.value = status_html(
+                "Settings taken from the VRAM tab's plan: click Load model (or Apply LoRA) to use them.",
+                "info",
+            )
+            return
         if name == "model" and self.state.model is None and not self._loading:
             self.summary.value = ""
             self.apply_button.disabled = True
+
+
+def _quick(name: str) -> bool:
+    """Whether `name` is described from memory (a preset or a catalog id, or plainly neither)."""
+    from fastft.models.catalog import CATALOG
+    from fastft.models.presets import PRESETS
+
+    return name in PRESETS or name in CATALOG or "/" not in name and not name.startswith((".", "~"))
+
+
+def _message(error: BaseException) -> str:
+    text = str(error) or repr(error)
+    if isinstance(error, KeyError) and text.startswith(("'", '"')):
+        text = text[1:-1]
+    return text
 
 
 def _notes(caught) -> list[str]:

@@ -21,7 +21,13 @@ __all__ = [
     "py_repr",
     "show_figure",
     "status_html",
+    "StatusLog",
+    "button",
+    "field",
+    "row",
 ]
+
+LABEL_STYLE = {"description_width": "9em"}  # in em: labels scale with the font, not the screen
 
 _ERROR_STYLE = (
     "border-left:4px solid #d62728;background:#fdf0f0;padding:6px 10px;margin:4px 0;"
@@ -143,3 +149,86 @@ class Panel:
         """Stop following the shared state and close the panel's widgets."""
         self.state.unobserve(owner=self)
         close_tree(self.widget)
+
+
+# ------------------------------------------------------------------------------------------------ layout
+# No fixed pixel widths: controls grow and shrink between a minimum (in em, so a label and a few digits
+# always fit) and the panel's width, rows wrap on a narrow notebook, and buttons are as wide as their text.
+
+
+def field(basis: str = "18em", *, grow: int = 1, max_width: str | None = "40em"):
+    """A control's `Layout` in a `row`: starts at `basis` wide, grows to fill the row (up to `max_width`), wraps
+    below. Only for a row's children: in a column the flex basis would be the control's height."""
+    import ipywidgets as widgets
+
+    return widgets.Layout(
+        flex=f"{grow} 1 {basis}", width="auto", min_width=f"min({basis}, 100%)", max_width=max_width
+    )
+
+
+def button(**kwargs):
+    """A `Button` whose width follows its text (never truncated), keeping its row's height."""
+    import ipywidgets as widgets
+
+    return widgets.Button(
+        layout=widgets.Layout(width="auto", min_width="fit-content", flex="0 0 auto"), **kwargs
+    )
+
+
+def row(children, **layout):
+    """An `HBox` that wraps its children onto the next line when the panel is narrow."""
+    import ipywidgets as widgets
+
+    return widgets.HBox(
+        list(children),
+        layout=widgets.Layout(flex_flow="row wrap", align_items="center", width="100%", **layout),
+    )
+
+
+class StatusLog:
+    """The last few messages of a panel, newest first, each with the time it was said: a new message
+    never hides the one before (a warning stays readable under the "done" that follows it).
+
+    `widget` is the HTML widget; `say(text, kind)` adds a line ("info", "ok", "warn", "busy", "error");
+    `clear()` empties it. A "busy" line is replaced by the next message, since it only says "working".
+    """
+
+    def __init__(self, keep: int = 4):
+        import ipywidgets as widgets
+
+        self.keep = keep
+        self.widget = widgets.HTML("")
+        self.lines: list[tuple[str, str, str, str | None]] = []  # (time, kind, text, title)
+
+    def say(self, text: str, kind: str = "info", title: str | None = None) -> None:
+        import time
+
+        if not text:
+            return
+        if self.lines and self.lines[0][1] == "busy":
+            self.lines.pop(0)
+        self.lines.insert(0, (time.strftime("%H:%M:%S"), kind, text, title))
+        del self.lines[self.keep :]
+        self._render()
+
+    def clear(self) -> None:
+        self.lines = []
+        self._render()
+
+    @property
+    def latest(self) -> str:
+        return self.lines[0][2] if self.lines else ""
+
+    def _render(self) -> None:
+        parts = []
+        for index, (stamp, kind, text, title) in enumerate(self.lines):
+            if kind == "error":
+                body = error_html(text, title or "Error")
+            else:
+                body = status_html(text if title is None else f"{title}: {text}", kind)
+            faded = "" if index == 0 else "opacity:0.6;"
+            parts.append(
+                f'<div style="display:flex;gap:0.6em;align-items:baseline;{faded}">'
+                f'<span style="color:#a3acb9;font-size:11px">{stamp}</span><div style="flex:1">{body}</div></div>'
+            )
+        self.widget.value = "".join(parts)

@@ -7,6 +7,7 @@ float32 series (`SeriesBuffer`) that the live plots show.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import math
 import threading
@@ -22,7 +23,7 @@ from fastft.studio.live import (
     Ticker,
     frontend,
 )
-from fastft.studio.notices import Panel
+from fastft.studio.notices import Panel, StatusLog, button, code_section, field, row
 from fastft.studio.run_control import Run, explain
 from fastft.studio.state import StudioState
 from fastft.training.events import EvalEvent, StepEvent
@@ -56,7 +57,7 @@ class RunPanel(Panel):
     update ("widget", "display", "text"; default: `fastft.studio.live.frontend()`).
     """
 
-    TIMING_EVERY = 3.0  # seconds between redraws of the step-timing figure and table
+    TIMING_EVERY = 5.0  # seconds between redraws of the step-timing figure and table
     TIMING_STEPS = 120  # steps shown in the step-timing bars (the latest ones)
     TEXT_EVERY = 10.0  # seconds between status lines printed without a notebook
 
@@ -80,8 +81,8 @@ class RunPanel(Panel):
         self.eval_series = SeriesBuffer(("eval_loss",), max_points)
         self._ema = Ema(0.9)
 
-        style = {"description_width": "130px"}
-        wide = widgets.Layout(width="320px")
+        style = {"description_width": "11em"}  # "grad accumulation", "eval every (0: end)" in full
+        wide = field("18em", max_width="28em")
         self.steps = widgets.BoundedIntText(
             value=60, min=1, max=10_000_000, description="steps", style=style, layout=wide
         )
@@ -109,15 +110,15 @@ class RunPanel(Panel):
         self.output_dir = widgets.Text(
             value="runs/studio", description="output dir", style=style, layout=wide
         )
-        self.start_button = widgets.Button(description="Start", icon="play", button_style="success")
-        self.pause_button = widgets.Button(description="Pause", icon="pause", disabled=True)
-        self.stop_button = widgets.Button(
-            description="Stop", icon="stop", button_style="danger", disabled=True
-        )
-        self.save_button = widgets.Button(description="Save checkpoint", icon="save", disabled=True)
+        self.start_button = button(description="Start", icon="play", button_style="success")
+        self.pause_button = button(description="Pause", icon="pause", disabled=True)
+        self.stop_button = button(description="Stop", icon="stop", button_style="danger", disabled=True)
+        self.save_button = button(description="Save checkpoint", icon="save", disabled=True)
         self.progress = widgets.IntProgress(value=0, min=0, max=1, layout=widgets.Layout(width="100%"))
         self.progress_text = widgets.HTML("")
-        self.status = widgets.HTML("")
+        self.checks = widgets.HTML("")  # what cannot work (or looks wrong) with these settings, before Start
+        self.log = StatusLog()
+        self.status = self.log.widget
         self.code_preview = widgets.HTML("")
         self.plots = LiveFigure(run_dashboard_figure(), self.mode)
         self.timing_figure = LiveFigure(phases_figure([], []), self.mode)
@@ -133,7 +134,12 @@ class RunPanel(Panel):
             self.save_every,
             self.output_dir,
         ]
+        kept = self.state.run_settings  # the last studio's values: a re-run cell keeps them
         for control in self._controls:
+            name = control.description
+            if name in kept:
+                with contextlib.suppress(Exception):  # a value it no longer takes: its default stays
+                    control.value = kept[name]
             control.observe(self._on_setting, names="value")
         self.start_button.on_click(self._on_start)
         self.pause_button.on_click(self._on_pause)
@@ -156,10 +162,10 @@ class RunPanel(Panel):
         settings = widgets.VBox(
             [
                 widgets.HTML("<b>Hyperparameters</b>"),
-                widgets.HBox([widgets.VBox(self._controls[:4]), widgets.VBox(self._controls[4:])]),
+                row([*self._controls]),
             ]
         )
-        buttons = widgets.HBox([self.start_button, self.pause_button, self.stop_button, self.save_button])
+        buttons = row([self.start_button, self.pause_button, self.stop_button, self.save_button])
         timing = widgets.VBox(
             [
                 widgets.HTML("<b>Step timing</b> (ms per phase, latest steps)"),
@@ -167,10 +173,11 @@ class RunPanel(Panel):
                 self.timing_table,
             ]
         )
-        code = widgets.VBox([widgets.HTML("<b>The same run in Python</b>"), self.code_preview])
+        code = code_section(self.code_preview)
         self.widget = widgets.VBox(
             [
                 settings,
+                self.checks,
                 buttons,
                 self.progress,
                 self.progress_text,
@@ -181,6 +188,7 @@ class RunPanel(Panel):
             ]
         )
         self._update_preview()
+        self._update_checks()
         self._update_buttons()
         if isinstance(self.state.run, Run):  # a studio shown again: watch the run the state already has
             self._attach(self.state.run)
@@ -259,13 +267,78 @@ class RunPanel(Panel):
             self.code_preview.value = _notice(f"(no preview: {error})", "warn")
 
     def _on_setting(self, change=None) -> None:
+        if change is not None:
+            self.state.run_settings[change["owner"].description] = change["new"]
         self._update_preview()
+        self._update_checks()
+
+    def problems(self) -> list[tuple[str, str]]:
+        """What cannot work with these settings ("error": Start refuses) or looks like a mistake ("warn"),
+        each with its fix; checked on every change, before Start."""
+        found: list[tuple[str, str]] = []
+        try:
+            config = self.train_config()
+        except Exception as error:  # noqa: BLE001 - TrainConfig's own checks name the field and the fix
+            return [("error", str(error))]
+        steps = config.max_steps
+        warmup = config.warmup if isinstance(config.warmup, int) else round(config.warmup * steps)
+        if warmup >= steps:
+            found.append(
+                (
+                    "error",
+                    f"warmup is {warmup} steps, as long as the whole run ({steps} steps): the learning rate never "
+                    f"reaches its peak. Fix: fewer warmup steps than {steps}, or a share below 1 (0.05).",
+                )
+            )
+        packed = self.state.packed
+        bins = len(packed) if packed is not None and hasattr(packed, "__len__") else None
+        per_step = config.micro_batch_bins * config.grad_accum_steps
+        if bins is not None and per_step > bins:
+            found.append(
+                (
+                    "error",
+                    f"one step takes {config.micro_batch_bins} micro-batch bins × {config.grad_accum_steps} "
+                    f"accumulation = {per_step} bins, but the packed data has only {bins}: a step would train "
+                    f"the same bins twice. Fix: at most {bins} bins per step, or a shorter max length in the "
+                    "Data tab (more, smaller bins).",
+                )
+            )
+        if config.save_every and not config.output_dir:
+            found.append(("error", "save every is set but output dir is empty. Fix: name an output dir."))
+        if config.save_every and config.save_every > steps:
+            found.append(
+                (
+                    "warn",
+                    f"save every {config.save_every} is longer than the run ({steps} steps): one checkpoint, at the end.",
+                )
+            )
+        if config.eval_every and config.eval_every > steps:
+            found.append(
+                (
+                    "warn",
+                    f"eval every {config.eval_every} is longer than the run ({steps} steps): evaluation runs at the end only.",
+                )
+            )
+        if config.eval_every and getattr(self.state, "eval_packed", None) is None:
+            found.append(("warn", "eval every is set but there is no eval set: no evaluation will run."))
+        return found
+
+    def _update_checks(self) -> None:
+        from fastft.studio.notices import error_html, status_html
+
+        found = self.problems()
+        self.checks.value = "".join(
+            error_html(text, "Cannot start") if kind == "error" else status_html(text, "warn")
+            for kind, text in found
+        )
 
     def _on_state(self, name: str) -> None:
         run = self.state.run
         if name == "run" and isinstance(run, Run) and run is not self.run:
             self._attach(run)  # started elsewhere (another panel, or code): watch it here too
         self._update_preview()
+        if name in ("packed", "rows"):
+            self._update_checks()
         self._update_buttons()
 
     # -- buttons -------------------------------------------------------------------------------------
@@ -293,10 +366,12 @@ class RunPanel(Panel):
                 "The model has no LoRA adapters to train. Fix: apply LoRA in the Model tab (fastft.add_lora)."
             )
         config = self.train_config()
+        found = self.problems()
+        errors = [text for kind, text in found if kind == "error"]
+        if errors:
+            raise ValueError(" ".join(errors))
         eval_data = getattr(state, "eval_packed", None)
-        notes = []
-        if config.eval_every and eval_data is None:
-            notes.append("eval every is set but there is no eval set: no evaluation will run.")
+        notes = [text for kind, text in found if kind == "warn"]
         notes += self._fit_warning(config)
         run = Run(state.model, state.tokenizer, state.packed, eval_data, config)
         state.run = run
@@ -511,7 +586,7 @@ class RunPanel(Panel):
             return
         first = max(0, n - self.TIMING_STEPS)
         steps, phases = list(profile.steps[first:n]), list(profile.phases[first:n])
-        self.timing_figure.replace(phases_figure(steps, phases))
+        self.timing_figure.update_from(phases_figure(steps, phases))
         table = phase_table(profile.phases[1:n] if n > 1 else profile.phases[:n])
         self.timing_table.value = table._repr_html_()
 
@@ -540,7 +615,7 @@ class RunPanel(Panel):
 
     # -- small helpers ---------------------------------------------------------------------------------
     def _show(self, text: str, kind: str = "info", title: str | None = None) -> None:
-        self.status.value = _notice(text, kind, title)
+        self.log.say(text, kind, title)
 
     def _update_buttons(self) -> None:
         run = self.run

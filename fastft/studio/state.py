@@ -15,6 +15,8 @@ Fields and who writes them::
     pack_settings   DataPanel: max_seq_length, format, chat template, train_on  notify("pack_settings")
     packed          DataPanel after Pack (None when stale)                    notify("packed")
     run             RunPanel                                                  notify("run")
+    run_settings    RunPanel: its controls' values, kept across a re-run of the studio cell
+    saved           whoever saves the trained adapter (`mark_saved`): (model id, step, folder)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "LoadSettings",
     "LoraSettings",
     "PackSettings",
+    "Debouncer",
     "StudioState",
     "Worker",
 ]
@@ -119,6 +122,8 @@ class StudioState:
     packed: Any = None
     pack_settings: PackSettings = field(default_factory=PackSettings)
     run: Any = None
+    run_settings: dict = field(default_factory=dict)
+    saved: tuple | None = None
     _observers: list = field(default_factory=list, init=False, repr=False, compare=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False, compare=False)
 
@@ -160,6 +165,30 @@ class StudioState:
                     RuntimeWarning,
                     stacklevel=2,
                 )
+
+    def trained_steps(self) -> int:
+        """Steps the state's run has trained into the loaded model (0: none, or another model's run)."""
+        run = self.run
+        if run is None or getattr(run, "model", None) is not self.model or self.model is None:
+            return 0
+        return int(getattr(run, "step", 0) or 0)
+
+    def mark_saved(self, folder: str) -> None:
+        """Record that the loaded model's adapter, as trained so far, is saved in `folder` (the Export tab
+        and the Model tab's automatic save call this), so loading another model does not save it again."""
+        self.saved = (id(self.model), self.trained_steps(), str(folder))
+
+    def unsaved_steps(self) -> int:
+        """Trained steps of the loaded model that neither a save nor the run's last checkpoint holds."""
+        steps = self.trained_steps()
+        if not steps:
+            return 0
+        if self.saved is not None and self.saved[0] == id(self.model) and self.saved[1] >= steps:
+            return 0
+        checkpoints = list(getattr(self.run, "checkpoints", ()) or ())
+        if checkpoints and str(checkpoints[-1]).rstrip("/").endswith(f"checkpoint-{steps}"):
+            return 0
+        return steps
 
 
 class _Strong:
@@ -211,3 +240,41 @@ class Worker:
             return True
         thread.join(timeout)
         return not thread.is_alive()
+
+
+class Debouncer:
+    """Calls `callback(*args)` on a timer thread once `delay` seconds pass without another `__call__`:
+    a keystroke re-arms it, so only the last value typed is looked up. `cancel` drops the pending call."""
+
+    def __init__(self, callback: Callable[..., Any], delay: float = 0.35):
+        self.callback = callback
+        self.delay = delay
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+        self.running = 0  # callbacks running now
+
+    def __call__(self, *args: Any) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(self.delay, self._call, args)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _call(self, *args: Any) -> None:
+        self.running += 1
+        try:
+            self.callback(*args)
+        finally:
+            self.running -= 1
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    @property
+    def pending(self) -> bool:
+        timer = self._timer
+        return timer is not None and timer.is_alive() and not self.running

@@ -1,18 +1,25 @@
-"""The VRAM panel: will this run fit that GPU, what takes the memory, and what to change when it does not.
+"""The VRAM panel, a what-if planner: would this run fit that GPU, what takes the memory, what to change when
+it does not, and the smallest GPU preset it fits. Nothing here changes the loaded model; "Use in Model tab"
+copies the planned precision, rank, checkpointing and length there.
 
 Works from a model name alone (an embedded preset or a catalog id: no download), or from the loaded
 model when it sits on a GPU (its real dtypes, quantisation and adapters). Every change of a control,
 or of the model, LoRA or packing settings in the shared `StudioState`, re-estimates at once: an
-estimate is pure arithmetic over the architecture (well under a millisecond per call).
+estimate is pure arithmetic over the architecture (well under a millisecond per call). A hub id or a
+folder needs its config first: that is read on a timer thread once typing pauses (`Debouncer`), once per
+name (successes and failures are kept), and offline it fails at once from the local cache, so no
+keystroke ever waits for the network.
 """
 
 from __future__ import annotations
 
 import html
+import threading
+from pathlib import Path
 
 from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
-from fastft.studio.notices import Panel
-from fastft.studio.state import PRECISIONS, LoadSettings, StudioState
+from fastft.studio.notices import LABEL_STYLE, Panel, button, code_html, code_section, field, row
+from fastft.studio.state import PRECISIONS, Debouncer, LoadSettings, StudioState
 
 __all__ = ["VramPanel"]
 
@@ -52,14 +59,20 @@ class VramPanel(Panel):
         self.estimate = None
         self.fit = None
         self.max_context: int | None = None
+        self.smallest_gpu = None  # the smallest GPU preset the planned run fits, or None
         self._syncing = False
+        self._inventories: dict[str, object] = {}  # name → its inventory, or the error reading it gave
+        self._lookup = Debouncer(self._fetch)
+        self.lookups = 0  # configs read (a name is read once)
+        self._update_lock = threading.RLock()
+        self._blank = True  # the chart shows no estimate
+        _warm_offline_check()
 
         self.detected = detect_gpu()
         options = [(str(spec), name) for name, spec in GPUS.items()]
         if self.detected is not None:
             options.insert(0, (f"this GPU: {self.detected}", "detected"))
-        style = {"description_width": "120px"}
-        wide = widgets.Layout(width="480px")
+        style = LABEL_STYLE
         self.model_name = widgets.Combobox(
             value=self.state.model_name or "tiny-llama",
             options=[*PRESETS, *CATALOG],
@@ -68,22 +81,30 @@ class VramPanel(Panel):
             description="model",
             placeholder="preset, catalog id, folder or hub id",
             style=style,
-            layout=wide,
+            layout=field("22em"),
         )
         self.gpu = widgets.Dropdown(
             options=options,
             value="detected" if self.detected is not None else DEFAULT_GPU,
             description="GPU",
             style=style,
-            layout=wide,
+            layout=field("30em", max_width="44em"),  # "NVIDIA GeForce RTX 3090 24 GB (23.69 GiB)" in full
         )
         self.precision = widgets.Dropdown(
-            options=list(PRECISIONS), value="16-bit", description="precision", style=style
+            options=list(PRECISIONS),
+            value="16-bit",
+            description="precision",
+            style=style,
+            layout=field("22em"),
         )
         self.checkpointing = widgets.Dropdown(
-            options=list(CHECKPOINTING_KINDS), value="auto", description="checkpointing", style=style
+            options=list(CHECKPOINTING_KINDS),
+            value="auto",
+            description="checkpointing",
+            style=style,
+            layout=field("22em"),
         )
-        slider = dict(continuous_update=False, style=style, layout=wide)
+        slider = dict(continuous_update=False, style=style, layout=field("22em"))
         self.seq_len = widgets.IntSlider(
             value=256, min=64, max=32768, step=64, description="sequence length", **slider
         )
@@ -96,6 +117,14 @@ class VramPanel(Panel):
         self.longest = widgets.HTML("")
         self.breakdown = widgets.HTML("")
         self.status = widgets.HTML("")
+        self.suggestion = widgets.HTML("")
+        self.use_button = button(
+            description="Use in Model tab",
+            icon="arrow-left",
+            tooltip="Copy this plan's precision, LoRA rank, checkpointing and length to the Model and Data tabs",
+        )
+        self.use_button.on_click(lambda _: self.apply_to_model())
+        self.code_view = widgets.HTML("")
         self._controls = [
             self.model_name,
             self.gpu,
@@ -113,12 +142,19 @@ class VramPanel(Panel):
         )
         self.widget = widgets.VBox(
             [
-                widgets.HBox([widgets.VBox(self._controls[:4]), widgets.VBox(self._controls[4:])]),
+                widgets.HTML(
+                    "<b>3. Plan the memory</b>: a what-if planner. Change any setting to see whether a run "
+                    "would fit a GPU; nothing here changes the loaded model until you click "
+                    "<i>Use in Model tab</i>."
+                ),
+                row(self._controls),
+                self.status,
                 self.figure.widget,
                 self.verdict,
                 self.longest,
+                row([self.suggestion, self.use_button]),
                 self.breakdown,
-                self.status,
+                code_section(self.code_view),
             ]
         )
         self.sync_from_state()
@@ -198,33 +234,52 @@ class VramPanel(Panel):
         return settings
 
     def update(self) -> None:
-        """Estimate with the current controls and show the bar, the verdict and the longest context."""
+        """Estimate with the current controls and show the bar, the verdict, the longest context and the
+        smallest GPU it fits. A name whose config is not known yet is looked up off this thread first."""
+        with self._update_lock:
+            self._update()
+
+    def _update(self) -> None:
         from fastft.report.figures import vram_figure
         from fastft.vram import fits, get_gpu, max_context
-        from fastft.vram.inventory import inventory_of
 
         source = self._source()
+        self.code_view.value = code_html(self.code())
         if not source:
+            self._clear()
             self.status.value = _box(
                 "Name a model: a preset (tiny-llama), a catalog id or a local folder.", "warn"
             )
             return
         try:
+            model = self._known(source)
+            if model is None:  # looked up on a timer thread; `update` runs again when it is known
+                self._clear()
+                self.status.value = _box(
+                    f"Looking up {source} (in the background: the notebook stays usable)…", "busy"
+                )
+                self._lookup(source)
+                return
             gpu = self.detected if self.gpu.value == "detected" else get_gpu(self.gpu.value)
             settings = self.settings()
             seq_len = int(self.seq_len.value)
-            verdict = fits(source, seq_len, gpu=gpu, **settings)
+            verdict = fits(model, seq_len, gpu=gpu, **settings)
             longest_settings = {k: v for k, v in settings.items() if k != "batch_tokens"}
-            longest = max_context(source, gpu, **longest_settings)
-            positions = inventory_of(source).max_position_embeddings
+            longest = max_context(model, gpu, **longest_settings)
+            positions = _inventory(model).max_position_embeddings
+            smallest = _smallest_gpu(model, seq_len, settings)
         except Exception as error:  # noqa: BLE001 - shown with its fix, never raised into the notebook
+            self._clear()
             self.status.value = _box(_explain(error), "error")
-            self.fit = self.estimate = self.max_context = None  # never show another model's numbers
-            self.verdict.value = self.longest.value = self.breakdown.value = ""
-            self.figure.replace(vram_figure({}))
             return
-        self.fit, self.estimate, self.max_context = verdict, verdict.estimate, longest
+        self.fit, self.estimate, self.max_context, self.smallest_gpu = (
+            verdict,
+            verdict.estimate,
+            longest,
+            smallest,
+        )
         self.status.value = ""
+        self._blank = False
         self.figure.replace(vram_figure(verdict.estimate))
         self.figure.flush()
         self.verdict.value = _box(verdict.message, "ok" if verdict.fits else "warn")
@@ -238,10 +293,83 @@ class VramPanel(Panel):
         else:
             text = f"No context length fits {gpu.label} with these settings."
         self.longest.value = html.escape(text)
+        if smallest is None:
+            self.suggestion.value = _box(
+                "No GPU preset fits this plan: try 4-bit, 'offload' checkpointing or a shorter length.",
+                "warn",
+            )
+        elif smallest.name == getattr(gpu, "name", None):
+            self.suggestion.value = _box(f"{gpu.label} is the smallest GPU preset this plan fits.", "ok")
+        else:
+            self.suggestion.value = _box(
+                f"The smallest GPU preset this plan fits: {smallest.label} ({smallest.capacity_gib:.1f} GiB).",
+                "info",
+            )
         self.breakdown.value = (
-            "<details><summary>Breakdown</summary><pre style='font-size:12px'>"
+            "<details><summary>Breakdown</summary><pre style='font-size:12px;overflow-x:auto'>"
             f"{html.escape(verdict.estimate.table())}</pre></details>"
         )
+
+    def _clear(self) -> None:
+        """Never show another model's numbers (or a capacity line with no bar)."""
+        from fastft.report.figures import vram_figure
+
+        self.fit = self.estimate = self.max_context = self.smallest_gpu = None
+        self.verdict.value = self.longest.value = self.breakdown.value = self.suggestion.value = ""
+        if not self._blank:  # a plotly figure costs ~0.1 s to build: not once per keystroke
+            self.figure.replace(vram_figure({}))
+            self.figure.flush()
+            self._blank = True
+
+    def _known(self, source):
+        """`source` itself when it needs no lookup (a loaded model, a preset, a catalog id), its inventory
+        once looked up, None while it is not; the lookup's error is raised again (it is kept)."""
+        if not isinstance(source, str) or _quick(source):
+            return source
+        known = self._inventories.get(source)
+        if isinstance(known, BaseException):
+            raise known
+        return known
+
+    def _fetch(self, name: str) -> None:
+        """On the debouncer's thread: read `name`'s config once, keep the outcome, estimate again."""
+        from fastft.vram.inventory import inventory_of
+
+        if name in self._inventories or self.model_name.value.strip() != name:
+            return
+        self.lookups += 1
+        try:
+            _offline_and_not_cached(name)
+            self._inventories[name] = inventory_of(name)
+        except Exception as error:  # noqa: BLE001 - kept, shown by `update`
+            self._inventories[name] = error
+        if self.model_name.value.strip() == name:
+            self.update()
+
+    def wait(self, timeout: float = 30.0) -> bool:
+        """Block until a pending config lookup is done (tests, scripts); False if `timeout` passed."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self._lookup.pending or self._lookup.running:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def apply_to_model(self) -> None:
+        """Carry this plan back: the model name, precision, LoRA rank, checkpointing and the length become the
+        Model tab's (and the Data tab's max length), as if set there."""
+        state = self.state
+        name = self.model_name.value.strip()
+        if name:
+            state.model_name = name
+        state.load_settings.precision = self.precision.value
+        state.load_settings.max_seq_length = int(self.seq_len.value)
+        state.lora_settings.r = int(self.rank.value)
+        state.lora_settings.gradient_checkpointing = self.checkpointing.value
+        state.pack_settings.max_seq_length = int(self.seq_len.value)
+        state.notify("plan")
 
     def code(self) -> str:
         """The same estimate in plain Python."""
@@ -268,6 +396,60 @@ class VramPanel(Panel):
                 "",
             ]
         )
+
+
+def _quick(name: str) -> bool:
+    """Whether `name` is estimated from what fastft ships (a preset or a catalog id), on the spot; any other
+    name (a hub id, a folder, or a half-typed word) is looked up once typing pauses."""
+    from fastft.models.catalog import CATALOG
+    from fastft.models.presets import PRESETS
+
+    return name in PRESETS or name.lower() in {hub_id.lower() for hub_id in CATALOG}
+
+
+def _inventory(model):
+    from fastft.vram.inventory import inventory_of
+
+    return inventory_of(model)
+
+
+def _smallest_gpu(model, seq_len: int, settings: dict):
+    """The GPU preset with the least memory that this plan fits, or None."""
+    from fastft.vram import GPUS, fits
+
+    for gpu in sorted(GPUS.values(), key=lambda g: g.capacity_bytes):
+        if fits(model, seq_len, gpu=gpu, **settings).fits:
+            return gpu
+    return None
+
+
+def _warm_offline_check() -> None:
+    """Find out once, on a daemon thread, whether the hub can be reached, so a hub id typed later is answered
+    at once (`fastft.data.hub.offline_reason` keeps its answer for the process)."""
+    from fastft.data.hub import offline_reason
+
+    threading.Thread(target=offline_reason, name="fastft-offline-check", daemon=True).start()
+
+
+def _offline_and_not_cached(name: str) -> None:
+    """Offline, a hub id whose config.json is not in the local cache fails here, without importing
+    transformers or trying the network."""
+    from fastft.data.hub import offline_fix, offline_reason
+
+    parts = name.split("/")
+    hub_id = len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+    if not hub_id or Path(name).expanduser().is_dir() or offline_reason() is None:
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+    except Exception:  # noqa: BLE001 - not a valid repo id: the inventory's own error says so
+        return
+    if not isinstance(cached, str):
+        from fastft.models.errors import ModelLoadError
+
+        raise ModelLoadError(offline_fix(name, "config.json"))
 
 
 def _explain(error: BaseException) -> str:

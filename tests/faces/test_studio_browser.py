@@ -1,9 +1,13 @@
 """The studio in a real browser: JupyterLab on 127.0.0.1, Debian's chromium driven by Playwright.
 
-Clicks only, as a newcomer would: pick `tiny-llama` and load it, load bundled data and pack it, start a
-short run, watch the loss plot and the progress line move, stop it. A screenshot is saved in the test's
-tmp folder, and also to ``$FASTFT_SCREENSHOT`` when that is set (that is how ``docs/studio.png`` is made:
-``FASTFT_SCREENSHOT=docs/studio.png pytest tests/faces/test_studio_browser.py``).
+Clicks only, as a newcomer would: load `tiny-llama`; a Load of a hub id that cannot load keeps it; a hub
+id typed with the hub offline is answered in the VRAM tab within 2 s while clicks go on working; load
+bundled data and pack it (the length histogram appears), load other data (the old stats go), pack again;
+the layout at 1,024 and 1,440 px (no button's text cut, no two plot labels overlapping, from the DOM's
+bounding boxes); start a short run, watch the loss plot and the progress line move, stop it; a live figure
+whose render probe never reports falls back to the display mode, and that renders too. A screenshot is
+saved in the test's tmp folder, and also to ``$FASTFT_SCREENSHOT`` when that is set (that is how
+``docs/studio.png`` is made: ``FASTFT_SCREENSHOT=docs/studio.png pytest tests/faces/test_studio_browser.py``).
 
 Skipped when chromium, playwright or jupyterlab is missing (``.ci/run`` installs all three). Every process
 it starts (the server, its kernels, the browser) is stopped in a finalizer that always runs.
@@ -34,10 +38,24 @@ pytestmark = pytest.mark.browser
 STARTUP_TIMEOUT = 90  # seconds for the server to answer /api/status
 ACTION_TIMEOUT = 90_000  # ms for any one wait in the browser (loading a model on 2 busy cores included)
 RUN_STEPS = 200  # the run asked for: long enough that Stop comes well before its end
-STEPS_TO_SEE = 20  # steps seen before Stop: within the 90 s wait at 1.5 s a step (2 busy cores)
-VIEWPORT = {"width": 1280, "height": 800}
+STEPS_TO_SEE = 5  # steps seen before Stop: within the 90 s wait at 1.5 s a step (2 busy cores)
+VIEWPORT = {"width": 1440, "height": 900}
+# The layouts checked, narrowest first: the page opens at the first, and a chart drawn at one width follows a
+# wider panel but not yet a narrower one (a FigureWidget does not shrink after it is drawn; see issue notes).
+WIDTHS = (1024, 1440)
+HUB_ANSWER_S = 2.0  # a hub id typed offline is answered within this
+# The tabs whose layout is checked. Export is being rewritten on its own branch (its "Score held-out answers"
+# button still has a fixed width): add it here when that lands.
+LAYOUT_TABS = ("Model", "Data", "VRAM", "Run")
 
 NOTEBOOK_SOURCE = "import fastft\n\nstudio = fastft.studio()"
+# A live figure whose probe is never shown, as where custom widgets do not render: it falls back.
+FALLBACK_SOURCE = """from fastft.report.figures import sequence_length_figure
+from fastft.studio.live import LiveFigure
+
+fallback = LiveFigure(sequence_length_figure([3, 5, 9, 12, 12, 14], 16), "auto", probe_timeout=2)
+fallback.widget.children = [fallback.figure]  # the probe is not drawn: it never reports
+fallback.widget"""
 
 
 def _chromium() -> str | None:
@@ -223,6 +241,7 @@ def _write_notebook(path: Path) -> None:
     notebook = nbformat.v4.new_notebook()
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     notebook.cells.append(nbformat.v4.new_code_cell(NOTEBOOK_SOURCE))
+    notebook.cells.append(nbformat.v4.new_code_cell(FALLBACK_SOURCE))
     nbformat.write(notebook, path)
 
 
@@ -242,7 +261,7 @@ def test_studio_in_jupyterlab_with_clicks(lab, tmp_path):
             executable_path=_chromium(), headless=True, args=["--no-sandbox", "--disable-gpu"]
         )
         try:
-            page = browser.new_page(viewport=VIEWPORT)
+            page = browser.new_page(viewport={**VIEWPORT, "width": WIDTHS[0]})
             page.set_default_timeout(ACTION_TIMEOUT)
             expect.set_options(timeout=ACTION_TIMEOUT)
             try:
@@ -259,6 +278,109 @@ def test_studio_in_jupyterlab_with_clicks(lab, tmp_path):
     if target:
         Path(target).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(shot, target)
+
+
+# Text boxes of each plotly chart that must never overlap each other (tick labels of one axis are spaced by
+# plotly itself and are left out of the pairs among themselves).
+_PLOT_LABELS_JS = """
+(root) => {
+  const out = [];
+  for (const plot of root.querySelectorAll('.js-plotly-plot')) {
+    const box = plot.getBoundingClientRect();
+    if (box.width === 0 || box.height === 0) continue;
+    const labels = [];
+    const add = (selector, kind) => plot.querySelectorAll(selector).forEach(e => {
+      const r = e.getBoundingClientRect();
+      if (r.width > 0 && r.height > 0 && (e.textContent || '').trim())
+        labels.push({kind, text: e.textContent.trim(), l: r.left, t: r.top, r: r.right, b: r.bottom});
+    });
+    add('.gtitle', 'title');
+    add('.annotation-text', 'annotation');
+    add('.legendtext', 'legend');
+    add('.g-xtitle text, .g-ytitle text, .g-x2title text, .g-y2title text', 'axis');
+    add('.xtick text, .ytick text, .x2tick text, .y2tick text', 'tick');
+    const parent = plot.closest('.widget-tab-contents') || plot.parentElement;
+    out.push({plot: plot.getBoundingClientRect().width, panel: parent.getBoundingClientRect().width, labels});
+  }
+  return out;
+}
+"""
+
+# Buttons and control labels whose text does not fit (ipywidgets cuts it with an ellipsis), and drop-downs
+# narrower than their chosen option's text.
+_CUT_BUTTONS_JS = """
+(root) => {
+  const cut = [...root.querySelectorAll('button, .widget-label')]
+    .filter(b => b.offsetParent !== null && b.clientWidth > 0 && b.scrollWidth > b.clientWidth + 1)
+    .map(b => (b.textContent || b.title || '').trim());
+  const ruler = document.createElement('canvas').getContext('2d');
+  for (const select of root.querySelectorAll('select')) {
+    if (select.offsetParent === null || select.selectedIndex < 0 || select.multiple) continue;
+    ruler.font = getComputedStyle(select).font;
+    const text = select.options[select.selectedIndex].text;
+    if (ruler.measureText(text).width > select.clientWidth - 24) cut.push('select: ' + text);
+  }
+  return cut;
+}
+"""
+
+
+_BARS_JS = """
+(root) => [...root.querySelectorAll('.js-plotly-plot .barlayer .point path')]
+  .filter(p => p.getBoundingClientRect().height > 1).length
+"""
+
+
+def _until_bars(locator, timeout: float = ACTION_TIMEOUT / 1000) -> int:
+    """Wait until a chart below `locator` draws bars of some height; their number."""
+    deadline = time.monotonic() + timeout
+    while True:
+        bars = locator.evaluate(_BARS_JS)
+        if bars:
+            return bars
+        assert time.monotonic() < deadline, "no bars drawn"
+        time.sleep(0.25)
+
+
+_TALL_CONTROLS_JS = """
+(root) => [...root.querySelectorAll('.widget-text, .widget-dropdown, .widget-slider, .widget-checkbox, button')]
+  .filter(e => e.offsetParent !== null && e.getBoundingClientRect().height > 80)
+  .map(e => (e.textContent || '').trim().slice(0, 40))
+"""
+
+
+def _overlaps(labels: list[dict]) -> list[tuple[str, str]]:
+    found = []
+    for i, a in enumerate(labels):
+        for b in labels[i + 1 :]:
+            if a["kind"] == b["kind"] == "tick":
+                continue
+            if (
+                min(a["r"], b["r"]) - max(a["l"], b["l"]) > 1
+                and min(a["b"], b["b"]) - max(a["t"], b["t"]) > 1
+            ):
+                found.append((f"{a['kind']} {a['text']!r}", f"{b['kind']} {b['text']!r}"))
+    return found
+
+
+def _check_layout(page, studio, tabs, width: int, shots: Path | None = None) -> None:
+    """At `width` px: no button's text is cut, no two labels of a chart overlap, and charts fill their panel
+    (a screenshot of each tab goes to `shots` when given)."""
+    page.set_viewport_size({"width": width, "height": VIEWPORT["height"]})
+    for title in LAYOUT_TABS:
+        tabs.filter(has_text=title).click()
+        page.wait_for_timeout(600)  # plotly redraws at the new width
+        if shots is not None:
+            page.screenshot(path=str(shots / f"{title.lower()}-{width}.png"), full_page=True)
+        tall = studio.evaluate(_TALL_CONTROLS_JS)
+        assert not tall, f"{title} tab at {width} px: controls far taller than their line: {tall}"
+        cut = studio.evaluate(_CUT_BUTTONS_JS)
+        assert not cut, f"{title} tab at {width} px: button text cut: {cut}"
+        for plot in studio.evaluate(_PLOT_LABELS_JS):
+            overlaps = _overlaps(plot["labels"])
+            assert not overlaps, f"{title} tab at {width} px: overlapping plot labels {overlaps}"
+            fills = 0.9 * plot["panel"] - 40 <= plot["plot"] <= plot["panel"] + 1
+            assert fills, f"{title} tab at {width} px: a chart does not fill its panel: {plot}"
 
 
 def _drive(page, lab: Lab, shot: Path) -> None:
@@ -290,17 +412,58 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     combo.press("Enter")
     panel().get_by_role("button", name="Load model").click()
     expect(panel().get_by_role("button", name="Apply LoRA")).to_be_enabled()
-    expect(panel()).to_contain_text("tiny-llama")
+    expect(panel()).to_contain_text("Loaded tiny-llama")
 
-    # Data: bundled data, Load data, then Pack
+    # a Load that fails keeps the model: the error says so, and the Export tab still has it
+    combo.fill("nobody/no-such-model")
+    combo.press("Enter")
+    expect(panel()).to_contain_text("to load nobody/no-such-model")  # the kernel has the new name
+    panel().get_by_role("button", name="Load model").click()
+    expect(panel()).to_contain_text("tiny-llama is still loaded")
+    expect(panel().get_by_role("button", name="Load model")).to_be_enabled()
+    tabs.filter(has_text="Export").click()
+    expect(panel()).not_to_contain_text("No model yet")
+
+    # a hub id typed in the Model tab, the hub offline: the VRAM tab answers within 2 s, clicks go on
+    tabs.filter(has_text="Model").click()
+    combo.fill("")
+    typed_at = time.monotonic()
+    combo.press_sequentially("someone/a-model", delay=30)
+    typed = time.monotonic() - typed_at
+    tabs.filter(has_text="VRAM").click()
+    expect(panel()).to_contain_text("offline", timeout=HUB_ANSWER_S * 1000)
+    answered = time.monotonic() - typed_at - typed
+    assert answered < HUB_ANSWER_S, f"the VRAM tab answered {answered:.1f} s after the last keystroke"
+    page.wait_for_timeout(300)
+    assert panel().locator(".js-plotly-plot .shapelayer path").count() == 0  # no capacity line left alone
+    tabs.filter(has_text="Model").click()
+    combo.fill("tiny-llama")
+    combo.press("Enter")
+    expect(panel()).to_contain_text("Loaded tiny-llama", timeout=HUB_ANSWER_S * 1000)  # the kernel answers
+
+    # Data: other bundled data first, Pack: the stats and the histogram; then bundled:skills, the stale stats go
     tabs.filter(has_text="Data").click()
     source = panel().locator("input[list]").first
+    source.fill("bundled:skills-eval")
+    source.press("Enter")
+    panel().get_by_role("button", name="Load data").click()
+    expect(panel()).to_contain_text(re.compile(r"\d rows? of .* from bundled:skills-eval"))
+    panel().get_by_role("button", name="Pack").click()
+    expect(panel()).to_contain_text("sequences per bin")
+    _until_bars(panel())  # the histogram
+    expect(panel()).to_contain_text(re.compile(r"rows? of .* from bundled:skills-eval"))  # kept after Pack
     source.fill("bundled:skills")
     source.press("Enter")
     panel().get_by_role("button", name="Load data").click()
-    expect(panel()).to_contain_text(re.compile(r"\d rows? of"))
+    expect(panel()).to_contain_text(re.compile(r"\d rows? of .* from bundled:skills\b"))
+    expect(panel()).not_to_contain_text("sequences per bin")  # the last pack's stats are gone
+    expect(panel().locator(".js-plotly-plot")).to_be_hidden()
     panel().get_by_role("button", name="Pack").click()
     expect(panel()).to_contain_text("sequences per bin")
+    _until_bars(panel())
+
+    for width in WIDTHS:
+        _check_layout(page, studio, tabs, width, shot.parent)
 
     # Run: a short run, Start, watch it move, Stop
     tabs.filter(has_text="Run").click()
@@ -327,8 +490,22 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     expect(panel()).to_contain_text("Stopped at step")
     expect(panel().get_by_role("button", name="Start")).to_be_enabled()
     page.wait_for_timeout(1_000)  # the last plot update
+    _check_layout(page, studio, tabs, WIDTHS[-1], shot.parent)  # the run's charts, drawn now
+    page.set_viewport_size(VIEWPORT)
+    tabs.filter(has_text="Run").click()
     # the studio's header at the top of the window: tabs, settings, buttons, progress and the plots below
     studio.locator(".widget-html").first.evaluate("e => e.scrollIntoView({block: 'start'})")
-    page.mouse.move(5, 790)  # no hover toolbar over the plots
+    page.mouse.move(5, VIEWPORT["height"] - 10)  # no hover toolbar over the plots
     page.wait_for_timeout(500)
     page.screenshot(path=str(shot))
+
+    # the display-mode fallback: a figure whose probe never reports is drawn by the Output widget
+    second = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
+    second.locator(".cm-content").click()
+    page.keyboard.press("Shift+Enter")
+    output = second.locator(".jp-Cell-outputArea").first
+    expect(output.locator(".js-plotly-plot").first).to_be_visible(timeout=30_000)
+    assert _until_bars(output, timeout=30) >= 3
+    assert output.locator(".js-plotly-plot").first.evaluate("e => e.getBoundingClientRect().width") > 0.8 * (
+        output.evaluate("e => e.getBoundingClientRect().width")
+    )  # the fallback fills its output's width too

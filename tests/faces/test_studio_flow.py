@@ -1,0 +1,338 @@
+"""The studio as a user meets it, headless: nothing lost on a failed click, no keystroke waits for the hub,
+every view shown and cleared when stale, settings checked before Start, plots that choose their way."""
+
+from __future__ import annotations
+
+import html
+import time
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+
+import fastft  # noqa: E402
+from fastft.studio.data import DataPanel  # noqa: E402
+from fastft.studio.live import LiveFigure, frontend  # noqa: E402
+from fastft.studio.model import ModelPanel  # noqa: E402
+from fastft.studio.notices import StatusLog  # noqa: E402
+from fastft.studio.run import RunPanel  # noqa: E402
+from fastft.studio.state import Debouncer, StudioState  # noqa: E402
+from fastft.studio.vram import VramPanel  # noqa: E402
+
+WAIT = 120
+
+
+def _text(widget) -> str:
+    return html.unescape(widget.value)
+
+
+def _loaded(panel: ModelPanel) -> ModelPanel:
+    panel.load_button.click()
+    assert panel.wait(WAIT) and panel.error.value == "", panel.error.value
+    return panel
+
+
+def _packed_state(seq: int = 128, rows: int = 48) -> StudioState:
+    state = StudioState()
+    _loaded(ModelPanel(state))
+    state.rows = fastft.load_dataset("bundled:skills").select(range(rows))
+    state.dataset_name = "bundled:skills"
+    state.packed = fastft.pack(state.rows, state.tokenizer, seq)
+    return state
+
+
+# -- loading is transactional ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, precision, shown",
+    [("nobody/no-such-model", "16-bit", "offline"), ("tiny-llama", "4-bit", "QuantizationError")],
+)
+def test_a_failed_load_keeps_the_loaded_model(name, precision, shown):
+    panel = _loaded(ModelPanel())
+    model, tokenizer = panel.state.model, panel.state.tokenizer
+    summary = panel.summary.value
+    panel.model_name.value = name
+    panel.precision.value = precision
+    panel.load_button.click()
+    assert panel.wait(WAIT)
+    assert shown in panel.error.value and "tiny-llama is still loaded" in _text(panel.error)
+    assert panel.state.model is model and panel.state.tokenizer is tokenizer
+    assert panel.summary.value == summary and not panel.apply_button.disabled
+
+
+def test_loading_over_a_trained_unsaved_model_saves_its_adapter_first(tmp_path):
+    from peft import PeftModel
+
+    state = _packed_state()
+    run = RunPanel(state, live="text")
+    run.steps.value = 3
+    run.output_dir.value = str(tmp_path / "runs")
+    run.start()
+    run.wait(WAIT)
+    assert state.unsaved_steps() == 3
+    trained = {k: v.clone() for k, v in state.model.named_parameters() if v.requires_grad}
+
+    panel = ModelPanel(state)
+    panel.model_name.value = "tiny-qwen3"
+    panel.load_button.click()
+    assert panel.wait(WAIT) and panel.error.value == "", panel.error.value
+    folder = tmp_path / "runs" / "adapter-tiny-llama-step3"
+    assert str(folder) in _text(panel.saved_note) and state.saved[2] == str(folder)
+    assert state.model.fastft_info.name == "tiny-qwen3" and state.unsaved_steps() == 0
+
+    base, _ = fastft.load_model("tiny-llama", max_seq_length=128)
+    again = PeftModel.from_pretrained(base, str(folder))
+    reloaded = {k: v for k, v in again.named_parameters() if "lora_" in k}
+    assert len(reloaded) == len(trained)
+    for key, value in trained.items():
+        match = [v for k, v in reloaded.items() if k.replace(".default", "") == key.replace(".default", "")]
+        assert match and (match[0] - value).abs().max().item() == 0.0, key
+
+
+def test_a_saved_or_checkpointed_adapter_is_not_saved_again(tmp_path):
+    state = _packed_state()
+    run = RunPanel(state, live="text")
+    run.steps.value = 2
+    run.save_every.value = 2
+    run.output_dir.value = str(tmp_path / "runs")
+    run.start()
+    run.wait(WAIT)
+    assert state.trained_steps() == 2 and state.unsaved_steps() == 0  # checkpoint-2 holds it
+
+
+# -- nothing slow on the kernel's thread -----------------------------------------------------------------
+
+
+def test_a_hub_id_typed_offline_is_looked_up_once_off_the_thread_and_answers_fast():
+    panel = VramPanel(StudioState())
+    started = time.monotonic()
+    for prefix in ("s", "so", "som", "some/", "some/m", "some/mo", "some/model"):  # keystrokes
+        panel.model_name.value = prefix
+    typed = time.monotonic() - started
+    assert typed < 0.5, f"keystrokes took {typed:.2f} s"
+    assert "Looking up some/model" in _text(panel.status) and panel.estimate is None
+    assert panel.wait(10)
+    answered = time.monotonic() - started
+    assert answered < 2.0, f"answered after {answered:.2f} s"
+    assert panel.lookups == 1  # debounced: only the last name typed was looked up
+    shown = _text(panel.status)
+    assert "offline" in shown and "hf download some/model" in shown
+    assert "unset HF_HUB_OFFLINE" not in shown or "HF_HUB_OFFLINE is set" in shown
+    assert panel.figure.figure.layout.shapes == ()  # no capacity line on an empty chart
+    panel.model_name.value = "tiny-llama"
+    assert panel.estimate is not None and panel.status.value == ""
+    panel.model_name.value = "some/model"  # known now: answered from the kept outcome, no new lookup
+    assert "offline" in _text(panel.status) and panel.lookups == 1
+
+
+def test_debouncer_calls_once_with_the_last_value():
+    calls = []
+    debounce = Debouncer(calls.append, delay=0.05)
+    for value in range(5):
+        debounce(value)
+    time.sleep(0.3)
+    assert calls == [4]
+
+
+# -- the VRAM tab plans --------------------------------------------------------------------------------
+
+
+def test_vram_planner_suggests_the_smallest_gpu_and_flows_back_to_the_model_tab():
+    from fastft.vram import GPUS, fits
+
+    state = StudioState()
+    model = ModelPanel(state)
+    vram = VramPanel(state)
+    assert "what-if planner" in vram.widget.children[0].value
+    vram.model_name.value = "Qwen/Qwen3-8B"
+    vram.gpu.value = "t4"
+    vram.seq_len.value = 2048
+    smallest = vram.smallest_gpu
+    assert smallest is not None and smallest.label in _text(vram.suggestion)
+    smaller = [g for g in GPUS.values() if g.capacity_bytes < smallest.capacity_bytes]
+    settings = vram.settings()
+    assert all(not fits("Qwen/Qwen3-8B", 2048, gpu=g, **settings).fits for g in smaller)
+    assert fits("Qwen/Qwen3-8B", 2048, gpu=smallest, **settings).fits
+    assert "fastft.fits(" in vram.code_view.value  # its Python section
+
+    vram.precision.value = "4-bit"
+    vram.rank.value = 32
+    vram.checkpointing.value = "offload"
+    vram.use_button.click()
+    assert model.model_name.value == "Qwen/Qwen3-8B" and model.precision.value == "4-bit"
+    assert model.rank.value == 32 and model.gradient_checkpointing.value == "offload"
+    assert model.max_seq_length.value == 2048 and state.load_settings.max_seq_length == 2048
+    assert "VRAM tab" in _text(model.status)
+
+
+# -- every promised view appears, stale ones go --------------------------------------------------------
+
+
+def test_pack_keeps_the_rows_line_and_a_new_load_clears_the_stale_stats():
+    panel = DataPanel(live="display")
+    panel.load_button.click()
+    assert panel.wait(WAIT) and panel.error.value == ""
+    rows_line = _text(panel.rows_info)
+    assert "4,000 rows of chats from bundled:skills" in rows_line
+    assert panel.histogram.layout.display == "none"
+    panel.pack_button.click()
+    assert panel.wait(WAIT) and panel.error.value == ""
+    assert _text(panel.rows_info) == rows_line  # still there after Pack
+    assert "sequences per bin" in panel.stats.value and panel.histogram.layout.display is None
+    (output,) = panel.length_plot._output.outputs  # drawn by setting the widget, not `with output:`
+    assert "4,000 sequences" in str(output["data"])
+
+    panel.source.value = "bundled:skills-eval"
+    panel.load_button.click()
+    assert panel.wait(WAIT) and panel.error.value == ""
+    assert panel.stats.value == "" and panel.figure is None and panel.histogram.layout.display == "none"
+    assert panel.state.packed is None and "bundled:skills-eval" in _text(panel.rows_info)
+
+
+# -- settings checked before Start ---------------------------------------------------------------------
+
+
+def test_settings_that_cannot_work_are_named_before_start():
+    state = _packed_state(seq=512, rows=24)  # a few bins only
+    bins = len(state.packed)
+    panel = RunPanel(state, live="text")
+    panel.steps.value = 10
+    panel.warmup.value = 10
+    assert "warmup is 10 steps, as long as the whole run (10 steps)" in _text(panel.checks)
+    panel.warmup.value = 0.1
+    assert _text(panel.checks) == ""
+    panel.micro_batch_bins.value = bins
+    panel.grad_accum_steps.value = 2
+    assert f"= {2 * bins} bins, but the packed data has only {bins}" in _text(panel.checks)
+    panel.start_button.click()
+    assert panel.run is None and "Cannot start" in _text(panel.status)
+    panel.grad_accum_steps.value = 1
+    panel.save_every.value = 50
+    assert "one checkpoint, at the end" in _text(panel.checks)
+
+
+def test_run_settings_survive_a_rerun_of_the_studio_cell():
+    first = fastft.studio(fresh=True, display=False)
+    first.run.steps.value = 123
+    first.run.learning_rate.value = 0.003
+    first.run.output_dir.value = "runs/mine"
+    again = fastft.studio(display=False)
+    assert again.run is not first.run
+    assert again.run.steps.value == 123 and again.run.learning_rate.value == 0.003
+    assert again.run.output_dir.value == "runs/mine" and "max_steps=123" in again.run.code()
+
+
+def test_status_messages_do_not_overwrite_each_other():
+    log = StatusLog(keep=3)
+    log.say("eval every is set but there is no eval set", "warn")
+    log.say("working", "busy")
+    log.say("Stopped at step 4.", "warn")
+    log.say("Checkpoint saved: runs/x/checkpoint-4", "ok")
+    text = _text(log.widget)
+    assert "Checkpoint saved" in text and "Stopped at step 4" in text and "no eval set" in text
+    assert "working" not in text  # a busy line only says "working": the next message replaces it
+    assert text.index("Checkpoint saved") < text.index("Stopped at step 4")  # newest first
+
+
+def test_every_tab_has_a_python_section():
+    studio = fastft.studio(fresh=True, display=False)
+    for title, panel in studio.panels.items():
+        if title == "Export":
+            continue  # rewritten on another branch: its Python section comes with that
+        sections = [w for w in _walk(panel.widget) if type(w).__name__ == "Accordion"]
+        assert sections and "Python" in sections[0].get_title(0), title
+
+
+def _walk(widget):
+    yield widget
+    for child in getattr(widget, "children", ()) or ():
+        yield from _walk(child)
+
+
+# -- live plots choose their way by what renders --------------------------------------------------------
+
+
+def test_a_live_figure_falls_back_when_no_probe_reports_and_returns_when_one_does():
+    from fastft.report.figures import run_dashboard_figure
+
+    assert frontend({}, kernel=True) == "auto" and frontend({}, kernel=False) == "text"
+    assert frontend({"COLAB_RELEASE_TAG": "x"}, kernel=True) == "auto"  # no guessing from the environment
+    assert frontend({"FASTFT_LIVE": "display"}, kernel=True) == "display"
+
+    live = LiveFigure(run_dashboard_figure(), "auto", probe_timeout=0.2)
+    assert live.mode == "widget" and live.probe is not None
+    time.sleep(0.5)
+    assert live.mode == "display" and live.fell_back_at is not None
+    live.set_data({0: ([1, 2], [3.0, 2.0])})
+    live.flush()
+    (output,) = live._output.outputs
+    assert list(live.figure.data[0].y) == [3.0, 2.0] and output["data"]
+    sent = live._output.outputs
+    live.set_data({0: ([1, 2], [3.0, 2.0])})  # the same data again: nothing resent
+    live.flush()
+    assert live._output.outputs is sent
+
+    live.probe.rendered = True  # the browser drew the probe after all
+    assert live.mode == "widget" and list(live.figure.data[0].y) == [3.0, 2.0]
+    assert live.widget.children[0] is live.figure
+
+
+def test_a_live_figure_whose_probe_reports_stays_a_widget():
+    from fastft.report.figures import vram_figure
+
+    live = LiveFigure(vram_figure({}), "auto", probe_timeout=0.3)
+    live.probe.rendered = True
+    time.sleep(0.5)
+    assert live.mode == "widget" and live.rendered
+
+
+def test_timing_figure_updates_trace_by_trace():
+    from fastft.report.figures import phases_figure
+
+    live = LiveFigure(
+        phases_figure([1, 2, 3], [{"forward": 3.0}, {"forward": 2.0}, {"forward": 2.5}]), "widget"
+    )
+    first = live.figure.data[0]
+    live.update_from(phases_figure([2, 3, 4], [{"forward": 2.0}, {"forward": 2.5}, {"forward": 1.0}]))
+    assert live.figure.data[0] is first and list(first.x) == [2, 3, 4] and list(first.y) == [2.0, 2.5, 1.0]
+
+
+# -- no warnings a user did not cause ------------------------------------------------------------------
+
+_NOISE = """
+import sys, warnings, tempfile
+import torch
+import fastft
+from peft import PeftModel
+model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=64)
+model = fastft.add_lora(model, r=4)
+folder = fastft.save_adapter(model, tempfile.mkdtemp() + "/adapter", tokenizer)
+base, _ = fastft.load_model("tiny-llama", max_seq_length=64)
+PeftModel.from_pretrained(base, folder)  # as notebooks 01 and 03 reload an adapter with plain peft
+from fastft.profile.window import _without_kineto_notices
+profiler = torch.profiler.profile()
+with _without_kineto_notices():
+    profiler.start()
+    print("a line of the user's own", file=sys.stderr)
+torch.ones(2) + 1
+with _without_kineto_notices():
+    profiler.stop()
+warnings.warn("a warning of the user's own", FutureWarning)
+"""
+
+
+def test_the_notebooks_third_party_noise_is_silenced_and_nothing_else():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c", _NOISE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "is_gradient_checkpointing" not in done.stderr
+    assert "USDT" not in done.stderr and "profiler_start" not in done.stderr
+    assert "a line of the user's own" in done.stderr and "a warning of the user's own" in done.stderr
