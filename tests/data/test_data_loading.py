@@ -117,17 +117,38 @@ MESSAGES = [
     chat(("user", "u"), ("assistant", "call"), ("tool", "42"), ("assistant", "42")),
 ]
 TEXTS = [{"text": "first document"}, {"text": ""}, {"text": "line one\nline two"}]
+PAIRS = [  # one type per field, as a Parquet column has (chats as answers: tests/data/test_pairs.py)
+    {"prompt": [{"role": "user", "content": "2 + 2?"}], "chosen": "4", "rejected": "5"},
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "chosen": "Hello.",
+        "rejected": "What do you want?",
+    },
+]
+PAIRS_NORMALISED = [
+    {
+        "prompt": [{"role": "user", "content": "2 + 2?"}],
+        "chosen": [{"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "assistant", "content": "5"}],
+    },
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "chosen": [{"role": "assistant", "content": "Hello."}],
+        "rejected": [{"role": "assistant", "content": "What do you want?"}],
+    },
+]
 
 CASES = {
     "alpaca": (ALPACA, ALPACA_MESSAGES),
     "sharegpt": (SHAREGPT, SHAREGPT_MESSAGES),
     "messages": (MESSAGES, [r["messages"] for r in MESSAGES]),
     "text": (TEXTS, [r["text"] for r in TEXTS]),
+    "preference": (PAIRS, PAIRS_NORMALISED),
 }
 
 
 def column_of(fmt: str) -> str:
-    return "text" if fmt == "text" else "messages"
+    return {"text": "text", "preference": "pair"}.get(fmt, "messages")
 
 
 # --- bundled -------------------------------------------------------------------------------------------
@@ -167,7 +188,7 @@ def test_each_format_from_jsonl(tmp_path, fmt, explicit):
     ds = load_dataset(path, format=fmt if explicit else "auto")
     column = column_of(fmt)
     assert ds[column] == expected
-    assert dataset_kind(ds) == ("text" if fmt == "text" else "chat")
+    assert dataset_kind(ds) == {"text": "text", "preference": "pairs"}.get(fmt, "chat")
     assert ds.column_names == [column]  # format fields are consumed, nothing else is added
 
 
