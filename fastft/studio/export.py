@@ -14,7 +14,7 @@ import html
 import threading
 import time
 
-from fastft.studio.notices import Panel
+from fastft.studio.notices import Panel, code_html, code_section
 from fastft.studio.state import StudioState, Worker
 
 __all__ = ["ExportPanel"]
@@ -118,7 +118,10 @@ class ExportPanel(Panel):
         self.questions = widgets.IntSlider(
             value=64, min=8, max=256, step=8, description="questions", style=style, layout=wide
         )
-        self.score_button = widgets.Button(description="Score held-out answers", icon="check")
+        self.score_button = widgets.Button(
+            description="Score held-out answers", icon="check", layout=widgets.Layout(width="auto")
+        )
+        self.code_view = widgets.HTML("")
         self.scores = widgets.HTML("")
         self.last_scores = None
         self.status = widgets.HTML("")
@@ -157,13 +160,26 @@ class ExportPanel(Panel):
                 widgets.HBox([self.questions, self.score_button]),
                 self.scores,
                 self.status,
+                code_section(self.code_view),
             ]
         )
+        for control in (
+            self.adapter_dir,
+            self.merged_dir,
+            self.gguf_path,
+            self.gguf_format,
+            self.gguf_quantization,
+        ):
+            control.observe(lambda _change: self._show_code(), "value")
         self._on_state("run")
 
     # -- state -------------------------------------------------------------------------------------------
+    def _show_code(self) -> None:
+        self.code_view.value = code_html(self.code())
+
     def _on_state(self, name: str) -> None:
         """Follow the run's output folder, unless the user typed their own."""
+        self._show_code()
         config = getattr(self.state.run, "config", None)
         output = getattr(config, "output_dir", None)
         if not output:
@@ -216,6 +232,7 @@ class ExportPanel(Panel):
 
         path = save_adapter(self.state.model, folder, self.state.tokenizer)
         self.last_saved = str(path)
+        self.state.mark_saved(str(path))  # loading another model will not save this adapter again
         return f"Adapter saved to {path}. Load it with peft.PeftModel.from_pretrained(base_model, {str(path)!r})."
 
     def _on_merge(self, _button=None) -> None:
