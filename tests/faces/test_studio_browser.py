@@ -46,7 +46,7 @@ WIDTHS = (1024, 1440)
 HUB_ANSWER_S = 2.0  # a hub id typed offline is answered within this
 # The tabs whose layout is checked. Export is being rewritten on its own branch (its "Score held-out answers"
 # button still has a fixed width): add it here when that lands.
-LAYOUT_TABS = ("Model", "Data", "VRAM", "Run")
+LAYOUT_TABS = ("Model", "Data", "VRAM", "Run", "Export")
 
 NOTEBOOK_SOURCE = "import fastft\n\nstudio = fastft.studio()"
 # A live figure whose probe is never shown, as where custom widgets do not render: it falls back.
