@@ -243,10 +243,10 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-    _fsync_folder(folder)
+    fsync_folder(folder)
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
     """Make the folder's entries (names just written or renamed) durable."""
     descriptor = os.open(folder, os.O_RDONLY)
     try:
@@ -260,7 +260,7 @@ def _write_marker(folder: Path, kind: str) -> None:
         f.write(json.dumps({"written_by": "fastft", "kind": kind}) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    _fsync_folder(folder)
+    fsync_folder(folder)
 
 
 def _mtime(path: Path) -> float:

@@ -23,7 +23,7 @@ import numpy as np
 
 from fastft.data.errors import FastftDataError, MalformedRowError
 from fastft.data.formats import from_preference
-from fastft.data.packing import PackedDataset, best_fit_decreasing
+from fastft.data.packing import PackedDataset, _max_seq_length, best_fit_decreasing
 from fastft.data.tokenize import IGNORE_INDEX, TokenizedData, _check_template, _render_batch, render_chats
 
 __all__ = ["PackedPairs", "PairStats", "pack_pairs"]
@@ -112,10 +112,7 @@ def pack_pairs(rows: Iterable, tokenizer, max_seq_length: int | None = None) -> 
 
     `max_seq_length` bounds a pair's two sides together (a bin holds at least one whole pair); it defaults to
     the tokenizer's ``model_max_length``."""
-    if max_seq_length is None:
-        max_seq_length = int(tokenizer.model_max_length)
-        if max_seq_length > 1_000_000:
-            raise ValueError("pass max_seq_length=…: this tokenizer does not say how long its inputs are")
+    max_seq_length = _max_seq_length(tokenizer, max_seq_length)
     if max_seq_length < 4:
         raise ValueError(
             f"max_seq_length={max_seq_length} cannot hold a pair: use at least a few hundred tokens"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastft.atomic import expand, replace_folder_atomically
+from fastft.atomic import expand, fsync_folder, replace_folder_atomically
 from fastft.export.check import ExportCheck, GGUFCheckError, check_gguf
 from fastft.export.writer import (
     K_QUANTS,
@@ -95,7 +95,7 @@ def save_gguf(
             if not report.passed:
                 raise GGUFCheckError(report)
         os.replace(tmp, path)
-        _fsync_folder(path.parent)
+        fsync_folder(path.parent)
     finally:
         remove_quietly(tmp)
     return GGUFExport(path=path, quantization=quantization, check=report, kept=kept)
@@ -140,14 +140,6 @@ def save_ollama(
     if result.check is not None:
         result.check.path = result.path
     return result
-
-
-def _fsync_folder(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 __all__ = ["GGUFCheckError", "GGUFExport", "save_gguf", "save_ollama"]
