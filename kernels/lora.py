@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .swiglu import gated_activation_backward, gated_activation_forward, gated_activation_reference
+from .tiling import mlp_tile_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,8 +164,9 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
 
 
-def _project(x2, base: FrozenLinear, xa, b_weight, scale, dtype) -> torch.Tensor:
-    """``x W^T + bias + scale xa B^T`` (``b_weight``, B, already in the compute dtype).
+def _project(x2, base: FrozenLinear, xa, b_weight, scale, dtype, out=None) -> torch.Tensor:
+    """``x W^T + bias + scale xa B^T`` (``b_weight``, B, already in the compute dtype), written into `out`
+    (a row range of a larger output) when given.
 
     The low-rank term goes first, into the output (``(scale xa) B^T``, K = r: one write of ``[N, out]``),
     and the base GEMM then accumulates into it (``addmm_``, beta = 1: the read of the output happens in the
@@ -175,10 +177,14 @@ def _project(x2, base: FrozenLinear, xa, b_weight, scale, dtype) -> torch.Tensor
     weight = base.dense(dtype)
     bias = None if base.bias is None else base.bias.to(dtype)
     if b_weight is None:
-        return F.linear(x2, weight, bias)
+        if out is None:
+            return F.linear(x2, weight, bias)
+        if bias is None:
+            return torch.mm(x2, weight.t(), out=out)
+        return torch.addmm(bias, x2, weight.t(), out=out)
     xa_scaled = _scaled(xa, scale)
     b_t = b_weight.t()
-    y = torch.mm(xa_scaled, b_t) if bias is None else torch.addmm(bias, xa_scaled, b_t)
+    y = torch.mm(xa_scaled, b_t, out=out) if bias is None else torch.addmm(bias, xa_scaled, b_t, out=out)
     return y.addmm_(x2, weight.t())
 
 
@@ -387,6 +393,137 @@ class LoraMLPFunction(torch.autograd.Function):
         return (dx, None, None, None, None, None, None, *adapter_grads)
 
 
+class LoraTiledMLPFunction(torch.autograd.Function):
+    """`LoraMLPFunction` over the rows in tiles of ``tile`` rows (`fastft.kernels.tiling`): the same arguments
+    with ``tile`` after ``recomputing``, the same results, and no ``[N, I]`` tensor ever allocated.
+
+    The forward computes each tile's ``g``, ``u``, ``h`` and output rows and keeps none of them: it saves only
+    its input (and the adapters). The backward recomputes each tile's ``g`` and ``u`` from the saved input
+    (and ``h A_d^T``, the down projection's LoRA input), then runs `LoraMLPFunction`'s backward on the tile.
+    The adapters' gradients accumulate over the tiles in fp32; the input gradient is written tile by tile
+    into one ``[N, in]`` tensor.
+
+    Cost: under activation checkpointing the recompute calls this with ``recomputing`` (its output is
+    discarded) and it returns at once, so the gate and up GEMMs run once per backward, as untiled (where the
+    recompute computes and saves them). Without checkpointing they run in both passes: 2 of a layer's 9
+    per-token GEMM passes more, the price of not keeping ``2 N I`` values per layer. Each tile re-derives
+    ``h`` before its backward for ``h A_d^T`` (an elementwise pass and one ``[tile, I]`` transient), and an
+    NF4 base is dequantised once per tile and projection.
+    """
+
+    @staticmethod
+    def forward(ctx, x, gate, up, down, scales, kind, recomputing, tile, a_g, b_g, a_u, b_u, a_d, b_d):
+        dtype = _compute_dtype(x)
+        x2 = _rows(x).to(dtype)
+        n = x2.shape[0]
+        ctx.compute = _compute_weights((a_g, b_g, a_u, b_u, a_d, b_d), dtype)  # see LoraLinearsFunction
+        slices = _lora_slices([0 if a is None else a.shape[0] for a in (a_g, a_u)])
+        y = torch.empty((n, down.out_features), dtype=dtype, device=x.device)
+        if not recomputing:  # a recompute's output is discarded (see LoraMLPFunction): nothing to compute
+            ca_d, cb_d = ctx.compute[4:]
+            with torch.autocast(x.device.type, enabled=False):
+                for rows in _tiles(n, tile):
+                    g, u, _ = _gate_up(x2[rows], gate, up, ctx.compute, slices, scales, dtype)
+                    h = _activate(g, u, kind)
+                    del g, u
+                    ha = torch.mm(h, ca_d.t()) if a_d is not None else None
+                    _project(h, down, ha, cb_d, scales[2], dtype, out=y[rows])
+                    del h, ha
+        ctx.bases, ctx.scales, ctx.kind, ctx.slices = (gate, up, down), scales, kind, slices
+        ctx.dtype, ctx.tile, ctx.x_dtype, ctx.x_shape = dtype, tile, x.dtype, x.shape
+        ctx.save_for_backward(x2, a_g, b_g, a_u, b_u, a_d, b_d)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x2, a_g, b_g, a_u, b_u, a_d, b_d = ctx.saved_tensors
+        ca_g, cb_g, ca_u, cb_u, ca_d, cb_d = ctx.compute
+        gate, up, down = ctx.bases
+        s_g, s_u, s_d = ctx.scales
+        dtype = ctx.dtype
+        sums: dict[str, torch.Tensor] = {}  # adapter gradients summed over the tiles, in fp32
+
+        def add(key: str, a: torch.Tensor, b: torch.Tensor) -> None:
+            product = _mm_in(a, b, torch.float32) if a.dtype != torch.float64 else torch.mm(a, b)
+            if key in sums:
+                sums[key].add_(product)
+            else:
+                sums[key] = product
+
+        lora_in = [(name, a) for name, a in (("a_g", a_g), ("a_u", a_u)) if a is not None]
+        in_a = _cat([c for c in (ca_g, ca_u) if c is not None]) if lora_in else None
+        dx = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
+        with torch.autocast(x2.device.type, enabled=False):
+            dy_all = _rows(grad).to(dtype)
+            for rows in _tiles(x2.shape[0], ctx.tile):
+                xt, dy = x2[rows], dy_all[rows]
+                g, u, xa = _gate_up(xt, gate, up, ctx.compute, ctx.slices, ctx.scales, dtype)
+                dh = dha = None
+                if a_d is not None:
+                    ha = torch.mm(_activate(g, u, ctx.kind), ca_d.t())
+                    add("b_d", dy.t(), ha)
+                    del ha
+                    dha = _scaled(torch.mm(dy, cb_d), s_d, True)
+                    dh = torch.mm(dha, ca_d)
+                dh = _accumulate(dh, dy, down.dense(dtype))
+                h, dg, du = _activate_backward(dh, g, u, ctx.kind)  # over dh, g, u
+                if dha is not None:
+                    add("a_d", dha.t(), h)
+                del h
+                dxa_parts = []
+                for name, d, compute_b, scale, sl in (
+                    ("g", dg, cb_g, s_g, ctx.slices[0]),
+                    ("u", du, cb_u, s_u, ctx.slices[1]),
+                ):
+                    if sl is not None:
+                        add("b_" + name, d.t(), xa[:, sl])
+                        dxa_parts.append(_scaled(torch.mm(d, compute_b), scale, True))
+                dxa = None
+                if dxa_parts:
+                    dxa = torch.cat(dxa_parts, 1) if len(dxa_parts) > 1 else dxa_parts[0]
+                    add("in_a", dxa.t(), xt)
+                if dx is not None:
+                    out = dx[rows]
+                    if dxa is not None:
+                        torch.mm(dxa, in_a, out=out).addmm_(dg, gate.dense(dtype))
+                    else:
+                        torch.mm(dg, gate.dense(dtype), out=out)
+                    out.addmm_(du, up.dense(dtype))
+                del g, u, dg, du, dh, xa, dxa
+        if "in_a" in sums:
+            start = 0
+            for name, a_weight in lora_in:
+                sums[name] = sums["in_a"][start : start + a_weight.shape[0]]
+                start += a_weight.shape[0]
+        for key, scale in (("b_g", s_g), ("b_u", s_u), ("b_d", s_d)):
+            if key in sums:
+                _scaled(sums[key], scale, True)
+        dx = dx.view(ctx.x_shape).to(ctx.x_dtype) if dx is not None else None
+        adapters = {"a_g": a_g, "b_g": b_g, "a_u": a_u, "b_u": b_u, "a_d": a_d, "b_d": b_d}
+        adapter_grads = [
+            sums[key].to(t.dtype) if t is not None and t.requires_grad and key in sums else None
+            for key, t in adapters.items()
+        ]
+        return (dx, None, None, None, None, None, None, None, *adapter_grads)
+
+
+def _tiles(n: int, tile: int):
+    for start in range(0, n, tile):
+        yield slice(start, min(start + tile, n))
+
+
+def _gate_up(x2, gate, up, compute, slices, scales, dtype):
+    """``(g, u, xa)`` of rows `x2`: the gate and up projections with their LoRA terms, and ``x [A_g; A_u]^T``
+    (None without adapters on either)."""
+    ca_g, cb_g, ca_u, cb_u = compute[:4]
+    lora_in = [a for a in (ca_g, ca_u) if a is not None]
+    xa = torch.mm(x2, _cat(lora_in).t()) if lora_in else None
+    g = _project(x2, gate, None if slices[0] is None else xa[:, slices[0]], cb_g, scales[0], dtype)
+    u = _project(x2, up, None if slices[1] is None else xa[:, slices[1]], cb_u, scales[1], dtype)
+    return g, u, xa
+
+
 def _activate(g: torch.Tensor, u: torch.Tensor, kind: str) -> torch.Tensor:
     from . import use_triton
 
@@ -444,17 +581,28 @@ def lora_linears(x, bases, scales, adapters, known=None) -> tuple[torch.Tensor, 
     return LoraLinearsFunction.apply(x, tuple(bases), tuple(float(s) for s in scales), known, *flat)
 
 
-def lora_mlp(x, gate, up, down, scales, kind, adapters, output_discarded_in_recompute=False) -> torch.Tensor:
+def lora_mlp(
+    x, gate, up, down, scales, kind, adapters, output_discarded_in_recompute=False, tile_rows=None
+) -> torch.Tensor:
     """The fused gated MLP; `adapters` is ``[(A_g, B_g), (A_u, B_u), (A_d, B_d)]`` (None pairs allowed).
 
     ``output_discarded_in_recompute``: the caller promises that nothing saves this output for backward (a
     decoder layer's MLP whose output only enters the residual add), so when activation checkpointing
     re-runs it the down projection is skipped. Where anything else reads the output -- Qwen2-MoE's gated
     shared expert, whose product saves it -- the output must be real in recompute too: leave it False.
+
+    Long inputs run over the rows in tiles (`LoraTiledMLPFunction`; `fastft.kernels.tiling` decides, or
+    ``tile_rows`` forces a tile size: the parity tests tile small inputs).
     """
     flat = [t for pair in adapters for t in pair]
     scales = tuple(float(s) for s in scales)
     skip = output_discarded_in_recompute and _in_recompute()
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    tile = tile_rows
+    if tile is None:
+        tile = mlp_tile_rows(rows, gate.out_features, _compute_dtype(x).itemsize)
+    if tile is not None and tile < rows:
+        return LoraTiledMLPFunction.apply(x, gate, up, down, scales, kind, skip, tile, *flat)
     return LoraMLPFunction.apply(x, gate, up, down, scales, kind, skip, *flat)
 
 
@@ -463,6 +611,7 @@ __all__ = [
     "FrozenLinear",
     "LoraLinearsFunction",
     "LoraMLPFunction",
+    "LoraTiledMLPFunction",
     "compute_weight",
     "lora_linear_reference",
     "lora_linears",

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastft.kernels.tiling import mlp_tile_bytes, mlp_tile_rows
 from fastft.models.fusion import FusionPlan, plan
 from fastft.vram.inventory import LayerInfo, LinearInfo, ModelInventory
 
@@ -234,8 +235,23 @@ def _attention_terms(
     return terms
 
 
+def mlp_tiled(layer: LayerInfo, profile: Profile, tokens: int) -> bool:
+    """Whether the fused MLP runs over `tokens` rows in sequence tiles (`fastft.kernels.tiling`): it then
+    saves only its input, and its ``[tile, I]`` working set is a fixed size (`mlp_tile_workspace`)."""
+    if layer.moe or not profile.fused_mlp or not tokens:
+        return False
+    return mlp_tile_rows(tokens, _width(layer, "gate_proj", 0), profile.compute) is not None
+
+
+def mlp_tile_workspace(layer: LayerInfo, profile: Profile, tokens: int) -> int:
+    """Bytes of a tiled MLP's working set (three ``[tile, I]`` tensors) while it runs; 0 untiled."""
+    if not mlp_tiled(layer, profile, tokens):
+        return 0
+    return mlp_tile_bytes(tokens, _width(layer, "gate_proj", 0), profile.compute)
+
+
 def _mlp_terms(
-    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int, tokens: int = 0
 ) -> dict[str, int]:
     h = model.hidden_size
     c = profile.compute
@@ -258,6 +274,8 @@ def _mlp_terms(
             )
             terms["projection_inputs"] = 0 if shared else lora_input_bytes(lora, profile)
             terms["lora_xa"] = xa * r * len(lora)
+    elif mlp_tiled(layer, profile, tokens):  # the input only: each tile recomputes the rest in backward
+        terms["mlp"] = c * h
     elif profile.fused_mlp:
         # input (compute dtype), gate and up outputs; x @ [A_g; A_u] and h @ A_d
         terms["mlp"] = c * h + 2 * c * _width(layer, "gate_proj", 0)
@@ -280,18 +298,19 @@ def _mlp_terms(
 
 
 def layer_terms(
-    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int, tokens: int = 0
 ) -> dict[str, int]:
     """Saved bytes per token of one decoder layer, by term (what a non-checkpointed layer keeps).
 
     8-bit bases (bitsandbytes, on the transformers path): ``int8_inputs`` are the distinct projection inputs
     the 8-bit matmuls keep in ``ctx.tensors`` (o_proj's is the attention output, already in ``attention``),
     which under autocast are also what ``lora_A`` saves; ``int8_outliers`` their outlier columns
-    (`int8_outlier_bytes`)."""
+    (`int8_outlier_bytes`). `tokens`: the micro-batch's rows, where the MLP's tiling depends on them
+    (`mlp_tiled`; 0: untiled)."""
     terms = {"norms": layer.norms * norm_bytes(model.hidden_size, profile)}
     for side in (
         _attention_terms(layer, model, profile, targets, r),
-        _mlp_terms(layer, model, profile, targets, r),
+        _mlp_terms(layer, model, profile, targets, r, tokens),
     ):
         for key, value in side.items():
             terms[key] = terms.get(key, 0) + value
@@ -299,11 +318,11 @@ def layer_terms(
 
 
 def mlp_side_bytes(
-    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int, tokens: int = 0
 ) -> int:
     """What the MLP half of a layer saves, its norm included (per token): freed once the MLP's backward has
     run, before the attention's. bitsandbytes' ``ctx.tensors`` are not freed (see `int8_kept_bytes`)."""
-    terms = _mlp_terms(layer, model, profile, targets, r)
+    terms = _mlp_terms(layer, model, profile, targets, r, tokens)
     freed = sum(value for key, value in terms.items() if key not in ("int8_inputs", "int8_outliers"))
     return freed + (norm_bytes(model.hidden_size, profile) if layer.norms >= 2 else 0)
 
@@ -343,8 +362,10 @@ def expert_lora_bytes(model: ModelInventory, profile: Profile, r: int) -> int:
     return k * (model.hidden_size + model.moe_intermediate) * profile.act
 
 
-def layer_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int) -> int:
-    return sum(layer_terms(layer, model, profile, targets, r).values())
+def layer_bytes(
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int, tokens: int = 0
+) -> int:
+    return sum(layer_terms(layer, model, profile, targets, r, tokens).values())
 
 
 def int8_kept_bytes(layer: LayerInfo, model: ModelInventory, profile: Profile) -> int:
@@ -399,7 +420,7 @@ def int8_forward_transient_bytes(
 
 
 def backward_workspace_bytes(
-    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int, tokens: int = 0
 ) -> int:
     """Gradient buffers beyond the saved tensors while one layer runs backward, per token: the larger of
     two moments (the MLP's backward runs first, the attention's after it).
@@ -409,7 +430,8 @@ def backward_workspace_bytes(
     gradient leaving the layer and the gradients of the gate, up and activation outputs. Attention: the
     gradients into and out of the layer, FlashAttention's fp32 dq accumulator, dq/dk/dv and d(out) in
     16-bit, one fp32 per head and row -- by then the MLP's saved tensors and its norm's are freed
-    (`mlp_side_bytes`), so they count against it.
+    (`mlp_side_bytes`), so they count against it. A tiled MLP (`mlp_tiled`) has no ``[N, I]`` gradient: its
+    tile's working set is a fixed size (`backward_workspace`).
     """
     h = model.hidden_size
     q, kv = _attention_widths(layer, model)
@@ -421,6 +443,8 @@ def backward_workspace_bytes(
             + k * (3 * inter + h) * profile.expert
             + 3 * layer.shared_expert_intermediate * profile.act
         )
+    elif mlp_tiled(layer, profile, tokens):  # the incoming gradient and dx; the tiles are counted apart
+        mlp = h * profile.residual + profile.compute * h
     elif profile.fused_mlp:
         mlp = h * profile.residual + profile.compute * (_width(layer, "gate_proj", 0) + h)
     else:
@@ -428,7 +452,21 @@ def backward_workspace_bytes(
             2 * h * profile.residual
             + 3 * (_width(layer, "gate_proj", 0) or _width(layer, "up_proj", 0)) * profile.act
         )
-    return max(mlp, attention - mlp_side_bytes(layer, model, profile, targets, r))
+    return max(mlp, attention - mlp_side_bytes(layer, model, profile, targets, r, tokens))
+
+
+def backward_workspace(
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int, tokens: int
+) -> int:
+    """`backward_workspace_bytes` for `tokens` rows, in bytes, with a tiled MLP's fixed working set added to
+    the MLP's moment."""
+    h = model.hidden_size
+    per_token = backward_workspace_bytes(layer, model, profile, targets, r, tokens)
+    tile = mlp_tile_workspace(layer, profile, tokens)
+    if not tile:
+        return per_token * tokens
+    mlp = (h * profile.residual + profile.compute * h) * tokens + tile
+    return max(per_token * tokens, mlp)
 
 
 def layer_lora_params(layer: LayerInfo, model: ModelInventory, targets: set[str], r: int) -> int:

@@ -222,7 +222,9 @@ class _Stored:
 def _stored_activations(run: ResolvedRun, notes: list[str]) -> _Stored:
     inventory, profile, mode, tokens = run.inventory, run.profile, run.mode, run.tokens
     layers = inventory.layers
-    per_layer = [act.layer_bytes(layer, inventory, profile, set(run.targets), run.r) for layer in layers]
+    per_layer = [
+        act.layer_bytes(layer, inventory, profile, set(run.targets), run.r, tokens) for layer in layers
+    ]
     # bitsandbytes' 8-bit matmuls keep their inputs (and outlier columns) as ctx attributes: outside the
     # checkpoint's saved-tensor hooks, and alive until the whole graph is freed after backward
     kept = [act.int8_kept_bytes(layer, inventory, profile) for layer in layers]
@@ -359,12 +361,9 @@ def _backward_phase(run: ResolvedRun, stored: _Stored, adapters: _Adapters) -> _
         * tokens
         + rerun_output * tokens
     )
-    backward_ws = (
-        max(
-            (act.backward_workspace_bytes(layer, inventory, profile, targets_set, r) for layer in layers),
-            default=0,
-        )
-        * tokens
+    backward_ws = max(
+        (act.backward_workspace(layer, inventory, profile, targets_set, r, tokens) for layer in layers),
+        default=0,
     )
     dequant = _dequant_bytes(inventory, profile)
     workspace_note = "gradients flowing through the layer in backward"

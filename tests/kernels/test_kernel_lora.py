@@ -19,12 +19,14 @@ import torch
 from fastft.kernels.lora import (
     FrozenLinear,
     LoraMLPFunction,
+    LoraTiledMLPFunction,
     lora_linear_reference,
     lora_linears,
     lora_mlp,
     lora_mlp_reference,
 )
 from fastft.kernels.nf4 import dequantize_quant_state, quantize_nf4_reference
+from fastft.kernels.tiling import TILE_BYTES, mlp_tile_bytes, mlp_tile_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -236,3 +238,178 @@ def test_checkpointed_mlp_skips_the_down_projection_only_when_its_output_is_disc
     assert calls == [False, False, True, False, False] + ([] if discarded else [True])
     for a, b in zip(checkpointed, plain, strict=True):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------- the MLP in sequence tiles
+
+
+def _mlp_case(dtype, ranks, seed, hidden=24, intermediate=70, tokens=37):
+    generator = torch.Generator().manual_seed(seed)
+    projections = [
+        _projection(intermediate, hidden, ranks[0], dtype, generator, adapter_dtype=torch.float32),
+        _projection(intermediate, hidden, ranks[1], dtype, generator, adapter_dtype=torch.float32),
+        _projection(hidden, intermediate, ranks[2], dtype, generator, adapter_dtype=torch.float32),
+    ]
+    x = torch.randn(1, tokens, hidden, generator=generator).to(DEVICE, dtype).requires_grad_()
+    weight = torch.randn(1, tokens, hidden, generator=generator).to(DEVICE)
+    return projections, x, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu_tanh"])
+@pytest.mark.parametrize("ranks", [(4, 4, 4), (0, 8, 4), (4, 0, 0), (0, 0, 6), (0, 0, 0)])
+def test_tiled_mlp_matches_the_untiled_mlp_and_the_reference(dtype, kind, ranks):
+    """37 rows in tiles of 8 (the last one 5 rows): output and every gradient equal the untiled function's
+    and PEFT's formula (fp32 1e-5, 16-bit 2e-2 against the fp32 reference)."""
+    projections, x, weight = _mlp_case(dtype, ranks, seed=11 + sum(ranks))
+    bases, adapters, scales = (
+        [p[0] for p in projections],
+        [(p[1], p[2]) for p in projections],
+        (2.0, 0.5, 1.5),
+    )
+    leaves = _leaves(x, projections)
+    tiled = lora_mlp(x, *bases, scales, kind, adapters, tile_rows=8)
+    assert tiled.grad_fn.__class__.__name__ == LoraTiledMLPFunction.__name__ + "Backward"
+    tiled_grads = torch.autograd.grad((tiled.float() * weight).sum(), leaves)
+    untiled = lora_mlp(x, *bases, scales, kind, adapters)
+    assert untiled.grad_fn.__class__.__name__ == LoraMLPFunction.__name__ + "Backward"
+    untiled_grads = torch.autograd.grad((untiled.float() * weight).sum(), leaves)
+
+    reference = [_fp32(p) for p in projections]
+    x32 = x.detach().float().requires_grad_()
+    flat = [t for p in reference for t in p[1:]]
+    want = lora_mlp_reference(x32, *[p[0] for p in reference], scales, kind, *flat)
+    expected = torch.autograd.grad((want * weight).sum(), _leaves(x32, reference))
+
+    assert tiled.dtype == dtype and tiled.shape == untiled.shape
+    assert _rel(tiled, want) <= TOLERANCE[dtype]
+    assert _rel(tiled, untiled) <= TOLERANCE[dtype]
+    for got, same, ref in zip(tiled_grads, untiled_grads, expected, strict=True):
+        assert got.dtype == same.dtype
+        assert _rel(got, ref) <= TOLERANCE[dtype]
+        assert _rel(got, same) <= TOLERANCE[dtype]
+
+
+def test_tiled_mlp_saves_only_its_input():
+    """No [N, I] tensor is saved (the untiled function saves gate and up): only the input and adapters."""
+    projections, x, _ = _mlp_case(torch.float32, (2, 2, 2), seed=5, hidden=16, intermediate=64, tokens=33)
+    y = lora_mlp(
+        x,
+        *[p[0] for p in projections],
+        (1.0,) * 3,
+        "swiglu",
+        [(p[1], p[2]) for p in projections],
+        tile_rows=16,
+    )
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    assert max(t.numel() for t in saved) == x.numel()
+    assert sum(t.numel() >= x.numel() for t in saved) == 1
+
+
+def test_checkpointed_tiled_mlp_computes_nothing_when_re_run(monkeypatch):
+    """Under activation checkpointing (output discarded) the re-run forward returns at once: gate and up
+    run once per tile in the backward, as the untiled recompute runs them once. Gradients equal the plain
+    tiled ones exactly."""
+    import torch.utils.checkpoint as checkpoint
+    from fastft.kernels import lora
+
+    projections, x, weight = _mlp_case(
+        torch.float32, (4, 4, 4), seed=6, hidden=16, intermediate=48, tokens=21
+    )
+    bases, adapters = [p[0] for p in projections], [(p[1], p[2]) for p in projections]
+    calls = []
+    original = lora._project
+    monkeypatch.setattr(
+        lora,
+        "_project",
+        lambda x2, base, *rest, **kw: calls.append(bases.index(base)) or original(x2, base, *rest, **kw),
+    )
+
+    def mlp(x):
+        return lora_mlp(x, *bases, (1.0, 2.0, 0.5), "swiglu", adapters, True, tile_rows=8) + x
+
+    leaves = _leaves(x, projections)
+    plain = torch.autograd.grad((mlp(x) * weight).sum(), leaves)
+    calls.clear()
+    out = checkpoint.checkpoint(mlp, x, use_reentrant=False)
+    assert calls == [0, 1, 2] * 3  # forward: three tiles of gate, up, down
+    calls.clear()
+    checkpointed = torch.autograd.grad((out * weight).sum(), leaves)
+    assert calls == [0, 1] * 3  # the re-run computes nothing; backward: gate and up per tile
+    for a, b in zip(checkpointed, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tiled_mlp_on_an_nf4_base():
+    generator = torch.Generator().manual_seed(7)
+    hidden, intermediate, tokens = 64, 128, 45
+    bases, dense = [], []
+    for out_f, in_f in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate)):
+        w = (torch.randn(out_f, in_f, generator=generator) / in_f**0.5).to(DEVICE, torch.bfloat16)
+        packed, state = quantize_nf4_reference(w, blocksize=64, compress_statistics=True)
+        bases.append(FrozenLinear(packed, None, state))
+        dense.append(FrozenLinear(dequantize_quant_state(packed, state, dtype=torch.bfloat16).float()))
+    adapters = []
+    for base in bases:
+        in_f = base.quant_state.shape[1]
+        a = (torch.randn(4, in_f, generator=generator) / in_f**0.5).to(DEVICE).requires_grad_()
+        b = (torch.randn(base.out_features, 4, generator=generator) * 0.2).to(DEVICE).requires_grad_()
+        adapters.append((a, b))
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE, torch.bfloat16).requires_grad_()
+    leaves = [x] + [t for pair in adapters for t in pair]
+    y = lora_mlp(x, *bases, (2.0, 2.0, 2.0), "swiglu", adapters, tile_rows=16)
+    grads = torch.autograd.grad(y.float().sum(), leaves)
+    x32 = x.detach().float().requires_grad_()
+    flat = [t.detach().requires_grad_() for pair in adapters for t in pair]
+    want = lora_mlp_reference(x32, *dense, (2.0, 2.0, 2.0), "swiglu", *flat)
+    expected = torch.autograd.grad(want.sum(), [x32, *flat])
+    assert _rel(y, want) <= 2e-2
+    for got, ref in zip(grads, expected, strict=True):
+        assert _rel(got, ref) <= 2e-2
+
+
+def test_tile_rule_leaves_short_sequences_untiled():
+    """Llama-3.1-8B's MLP (I = 14,336, bf16): 2 x 2,048 and 16,384 tokens run untiled (the code path of the
+    recorded short-sequence benchmarks); long ones tile in balanced tiles of at most 256 MiB per tensor."""
+    assert mlp_tile_rows(4096, 14336, 2) is None
+    assert mlp_tile_rows(16384, 14336, 2) is None
+    assert mlp_tile_bytes(16384, 14336, 2) == 0
+    for rows in (37_450, 88_064, 163_840, 524_288):
+        tile = mlp_tile_rows(rows, 14336, 2)
+        assert tile % 64 == 0 and tile * 14336 * 2 <= TILE_BYTES + 64 * 14336 * 2
+        tiles = -(-rows // tile)
+        assert rows - (tiles - 1) * tile > 0  # no empty tile
+        assert mlp_tile_bytes(rows, 14336, 2) == 3 * tile * 14336 * 2
+
+
+@pytest.mark.gpu
+def test_gpu_tiled_mlp_bf16_long_rows_peak_memory():
+    """40,960 rows of Llama-3.1-8B's MLP in bf16: the tiled function (chosen by the rule) matches the untiled
+    one to 2e-2 and its backward allocates at most a third of the untiled one's [N, I] working set."""
+    generator = torch.Generator().manual_seed(8)
+    hidden, intermediate, tokens = 4096, 14336, 40960
+    projections = [
+        _projection(intermediate, hidden, 16, torch.bfloat16, generator, adapter_dtype=torch.float32),
+        _projection(intermediate, hidden, 16, torch.bfloat16, generator, adapter_dtype=torch.float32),
+        _projection(hidden, intermediate, 16, torch.bfloat16, generator, adapter_dtype=torch.float32),
+    ]
+    bases, adapters = [p[0] for p in projections], [(p[1], p[2]) for p in projections]
+    x = (torch.randn(tokens, hidden, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_()
+    leaves = _leaves(x, projections)
+    peaks, results = [], []
+    for tile in (None, tokens):  # the rule's choice (tiled), then one tile (untiled)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        y = lora_mlp(x, *bases, (2.0,) * 3, "swiglu", adapters, tile_rows=tile)
+        grads = torch.autograd.grad(y.float().sum(), leaves)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        results.append((y.detach(), grads))
+        del y, grads
+    (y_tiled, g_tiled), (y_plain, g_plain) = results
+    assert _rel(y_tiled, y_plain) <= 2e-2
+    for a, b in zip(g_tiled, g_plain, strict=True):
+        assert _rel(a, b) <= 2e-2
+    working_set = 3 * tokens * intermediate * 2
+    assert peaks[0] <= peaks[1] - 2 * working_set // 3

@@ -252,6 +252,32 @@ def test_fused_kernels_under_offload_match_the_unfused_gradients():
     assert _max_relative_error(grads, reference) <= 1e-5
 
 
+@pytest.mark.parametrize("mode,force", [(False, None), ("offload", "deferred"), (True, None)])
+def test_the_mlp_in_sequence_tiles_trains_as_the_untiled_one(mode, force, monkeypatch):
+    """Long-context MLP tiling (`fastft.kernels.tiling`) inside a whole model: with the tile threshold
+    lowered so that a 40-token batch runs in 16-row tiles, the fused model's loss and every LoRA gradient
+    equal the unfused model's, without checkpointing, offloaded (the recompute skips the MLP) and under
+    plain recompute."""
+    from fastft.kernels import lora, tiling
+
+    monkeypatch.setattr(tiling, "TILE_FROM_BYTES", 0)
+    monkeypatch.setattr(tiling, "TILE_ROW_MULTIPLE", 8)
+    intermediate = PRESETS["tiny-llama"].config["intermediate_size"]
+    monkeypatch.setattr(tiling, "TILE_BYTES", 16 * intermediate * 4)  # fp32: at most 16 rows per tile
+    tiled_calls = []
+    original = lora.LoraTiledMLPFunction.apply
+    monkeypatch.setattr(
+        lora.LoraTiledMLPFunction, "apply", lambda *a: tiled_calls.append(a[7]) or original(*a)
+    )
+    batch = _batch((13, 9, 18))
+    reference_loss, reference = _step(_model(), batch)
+    model = _model(mode=mode, fused=True, force=force)
+    loss, grads = _step(model, batch)
+    assert tiled_calls and set(tiled_calls) == {16}  # 40 rows: three tiles of 16, 16 and 8
+    assert loss == pytest.approx(reference_loss, rel=1e-5)
+    assert _max_relative_error(grads, reference) <= 1e-5
+
+
 def test_torch_autograd_grad_sees_the_lora_gradients():
     model = _model(mode="offload", force="deferred")
     lora = [p for p in model.parameters() if p.requires_grad]

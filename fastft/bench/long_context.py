@@ -1,0 +1,228 @@
+"""`fastft bench long-context`: the longest sequence that trains two full steps under a memory cap, its
+speed, `max_context`'s answer beside it, and what holds the device memory at the peak.
+
+Protocol (issue 24's): a catalog architecture with random weights (Llama-3.1-8B by default), NF4 with
+double quantisation, LoRA r=32 alpha=32 on the seven projections, batch 1 x L random tokens (all trained),
+AdamW, fastft's checkpointing "auto" (offload at these lengths). The cap is
+``torch.cuda.set_per_process_memory_fraction`` (24 GiB by default, standing in for an RTX 4090). A length
+counts only if `--steps` (2) full steps complete; tokens/s is the last step's.
+
+Trials, in order: each of `--lengths`; then `max_context`'s prediction for the cap (which must train), and
+the prediction + 5 % (whether it trains says if the prediction is within 5 % of the longest length that
+trains). `--snapshot L` records one step at L with ``torch.cuda.memory._record_memory_history`` and reports
+the tensors alive at that step's peak, grouped by the fastft (or torch) line that allocated them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+from fastft.bench.common import environment
+
+GiB = 2**30
+
+
+def live_at_peak(trace: list[dict], top: int = 20) -> dict:
+    """Replays one device's allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``): the
+    allocations alive when the traced bytes peaked, grouped by the first frame in fastft (else the first
+    frame), largest first. Only what was allocated while recording counts (weights and optimizer states made
+    before are outside)."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in trace:
+        action, addr, size = event.get("action"), event.get("addr"), int(event.get("size", 0))
+        if action == "alloc":
+            live[addr] = (size, _site(event.get("frames") or []))
+            total += size
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action == "free_requested" and addr in live:
+            total -= live.pop(addr)[0]
+    groups: dict[str, list[int]] = defaultdict(list)
+    for size, site in at_peak.values():
+        groups[site].append(size)
+    rows = sorted(
+        ({"site": site, "bytes": sum(sizes), "tensors": len(sizes)} for site, sizes in groups.items()),
+        key=lambda row: -row["bytes"],
+    )
+    return {"peak_bytes": peak, "sites": rows[:top], "other_bytes": sum(r["bytes"] for r in rows[top:])}
+
+
+def _site(frames: list[dict]) -> str:
+    for frame in frames:
+        name = frame.get("filename", "")
+        if "/fastft/" in name or "/kernels/" in name:
+            return (
+                f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.get('line')} {frame.get('name')}"
+            )
+    if frames:
+        frame = frames[0]
+        return f"{frame.get('filename', '?').rsplit('/', 1)[-1]}:{frame.get('line')} {frame.get('name')}"
+    return "?"
+
+
+def run(
+    model: str,
+    precision: str,
+    lora_r: int,
+    cap_gib: float,
+    lengths: list[int],
+    steps: int,
+    snapshot: int | None,
+    check_prediction: bool,
+    granularity: int,
+) -> dict:
+    from fastft.vram import capped_gpu, estimate_vram, max_context
+    from fastft.vram.measure import TrainingProbe, is_out_of_memory
+
+    cap = int(cap_gib * GiB)
+    gpu = capped_gpu(cap)
+    predicted = max_context(
+        model, gpu, precision=precision, lora_r=lora_r, checkpointing="auto", multiple_of=granularity
+    )
+    result = {
+        "environment": environment(),
+        "model": model,
+        "precision": precision,
+        "lora_r": lora_r,
+        "cap_gib": cap_gib,
+        "predicted": predicted,
+        "trials": [],
+    }
+    probe = TrainingProbe(model, precision, lora_r, "all-linear", "auto")
+    total = torch.cuda.get_device_properties(probe.device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), probe.device)
+
+    def trial(length: int, record: bool = False) -> dict:
+        estimate = estimate_vram(
+            model, length, gpu=gpu, precision=precision, lora_r=lora_r, checkpointing="auto"
+        )
+        row = {"length": length, "estimated_gib": estimate.allocated_bytes / GiB, "steps": []}
+        for index in range(steps):
+            gc.collect()
+            torch.cuda.empty_cache()
+            if record and index == 0:
+                torch.cuda.memory._record_memory_history(
+                    max_entries=400_000, stacks="python", context="alloc"
+                )
+            try:
+                memory = probe.step(length)
+            except RuntimeError as error:
+                if not is_out_of_memory(error):
+                    raise
+                row.update(trained=False, failed_step=index + 1)
+                break
+            finally:
+                if record and index == 0:
+                    snap = torch.cuda.memory._snapshot()
+                    torch.cuda.memory._record_memory_history(enabled=None)
+                    traces = snap.get("device_traces") or [[]]
+                    row["live_at_peak"] = live_at_peak(traces[probe.device.index or 0])
+                    del snap, traces
+            row["steps"].append(
+                {
+                    "seconds": memory.seconds,
+                    "peak_gib": memory.peak / GiB,
+                    "reserved_gib": memory.reserved / GiB,
+                }
+            )
+        else:
+            row.update(trained=True, tokens_per_s=length / row["steps"][-1]["seconds"])
+        print(json.dumps({k: v for k, v in row.items() if k != "live_at_peak"}), flush=True)
+        result["trials"].append(row)
+        return row
+
+    try:
+        if snapshot:
+            trial(snapshot, record=True)
+        for length in lengths:
+            trial(length)
+        if check_prediction and predicted:
+            result["prediction_trains"] = trial(predicted)["trained"]
+            above = (predicted * 105 // 100 + granularity - 1) // granularity * granularity
+            result["above_5pct"] = above
+            result["above_5pct_trains"] = trial(above)["trained"]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, probe.device)
+        probe.close()
+    return result
+
+
+def report(result: dict) -> str:
+    lines = [
+        f"{result['model']} {result['precision']} LoRA r={result['lora_r']}, cap {result['cap_gib']:g} GiB: "
+        f"max_context predicts {result['predicted']:,}",
+        "",
+        "| length | trains 2 steps | tokens/s | peak GiB (allocated) | estimated GiB |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in result["trials"]:
+        peak = max((s["peak_gib"] for s in row["steps"]), default=None)
+        trained = "yes" if row.get("trained") else f"no (OOM in step {row.get('failed_step')})"
+        lines.append(
+            f"| {row['length']:,} | {trained} "
+            f"| {row.get('tokens_per_s', 0):,.0f} | {'' if peak is None else f'{peak:.2f}'} "
+            f"| {row['estimated_gib']:.2f} |"
+        )
+        if "live_at_peak" in row:
+            live = row["live_at_peak"]
+            lines.append(
+                f"|  live at the peak of step 1 ({live['peak_bytes'] / GiB:.2f} GiB traced): | | | | |"
+            )
+            for site in live["sites"][:12]:
+                lines.append(f"|  {site['site']} | {site['tensors']} | | {site['bytes'] / GiB:.2f} | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fastft bench long-context",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
+    parser.add_argument("--precision", default="nf4")
+    parser.add_argument("--lora-r", type=int, default=32)
+    parser.add_argument("--cap-gib", type=float, default=24.0)
+    parser.add_argument("--lengths", type=int, nargs="*", default=[131072], help="lengths to try first")
+    parser.add_argument("--steps", type=int, default=2, help="full steps a length must complete")
+    parser.add_argument(
+        "--snapshot", type=int, default=None, help="record the memory of one step at this length"
+    )
+    parser.add_argument(
+        "--no-prediction", action="store_true", help="skip max_context's prediction and +5 %%"
+    )
+    parser.add_argument("--granularity", type=int, default=1024)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (the cap is a CUDA allocator fraction)")
+    started = time.perf_counter()
+    result = run(
+        args.model,
+        args.precision,
+        args.lora_r,
+        args.cap_gib,
+        args.lengths,
+        args.steps,
+        args.snapshot,
+        not args.no_prediction,
+        args.granularity,
+    )
+    result["seconds"] = time.perf_counter() - started
+    print(report(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
