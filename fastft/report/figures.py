@@ -399,6 +399,7 @@ PHASE_COLORS = {
     "layers.recompute": "#8e5ec9",
     "offload_wait": "#d62728",
     "graph": "#5b8def",
+    "communication": "#17becf",
     "optimizer": "#8c564b",
     "other": "#dde2e8",
 }

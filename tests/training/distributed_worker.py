@@ -1,0 +1,54 @@
+"""One rank of a distributed test run (started by torchrun from `test_distributed.py`), or the same run in one
+process: tiny-llama with LoRA trained by plain `fastft.train`, which finds torchrun's environment itself.
+
+``python distributed_worker.py OUT CONFIG_JSON``: rank 0 (or the single process) writes ``OUT/result.pt`` with
+the step losses, the events' trained-token counts and the final LoRA weights; every rank writes
+``OUT/rank-N.json`` with the checkpoint folders it saw written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import fastft
+from fastft.data.skills import generate
+from fastft.training.distributed import is_main_process
+
+ROWS = list(generate(96, seed=21))
+
+
+def run(out: Path, config: dict) -> dict:
+    torch.set_num_threads(1)
+    model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=128, device="cpu")
+    model = fastft.add_lora(model, r=4, alpha=8, dropout=0.0, seed=7, gradient_checkpointing="none")
+    data = fastft.pack(ROWS, tokenizer, 128)
+    # a fixed attention backend: "auto" times the backends and may pick another one run to run
+    settings = dict(learning_rate=3e-3, micro_batch_bins=2, seed=5, attention="sdpa_masked") | config
+    result = fastft.train(model, tokenizer, data, progress=False, **settings)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    weights = {n: (w.full_tensor() if hasattr(w, "full_tensor") else w) for n, w in weights.items()}
+    rank = int(os.environ.get("RANK", 0))
+    summary = {
+        "losses": [e.loss for e in result.steps],
+        "trained": [e.trained_tokens for e in result.steps],
+        "grad_norms": [e.grad_norm for e in result.steps],
+        "phases": sorted({name for e in result.steps for name in e.phases}),
+        "evals": [e.eval_loss for e in result.evals],
+        "weights": weights,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    if is_main_process():
+        torch.save(summary, out / "result.pt")
+    (out / f"rank-{rank}.json").write_text(json.dumps({"checkpoints": result.checkpoints}))
+    return summary
+
+
+if __name__ == "__main__":
+    run(Path(sys.argv[1]), json.loads(sys.argv[2]))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
