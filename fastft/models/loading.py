@@ -55,7 +55,11 @@ def default_device() -> torch.device:
     """The GPU when there is one (under torchrun this rank's, ``cuda:LOCAL_RANK``), else the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", int(os.environ["LOCAL_RANK"])) if "LOCAL_RANK" in os.environ else torch.device("cuda")
+    return (
+        torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        if "LOCAL_RANK" in os.environ
+        else torch.device("cuda")
+    )
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

@@ -148,7 +148,11 @@ class Distributed:
     def sum_eval(self, total: torch.Tensor, metric_sums: torch.Tensor, trained: int, pairs: int):
         """An evaluation's sums over the ranks (each evaluated its share of the batches)."""
         stats = torch.cat(
-            [total.reshape(1), metric_sums, torch.tensor([trained, pairs], dtype=torch.float64).to(total.device)]
+            [
+                total.reshape(1),
+                metric_sums,
+                torch.tensor([trained, pairs], dtype=torch.float64).to(total.device),
+            ]
         )
         dist.all_reduce(stats)
         return stats[0], stats[1:5], int(stats[5]), int(stats[6])

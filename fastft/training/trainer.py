@@ -48,7 +48,6 @@ from fastft.runtime.attention import (
     patch_packed_attention,
     unpatch_packed_attention,
 )
-from fastft.training.distributed import full_tensor, set_gradient_sync, start_distributed
 from fastft.training.checkpoint import (
     CheckpointError,
     apply_checkpoint,
@@ -58,6 +57,7 @@ from fastft.training.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from fastft.training.distributed import full_tensor, set_gradient_sync, start_distributed
 from fastft.training.events import EvalEvent, Event, StepEvent, Subscriber
 from fastft.training.graph import EAGER, REPLAY, StepGraph
 from fastft.training.loss import causal_lm_loss_sum, router_aux_loss_coefficient
@@ -746,7 +746,9 @@ class Trainer:
             info = readout.info
             if self.parallel is not None:
                 *metrics, trained, tokens, padding, pairs = metrics
-                info = dict(info, trained=int(trained), tokens=int(tokens), padding=int(padding), pairs=int(pairs))
+                info = dict(
+                    info, trained=int(trained), tokens=int(tokens), padding=int(padding), pairs=int(pairs)
+                )
             seconds = info["timer"].seconds()
             timing = info["timing"]  # recorded before the readout: complete once it is
             phases = self.profile.collect(timing) if timing is not None and self.profile else {}
