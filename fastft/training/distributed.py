@@ -24,7 +24,7 @@ not (NCCL on CUDA, gloo on the CPU) and trains one run across the ranks:
   LoRA's gradients are small (Llama-3.1-8B, r=16, all linear: 42 M values), so the reduce is one short phase,
   shown apart by the profiler as ``communication``.
 - **FSDP2** (``TrainConfig(distributed="fsdp")``): `torch.distributed.fsdp.fully_shard` on every decoder
-  layer and on the model, so the frozen 16-bit base and the LoRA weights are both sharded across ranks; the
+  layer and on the decoder (the output head stays replicated, see `shard_model`), so the frozen 16-bit base and the LoRA weights are both sharded across ranks; the
   layer's weights are gathered for its forward and backward and its gradients reduce-scattered by FSDP
   (summed: the divisor is global). See `FSDP_LIMITS` for what does not run under it.
 - **Checkpoints** are written once, by rank 0, atomically (`fastft.atomic`), with every rank's RNG state and
@@ -296,10 +296,17 @@ def shard_model(model: torch.nn.Module, parallel: Distributed) -> None:
     mesh = init_device_mesh(parallel.device.type, (parallel.world_size,))
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    # The root is the decoder, not the causal LM: fastft's loss calls the decoder and then the fused
+    # cross-entropy on the head's weight directly (no head forward, so no FSDP hook would gather it). The
+    # output head stays replicated (frozen, vocab x hidden), and a tied embedding with it.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    tied = {head.weight} if head is not None and head.weight is base.get_input_embeddings().weight else set()
+    fully_shard(base.get_decoder(), mesh=mesh, ignored_params=tied or None)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
-            module.set_gradient_divide_factor(1.0)
+            module.set_gradient_divide_factor(1.0)  # a sum: each rank's loss is already over the global count
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -23,13 +23,21 @@ ROWS = list(generate(96, seed=21))
 
 
 def run(out: Path, config: dict) -> dict:
+    """Train with `config` (TrainConfig fields, plus "checkpointing", "dropout" and "eval": held-out rows)."""
     torch.set_num_threads(1)
+    config = dict(config)
+    checkpointing, dropout = config.pop("checkpointing", "none"), config.pop("dropout", 0.0)
+    held_out = config.pop("eval", False)
+    writes = _count_checkpoint_writes()
     model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=128, device="cpu")
-    model = fastft.add_lora(model, r=4, alpha=8, dropout=0.0, seed=7, gradient_checkpointing="none")
+    model = fastft.add_lora(
+        model, r=4, alpha=8, dropout=dropout, seed=7, gradient_checkpointing=checkpointing
+    )
     data = fastft.pack(ROWS, tokenizer, 128)
+    eval_data = fastft.pack(list(generate(20, seed=3)), tokenizer, 128) if held_out else None
     # a fixed attention backend: "auto" times the backends and may pick another one run to run
     settings = dict(learning_rate=3e-3, micro_batch_bins=2, seed=5, attention="sdpa_masked") | config
-    result = fastft.train(model, tokenizer, data, progress=False, **settings)
+    result = fastft.train(model, tokenizer, data, eval_data, progress=False, **settings)
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     weights = {n: (w.full_tensor() if hasattr(w, "full_tensor") else w) for n, w in weights.items()}
     rank = int(os.environ.get("RANK", 0))
@@ -44,8 +52,24 @@ def run(out: Path, config: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if is_main_process():
         torch.save(summary, out / "result.pt")
-    (out / f"rank-{rank}.json").write_text(json.dumps({"checkpoints": result.checkpoints}))
+    (out / f"rank-{rank}.json").write_text(json.dumps({"checkpoints": result.checkpoints, "writes": writes}))
     return summary
+
+
+def _count_checkpoint_writes() -> list[str]:
+    """The folders this process writes through `fastft.atomic.replace_folder_atomically` (the checkpoint's
+    one writer), recorded by a wrapper set in this worker process only."""
+    from fastft.training import checkpoint
+
+    written: list[str] = []
+    original = checkpoint.replace_folder_atomically
+
+    def recording(write, folder, **options):
+        written.append(Path(folder).name)
+        return original(write, folder, **options)
+
+    checkpoint.replace_folder_atomically = recording
+    return written
 
 
 if __name__ == "__main__":
