@@ -137,6 +137,7 @@ def _launch_parser(sub) -> None:
         description="A thin wrapper over `python -m torch.distributed.run --standalone --nproc_per_node=N`: "
         "fastft.train inside the script trains one run across the processes (DDP, or FSDP2 with "
         "distributed='fsdp'); NCCL on GPUs, gloo on the CPU.",
+        formatter_class=_DefaultsOnceFormatter,
     )
     parser.add_argument(
         "--gpus",

@@ -12,4 +12,5 @@ BENCHMARKS = {
     "moe": "fastft.bench.moe",
     "attention": "fastft.bench.attention",
     "export_rss": "fastft.bench.export_rss",
+    "ddp": "fastft.bench.ddp",
 }

@@ -587,7 +587,7 @@ def kernels_figure(
 # The estimate's components (`fastft.vram.VramEstimate.components`) in the five blocks a user reasons about.
 VRAM_GROUPS: dict[str, tuple[str, ...]] = {
     "weights": ("weights", "quant_constants", "dequant"),
-    "LoRA + optimizer": ("lora", "optimizer", "gradients"),
+    "LoRA + optimizer": ("lora", "optimizer", "gradients", "communication"),
     "activations": ("activations", "recompute", "backward_workspace"),
     "logits": ("logits",),
     "workspace": ("workspace", "context", "slack"),
