@@ -82,7 +82,9 @@ def _launch(args, gpus: int, result_path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastft bench ddp", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog hub id or preset")
+    parser.add_argument(
+        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog hub id or preset"
+    )
     parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the run compared with one rank")
     parser.add_argument("--chats", type=int, default=3000)
@@ -118,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     args.passed = [f"--checkpoint={checkpoint}"]
     for name, value in vars(args).items():
         flag = "--" + name.replace("_", "-")
-        if flag not in skip and name not in ("worker", "result", "checkpoint") and value is not None:
+        if (
+            flag not in skip
+            and name not in ("worker", "result", "checkpoint", "passed")
+            and value is not None
+        ):
             args.passed.append(f"{flag}={value}")
     scratch = Path(args.out).with_suffix("")
     scratch.parent.mkdir(parents=True, exist_ok=True)

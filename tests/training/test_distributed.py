@@ -144,3 +144,31 @@ def test_launch_refuses_what_cannot_start(tmp_path):
         text=True,
     )
     assert done.returncode == 2 and "is not a file" in done.stderr
+
+
+def test_the_ddp_bench_runs_one_rank_and_two_on_the_cpu(tmp_path):
+    out = tmp_path / "ddp.json"
+    command = [sys.executable, "-m", "fastft", "bench", "ddp", "--model", "tiny-llama", "--gpus", "2"]
+    command += [
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--chats",
+        "60",
+        "--max-seq-length",
+        "128",
+    ]
+    command += ["--folder", str(tmp_path / "models"), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert [(run["world_size"], run["backend"]) for run in report["runs"]] == [(1, "gloo"), (2, "gloo")]
+    assert all(run["trained_tokens_per_second"] > 0 and run["communication_ms"] > 0 for run in report["runs"])
+    assert (
+        report["speedup"]
+        == report["runs"][1]["trained_tokens_per_second"] / report["runs"][0]["trained_tokens_per_second"]
+    )
+    assert "speed-up on 2 rank(s)" in done.stdout
