@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import fastft
@@ -33,8 +34,11 @@ def run(out: Path, config: dict) -> dict:
     model = fastft.add_lora(
         model, r=4, alpha=8, dropout=dropout, seed=7, gradient_checkpointing=checkpointing
     )
-    data = fastft.pack(ROWS, tokenizer, 128)
-    eval_data = fastft.pack(list(generate(20, seed=3)), tokenizer, 128) if held_out else None
+    if config.get("method", "sft") == "sft":
+        data = fastft.pack(ROWS, tokenizer, 128)
+        eval_data = fastft.pack(list(generate(20, seed=3)), tokenizer, 128) if held_out else None
+    else:  # preference rows, packed into pairs by the trainer
+        data, eval_data = preference_rows(48, seed=1), preference_rows(12, seed=2) if held_out else None
     # a fixed attention backend: "auto" times the backends and may pick another one run to run
     settings = dict(learning_rate=3e-3, micro_batch_bins=2, seed=5, attention="sdpa_masked") | config
     result = fastft.train(model, tokenizer, data, eval_data, progress=False, **settings)
@@ -47,6 +51,7 @@ def run(out: Path, config: dict) -> dict:
         "grad_norms": [e.grad_norm for e in result.steps],
         "phases": sorted({name for e in result.steps for name in e.phases}),
         "evals": [e.eval_loss for e in result.evals],
+        "preference": [e.preference for e in result.steps] + [e.preference for e in result.evals],
         "weights": weights,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -54,6 +59,24 @@ def run(out: Path, config: dict) -> dict:
         torch.save(summary, out / "result.pt")
     (out / f"rank-{rank}.json").write_text(json.dumps({"checkpoints": result.checkpoints, "writes": writes}))
     return summary
+
+
+def preference_rows(count: int, seed: int) -> list[dict]:
+    """Prompt, chosen and rejected texts of random words (seeded)."""
+    rng = np.random.default_rng(seed)
+    words = "the a cat dog runs sat on mat blue green red one two three four".split()
+
+    def text(n):
+        return " ".join(rng.choice(words, n))
+
+    return [
+        {
+            "prompt": text(int(rng.integers(3, 17))),
+            "chosen": text(int(rng.integers(1, 9))),
+            "rejected": text(int(rng.integers(2, 13))),
+        }
+        for _ in range(count)
+    ]
 
 
 def _count_checkpoint_writes() -> list[str]:

@@ -79,6 +79,18 @@ def test_two_fsdp2_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
     _assert_same_run(distributed, single)
 
 
+def test_two_ddp_ranks_train_dpo_as_one_process(tmp_path):
+    """A preference step divides by the global pair count and sums the metrics over the ranks."""
+    config = dict(max_steps=3, method="dpo", eval=True, micro_batch_bins=1)
+    distributed = _two_ranks(tmp_path / "ddp", **config)
+    single = distributed_worker.run(tmp_path / "one", dict(config, grad_accum_steps=2))
+    _assert_same_run(distributed, single)
+    assert len(distributed["preference"]) == 4 and all(distributed["preference"])
+    for mine, theirs in zip(distributed["preference"], single["preference"], strict=True):
+        assert mine["pairs"] == theirs["pairs"]
+        assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+
+
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     """A 2-rank DDP run of 6 steps with checkpoints at 2, 4 and 6 (dropout on, so each rank's RNG matters)."""
