@@ -47,14 +47,17 @@ from fastft.checks import SettingError
 SHARDINGS = ("ddp", "fsdp")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
-# What does not run under FSDP2, and why (checked when the trainer starts; each refusal names its fix).
+# What does not run under FSDP2, and why (checked when the trainer starts; each refusal names its fix). Neither
+# was measured on a GPU yet (this was built on a CPU machine): the reasons are those of the mechanism.
 FSDP_LIMITS = {
-    "cuda_graph": "FSDP2 all-gathers each layer's weights in its forward pre-hook and frees them after; the "
-    "collectives and their allocations run from Python hooks and are not captured, so the step runs eagerly",
-    "quantised base": "fully_shard shards plain tensors; a bitsandbytes NF4/8-bit weight is a Params4bit/Int8Params "
-    "with quantisation state that DTensor cannot split, so QLoRA runs under DDP",
-    "preference": "DPO's reference pass disables the adapters (`disable_adapter()`), a forward FSDP2's pre-backward "
-    "hooks do not expect; preference methods run under DDP",
+    "cuda_graph": "FSDP2 all-gathers each layer's weights in its forward pre-hook and frees them after, from "
+    "Python hooks with allocations of their own that a captured graph would not repeat, so the step runs "
+    "eagerly (graphs are turned off for the run)",
+    "quantised base": "fully_shard splits plain tensors into DTensors; a bitsandbytes Params4bit/Int8Params "
+    "carries its quantisation state beside the data, which the split would not carry (and which needs CUDA to "
+    "test), so QLoRA runs under DDP",
+    "checkpoints": "the adapter and the optimizer state are sharded DTensors; gathering them into a PEFT "
+    "checkpoint and sharding them back on resume is not built yet",
 }
 
 
@@ -335,22 +338,16 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def start_distributed(model: torch.nn.Module, device: torch.device, config, preference) -> Distributed | None:
+def start_distributed(model: torch.nn.Module, device: torch.device, config) -> Distributed | None:
     """The trainer's start under torchrun: the process group, and for FSDP2 the checks of `FSDP_LIMITS`
     and the sharding; None outside a distributed run."""
     parallel = setup(device, config.distributed)
     if parallel is None or parallel.sharding != "fsdp":
         return parallel
-    if preference is not None:
+    if config.output_dir:
         raise SettingError(
-            f"method={config.method!r} with distributed='fsdp': {FSDP_LIMITS['preference']}. "
-            "Use distributed='ddp'."
-        )
-    if config.output_dir and (config.save_every or config.resume_from):
-        raise SettingError(
-            "distributed='fsdp' does not write or resume checkpoints yet (the adapter and the optimizer state "
-            "are sharded DTensors; gathering them for a PEFT checkpoint is not built). Use distributed='ddp' "
-            "for a run with save_every / resume_from, or leave them unset."
+            f"distributed='fsdp' does not write or resume checkpoints yet ({FSDP_LIMITS['checkpoints']}). Use "
+            "distributed='ddp' for a run with save_every / resume_from, or leave them unset."
         )
     shard_model(model, parallel)
     return parallel

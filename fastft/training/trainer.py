@@ -401,7 +401,7 @@ class Trainer:
             patch_packed_attention(model, self.config.attention)
         else:  # the model's own attention, also where add_lora switched it to packed attention for the HF path
             unpatch_packed_attention(model)
-        self.parallel = start_distributed(model, self.device, self.config, self.preference)
+        self.parallel = start_distributed(model, self.device, self.config)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if self.parallel is not None and self.parallel.sharding == "ddp":
             self.parallel.broadcast_parameters(self.parameters)

@@ -79,10 +79,12 @@ def test_two_fsdp2_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
     _assert_same_run(distributed, single)
 
 
-def test_two_ddp_ranks_train_dpo_as_one_process(tmp_path):
-    """A preference step divides by the global pair count and sums the metrics over the ranks."""
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_ranks_train_dpo_as_one_process(tmp_path, sharding):
+    """A preference step divides by the global pair count and sums the metrics over the ranks; DPO's reference
+    pass (adapters disabled) runs under FSDP2's hooks too."""
     config = dict(max_steps=3, method="dpo", eval=True, micro_batch_bins=1)
-    distributed = _two_ranks(tmp_path / "ddp", **config)
+    distributed = _two_ranks(tmp_path / "ranks", distributed=sharding, **config)
     single = distributed_worker.run(tmp_path / "one", dict(config, grad_accum_steps=2))
     _assert_same_run(distributed, single)
     assert len(distributed["preference"]) == 4 and all(distributed["preference"])
@@ -131,6 +133,33 @@ def test_a_checkpoint_resumes_only_on_the_world_size_that_wrote_it(two_rank_run)
     config = TrainConfig(max_steps=6, resume_from=str(out / "checkpoints" / "checkpoint-4"), attention=None)
     with pytest.raises(ValueError, match=r"2 rank\(s\), this one runs on 1: resume with --nproc_per_node=2"):
         Trainer(model, tokenizer, data, config=config).train()
+
+
+def test_fsdp2_refuses_an_output_dir_before_any_step(tmp_path):
+    from fastft.checks import SettingError
+    from fastft.training.distributed import start_distributed
+
+    model = torch.nn.Linear(2, 2)
+    config = TrainConfig(max_steps=1, distributed="fsdp", output_dir=str(tmp_path))
+    environment = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in environment.items():
+            patch.setenv(name, value)
+        patch.setenv("MASTER_PORT", str(_free_port()))
+        try:
+            with pytest.raises(SettingError, match="does not write or resume checkpoints yet"):
+                start_distributed(model, torch.device("cpu"), config)
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_launch_refuses_what_cannot_start(tmp_path):
