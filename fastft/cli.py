@@ -1,6 +1,7 @@
 """The `fastft` command line: ``fastft demo`` runs the whole path offline; ``fastft models`` lists
 what can be loaded; ``fastft estimate MODEL`` sizes a run; ``fastft bench NAME`` reproduces a benchmark; ``fastft export RUN_DIR
---gguf q8_0`` writes a checked GGUF file and an Ollama Modelfile.
+--gguf q8_0`` writes a checked GGUF file and an Ollama Modelfile; ``fastft launch --gpus N script.py`` runs a
+training script on N GPUs through torchrun.
 
 Building the parser imports only plain-Python modules (the demo's settings, the checkpointing modes, the
 benchmark names); torch, transformers, datasets and plotly are imported inside the command that needs them,
@@ -127,6 +128,33 @@ def _run_bench(args) -> int:
     from fastft.bench import BENCHMARKS
 
     return importlib.import_module(BENCHMARKS[args.name]).main(args.options)
+
+
+def _launch_parser(sub) -> None:
+    parser = sub.add_parser(
+        "launch",
+        help="run a training script on several GPUs (or CPU processes) through torchrun",
+        description="A thin wrapper over `python -m torch.distributed.run --standalone --nproc_per_node=N`: "
+        "fastft.train inside the script trains one run across the processes (DDP, or FSDP2 with "
+        "distributed='fsdp'); NCCL on GPUs, gloo on the CPU.",
+        formatter_class=_DefaultsOnceFormatter,
+    )
+    parser.add_argument(
+        "--gpus",
+        "--nproc",
+        dest="gpus",
+        type=int,
+        default=1,
+        help="processes, one per GPU (on a CPU: processes)",
+    )
+    parser.add_argument("script", help="the Python script every rank runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed on unchanged")
+
+
+def _run_launch(args) -> int:
+    from fastft.launch import launch
+
+    return launch(args.script, args.script_args, args.gpus)
 
 
 def _estimate_parser(sub) -> None:
@@ -310,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     _estimate_parser(sub)
     _bench_parser(sub)
     _export_parser(sub)
+    _launch_parser(sub)
     return parser
 
 
@@ -325,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimate": _run_estimate,
         "bench": _run_bench,
         "export": _run_export,
+        "launch": _run_launch,
     }[args.command]
     try:
         return run(args)

@@ -31,6 +31,7 @@ LAYERS = {
     "fastft.report": 6,
     "fastft.studio": 6,
     "fastft.cli": 6,
+    "fastft.launch": 6,
     "fastft.facade": 6,
     "fastft.facade_export": 6,
     "fastft.demo": 6,

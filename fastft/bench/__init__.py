@@ -13,4 +13,5 @@ BENCHMARKS = {
     "attention": "fastft.bench.attention",
     "export_rss": "fastft.bench.export_rss",
     "long-context": "fastft.bench.long_context",
+    "ddp": "fastft.bench.ddp",
 }

@@ -52,7 +52,14 @@ def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """The GPU when there is one (under torchrun this rank's, ``cuda:LOCAL_RANK``), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return (
+        torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        if "LOCAL_RANK" in os.environ
+        else torch.device("cuda")
+    )
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

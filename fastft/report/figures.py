@@ -399,6 +399,7 @@ PHASE_COLORS = {
     "layers.recompute": "#8e5ec9",
     "offload_wait": "#d62728",
     "graph": "#5b8def",
+    "communication": "#17becf",
     "optimizer": "#8c564b",
     "other": "#dde2e8",
 }
@@ -586,7 +587,7 @@ def kernels_figure(
 # The estimate's components (`fastft.vram.VramEstimate.components`) in the five blocks a user reasons about.
 VRAM_GROUPS: dict[str, tuple[str, ...]] = {
     "weights": ("weights", "quant_constants", "dequant"),
-    "LoRA + optimizer": ("lora", "optimizer", "gradients"),
+    "LoRA + optimizer": ("lora", "optimizer", "gradients", "communication"),
     "activations": ("activations", "recompute", "backward_workspace"),
     "logits": ("logits",),
     "workspace": ("workspace", "context", "slack"),

@@ -11,7 +11,9 @@ loss and backward spans; a step's value is their sum. Inside them, module hooks
 the layer's output to the gradient of its input, recompute included) and ``layers.N.recompute``
 (the layer's modules run again by activation checkpointing, counted here and never as forward).
 A micro-batch replayed from a CUDA graph (`fastft.training.graph`) is one top-level phase, ``graph``
-(its forward, loss and backward in one launch); no hook fires inside it.
+(its forward, loss and backward in one launch); no hook fires inside it. Under torchrun the step's
+gradient all-reduce (`fastft.training.distributed`) is its own top-level phase, ``communication``,
+between the last backward and ``optimizer``.
 
 Clocks: perf_counter on a CPU; on a GPU one CUDA event per boundary, recorded without waiting and
 read once the step's last event has completed (`StepProfile.collect`), like the trainer's loss
@@ -38,7 +40,7 @@ import torch
 
 from fastft.training.nvtx import NvtxRanges, RecordFunctionRanges, nvtx_available, nvtx_tool_attached
 
-TOP_LEVEL = ("data", "forward", "loss", "backward", "graph", "optimizer")
+TOP_LEVEL = ("data", "forward", "loss", "backward", "graph", "communication", "optimizer")
 # Known nesting of the summary's phases: child → parent (inclusive times; a parent contains its children).
 PARENTS = {
     "embed": "forward",
@@ -69,6 +71,7 @@ ORDER = (
     "layers.recompute",
     "offload_wait",
     "graph",
+    "communication",
     "optimizer",
 )
 _LAYER = re.compile(r"^layers\.\d+\.")

@@ -57,6 +57,7 @@ from fastft.training.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from fastft.training.distributed import full_tensor, set_gradient_sync, start_distributed
 from fastft.training.events import EvalEvent, Event, StepEvent, Subscriber
 from fastft.training.graph import EAGER, REPLAY, StepGraph
 from fastft.training.loss import causal_lm_loss_sum, router_aux_loss_coefficient
@@ -99,6 +100,9 @@ class TrainConfig:
     "ipo" or "robust"; the reference is the model with its adapters disabled), "orpo" or "simpo" (no
     reference). `beta` defaults to 0.1 (2.0 for SimPO); `label_smoothing` is DPO's and SimPO's ε,
     `simpo_gamma` SimPO's margin γ. Preference steps run eagerly (no CUDA graph, no padding).
+
+    `distributed` applies under torchrun (`fastft.training.distributed`): "ddp" replicates the model and sums
+    the LoRA gradients once per step; "fsdp" shards the base and the adapters with FSDP2 (``fully_shard``).
     """
 
     max_steps: int | None = None
@@ -127,6 +131,7 @@ class TrainConfig:
     dpo_loss: str = "sigmoid"
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    distributed: str = "ddp"
 
     reset_optimizer: bool = False
 
@@ -227,6 +232,12 @@ def check_train_config(config: TrainConfig) -> None:
             f"static_shapes must be None (pad where a CUDA graph replays), True or False, got {config.static_shapes!r}."
         )
     _check_method(config)
+    from fastft.training.distributed import SHARDINGS
+
+    if config.distributed not in SHARDINGS:
+        raise SettingError(
+            f"distributed={config.distributed!r} is not one of {', '.join(SHARDINGS)} (used under torchrun only)."
+        )
     if (config.save_every or config.resume_from == "latest") and not config.output_dir:
         raise SettingError(
             "save_every and resume_from='latest' need output_dir=... (where checkpoints live)."
@@ -390,7 +401,10 @@ class Trainer:
             patch_packed_attention(model, self.config.attention)
         else:  # the model's own attention, also where add_lora switched it to packed attention for the HF path
             unpatch_packed_attention(model)
+        self.parallel = start_distributed(model, self.device, self.config)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if self.parallel is not None and self.parallel.sharding == "ddp":
+            self.parallel.broadcast_parameters(self.parameters)
         if not self.parameters:
             raise ValueError("The model has no trainable parameters: call fastft.add_lora(model, ...) first.")
         _check_has_adapters(model)
@@ -401,7 +415,7 @@ class Trainer:
             self.profile = StepProfile(model, self.device)
         else:
             detach_profile(model)
-        self.bins_per_step = self.config.micro_batch_bins * self.config.grad_accum_steps
+        self.bins_per_step = self.config.micro_batch_bins * self.config.grad_accum_steps * self.world_size
         self.max_steps = self.config.max_steps or max(
             1, math.ceil(self.config.epochs * len(self.train_data) / self.bins_per_step)
         )
@@ -425,6 +439,7 @@ class Trainer:
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
         # fp16's loss scaling changes between steps outside the graph's view: those runs stay eager
         graphs = self.config.cuda_graph and self.grad_scaler is None and self.preference is None
+        graphs = graphs and not (self.parallel and self.parallel.sharding == "fsdp")  # FSDP_LIMITS
         self.step_graph = StepGraph(self.parameters, enabled=graphs)
         self._batch_shape: BatchShape | None | bool = None  # decided on the first step (`_shaped`)
         self.step = 0
@@ -523,7 +538,10 @@ class Trainer:
             np.random.seed(config.seed % 2**32)
             random.seed(config.seed)
         if config.output_dir and self.step == 0:
-            clean_output_dir(config.output_dir)  # what a killed run left half-written
+            if self.parallel is None or self.parallel.is_main:
+                clean_output_dir(config.output_dir)  # what a killed run left half-written
+            if self.parallel is not None:
+                self.parallel.barrier()
         if config.resume_from and self.step == 0:
             self._resume(config.resume_from)
         started = time.perf_counter()
@@ -634,6 +652,11 @@ class Trainer:
         return BatchShape.covering(tokens, 8, tokens // 2)
 
     @property
+    def world_size(self) -> int:
+        """Ranks training this run (1 outside torchrun)."""
+        return self.parallel.world_size if self.parallel is not None else 1
+
+    @property
     def batch_shape(self) -> BatchShape | None:
         """The static shape this run pads its micro-batches to; None when it does not (or before its first
         step)."""
@@ -643,18 +666,28 @@ class Trainer:
         phases = self.profile or NULL_PROFILE  # top-level phases follow each other: data → forward → …
         phases.step_begin()
         make = batch_of if self._cursor is not None else self.train_data.batch
-        micro_batches = self._shaped([make(bins) for bins in self.bins_for_step(self.step)])
+        step_bins = self.bins_for_step(self.step)
+        if self.parallel is not None:  # this rank's micro-batches of the global step
+            step_bins = self.parallel.shard(step_bins)
+        micro_batches = self._shaped([make(bins) for bins in step_bins])
         trained = sum(b.num_trained_tokens for b in micro_batches)
         tokens = sum(b.real_tokens for b in micro_batches)
         padding = sum(b.padding for b in micro_batches)
         pairs = sum(b.num_sequences for b in micro_batches) // 2
-        divisor = _device_scalar(trained if self.preference is None else pairs, self.device)
+        counts = None
+        if self.parallel is not None:  # the global counts: one device all-reduce, no host sync
+            counts = self.parallel.global_counts([trained, tokens, padding, pairs])
+            divisor = counts[0 if self.preference is None else 3].float()
+        else:
+            divisor = _device_scalar(trained if self.preference is None else pairs, self.device)
         self._metric_sums = torch.zeros(4, device=self.device)
         micro_batches = [batch.to(self.device) for batch in micro_batches]
         timer = _StepTimer(self.device)
         loss_total = torch.zeros((), device=self.device)
         replays = 0
         for index, batch in enumerate(micro_batches):
+            if self.parallel is not None and self.parallel.sharding == "fsdp":
+                set_gradient_sync(self.model, index == len(micro_batches) - 1)
             if (mode := self.step_graph.mode(batch, first_micro_batch=index == 0)) != EAGER:
                 replays += mode == REPLAY
                 with phases.opaque("graph"):
@@ -665,13 +698,17 @@ class Trainer:
             phases.begin("backward")
             (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             loss_total += loss.detach()
+        if self.parallel is not None:
+            phases.begin("communication")
+            loss_total = self.parallel.reduce_step(self.parameters, loss_total, self._metric_sums)
         phases.begin("optimizer")
         if self.grad_scaler:
             self.grad_scaler.unscale_(self.optimizer)
-        if self.config.max_grad_norm is not None:
+        if self.config.max_grad_norm is not None or self.parallel is not None:  # FSDP: a norm over shards
             grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.parameters, self.config.max_grad_norm, foreach=True
+                self.parameters, self.config.max_grad_norm or math.inf, foreach=True
             )
+            grad_norm = full_tensor(grad_norm)
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters]))
         learning_rate = self.scheduler.get_last_lr()[0]
@@ -687,7 +724,9 @@ class Trainer:
         timer.stop()
         values = torch.stack([loss_total.float(), grad_norm.detach().float().to(self.device)])
         if self.preference is not None:
-            values = torch.cat([values, self._metric_sums / pairs])
+            values = torch.cat([values, self._metric_sums / (pairs if counts is None else counts[3])])
+        if counts is not None:  # the event's counts are the run's, read back with the loss
+            values = torch.cat([values.double(), counts.double()])
         epoch = (
             self._cursor.epoch_progress
             if self._cursor is not None
@@ -705,6 +744,11 @@ class Trainer:
             readout = self._pending.pop(0)
             loss, grad_norm, *metrics = readout.read()
             info = readout.info
+            if self.parallel is not None:
+                *metrics, trained, tokens, padding, pairs = metrics
+                info = dict(
+                    info, trained=int(trained), tokens=int(tokens), padding=int(padding), pairs=int(pairs)
+                )
             seconds = info["timer"].seconds()
             timing = info["timing"]  # recorded before the readout: complete once it is
             phases = self.profile.collect(timing) if timing is not None and self.profile else {}
@@ -764,8 +808,11 @@ class Trainer:
         metric_sums = torch.zeros(4, device=self.device, dtype=torch.float64)
         trained = pairs = 0
         size = self.config.micro_batch_bins
+        starts = list(range(0, len(self.eval_data), size))
+        if self.parallel is not None and self.parallel.sharding == "ddp":  # FSDP: every rank runs every batch
+            starts = self.parallel.shard(starts)
         try:
-            for start in range(0, len(self.eval_data), size):
+            for start in starts:
                 batch = self.eval_data.batch(range(start, min(start + size, len(self.eval_data)))).to(
                     self.device
                 )
@@ -784,6 +831,8 @@ class Trainer:
                 trained += batch.num_trained_tokens
         finally:
             self.model.train()
+        if self.parallel is not None and self.parallel.sharding == "ddp":
+            total, metric_sums, trained, pairs = self.parallel.sum_eval(total, metric_sums, trained, pairs)
         preference = None
         if self.preference is not None:
             preference = _preference_metrics((metric_sums / pairs).tolist(), pairs)
@@ -817,7 +866,10 @@ class Trainer:
         }
         folder = expand(self.config.output_dir) / f"checkpoint-{self.step}"
         try:
-            save_checkpoint(folder, self.model, self.optimizer, self.scheduler, state)
+            if self.parallel is None:
+                save_checkpoint(folder, self.model, self.optimizer, self.scheduler, state)
+            else:  # rank 0 writes, with every rank's RNG; the others wait for it
+                self.parallel.save_once(folder, self.model, self.optimizer, self.scheduler, state)
         except DiskFullError as error:
             previous = self._newest_checkpoint()
             intact = (
@@ -831,7 +883,10 @@ class Trainer:
                 "output_dir to a disk with room, save_total_limit lower) and resume with resume_from='latest'.",
             ) from error
         self.result.checkpoints.append(str(folder))
-        prune_checkpoints(self.config.output_dir, self.config.save_total_limit)
+        if self.parallel is None or self.parallel.is_main:
+            prune_checkpoints(self.config.output_dir, self.config.save_total_limit)
+        if self.parallel is not None:
+            self.parallel.barrier()
         return folder
 
     def _weights_are_finite(self) -> bool:
@@ -899,6 +954,10 @@ class Trainer:
 
     def _load(self, folder: Path) -> dict:
         contents = read_checkpoint(folder, self.device)  # every file checked before the model changes
+        if self.parallel is not None or "distributed" in contents["state"]:
+            from fastft.training.distributed import check_resume
+
+            check_resume(folder, contents["state"], self.parallel)
         saved_steps = contents["state"].get("max_steps")
         if saved_steps != self.max_steps:
             raise ValueError(
@@ -907,6 +966,8 @@ class Trainer:
             )
         restore = not self.config.reset_optimizer
         state = apply_checkpoint(folder, contents, self.model, self.optimizer, self.scheduler, restore)
+        if self.parallel is not None:
+            self.parallel.restore_rng(state)
         if self.config.reset_optimizer:  # a fresh optimizer; the schedule of this config, at the resumed step
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer,
@@ -1078,7 +1139,8 @@ def train(
     from fastft.training.progress import ProgressBar
 
     trainer = Trainer(model, tokenizer, dataset, eval_dataset, TrainConfig(**config), subscribers)
-    bar = ProgressBar(trainer.max_steps, initial=0) if progress else None
+    main = trainer.parallel is None or trainer.parallel.is_main  # under torchrun, rank 0 shows the bar
+    bar = ProgressBar(trainer.max_steps, initial=0) if progress and main else None
     if bar is not None:
         trainer.subscribe(bar)
     try:

@@ -68,6 +68,8 @@ def estimate_vram(
     loss: str = "auto",
     trained_fraction: float = 1.0,
     keep_attention: bool | None = None,
+    world_size: int = 1,
+    sharding: str = "ddp",
 ) -> VramEstimate:
     """Estimate the GPU memory of LoRA/QLoRA training with fastft's trainer, component by component.
 
@@ -92,6 +94,9 @@ def estimate_vram(
     the attention forward, for sequences of ``KEEP_FROM_LENGTH`` tokens and more, and each MoE layer's
     routing order (4 bytes per routed slot) with it; False for an offloader that recomputes them; None (the
     default) as `fastft.runtime.offload.enable_offload` decides: keep on 16-bit bases, not on quantised ones.
+       `world_size` / `sharding`: a run on several GPUs under torchrun, answered per GPU
+    (`fastft.vram.parallel`): "ddp" holds the whole model on each GPU, "fsdp" (FSDP2) splits the 16-bit
+    base, the adapters, their gradients and the optimizer states; `batch_tokens` is per rank.
     """
     # step 1 (`fastft.vram.settings`): the arguments checked against the model, defaults resolved
     run = resolve_run(
@@ -116,7 +121,12 @@ def estimate_vram(
     loss_phase = _logits_and_loss(run)
     workspace = _workspace(run)
     backward = _backward_phase(run, stored, adapters)
-    return _assemble(run, weights, adapters, stored, loss_phase, workspace, backward, notes)
+    estimate = _assemble(run, weights, adapters, stored, loss_phase, workspace, backward, notes)
+    if world_size == 1 and sharding == "ddp":
+        return estimate
+    from fastft.vram.parallel import per_gpu
+
+    return per_gpu(estimate, run.inventory, world_size, sharding)
 
 
 # -- step 2: the weights and their quantisation constants ----------------------------------------------------

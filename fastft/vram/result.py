@@ -48,6 +48,8 @@ class VramSettings:
     trained_tokens: int
     fused: bool  # fastft's fused kernels asked for (add_lora(fused=...))
     kernels: str  # which code path the estimate assumes (fastft fused kernels, or transformers + peft)
+    world_size: int = 1  # GPUs of the run; the estimate is per GPU (`fastft.vram.parallel`)
+    sharding: str = "ddp"  # "ddp" (whole model on each GPU) or "fsdp" (FSDP2: weights and states split)
 
 
 @dataclass(frozen=True)

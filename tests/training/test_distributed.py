@@ -1,0 +1,215 @@
+"""Several processes, one run (`fastft.training.distributed`): 2 gloo ranks on the CPU, started by
+``fastft launch --nproc 2`` (torchrun), train tiny-llama exactly as one process does with the same global
+batch, under DDP and FSDP2; a 2-rank run resumes exactly; only rank 0 writes checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastft.training.trainer import TrainConfig, Trainer
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "distributed_worker.py"
+sys.path.insert(0, str(HERE))
+import distributed_worker  # noqa: E402
+
+
+def _two_ranks(out: Path, **config) -> dict:
+    """`distributed_worker.run(out, config)` on 2 ranks through ``fastft launch``; rank 0's summary."""
+    command = [
+        sys.executable,
+        "-m",
+        "fastft",
+        "launch",
+        "--nproc",
+        "2",
+        str(WORKER),
+        str(out),
+        json.dumps(config),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return torch.load(out / "result.pt")
+
+
+def _assert_same_run(distributed: dict, single: dict, weights_rtol: float = 1e-5) -> None:
+    """Same losses, gradient norms, eval losses (1e-5 relative) and final LoRA weights (`weights_rtol` of each
+    tensor's largest value)."""
+    assert distributed["trained"] == single["trained"]  # the events count every rank's tokens
+    assert distributed["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    assert distributed["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-5)
+    assert distributed["evals"] == pytest.approx(single["evals"], rel=1e-5)
+    assert distributed["weights"].keys() == single["weights"].keys()
+    for name, weight in single["weights"].items():
+        error = (distributed["weights"][name] - weight).abs().max()
+        assert error <= weights_rtol * weight.abs().max(), (name, float(error))
+    trained = [w for n, w in single["weights"].items() if "lora_B" in n]
+    assert any(w.abs().max() > 0 for w in trained)  # LoRA B starts at zero: the run really trained
+
+
+def test_two_ddp_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
+    config = dict(max_steps=4, eval=True)
+    distributed = _two_ranks(tmp_path / "ddp", **config)
+    single = distributed_worker.run(tmp_path / "one", dict(config, grad_accum_steps=2))
+    _assert_same_run(distributed, single)
+    assert "communication" in distributed["phases"]  # the gradient all-reduce, timed as its own phase
+    assert "communication" not in single["phases"]
+
+
+def test_two_ddp_ranks_with_gradient_accumulation_equal_one_process(tmp_path):
+    """Each rank accumulates 2 micro-batches (the global step's 0 and 2, or 1 and 3) and the ranks' sums are
+    added: the gradient is the one-process sum in another order. Losses agree to 1e-7; Adam's first steps
+    divide each gradient by its own magnitude, which lifts that rounding to a few 1e-6 of the weights
+    (measured: 9e-6 of the largest value), hence 5e-5 for the weights here."""
+    distributed = _two_ranks(tmp_path / "ddp", max_steps=4, grad_accum_steps=2)
+    single = distributed_worker.run(tmp_path / "one", dict(max_steps=4, grad_accum_steps=4))
+    _assert_same_run(distributed, single, weights_rtol=5e-5)
+
+
+def test_two_fsdp2_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
+    config = dict(max_steps=3, checkpointing="recompute", eval=True)
+    distributed = _two_ranks(tmp_path / "fsdp", distributed="fsdp", **config)
+    single = distributed_worker.run(tmp_path / "one", dict(config, grad_accum_steps=2))
+    _assert_same_run(distributed, single)
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_ranks_train_dpo_as_one_process(tmp_path, sharding):
+    """A preference step divides by the global pair count and sums the metrics over the ranks; DPO's reference
+    pass (adapters disabled) runs under FSDP2's hooks too."""
+    config = dict(max_steps=3, method="dpo", eval=True, micro_batch_bins=1)
+    distributed = _two_ranks(tmp_path / "ranks", distributed=sharding, **config)
+    single = distributed_worker.run(tmp_path / "one", dict(config, grad_accum_steps=2))
+    _assert_same_run(distributed, single)
+    assert len(distributed["preference"]) == 4 and all(distributed["preference"])
+    for mine, theirs in zip(distributed["preference"], single["preference"], strict=True):
+        assert mine["pairs"] == theirs["pairs"]
+        assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """A 2-rank DDP run of 6 steps with checkpoints at 2, 4 and 6 (dropout on, so each rank's RNG matters)."""
+    out = tmp_path_factory.mktemp("run")
+    config = dict(
+        max_steps=6, save_every=2, save_total_limit=3, output_dir=str(out / "checkpoints"), dropout=0.1
+    )
+    return out, config, _two_ranks(out, **config)
+
+
+def test_only_rank_0_writes_the_checkpoints_and_every_rank_knows_them(two_rank_run):
+    out, _, _ = two_rank_run
+    ranks = [json.loads((out / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["writes"] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert ranks[1]["writes"] == []
+    assert ranks[0]["checkpoints"] == ranks[1]["checkpoints"]
+    state = json.loads((out / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["distributed"]["world_size"] == 2 and len(state["rank_rng"]) == 2
+    assert state["rank_rng"][0] != state["rank_rng"][1]  # each rank's dropout generator, kept apart
+
+
+def test_a_two_rank_run_resumes_exactly_on_two_ranks(two_rank_run, tmp_path):
+    out, config, full = two_rank_run
+    resumed = _two_ranks(tmp_path, **dict(config, resume_from=str(out / "checkpoints" / "checkpoint-2")))
+    assert resumed["losses"][:2] == full["losses"][:2]  # read back from the checkpoint
+    assert resumed["losses"][2:] == pytest.approx(full["losses"][2:], rel=1e-5)
+    for name, weight in full["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_checkpoint_resumes_only_on_the_world_size_that_wrote_it(two_rank_run):
+    import fastft
+
+    out, _, _ = two_rank_run
+    model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=128, device="cpu")
+    model = fastft.add_lora(model, r=4, alpha=8, dropout=0.1, seed=7)
+    data = fastft.pack(distributed_worker.ROWS, tokenizer, 128)
+    config = TrainConfig(max_steps=6, resume_from=str(out / "checkpoints" / "checkpoint-4"), attention=None)
+    with pytest.raises(ValueError, match=r"2 rank\(s\), this one runs on 1: resume with --nproc_per_node=2"):
+        Trainer(model, tokenizer, data, config=config).train()
+
+
+def test_fsdp2_refuses_an_output_dir_before_any_step(tmp_path):
+    from fastft.checks import SettingError
+    from fastft.training.distributed import start_distributed
+
+    model = torch.nn.Linear(2, 2)
+    config = TrainConfig(max_steps=1, distributed="fsdp", output_dir=str(tmp_path))
+    environment = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in environment.items():
+            patch.setenv(name, value)
+        patch.setenv("MASTER_PORT", str(_free_port()))
+        try:
+            with pytest.raises(SettingError, match="does not write or resume checkpoints yet"):
+                start_distributed(model, torch.device("cpu"), config)
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launch_refuses_what_cannot_start(tmp_path):
+    from fastft.launch import LaunchError, check_launch, torchrun_command
+
+    with pytest.raises(LaunchError, match="is not a file"):
+        check_launch(tmp_path / "missing.py", 2)
+    with pytest.raises(LaunchError, match="1 or more"):
+        check_launch(WORKER, 0)
+    command = torchrun_command("train.py", ["--lr", "1e-4"], 4)
+    assert command[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        "train.py",
+        "--lr",
+        "1e-4",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "fastft", "launch", "--gpus", "2", str(tmp_path / "missing.py")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "is not a file" in done.stderr
+
+
+def test_the_ddp_bench_runs_one_rank_and_two_on_the_cpu(tmp_path):
+    out = tmp_path / "ddp.json"
+    command = [sys.executable, "-m", "fastft", "bench", "ddp", "--model", "tiny-llama", "--gpus", "2"]
+    command += [
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--chats",
+        "60",
+        "--max-seq-length",
+        "128",
+    ]
+    command += ["--folder", str(tmp_path / "models"), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert [(run["world_size"], run["backend"]) for run in report["runs"]] == [(1, "gloo"), (2, "gloo")]
+    assert all(run["trained_tokens_per_second"] > 0 and run["communication_ms"] > 0 for run in report["runs"])
+    assert (
+        report["speedup"]
+        == report["runs"][1]["trained_tokens_per_second"] / report["runs"][0]["trained_tokens_per_second"]
+    )
+    assert "speed-up on 2 rank(s)" in done.stdout
