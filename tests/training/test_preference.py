@@ -330,3 +330,80 @@ def test_each_loss_equals_trls_loss_on_the_same_log_probs(settings):
     (theirs_gradient,) = torch.autograd.grad(theirs, theirs_input)
     assert ours_gradient.abs().max() > 0
     torch.testing.assert_close(ours_gradient, theirs_gradient, rtol=1e-5, atol=1e-8)
+
+
+def _arithmetic_pairs(count):
+    return [
+        {"prompt": f"What is {i} plus {i + 3}?", "chosen": f"{2 * i + 3}", "rejected": f"It is {2 * i + 5}."}
+        for i in range(count)
+    ]
+
+
+def _dpo_run(tokenizer, train_rows, eval_rows, steps, precompute, output_dir=None, resume_from=None, **extra):
+    model, _ = _model()
+    config = TrainConfig(
+        method="dpo",
+        beta=0.2,
+        max_steps=steps,
+        learning_rate=3e-3,
+        warmup=0,
+        seed=5,
+        precompute_reference=precompute,
+        output_dir=output_dir,
+        resume_from=resume_from,
+        profile=False,
+        **extra,
+    )
+    train, held_out = pack_pairs(train_rows, tokenizer, 96), pack_pairs(eval_rows, tokenizer, 96)
+    trainer = Trainer(model, tokenizer, train, held_out, config)
+    return trainer, trainer.train()
+
+
+def test_precomputed_reference_log_probs_give_the_on_the_fly_losses_and_skip_the_reference_pass(monkeypatch):
+    """One adapter-disabled pass before training, cached by sequence: every step's loss, metrics and the eval
+    equal the run that computes the reference in each step (bit for bit: the same bins, fp32), and no step
+    runs the reference forward."""
+    _, tokenizer = fastft.load_model("tiny-llama")
+    rows = _arithmetic_pairs(14)
+    _, on_the_fly = _dpo_run(tokenizer, rows[:10], rows[10:], 5, precompute=False)
+    trainer, precomputed = _dpo_run(tokenizer, rows[:10], rows[10:], 5, precompute=True)
+    assert [e.loss for e in precomputed.steps] == [e.loss for e in on_the_fly.steps]
+    assert [e.preference for e in precomputed.steps] == [e.preference for e in on_the_fly.steps]
+    assert precomputed.evals[-1].eval_loss == on_the_fly.evals[-1].eval_loss
+    assert on_the_fly.steps[-1].preference["margin"] != 0  # the policy moved away from the reference
+
+    import fastft.training.preference as preference
+
+    calls = []
+    original = preference.adapters_disabled
+    monkeypatch.setattr(preference, "adapters_disabled", lambda m: calls.append(1) or original(m))
+    cache = trainer.train_data.reference_cache
+    assert len(cache) == 1 and next(iter(cache.values())).shape == (len(trainer.train_data.data),)
+    trainer.max_steps += 2
+    trainer.train()  # the cache is read, not rebuilt, and the steps skip the reference forward
+    assert calls == []
+
+
+def test_precomputed_reference_resumes_exactly(tmp_path):
+    """Killed after 2 steps and resumed in a fresh trainer on freshly packed data (the cache is rebuilt from
+    the base model, keyed by sequence): the remaining steps' losses equal the uninterrupted run's."""
+    _, tokenizer = fastft.load_model("tiny-llama")
+    rows = _arithmetic_pairs(12)
+    _, whole = _dpo_run(tokenizer, rows[:10], rows[10:], 4, precompute=True)
+    first, _ = _dpo_run(tokenizer, rows[:10], rows[10:], 4, True, str(tmp_path / "run"), save_every=2)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert checkpoint.is_dir()
+    _, resumed = _dpo_run(
+        tokenizer, rows[:10], rows[10:], 4, True, str(tmp_path / "resumed"), str(checkpoint)
+    )
+    after = [e for e in resumed.steps if e.step > 2]
+    assert [e.step for e in after] == [3, 4]
+    assert [e.loss for e in after] == [e.loss for e in whole.steps[2:]]
+    assert first.result.steps[-1].loss == whole.steps[-1].loss
+
+
+def test_precompute_reference_is_for_dpo_only():
+    with pytest.raises(SettingError, match="precompute_reference"):
+        TrainConfig(method="simpo", precompute_reference=True)
+    with pytest.raises(SettingError, match="True or False"):
+        TrainConfig(method="dpo", precompute_reference="yes")
