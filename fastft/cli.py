@@ -49,6 +49,8 @@ def _demo_parser(sub) -> None:
         "name": "run name (default: demo-<date>-<time>)",
         "device": "cpu or cuda (default: cuda when available)",
         "progress": "show the progress bar (--no-progress to hide)",
+        "dpo_steps": "optimizer steps of --method dpo",
+        "method": "sft, or dpo: pairs from the skills data (the bare right answer over a wordy or wrong one)",
     }
     parser = sub.add_parser(
         "demo",

@@ -33,7 +33,7 @@ from fastft.training.trainer import TrainConfig, Trainer, TrainResult
 @dataclass
 class DemoResult:
     run_dir: Path
-    report_path: Path
+    report_path: Path | None  # None for `--method dpo` (no HTML report yet)
     adapter_path: Path
     train: TrainResult
     accuracy_before: AccuracyResult
@@ -42,6 +42,8 @@ class DemoResult:
 
     def text(self) -> str:
         """The plain-text summary printed at the end of `fastft demo`."""
+        if self.summary.get("method") == "dpo":
+            return _preference_text(self)
         s = self.summary
         lines = [
             f"fastft demo — {s['model']} on {s['device']}",
@@ -83,6 +85,8 @@ def run_demo(config: DemoConfig | None = None, log=print, started_at: float | No
     the reported time covers imports too; without it the time counts from this call.
     """
     config = config or DemoConfig()
+    if config.method == "dpo":
+        return run_preference_demo(config, log)
     fresh = not config.run_dir.exists()
     config.check_paths()  # settings were checked when the config was built; paths before loading
     try:
@@ -257,3 +261,154 @@ def _readable(summary: dict) -> dict:
         "training time": f"{s['training_s']:.1f} s ({s['training_cpu_s']:.1f} s of CPU time, all threads)",
         "duration": f"{s['duration_s']:.1f} s {s['duration_covers']}",
     }
+
+
+# -- preference tuning: `fastft demo --method dpo` -------------------------------------------------------------
+
+
+def skills_pairs(rows, seed: int) -> list[dict]:
+    """Preference pairs from skills rows: the prompt (system prompt and question), chosen = the bare right
+    answer, rejected = the right answer in the preset's wordy pretraining style (even rows) or another
+    row's answer (odd rows; wordy when it happens to be the same)."""
+    import random
+
+    from fastft.data.skills import VERBOSE_ANSWER
+
+    rows = list(rows)
+    rng = random.Random(seed)
+    pairs = []
+    for index, row in enumerate(rows):
+        answer, wordy = row["answer"], VERBOSE_ANSWER.format(answer=row["answer"])
+        rejected = wordy
+        if index % 2 and len(rows) > 1:
+            other = rows[(index + 1 + rng.randrange(len(rows) - 1)) % len(rows)]["answer"]
+            rejected = other if other != answer else wordy
+        pairs.append(
+            {
+                "prompt": row["messages"][:-1],
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            }
+        )
+    return pairs
+
+
+def chosen_over_rejected(model, pairs) -> float:
+    """The share of `pairs` (`PackedPairs`) whose chosen answer the model finds likelier than the rejected
+    one (summed log-probs; the reference plays no part, so the untrained model has its own score)."""
+    from fastft.training.preference import sequence_log_probs
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    right = 0
+    try:
+        with torch.no_grad():
+            for index in range(len(pairs)):
+                sums, _ = sequence_log_probs(model, pairs.batch([index]).to(device))
+                right += int((sums[0::2] > sums[1::2]).sum())
+    finally:
+        model.train(was_training)
+    return right / pairs.pairs
+
+
+PAIR_ROWS = 400  # training pairs drawn from the bundled skills rows
+
+
+def run_preference_demo(config: DemoConfig | None = None, log=print) -> DemoResult:
+    """`fastft demo --method dpo`: DPO on pairs from the skills data (`skills_pairs`), starting from the
+    preset itself (which answers wordily, as it was pretrained). Measures the held-out chosen-over-rejected
+    accuracy (`chosen_over_rejected`) and the skills accuracies (exact bare answer, and content) before and
+    after `dpo_steps` steps; the reference log-probs are precomputed. Saves the adapter and summary.json."""
+    from fastft.data.pairs import pack_pairs
+
+    config = config or DemoConfig(method="dpo")
+    config.check_paths()
+    started = time.time()
+    torch.manual_seed(config.seed)
+    log(f"loading {config.model} …")
+    model, tokenizer = load_model(config.model, max_seq_length=config.max_seq_length, device=config.device)
+    model = add_lora(
+        model,
+        r=config.lora_r,
+        alpha=config.lora_alpha,
+        gradient_checkpointing=config.gradient_checkpointing,
+        seed=config.seed,
+    )
+    train_rows = load_dataset(config.dataset)
+    eval_rows = load_dataset(config.eval_dataset)
+    questions = [row for row in eval_rows.select(range(min(config.eval_samples, len(eval_rows))))]
+    train_pairs = pack_pairs(
+        skills_pairs(train_rows.select(range(min(PAIR_ROWS, len(train_rows)))), config.seed),
+        tokenizer,
+        config.max_seq_length,
+    )
+    held_out = pack_pairs(skills_pairs(questions, 1), tokenizer, config.max_seq_length)
+    log(f"pairs from {config.dataset}: {train_pairs.pair_stats}; held out: {held_out.pair_stats}")
+    log(f"before: chosen-over-rejected and accuracy on {len(questions)} held-out questions …")
+    pairs_before = chosen_over_rejected(model, held_out)
+    before = evaluate_accuracy(model, tokenizer, questions)
+    train_config = TrainConfig(
+        method="dpo",
+        beta=0.1,
+        max_steps=config.dpo_steps,
+        learning_rate=config.learning_rate,
+        micro_batch_bins=config.micro_batch_bins,
+        seed=config.seed,
+        precompute_reference=True,
+    )
+    trainer = Trainer(model, tokenizer, train_pairs, held_out, train_config)
+    bar = ProgressBar(trainer.max_steps) if config.progress else None
+    if bar is not None:
+        trainer.subscribe(bar)
+    try:
+        training_started = time.perf_counter()
+        result = trainer.train()
+        training_s = time.perf_counter() - training_started
+    finally:
+        if bar is not None:
+            bar.close()
+    log("after …")
+    pairs_after = chosen_over_rejected(model, held_out)
+    after = evaluate_accuracy(model, tokenizer, questions)
+    adapter_path = save_adapter(model, config.run_dir / "adapter", tokenizer)
+    summary = {
+        "method": "dpo",
+        "model": config.model,
+        "pairs": train_pairs.pairs,
+        "held_out_pairs": held_out.pairs,
+        "steps": len(result.steps),
+        "first_loss": result.steps[0].loss,
+        "final_loss": result.steps[-1].loss,
+        "final_eval": result.evals[-1].preference,
+        "chosen_over_rejected_before": pairs_before,
+        "chosen_over_rejected_after": pairs_after,
+        "accuracy_before": before.overall,
+        "accuracy_after": after.overall,
+        "content_accuracy_before": before.content,
+        "content_accuracy_after": after.content,
+        "eval_samples": len(questions),
+        "training_s": training_s,
+        "duration_s": time.time() - started,
+    }
+    with open(config.run_dir / "summary.json", "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    return DemoResult(config.run_dir, None, adapter_path, result, before, after, summary)
+
+
+def _preference_text(result: DemoResult) -> str:
+    s = result.summary
+    return "\n".join(
+        [
+            f"fastft demo --method dpo — {s['model']}, {s['pairs']} pairs, {s['steps']} steps",
+            f"  loss                  {s['first_loss']:.4f} → {s['final_loss']:.4f}",
+            f"  chosen over rejected  {s['chosen_over_rejected_before']:.1%} → "
+            f"{s['chosen_over_rejected_after']:.1%} on {s['held_out_pairs']} held-out pairs",
+            f"  exact answer          {s['accuracy_before']:.1%} → {s['accuracy_after']:.1%} "
+            f"on {s['eval_samples']} held-out questions (the bare answer the system prompt asks for)",
+            f"  content accuracy      {s['content_accuracy_before']:.1%} → {s['content_accuracy_after']:.1%} "
+            "(right answer, any wording)",
+            f"  time                  {s['duration_s']:.1f} s (training {s['training_s']:.1f} s)",
+            f"  adapter               {result.adapter_path}",
+        ]
+    )

@@ -4,6 +4,7 @@ BENCHMARKS = {
     "packing": "fastft.bench.packing",
     "step": "fastft.bench.step",
     "sft": "fastft.bench.sft",
+    "dpo": "fastft.bench.dpo",
     "offload": "fastft.bench.offload",
     "kernels": "fastft.bench.kernels",
     "vram": "fastft.bench.vram",

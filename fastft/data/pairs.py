@@ -56,13 +56,16 @@ class PairStats:
 
 class PackedPairs(PackedDataset):
     """A `PackedDataset` whose bins hold whole pairs: sequence ``2 i`` is pair ``i``'s chosen side, ``2 i + 1``
-    its rejected side, and a bin lists both. `pair_stats` says what was cut."""
+    its rejected side, and a bin lists both. `pair_stats` says what was cut; `reference_cache` holds the
+    precomputed reference log-probs (``TrainConfig(precompute_reference=True)``), by sequence."""
 
     def __init__(
         self, data: TokenizedData, bins: list[list[int]], max_seq_length: int, pair_stats: PairStats
     ):
         super().__init__(data, bins, max_seq_length)
         self.pair_stats = pair_stats
+        # per-sequence reference log-probs by base-model fingerprint (fastft.training.preference)
+        self.reference_cache: dict = {}
 
     @property
     def pairs(self) -> int:

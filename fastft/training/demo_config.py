@@ -32,6 +32,9 @@ class DemoConfig:
     name: str = field(default_factory=lambda: datetime.now().strftime("demo-%Y%m%d-%H%M%S"))
     device: str | None = None
     progress: bool = True
+    # "dpo": preference pairs made from the skills data instead of SFT (`fastft.demo.run_preference_demo`)
+    method: str = "sft"
+    dpo_steps: int = 40  # DPO's optimizer steps (more overshoots on the tiny preset: fastft.demo)
 
     def __post_init__(self) -> None:
         """Check every setting before anything is loaded (the demo fails in its first second, not after
@@ -43,6 +46,7 @@ class DemoConfig:
             ("micro_batch_bins", 1),
             ("eval_every", 1),
             ("eval_samples", 1),
+            ("dpo_steps", 1),
         ):
             whole_number(name.replace("_", "-"), getattr(self, name), minimum=minimum)
         whole_number("seed", self.seed)
@@ -58,6 +62,8 @@ class DemoConfig:
         from fastft.runtime.checkpointing import Checkpointing
 
         Checkpointing.parse(self.gradient_checkpointing)  # raises naming the modes
+        if self.method not in ("sft", "dpo"):
+            raise SettingError(f"method must be sft or dpo, got {self.method!r}.")
         if self.device is not None:
             from fastft.models.loading import resolve_device
 

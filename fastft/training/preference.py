@@ -20,6 +20,12 @@ With ``c``/``r`` the policy's summed log-probs of the chosen/rejected answer, ``
 Rewards are ``β (c - c0)`` and ``β (r - r0)`` for DPO (IPO included), ``β c̄`` and ``β r̄`` for ORPO and
 SimPO (TRL's conventions); the margin is their difference and the accuracy the share of pairs whose
 chosen reward is the higher. The step loss is the mean over the step's pairs.
+
+With ``TrainConfig(precompute_reference=True)`` the adapter-disabled pass runs once over every bin before
+training (`cached_reference_log_probs`), and each step reads its sequences' reference log-probs from that
+cache instead of running the reference forward. The cache is kept with the data (`PackedPairs`), indexed by
+sequence (not by bin or step, so any shuffle or a resume finds each sequence's value) and keyed by a
+fingerprint of the base model (`base_fingerprint`), so data reused with another model is computed again.
 """
 
 from __future__ import annotations
@@ -73,6 +79,44 @@ def adapters_disabled(model: torch.nn.Module):
         yield
 
 
+def base_fingerprint(model: torch.nn.Module) -> str:
+    """A key of the frozen base weights the reference comes from: the architecture, the parameter shapes and
+    dtypes, and a checksum of the first and last base tensors (one reduction each, once per run)."""
+    import hashlib
+
+    frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+    digest = hashlib.sha256(type(getattr(model, "base_model", model)).__name__.encode())
+    for name, parameter in frozen:
+        digest.update(f"{name}:{tuple(parameter.shape)}:{parameter.dtype};".encode())
+    with torch.no_grad():
+        for _, parameter in frozen[:1] + frozen[-1:]:
+            digest.update(repr(float(parameter.detach().double().sum())).encode())
+    return digest.hexdigest()[:16]
+
+
+def cached_reference_log_probs(model: torch.nn.Module, pairs) -> torch.Tensor:
+    """Every sequence's summed reference log-prob (the model with its adapters off), ``[len(pairs.data)]`` fp32
+    on the model's device, indexed like ``pairs.data``; computed once bin by bin and kept on `pairs` under the
+    base model's fingerprint (a second call, or a resumed run on the same data, reads it back)."""
+    key = base_fingerprint(model)
+    cache = pairs.reference_cache
+    if key not in cache:
+        device = next(model.parameters()).device
+        values = torch.zeros(len(pairs.data), device=device)
+        was_training = model.training
+        model.eval()
+        try:
+            with adapters_disabled(model):
+                for index in range(len(pairs)):
+                    sums, _ = sequence_log_probs(model, pairs.batch([index]).to(device))
+                    values[torch.as_tensor(pairs.bins[index], device=device)] = sums.float()
+        finally:
+            model.train(was_training)
+        cache.clear()  # one base model's values at a time
+        cache[key] = values
+    return cache[key].to(next(model.parameters()).device)
+
+
 def pair_losses(
     settings: PreferenceLoss,
     policy: tuple[torch.Tensor, torch.Tensor],
@@ -112,21 +156,26 @@ def pair_losses(
 
 
 def pair_loss_sum(
-    model: torch.nn.Module, batch: PackedBatch, settings: PreferenceLoss
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    settings: PreferenceLoss,
+    reference: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batch's summed pair loss (a scalar with its graph) and its metric sums ``[4]`` (chosen and
-    rejected rewards, margin, correctly ordered pairs), detached; the caller divides by the step's pairs."""
+    rejected rewards, margin, correctly ordered pairs), detached; the caller divides by the step's pairs.
+    `reference`, the batch's sequences' precomputed reference log-probs (``[num_sequences]``), replaces the
+    adapter-disabled forward."""
     if batch.num_sequences % 2:
         raise ValueError(
             f"a preference micro-batch needs whole pairs, got {batch.num_sequences} sequences: pack the data "
             "with fastft.pack_pairs(...)"
         )
-    reference = None
-    if settings.needs_reference:
+    if settings.needs_reference and reference is None:
         with adapters_disabled(model):
-            reference = sequence_log_probs(model, batch)
+            reference = sequence_log_probs(model, batch)[0]
+    policy = sequence_log_probs(model, batch)
     losses, chosen_rewards, rejected_rewards = pair_losses(
-        settings, sequence_log_probs(model, batch), reference
+        settings, policy, None if reference is None else (reference, policy[1])
     )
     margin = chosen_rewards - rejected_rewards
     metrics = torch.stack(

@@ -103,6 +103,9 @@ class TrainConfig:
 
     `distributed` applies under torchrun (`fastft.training.distributed`): "ddp" replicates the model and sums
     the LoRA gradients once per step; "fsdp" shards the base and the adapters with FSDP2 (``fully_shard``).
+    `precompute_reference` (DPO) runs the adapter-disabled pass once over the train and eval pairs before
+    training, keeps each sequence's reference log-prob with the data, and skips the reference forward in
+    every step (`fastft.training.preference.cached_reference_log_probs`).
     """
 
     max_steps: int | None = None
@@ -132,6 +135,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     distributed: str = "ddp"
+    precompute_reference: bool = False
 
     reset_optimizer: bool = False
 
@@ -263,6 +267,15 @@ def _check_method(config: TrainConfig) -> None:
         fix="It is ε, a share below 0.5.",
     )
     real_number("simpo_gamma", config.simpo_gamma, low=0)
+    if not isinstance(config.precompute_reference, bool):
+        raise SettingError(
+            f"precompute_reference must be True or False, got {config.precompute_reference!r}."
+        )
+    if config.precompute_reference and config.method != "dpo":
+        raise SettingError(
+            f"precompute_reference=True applies to method='dpo' only: {config.method!r} has no reference model. "
+            "Leave it False."
+        )
     if config.method != "sft" and config.static_shapes:
         raise SettingError(
             f"static_shapes=True does not apply to method={config.method!r}: preference steps run eagerly. "
@@ -451,6 +464,7 @@ class Trainer:
         self._calls: list[Callable[[], object]] = []
         self._pending: list[_PendingReadout] = []
         self._epoch_orders: dict[int, np.ndarray] = {}
+        self._references: dict | None = None  # "train" / "eval" → per-sequence reference log-probs
 
     # -- control -----------------------------------------------------------------------------
     def subscribe(self, subscriber: Subscriber) -> None:
@@ -544,6 +558,8 @@ class Trainer:
                 self.parallel.barrier()
         if config.resume_from and self.step == 0:
             self._resume(config.resume_from)
+        if config.precompute_reference and self._references is None:
+            self._references = self._precompute_references()
         started = time.perf_counter()
         self.model.train()
         if self.device.type == "cuda":  # the events' peak memory is this run's, not the process's so far
@@ -590,7 +606,25 @@ class Trainer:
         dtype = getattr(getattr(self.model, "fastft_info", None), "dtype", None)
         return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
-    def _micro_batch_loss(self, batch: PackedBatch, divisor: torch.Tensor) -> torch.Tensor:
+    def _precompute_references(self) -> dict:
+        from fastft.training.preference import cached_reference_log_probs
+
+        references = {"train": cached_reference_log_probs(self.model, self.train_data)}
+        if self.eval_data is not None:
+            references["eval"] = cached_reference_log_probs(self.model, self.eval_data)
+        return references
+
+    def _reference_of(self, split: str, bins: list[int]) -> torch.Tensor | None:
+        """The precomputed reference log-probs of these bins' sequences, in batch order (None without)."""
+        if self._references is None or split not in self._references:
+            return None
+        data = self.train_data if split == "train" else self.eval_data
+        members = torch.as_tensor([row for b in bins for row in data.bins[b]])
+        return self._references[split][members.to(self.device, non_blocking=True)]
+
+    def _micro_batch_loss(
+        self, batch: PackedBatch, divisor: torch.Tensor, reference: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """A micro-batch's summed loss over the step's trained tokens (`divisor`, a device tensor: a CUDA
         graph replays every step's count), under autocast. A preference run divides its pair losses by the
         step's pairs instead and adds the batch's metric sums to `_metric_sums`."""
@@ -601,7 +635,7 @@ class Trainer:
                 return causal_lm_loss_sum(self.model, batch) / divisor
             from fastft.training.preference import pair_loss_sum
 
-            loss, metrics = pair_loss_sum(self.model, batch, self.preference)
+            loss, metrics = pair_loss_sum(self.model, batch, self.preference, reference)
             self._metric_sums += metrics
             return loss / divisor
 
@@ -670,6 +704,7 @@ class Trainer:
         if self.parallel is not None:  # this rank's micro-batches of the global step
             step_bins = self.parallel.shard(step_bins)
         micro_batches = self._shaped([make(bins) for bins in step_bins])
+        references = [self._reference_of("train", bins) for bins in step_bins]
         trained = sum(b.num_trained_tokens for b in micro_batches)
         tokens = sum(b.real_tokens for b in micro_batches)
         padding = sum(b.padding for b in micro_batches)
@@ -694,7 +729,7 @@ class Trainer:
                     loss_total += self.step_graph.forward_backward(batch, divisor, self._micro_batch_loss)
                 continue
             phases.begin("forward")  # the final norm's hook hands over to "loss"
-            loss = self._micro_batch_loss(batch, divisor)
+            loss = self._micro_batch_loss(batch, divisor, references[index])
             phases.begin("backward")
             (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             loss_total += loss.detach()
@@ -813,9 +848,8 @@ class Trainer:
             starts = self.parallel.shard(starts)
         try:
             for start in starts:
-                batch = self.eval_data.batch(range(start, min(start + size, len(self.eval_data)))).to(
-                    self.device
-                )
+                bins = list(range(start, min(start + size, len(self.eval_data))))
+                batch = self.eval_data.batch(bins).to(self.device)
                 with torch.autocast(
                     self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
                 ):
@@ -824,7 +858,8 @@ class Trainer:
                     else:
                         from fastft.training.preference import pair_loss_sum
 
-                        loss, metrics = pair_loss_sum(self.model, batch, self.preference)
+                        reference = self._reference_of("eval", bins)
+                        loss, metrics = pair_loss_sum(self.model, batch, self.preference, reference)
                         total += loss.double()
                         metric_sums += metrics.double()
                         pairs += batch.num_sequences // 2

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastft.runtime.checkpointing import KEEP_FROM_LENGTH, Checkpointing
 from fastft.vram import activations as act
 from fastft.vram.activations import Profile
 from fastft.vram.gpus import DEFAULT_CONTEXT_BYTES, GiB, GpuSpec, MiB
 from fastft.vram.inventory import ModelInventory
-from fastft.vram.result import VramComponent, VramEstimate, VramSettings, _count
+from fastft.vram.result import VramComponent, VramEstimate, VramEstimateError, VramSettings, _count
 from fastft.vram.settings import ResolvedRun, resolve_run
 
 # NF4 (bitsandbytes): 4-bit codes, one absmax per block of 64 weights; with double quantisation the absmax
@@ -70,6 +70,8 @@ def estimate_vram(
     keep_attention: bool | None = None,
     world_size: int = 1,
     sharding: str = "ddp",
+    method: str = "sft",
+    precompute_reference: bool = False,
 ) -> VramEstimate:
     """Estimate the GPU memory of LoRA/QLoRA training with fastft's trainer, component by component.
 
@@ -97,12 +99,25 @@ def estimate_vram(
        `world_size` / `sharding`: a run on several GPUs under torchrun, answered per GPU
     (`fastft.vram.parallel`): "ddp" holds the whole model on each GPU, "fsdp" (FSDP2) splits the 16-bit
     base, the adapters, their gradients and the optimizer states; `batch_tokens` is per rank.
+
+    `method`: "sft", or a preference method ("dpo", "orpo", "simpo"; `TrainConfig.method`). A preference
+    micro-batch holds whole pairs, so `seq_len` is one side (prompt and answer) and `batch_tokens` defaults to
+    a pair's two sides, ``2 × seq_len``; the summed log-probs add fp32 per-token log-probs and sequence ids
+    to the loss phase; DPO adds its reference pass (the adapters off, no autograd: one layer's forward at a
+    time and one log-prob chunk, before the policy's forward), which `precompute_reference` removes from
+    the step.
     """
+    sides = _sides_per_unit(method, precompute_reference)
+    if batch_tokens is not None and batch_tokens < sides * seq_len:
+        raise VramEstimateError(
+            f"batch_tokens={batch_tokens} cannot hold one pair of two {seq_len}-token sides for "
+            f"method={method!r}: raise batch_tokens to at least {sides * seq_len} or leave it out."
+        )
     # step 1 (`fastft.vram.settings`): the arguments checked against the model, defaults resolved
     run = resolve_run(
         model,
         seq_len=seq_len,
-        batch_tokens=batch_tokens,
+        batch_tokens=sides * seq_len if batch_tokens is None else batch_tokens,
         precision=precision,
         lora_r=lora_r,
         targets=targets,
@@ -119,14 +134,59 @@ def estimate_vram(
     adapters = _adapters(run)
     stored = _stored_activations(run, notes)
     loss_phase = _logits_and_loss(run)
+    if method != "sft":
+        loss_phase = _with_log_prob_sums(run, loss_phase)
+        notes.append(f"{method}: micro-batches of whole pairs, {run.tokens:,} tokens (both sides)")
+    reference = _reference_pass(run, stored) if method == "dpo" and not precompute_reference else None
     workspace = _workspace(run)
     backward = _backward_phase(run, stored, adapters)
-    estimate = _assemble(run, weights, adapters, stored, loss_phase, workspace, backward, notes)
+    estimate = _assemble(run, weights, adapters, stored, loss_phase, workspace, backward, notes, reference)
+    estimate = replace(
+        estimate,
+        settings=replace(estimate.settings, method=method, precompute_reference=precompute_reference),
+    )
     if world_size == 1 and sharding == "ddp":
         return estimate
     from fastft.vram.parallel import per_gpu
 
     return per_gpu(estimate, run.inventory, world_size, sharding)
+
+
+# -- preference runs -------------------------------------------------------------------------------------------
+
+PREFERENCE_METHODS = ("dpo", "orpo", "simpo")
+
+
+def _sides_per_unit(method: str, precompute_reference: bool) -> int:
+    """Sequences one `seq_len` unit of a micro-batch holds: 1 for SFT, a pair's 2 for a preference method."""
+    if method not in ("sft", *PREFERENCE_METHODS):
+        raise VramEstimateError(f"method={method!r} is not one of sft, {', '.join(PREFERENCE_METHODS)}.")
+    if precompute_reference and method != "dpo":
+        raise VramEstimateError(
+            f"precompute_reference=True applies to method='dpo' only ({method!r} has no reference pass)."
+        )
+    return 1 if method == "sft" else 2
+
+
+def _with_log_prob_sums(run: ResolvedRun, loss_entry: tuple[int, str]) -> tuple[int, str]:
+    """Per-sequence summed log-probs (`fastft.training.preference.sequence_log_probs`): the per-target fp32
+    log-probs, their trained mask and the int64 sequence of each target, beside the loss's own buffers."""
+    logits, note = loss_entry
+    return logits + 16 * run.trained, note + "; per-target log-probs summed per sequence (16 B a target)"
+
+
+def _reference_pass(run: ResolvedRun, stored: _Stored) -> int:
+    """DPO's reference forward (adapters off, no autograd), before the policy's: nothing is saved, so the
+    moment is one layer's forward (its input, output and activations) or the final norm's output with one
+    log-prob chunk of the fused head and the per-target log-probs."""
+    tokens, trained, vocab = run.tokens, run.trained, run.inventory.vocab_size
+    layer = (max(stored.per_layer, default=0) + 2 * run.layer_input) * tokens
+    if run.loss == "eager":  # the trained positions' logits, their fp32 copy and log-softmax (no grads kept)
+        chunk = trained * vocab * 10
+    else:
+        chunk = fused_ce_rows(trained, vocab, run.profile.residual) * vocab * run.profile.residual
+    head = run.layer_input * tokens + chunk
+    return max(layer, head + 16 * trained)
 
 
 # -- step 2: the weights and their quantisation constants ----------------------------------------------------
@@ -444,6 +504,7 @@ def _assemble(
     attention_ws: int,
     backward: _Backward,
     notes: list[str],
+    reference: int | None = None,
 ) -> VramEstimate:
     inventory, profile, gpu_spec = run.inventory, run.profile, run.gpu
     weights, constants, weights_note = weights_entry
@@ -453,8 +514,10 @@ def _assemble(
         stored.bytes + backward.recompute + backward.workspace + backward.dequant + backward.gradients
     )
     peak = "loss" if loss_phase > backward_phase else "backward"
+    if reference is not None and reference > max(loss_phase, backward_phase):
+        peak = "reference"  # nothing stored yet: the reference pass runs before the policy's forward
     persistent = weights + constants + adapters.bytes + adapters.optimizer_bytes + attention_ws
-    allocated = persistent + max(loss_phase, backward_phase)
+    allocated = persistent + max(loss_phase, backward_phase, reference or 0)
     transient = allocated - weights - constants
     slack = int(SLACK_FRACTION * transient) + SLACK_FLOOR_BYTES
     context = gpu_spec.context_bytes if gpu_spec else DEFAULT_CONTEXT_BYTES
@@ -496,6 +559,20 @@ def _assemble(
         ),
         VramComponent("activations", "saved activations", stored.bytes, stored.bytes, "stored", stored.note),
         VramComponent("logits", "logits and loss", at_peak(logits, "loss"), logits, "loss", logits_note),
+        *(
+            ()
+            if reference is None
+            else (
+                VramComponent(
+                    "reference",
+                    "reference pass",
+                    at_peak(reference, "reference"),
+                    reference,
+                    "reference",
+                    "DPO's reference forward, adapters off, no autograd: one layer or one log-prob chunk",
+                ),
+            )
+        ),
         VramComponent(
             "gradients",
             "LoRA gradients",

@@ -32,8 +32,10 @@ def max_context(
     settings.pop("seq_len", None)
     fixed_tokens = settings.pop("batch_tokens", None)
 
+    sides = 1 if settings.get("method", "sft") == "sft" else 2  # a preference micro-batch holds a pair
+
     def fits_at(length: int) -> bool:
-        tokens = None if fixed_tokens is None else max(fixed_tokens, length)
+        tokens = None if fixed_tokens is None else max(fixed_tokens, sides * length)
         return bool(estimate_vram(inventory, length, tokens, gpu=gpu_spec, **settings).fits)
 
     if not fits_at(multiple_of):
@@ -112,7 +114,9 @@ def fits(
         return FitVerdict(True, estimate)
     s = estimate.settings
     base = {
-        "batch_tokens": None if s.batch_tokens == s.seq_len else s.batch_tokens,
+        "batch_tokens": None
+        if s.batch_tokens == s.seq_len * (1 if s.method == "sft" else 2)
+        else s.batch_tokens,
         "precision": s.precision if inventory.loaded is None else None,
         "lora_r": s.lora_r,
         "targets": list(s.targets) if s.targets != ("all-linear",) else "all-linear",
@@ -121,6 +125,8 @@ def fits(
         "loss": s.loss,
         "fused": s.fused,
         "trained_fraction": s.trained_tokens / s.batch_tokens,
+        "method": s.method,
+        "precompute_reference": s.precompute_reference,
     }
 
     def fix(description: str, changes: dict) -> Fix | None:

@@ -29,7 +29,7 @@ class VramComponent:
     label: str
     bytes: int
     own_bytes: int
-    phase: str  # "outside" (not torch's allocator), "persistent", "stored", "loss" or "backward"
+    phase: str  # "outside" (not torch's allocator), "persistent", "stored", "loss", "backward" or "reference"
     note: str = ""
 
 
@@ -50,6 +50,8 @@ class VramSettings:
     kernels: str  # which code path the estimate assumes (fastft fused kernels, or transformers + peft)
     world_size: int = 1  # GPUs of the run; the estimate is per GPU (`fastft.vram.parallel`)
     sharding: str = "ddp"  # "ddp" (whole model on each GPU) or "fsdp" (FSDP2: weights and states split)
+    method: str = "sft"  # or a preference method: micro-batches of whole pairs (`estimate_vram`)
+    precompute_reference: bool = False  # DPO without its per-step reference pass
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class VramEstimate:
     lora_parameters: int
     settings: VramSettings
     components: tuple[VramComponent, ...]
-    peak_phase: str  # "loss" or "backward"
+    peak_phase: str  # "loss", "backward" or (DPO) "reference"
     gpu: GpuSpec | None = None
     notes: tuple[str, ...] = field(default=())
 

@@ -295,3 +295,51 @@ def test_sft_bench_runs_fastft_and_its_trl_switch_on_a_preset(tmp_path):
         assert 0 < result["trained_tokens_per_s"] < result["tokens_per_s"]
         assert result["slowest_over_median"] >= 1.0
     assert "vs HF+PEFT" in out.with_suffix(".md").read_text()
+
+
+def test_dpo_bench_pairs_share_their_prompt_and_train_the_answers_only():
+    from fastft.bench.dpo import packed_pairs, pair_rows
+
+    rows = pair_rows(5, vocab=32001, prompt_length=37, side_length=101, seed=1)
+    assert all(
+        np.array_equal(a, b)
+        for x, y in zip(rows, pair_rows(5, 32001, 37, 101, 1), strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
+    pairs = packed_pairs(rows, 101)
+    assert pairs.pairs == 5 and len(pairs) == 5 and pairs.max_seq_length == 202
+    batch = pairs.batch([2])
+    assert batch.num_sequences == 2 and batch.sequence_lengths == (101, 101)
+    prompt, chosen, rejected = rows[2]
+    assert not np.array_equal(chosen, rejected)
+    assert batch.input_ids[0, :37].tolist() == batch.input_ids[0, 101:138].tolist() == prompt.tolist()
+    assert batch.num_trained_tokens == 2 * 64  # each answer's tokens, none of the prompt's
+    with pytest.raises(ValueError, match="--prompt-length"):
+        pair_rows(1, 32001, prompt_length=101, side_length=101, seed=0)
+
+
+def test_dpo_bench_runs_fastft_and_trl_on_a_preset(tmp_path):
+    """`fastft bench dpo` end to end on the CPU, a tiny preset, short pairs: both systems train the same
+    pairs and report tokens/s (both sides of each pair); the JSON carries fastft's ratio to TRL."""
+    import json
+
+    from fastft.bench import dpo
+
+    out = tmp_path / "dpo.json"
+    code = dpo.main(
+        [
+            "--model", "tiny-llama", "--workloads", "bf16", "--device", "cpu", "--side-length", "48",
+            "--prompt-length", "16", "--warmup", "1", "--steps", "2", "--folder", str(tmp_path / "checkpoints"),
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    written = json.loads(out.read_text())
+    results = {r["system"]: r for r in written["results"]}
+    assert set(results) == {"fastft", "trl"} and not any("error" in r for r in results.values())
+    for result in results.values():
+        assert result["tokens_per_s"] > 0 and result["slowest_step_ms"] >= result["step_ms"] > 0
+    found = written["verdict"]["bf16"]
+    ratio = results["fastft"]["tokens_per_s"] / results["trl"]["tokens_per_s"]
+    assert found["speed_vs_trl"] == pytest.approx(ratio) and found["meets_bar"] is None  # no CUDA peak
+    assert "tokens/s vs TRL" in out.with_suffix(".md").read_text()

@@ -8,7 +8,13 @@ import torch.nn.functional as F
 import fastft
 from fastft.checks import SettingError
 from fastft.data.pairs import pack_pairs
-from fastft.training.preference import PreferenceLoss, adapters_disabled, pair_loss_sum, sequence_log_probs
+from fastft.training.preference import (
+    PreferenceLoss,
+    adapters_disabled,
+    pair_loss_sum,
+    pair_losses,
+    sequence_log_probs,
+)
 from fastft.training.trainer import TrainConfig, Trainer
 
 SETTINGS = [
@@ -193,3 +199,211 @@ def test_preference_settings_are_checked_with_the_fix():
     )
     with pytest.raises(ValueError, match="trains on pairs"):
         Trainer(model, tokenizer, packed_for_sft, config=TrainConfig(method="dpo"))
+
+
+# -- against TRL's own loss code -------------------------------------------------------------------------------
+# TRL (1.16) defines, where fastft differs on purpose:
+# * DPO "sigmoid" takes no label smoothing (conservative DPO is its "robust" / cDPO elsewhere); fastft's sigmoid
+#   with ε > 0 is cDPO, so the comparison runs at ε = 0 for it.
+# * IPO averages each log-ratio over the completion's tokens (TRL's reading, confirmed by the IPO authors); so
+#   does fastft.
+# * ORPO's NLL term is TRL's token-weighted cross-entropy over the batch's chosen tokens; fastft's is the mean of
+#   each chosen answer's mean NLL (every pair weighs the same, whatever its length). The odds-ratio term, which
+#   is what the test compares, is the same.
+# * SimPO (TRL's CPOTrainer, loss_type "simpo") gets length-averaged log-probs, as fastft's does.
+
+
+def _trl_namespace(**fields):
+    from types import SimpleNamespace
+
+    accelerator = SimpleNamespace(
+        device=torch.device("cpu"),
+        gather=lambda x: x,
+        gather_for_metrics=lambda x: x,
+        unwrap_model=lambda m: m,
+    )
+    return SimpleNamespace(accelerator=accelerator, **fields)
+
+
+def _trl_dpo_losses(settings, policy, reference):
+    """TRL's `DPOTrainer._compute_loss` run on given log-probs: a stand-in model returns per-token log-probs
+    whose rows sum to each sequence's log-prob, with the reference precomputed (`ref_*_logps`), so TRL's own
+    code turns them into its loss. Returns TRL's mean loss."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[dev]')")
+    sums, counts = policy
+    chosen_first = torch.cat([sums[0::2], sums[1::2]])  # TRL's batch is [chosen..., rejected...]
+    lengths = torch.cat([counts[0::2], counts[1::2]]).long()
+    width = int(lengths.max()) + 1
+    completion = (torch.arange(width)[None] >= width - lengths[:, None]).long()  # left-padded prompts of 1
+    completion[:, 0] = 0
+    per_token = chosen_first[:, None] * F.one_hot(torch.full_like(lengths, width - 2), width - 1)
+
+    def model(**_):
+        zeros = torch.zeros(per_token.shape)
+        return SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+
+    model.training = True
+    trainer = _trl_namespace(
+        model=model,
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=[settings.dpo_loss],
+        loss_weights=[1.0],
+        beta=settings.beta,
+        label_smoothing=settings.label_smoothing,
+        use_weighting=False,
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    inputs = {
+        "input_ids": torch.zeros(completion.shape, dtype=torch.long),
+        "attention_mask": torch.ones(completion.shape, dtype=torch.long),
+        "completion_mask": completion,
+        "ref_chosen_logps": reference[0][0::2],
+        "ref_rejected_logps": reference[0][1::2],
+    }
+    return trl.DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        PreferenceLoss("dpo", "sigmoid", beta=0.3),
+        PreferenceLoss("dpo", "ipo", beta=0.7),
+        PreferenceLoss("dpo", "robust", beta=0.2, label_smoothing=0.1),
+        PreferenceLoss("orpo", beta=0.25),
+        PreferenceLoss("simpo", beta=2.0, simpo_gamma=0.5, label_smoothing=0.05),
+    ],
+    ids=lambda s: f"{s.method}-{s.dpo_loss}",
+)
+def test_each_loss_equals_trls_loss_on_the_same_log_probs(settings):
+    """fastft's pair losses and their gradients in the policy log-probs equal TRL's (DPOTrainer for DPO, the
+    experimental ORPOTrainer / CPOTrainer for ORPO / SimPO), on the tiny model's real log-probs of packed pairs."""
+    pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[dev]')")
+    model, tokenizer = _model()
+    pairs = pack_pairs(_rows(6, seed=5), tokenizer, 512)
+    batch = pairs.batch(range(len(pairs)))
+    with torch.no_grad():
+        sums, counts = sequence_log_probs(model, batch)
+        with adapters_disabled(model):
+            reference = sequence_log_probs(model, batch)
+    ours_input = sums.clone().requires_grad_()
+    theirs_input = sums.clone().requires_grad_()
+    ours, chosen_rewards, _ = pair_losses(
+        settings, (ours_input, counts), reference if settings.needs_reference else None
+    )
+    ours = ours.mean()
+    if settings.method == "dpo":
+        theirs = _trl_dpo_losses(settings, (theirs_input, counts), reference)
+        expected_chosen = settings.beta * (sums - reference[0])[0::2]
+    else:
+        averaged = theirs_input / counts
+        chosen, rejected = averaged[0::2], averaged[1::2]
+        if settings.method == "orpo":
+            from trl.experimental.orpo import ORPOTrainer
+
+            namespace = _trl_namespace(beta=settings.beta)
+            odds, theirs_chosen, _, _, _ = ORPOTrainer.odds_ratio_loss(namespace, chosen, rejected)
+            theirs = (-chosen).mean() - odds.mean()  # fastft's NLL term: each chosen answer's mean NLL
+        else:
+            from trl.experimental.cpo import CPOTrainer
+
+            namespace = _trl_namespace(
+                beta=settings.beta,
+                loss_type="simpo",
+                simpo_gamma=settings.simpo_gamma,
+                label_smoothing=settings.label_smoothing,
+                alpha=0.0,
+            )
+            losses, theirs_chosen, _ = CPOTrainer.cpo_loss(namespace, chosen, rejected)
+            theirs = losses.mean()
+        expected_chosen = theirs_chosen
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(chosen_rewards, expected_chosen.detach(), rtol=1e-5, atol=1e-7)
+    (ours_gradient,) = torch.autograd.grad(ours, ours_input)
+    (theirs_gradient,) = torch.autograd.grad(theirs, theirs_input)
+    assert ours_gradient.abs().max() > 0
+    torch.testing.assert_close(ours_gradient, theirs_gradient, rtol=1e-5, atol=1e-8)
+
+
+def _arithmetic_pairs(count):
+    return [
+        {"prompt": f"What is {i} plus {i + 3}?", "chosen": f"{2 * i + 3}", "rejected": f"It is {2 * i + 5}."}
+        for i in range(count)
+    ]
+
+
+def _dpo_run(tokenizer, train_rows, eval_rows, steps, precompute, output_dir=None, resume_from=None, **extra):
+    model, _ = _model()
+    config = TrainConfig(
+        method="dpo",
+        beta=0.2,
+        max_steps=steps,
+        learning_rate=3e-3,
+        warmup=0,
+        seed=5,
+        precompute_reference=precompute,
+        output_dir=output_dir,
+        resume_from=resume_from,
+        profile=False,
+        **extra,
+    )
+    train, held_out = pack_pairs(train_rows, tokenizer, 96), pack_pairs(eval_rows, tokenizer, 96)
+    trainer = Trainer(model, tokenizer, train, held_out, config)
+    return trainer, trainer.train()
+
+
+def test_precomputed_reference_log_probs_give_the_on_the_fly_losses_and_skip_the_reference_pass(monkeypatch):
+    """One adapter-disabled pass before training, cached by sequence: every step's loss, metrics and the eval
+    equal the run that computes the reference in each step (bit for bit: the same bins, fp32), and no step
+    runs the reference forward."""
+    _, tokenizer = fastft.load_model("tiny-llama")
+    rows = _arithmetic_pairs(14)
+    _, on_the_fly = _dpo_run(tokenizer, rows[:10], rows[10:], 5, precompute=False)
+    trainer, precomputed = _dpo_run(tokenizer, rows[:10], rows[10:], 5, precompute=True)
+    assert [e.loss for e in precomputed.steps] == [e.loss for e in on_the_fly.steps]
+    assert [e.preference for e in precomputed.steps] == [e.preference for e in on_the_fly.steps]
+    assert precomputed.evals[-1].eval_loss == on_the_fly.evals[-1].eval_loss
+    assert on_the_fly.steps[-1].preference["margin"] != 0  # the policy moved away from the reference
+
+    import fastft.training.preference as preference
+
+    calls = []
+    original = preference.adapters_disabled
+    monkeypatch.setattr(preference, "adapters_disabled", lambda m: calls.append(1) or original(m))
+    cache = trainer.train_data.reference_cache
+    assert len(cache) == 1 and next(iter(cache.values())).shape == (len(trainer.train_data.data),)
+    trainer.max_steps += 2
+    trainer.train()  # the cache is read, not rebuilt, and the steps skip the reference forward
+    assert calls == []
+
+
+def test_precomputed_reference_resumes_exactly(tmp_path):
+    """Killed after 2 steps and resumed in a fresh trainer on freshly packed data (the cache is rebuilt from
+    the base model, keyed by sequence): the remaining steps' losses equal the uninterrupted run's."""
+    _, tokenizer = fastft.load_model("tiny-llama")
+    rows = _arithmetic_pairs(12)
+    _, whole = _dpo_run(tokenizer, rows[:10], rows[10:], 4, precompute=True)
+    first, _ = _dpo_run(tokenizer, rows[:10], rows[10:], 4, True, str(tmp_path / "run"), save_every=2)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert checkpoint.is_dir()
+    _, resumed = _dpo_run(
+        tokenizer, rows[:10], rows[10:], 4, True, str(tmp_path / "resumed"), str(checkpoint)
+    )
+    after = [e for e in resumed.steps if e.step > 2]
+    assert [e.step for e in after] == [3, 4]
+    assert [e.loss for e in after] == [e.loss for e in whole.steps[2:]]
+    assert first.result.steps[-1].loss == whole.steps[-1].loss
+
+
+def test_precompute_reference_is_for_dpo_only():
+    with pytest.raises(SettingError, match="precompute_reference"):
+        TrainConfig(method="simpo", precompute_reference=True)
+    with pytest.raises(SettingError, match="True or False"):
+        TrainConfig(method="dpo", precompute_reference="yes")
