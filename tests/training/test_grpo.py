@@ -1,0 +1,128 @@
+"""The GRPO trainer: events, seeded rollouts, exact resume, and its settings' errors (tiny-llama, CPU)."""
+
+import math
+
+import pytest
+import torch
+
+import fastft
+from fastft.checks import SettingError
+from fastft.data.rewards import RewardError, content_match, exact_match, format_reward, length_penalty
+from fastft.data.skills import generate
+from fastft.training.grpo import GRPOConfig, GRPOTrainer, grpo
+
+ROWS = list(generate(16, seed=5))
+REWARDS = [content_match, length_penalty(limit=4, per_char=0.05), exact_match]
+
+
+def _model(seed=1):
+    model, tokenizer = fastft.load_model("tiny-llama")
+    return fastft.add_lora(model, r=4, alpha=8, gradient_checkpointing=False, seed=seed), tokenizer
+
+
+def _config(**overrides):
+    settings = dict(
+        max_steps=4,
+        prompts_per_step=2,
+        num_generations=4,
+        max_new_tokens=8,
+        learning_rate=1e-2,
+        warmup=0,
+        seed=11,
+        num_iterations=2,
+        kl_coef=0.1,
+        micro_batch_tokens=96,
+    )
+    return GRPOConfig(**(settings | overrides))
+
+
+def _trace(result):
+    return [(e.step, e.loss, e.grpo["reward"], e.grpo["reward/content_match"], e.grpo["kl"]) for e in result.steps]
+
+
+def test_a_run_reports_rewards_per_function_kl_length_and_accuracy():
+    model, tokenizer = _model()
+    trainer = GRPOTrainer(model, tokenizer, ROWS, REWARDS, _config(max_steps=2, num_iterations=1))
+    result = trainer.train()
+    assert [e.step for e in result.steps] == [1, 2]
+    first = result.steps[0].grpo
+    assert set(first) >= {"reward", "reward_std", "kl", "clip_ratio", "completion_length", "accuracy", "truncated"}
+    assert {"reward/content_match", "reward/length", "reward/exact_match"} <= set(first)
+    rollout = trainer.last_rollout
+    assert len(rollout.completions) == 2 * 4
+    assert 1 <= first["completion_length"] <= 8
+    reward = sum(first[f"reward/{name}"] for name in ("content_match", "length", "exact_match"))
+    assert math.isclose(first["reward"], reward, rel_tol=1e-9, abs_tol=1e-12)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # the first rollout's policy is the reference (B = 0)
+    assert result.steps[1].grpo["kl"] > 1e-6  # after an update at this learning rate it is not
+    assert all(math.isfinite(e.grad_norm) and e.grad_norm > 0 for e in result.steps)  # the loss is ~0 at ratio 1
+    assert {"rollout", "forward", "backward", "optimizer", "reference"} <= set(result.steps[0].phases)  # kl_coef > 0: a reference pass
+
+
+def test_rollouts_are_a_pure_function_of_seed_and_step():
+    model, tokenizer = _model()
+    trainer = GRPOTrainer(model, tokenizer, ROWS, REWARDS, _config())
+    torch.manual_seed(0)
+    first = trainer.rollout(3)
+    torch.manual_seed(99)  # the global generator does not matter: the step's own seed does
+    again = trainer.rollout(3)
+    assert first.completions == again.completions
+    other = trainer.rollout(2)
+    assert other.completions != first.completions
+
+
+def test_a_resumed_run_gives_the_uninterrupted_runs_rewards_and_losses(tmp_path):
+    model, tokenizer = _model()
+    whole = GRPOTrainer(model, tokenizer, ROWS, REWARDS, _config(save_every=2, output_dir=str(tmp_path / "a")))
+    expected = _trace(whole.train())
+    assert len({reward for _, _, reward, _, _ in expected}) > 1
+
+    model, tokenizer = _model()
+    resumed = GRPOTrainer(
+        model,
+        tokenizer,
+        ROWS,
+        REWARDS,
+        _config(output_dir=str(tmp_path / "b"), resume_from=str(tmp_path / "a" / "checkpoint-2")),
+    )
+    assert _trace(resumed.train()) == expected
+
+
+def test_one_update_per_rollout_never_clips():
+    model, tokenizer = _model()
+    result = grpo(model, tokenizer, ROWS, REWARDS, _config(num_iterations=1, max_steps=2), progress=False)
+    assert [e.grpo["clip_ratio"] for e in result.steps] == [0.0, 0.0]
+
+
+def test_a_reward_needing_a_column_the_rows_lack_names_it():
+    model, tokenizer = _model()
+    rows = [{"prompt": "What is 2 + 2?"}]
+    with pytest.raises(RewardError, match="'exact_match' needs the column 'answer'"):
+        GRPOTrainer(model, tokenizer, rows, [format_reward(), exact_match], _config())
+
+
+def test_a_reward_returning_the_wrong_count_is_named():
+    model, tokenizer = _model()
+
+    def too_few(prompts, completions, **row):
+        return [1.0]
+
+    trainer = GRPOTrainer(model, tokenizer, ROWS, [too_few], _config(max_steps=1))
+    with pytest.raises(RewardError, match="'too_few' returned 1 values for 8 completions"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"num_generations": 1}, "num_generations"),
+        ({"loss_type": "dapp"}, "Did you mean 'dapo'"),
+        ({"importance_sampling": "seq"}, "importance_sampling"),
+        ({"temperature": 0}, "temperature"),
+        ({"kl_coef": -1}, "kl_coef"),
+        ({"learning_rate": 0}, "learning_rate"),
+    ],
+)
+def test_bad_settings_are_named(settings, message):
+    with pytest.raises(SettingError, match=message):
+        GRPOConfig(**settings)
