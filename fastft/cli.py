@@ -49,6 +49,13 @@ def _demo_parser(sub) -> None:
         "name": "run name (default: demo-<date>-<time>)",
         "device": "cpu or cuda (default: cuda when available)",
         "progress": "show the progress bar (--no-progress to hide)",
+        "method": "sft, or grpo: SFT, then GRPO with the exact-match reward from the SFT result",
+        "grpo_steps": "GRPO steps (rollouts) after SFT (--method grpo)",
+        "grpo_learning_rate": "GRPO's peak learning rate (--method grpo)",
+        "grpo_prompts_per_step": "prompts per GRPO step (--method grpo)",
+        "grpo_generations": "completions sampled per prompt, the group (--method grpo)",
+        "grpo_max_new_tokens": "longest GRPO completion in tokens (--method grpo)",
+        "grpo_temperature": "GRPO sampling temperature (--method grpo)",
     }
     parser = sub.add_parser(
         "demo",

@@ -32,6 +32,14 @@ class DemoConfig:
     name: str = field(default_factory=lambda: datetime.now().strftime("demo-%Y%m%d-%H%M%S"))
     device: str | None = None
     progress: bool = True
+    # --method grpo: after SFT, GRPO with the exact-match reward (fastft.training.grpo_demo)
+    method: str = "sft"
+    grpo_steps: int = 40
+    grpo_learning_rate: float = 4e-3
+    grpo_prompts_per_step: int = 16
+    grpo_generations: int = 8
+    grpo_max_new_tokens: int = 16
+    grpo_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         """Check every setting before anything is loaded (the demo fails in its first second, not after
@@ -43,6 +51,10 @@ class DemoConfig:
             ("micro_batch_bins", 1),
             ("eval_every", 1),
             ("eval_samples", 1),
+            ("grpo_steps", 1),
+            ("grpo_prompts_per_step", 1),
+            ("grpo_generations", 2),
+            ("grpo_max_new_tokens", 1),
         ):
             whole_number(name.replace("_", "-"), getattr(self, name), minimum=minimum)
         whole_number("seed", self.seed)
@@ -50,6 +62,12 @@ class DemoConfig:
             "learning-rate", self.learning_rate, low=0, low_open=True, fix="The demo's default is 4e-3."
         )
         real_number("lora-alpha", self.lora_alpha, low=0, low_open=True, fix="The scale is alpha / r.")
+        if self.method not in ("sft", "grpo"):
+            raise SettingError(f"method={self.method!r}: use sft, or grpo (SFT, then GRPO from its result).")
+        real_number("grpo-learning-rate", self.grpo_learning_rate, low=0, low_open=True)
+        real_number(
+            "grpo-temperature", self.grpo_temperature, low=0, low_open=True, fix="1.0 is the default."
+        )
         for name in ("model", "dataset", "eval_dataset", "output_dir", "name"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise SettingError(

@@ -26,23 +26,27 @@ from fastft.data.tokenize import IGNORE_INDEX
 
 
 def prompt_of(row: dict):
-    """What a row asks: its ``prompt`` (a text or a message list), or its ``messages`` up to the final
-    assistant turn."""
+    """What a row asks: its ``prompt`` (a text or a message list), its ``messages`` up to the final
+    assistant turn, or its ``prompt_ids`` (token ids, used as they are)."""
     if "prompt" in row:
         return row["prompt"]
     if "messages" in row:
         from fastft.training.evaluate import prompt_messages
 
         return prompt_messages(row)
+    if "prompt_ids" in row:
+        return [int(i) for i in row["prompt_ids"]]
     raise ValueError(
-        f"A GRPO prompt row needs a 'prompt' (text or messages) or a 'messages' column; this one has "
+        f"A GRPO prompt row needs a 'prompt' (text or messages), 'messages' or 'prompt_ids' column; this one has "
         f"{', '.join(sorted(row)) or 'nothing'}."
     )
 
 
 def tokenize_prompt(tokenizer, prompt) -> np.ndarray:
     """A prompt's token ids: a message list through the chat template with the generation prompt, a text
-    as it is."""
+    as it is, token ids unchanged."""
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+        return np.asarray(prompt, dtype=np.int64)
     if isinstance(prompt, str):
         text = prompt
     else:
