@@ -37,7 +37,9 @@ def _config(**overrides):
 
 
 def _trace(result):
-    return [(e.step, e.loss, e.grpo["reward"], e.grpo["reward/content_match"], e.grpo["kl"]) for e in result.steps]
+    return [
+        (e.step, e.loss, e.grpo["reward"], e.grpo["reward/content_match"], e.grpo["kl"]) for e in result.steps
+    ]
 
 
 def test_a_run_reports_rewards_per_function_kl_length_and_accuracy():
@@ -46,7 +48,15 @@ def test_a_run_reports_rewards_per_function_kl_length_and_accuracy():
     result = trainer.train()
     assert [e.step for e in result.steps] == [1, 2]
     first = result.steps[0].grpo
-    assert set(first) >= {"reward", "reward_std", "kl", "clip_ratio", "completion_length", "accuracy", "truncated"}
+    assert set(first) >= {
+        "reward",
+        "reward_std",
+        "kl",
+        "clip_ratio",
+        "completion_length",
+        "accuracy",
+        "truncated",
+    }
     assert {"reward/content_match", "reward/length", "reward/exact_match"} <= set(first)
     rollout = trainer.last_rollout
     assert len(rollout.completions) == 2 * 4
@@ -55,8 +65,12 @@ def test_a_run_reports_rewards_per_function_kl_length_and_accuracy():
     assert math.isclose(first["reward"], reward, rel_tol=1e-9, abs_tol=1e-12)
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # the first rollout's policy is the reference (B = 0)
     assert result.steps[1].grpo["kl"] > 1e-6  # after an update at this learning rate it is not
-    assert all(math.isfinite(e.grad_norm) and e.grad_norm > 0 for e in result.steps)  # the loss is ~0 at ratio 1
-    assert {"rollout", "forward", "backward", "optimizer", "reference"} <= set(result.steps[0].phases)  # kl_coef > 0: a reference pass
+    assert all(
+        math.isfinite(e.grad_norm) and e.grad_norm > 0 for e in result.steps
+    )  # the loss is ~0 at ratio 1
+    assert {"rollout", "forward", "backward", "optimizer", "reference"} <= set(
+        result.steps[0].phases
+    )  # kl_coef > 0: a reference pass
 
 
 def test_rollouts_are_a_pure_function_of_seed_and_step():
@@ -73,7 +87,9 @@ def test_rollouts_are_a_pure_function_of_seed_and_step():
 
 def test_a_resumed_run_gives_the_uninterrupted_runs_rewards_and_losses(tmp_path):
     model, tokenizer = _model()
-    whole = GRPOTrainer(model, tokenizer, ROWS, REWARDS, _config(save_every=2, output_dir=str(tmp_path / "a")))
+    whole = GRPOTrainer(
+        model, tokenizer, ROWS, REWARDS, _config(save_every=2, output_dir=str(tmp_path / "a"))
+    )
     expected = _trace(whole.train())
     assert len({reward for _, _, reward, _, _ in expected}) > 1
 

@@ -84,7 +84,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("settings", CASES, ids=lambda s: f"{s.loss_type}-{s.importance_sampling}-kl{s.kl_coef}")
+@pytest.mark.parametrize(
+    "settings", CASES, ids=lambda s: f"{s.loss_type}-{s.importance_sampling}-kl{s.kl_coef}"
+)
 def test_the_loss_and_every_lora_gradient_equal_the_plain_reference(settings):
     model, _ = _model()
     vocab = model.config.vocab_size
