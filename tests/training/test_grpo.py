@@ -142,3 +142,32 @@ def test_a_reward_returning_the_wrong_count_is_named():
 def test_bad_settings_are_named(settings, message):
     with pytest.raises(SettingError, match=message):
         GRPOConfig(**settings)
+
+
+def test_the_demo_with_method_grpo_runs_grpo_from_its_sft_result(tmp_path):
+    from fastft.cli import build_parser
+    from fastft.demo import DemoConfig, run_demo
+
+    args = build_parser().parse_args(["demo", "--method", "grpo", "--grpo-steps", "3"])
+    assert (args.method, args.grpo_steps) == ("grpo", 3)
+    config = DemoConfig(
+        steps=4,
+        eval_every=2,
+        eval_samples=8,
+        method="grpo",
+        grpo_steps=2,
+        grpo_prompts_per_step=2,
+        grpo_generations=2,
+        grpo_max_new_tokens=6,
+        output_dir=str(tmp_path),
+        name="grpo",
+        progress=False,
+    )
+    result = run_demo(config, log=lambda message: None)
+    stage = result.grpo
+    assert [e.step for e in stage.result.steps] == [1, 2]
+    assert stage.accuracy_before is result.accuracy_after  # GRPO starts from the SFT result
+    assert result.summary["grpo_steps"] == 2 and "GRPO" in result.text()
+    assert (tmp_path / "grpo" / "grpo-checkpoints" / "checkpoint-2").is_dir()
+    with pytest.raises(SettingError, match="method='ppo'"):
+        DemoConfig(method="ppo")
