@@ -214,7 +214,7 @@ class GRPOTrainer(Trainer):
         self.rows = [dict(row) for row in prompts]
         if not self.rows:
             raise ValueError("GRPO got no prompt rows: pass rows with a 'prompt' or 'messages' column.")
-        check_columns(self.rewards, self._columns(self.rows[0]))
+        check_columns(self.rewards, sorted(set.intersection(*(set(self._columns(row)) for row in self.rows))))
         self.prompts = [prompt_of(row) for row in self.rows]
         self.prompt_ids = [tokenize_prompt(tokenizer, prompt) for prompt in self.prompts]
         self.train_data = self.rows  # `_epoch_order` shuffles prompts as the SFT trainer shuffles bins
