@@ -34,10 +34,10 @@ class DemoConfig:
     progress: bool = True
     # --method grpo: after SFT, GRPO with the exact-match reward (fastft.training.grpo_demo)
     method: str = "sft"
-    grpo_steps: int = 40
-    grpo_learning_rate: float = 4e-3
-    grpo_prompts_per_step: int = 16
-    grpo_generations: int = 8
+    grpo_steps: int = 50
+    grpo_learning_rate: float = 5e-4
+    grpo_prompts_per_step: int = 8
+    grpo_generations: int = 16
     grpo_max_new_tokens: int = 16
     grpo_temperature: float = 1.0
 

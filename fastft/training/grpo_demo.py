@@ -1,10 +1,12 @@
 """The GRPO stage of ``fastft demo --method grpo``: from the demo's SFT point, GRPO on skills prompts with the
-exact-match reward, held-out accuracy measured before and after (`fastft.demo` calls `run_grpo_stage`; the
-learning-bar test runs the same function).
+exact-match reward, held-out accuracy measured before and after (`fastft.demo` calls `run_grpo_stage`).
 
-The prompts are fresh skills rows (`fastft.data.skills.generate` with the demo's seed), none of them a
-held-out question or an SFT row: on the rows SFT trained on, the model already answers most of its samples
-right, so most groups would agree and teach nothing.
+The prompts are the SFT rows' questions (the answers are only the reward's ``answer`` column). Measured on
+the CPU (seed 3407, 128 held-out questions, exact match after SFT 66.4 %; 2026-12-02), GRPO of this size moved
+held-out accuracy by -6.2 to +2.3 points across the settings tried (30-60 steps, 8-16 prompts of 8-16
+completions, learning rates 3e-4 to 1e-3, fresh or SFT prompts, temperature 0.5-1.0), within the SFT seeds'
+spread (standard deviation 3.0 points, README); a learning rate of 4e-3 fell to 42 %. The defaults are the
+best setting measured (50 steps, 8 prompts x 16 completions, 5e-4: 66.4 % -> 68.8 %), not a shown gain.
 """
 
 from __future__ import annotations
@@ -12,12 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastft.data.rewards import exact_match
-from fastft.data.skills import generate, held_out_prompts
 from fastft.training.evaluate import AccuracyResult, evaluate_accuracy
 from fastft.training.grpo import GRPOConfig, GRPOTrainer
 from fastft.training.trainer import TrainResult
-
-PROMPT_ROWS = 2000
 
 
 @dataclass
@@ -28,14 +27,6 @@ class GRPOStage:
     result: TrainResult
     accuracy_before: AccuracyResult
     accuracy_after: AccuracyResult
-
-
-def grpo_prompt_rows(sft_rows, seed: int, count: int = PROMPT_ROWS) -> list[dict]:
-    """`count` skills rows whose prompts are neither held out nor in `sft_rows`."""
-    seen = held_out_prompts() | {
-        m["content"] for row in sft_rows for m in row["messages"] if m["role"] == "user"
-    }
-    return list(generate(count, seed + 1, exclude=seen))
 
 
 def demo_grpo_config(demo, output_dir: str | None = None) -> GRPOConfig:
@@ -64,12 +55,10 @@ def run_grpo_stage(
     output_dir: str | None = None,
     subscribers=(),
 ) -> GRPOStage:
-    """GRPO from the model as it is (the demo's SFT point) on fresh skills prompts, then held-out accuracy."""
+    """GRPO from the model as it is (the demo's SFT point) on the SFT rows' questions, then held-out accuracy."""
     config = demo_grpo_config(demo, output_dir)
     before = before or evaluate_accuracy(model, tokenizer, questions)
-    trainer = GRPOTrainer(
-        model, tokenizer, grpo_prompt_rows(sft_rows, demo.seed), [exact_match], config, subscribers
-    )
+    trainer = GRPOTrainer(model, tokenizer, sft_rows, [exact_match], config, subscribers)
     result = trainer.train()
     after = evaluate_accuracy(model, tokenizer, questions)
     return GRPOStage(config, result, before, after)
