@@ -171,3 +171,71 @@ def test_the_demo_with_method_grpo_runs_grpo_from_its_sft_result(tmp_path):
     assert (tmp_path / "grpo" / "grpo-checkpoints" / "checkpoint-2").is_dir()
     with pytest.raises(SettingError, match="method='ppo'"):
         DemoConfig(method="ppo")
+
+
+def _kill_run(output_dir, log_path) -> None:
+    """In a forked child: a GRPO run that checkpoints every step and logs each step's loss and rewards."""
+    import json
+
+    model, tokenizer = _model()
+    config = _config(
+        max_steps=6, save_every=1, output_dir=str(output_dir), resume_from="latest", profile=False
+    )
+    trainer = GRPOTrainer(model, tokenizer, ROWS, REWARDS, config)
+    log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - the process is killed, not closed
+
+    def record(event):
+        log.write(json.dumps(_trace_of(event)) + "\n")
+        log.flush()
+
+    trainer.subscribe(record)
+    trainer.train()
+
+
+def _trace_of(event):
+    return [
+        event.step,
+        event.loss,
+        event.grpo["reward"],
+        event.grpo["reward/content_match"],
+        event.grpo["kl"],
+    ]
+
+
+def test_a_run_killed_mid_run_resumes_to_the_uninterrupted_runs_rewards_and_losses(tmp_path):
+    import json
+    import os
+    import signal
+    import time
+
+    model, tokenizer = _model()
+    whole = GRPOTrainer(model, tokenizer, ROWS, REWARDS, _config(max_steps=6, profile=False)).train()
+    expected = [_trace_of(event) for event in whole.steps]
+
+    output_dir, log_path = tmp_path / "run", tmp_path / "log.jsonl"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child leaves through os._exit
+        torch.set_num_threads(1)  # the parent's OpenMP pool did not survive the fork
+        try:
+            _kill_run(output_dir, log_path)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (
+        not log_path.exists() or len(log_path.read_text().splitlines()) < 3
+    ):
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)  # during step 4 or 5: after at least three steps were logged and saved
+    os.waitpid(pid, 0)
+    killed_at = len(log_path.read_text().splitlines())
+    assert 3 <= killed_at < 6, "the child ended before it was killed: raise max_steps"
+
+    _kill_run(output_dir, log_path)  # resume from the newest checkpoint that loads, in this process
+    logged = {}
+    for line in log_path.read_text().splitlines():
+        trace = json.loads(line)
+        logged.setdefault(trace[0], []).append(trace)
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+    for step, traces in logged.items():  # a step run twice (killed after it, before its save) agrees too
+        for trace in traces:
+            assert trace == expected[step - 1], step
