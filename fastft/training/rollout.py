@@ -115,7 +115,8 @@ def sample(
                     do_sample=True,
                     temperature=sampling.temperature,
                     top_p=sampling.top_p,
-                    top_k=0,
+                    top_k=0,  # the policy's distribution: no top-k or repetition penalty from generation_config
+                    repetition_penalty=1.0,
                     max_new_tokens=sampling.max_new_tokens,
                     num_return_sequences=sampling.num_generations,
                     pad_token_id=pad,
