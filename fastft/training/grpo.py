@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -227,6 +228,12 @@ class GRPOTrainer(Trainer):
             patch_packed_attention(model, self.config.attention)
         else:
             unpatch_packed_attention(model)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SettingError(
+                "GRPO runs in one process for now (rollouts are not sharded across ranks): start it with python, "
+                "not torchrun / fastft launch."
+            )
+        self.parallel = None  # the SFT trainer's DDP / FSDP2 state: not used by GRPO yet
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("The model has no trainable parameters: call fastft.add_lora(model, ...) first.")
