@@ -85,6 +85,9 @@ _EXPORTS = {
     "NonFiniteLossError": "fastft.training.trainer",
     "StepEvent": "fastft.training.events",
     "EvalEvent": "fastft.training.events",
+    "grpo": "fastft.training.grpo",
+    "GRPOConfig": "fastft.training.grpo",
+    "GRPOTrainer": "fastft.training.grpo",
     "evaluate_accuracy": "fastft.training.evaluate",
     "generate_answers": "fastft.training.evaluate",
     # tools
@@ -113,9 +116,13 @@ _EXPORTS = {
     },
     "run_demo": "fastft.demo",
 }
-# Modules exported as themselves: ``fastft.studio()``, ``fastft.studio.ModelPanel()``, and
-# ``fastft.chat_templates.get_chat_template`` (Unsloth's ``unsloth.chat_templates``).
-_MODULES = {"studio": "fastft.studio", "chat_templates": "fastft.chat_templates"}
+# Modules exported as themselves: ``fastft.studio()``, ``fastft.studio.ModelPanel()``,
+# ``fastft.chat_templates.get_chat_template`` (Unsloth's ``unsloth.chat_templates``) and ``fastft.rewards``.
+_MODULES = {
+    "studio": "fastft.studio",
+    "chat_templates": "fastft.chat_templates",
+    "rewards": "fastft.data.rewards",  # GRPO's reward functions: fastft.rewards.exact_match, …
+}
 
 __all__ = [*_EXPORTS, *_MODULES, "__version__"]
 

@@ -50,7 +50,14 @@ def _demo_parser(sub) -> None:
         "device": "cpu or cuda (default: cuda when available)",
         "progress": "show the progress bar (--no-progress to hide)",
         "dpo_steps": "optimizer steps of --method dpo",
-        "method": "sft, or dpo: pairs from the skills data (the bare right answer over a wordy or wrong one)",
+        "method": "sft; dpo: pairs from the skills data (the bare right answer over a wordy or wrong one); "
+        "grpo: SFT, then GRPO with the exact-match reward from the SFT result",
+        "grpo_steps": "GRPO steps (rollouts) after SFT (--method grpo)",
+        "grpo_learning_rate": "GRPO's peak learning rate (--method grpo)",
+        "grpo_prompts_per_step": "prompts per GRPO step (--method grpo)",
+        "grpo_generations": "completions sampled per prompt, the group (--method grpo)",
+        "grpo_max_new_tokens": "longest GRPO completion in tokens (--method grpo)",
+        "grpo_temperature": "GRPO sampling temperature (--method grpo)",
     }
     parser = sub.add_parser(
         "demo",

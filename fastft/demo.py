@@ -25,6 +25,7 @@ from fastft.report import RunReport, write_report
 from fastft.runtime.threads import ThreadChoice, choose_cpu_threads
 from fastft.training.demo_config import DemoConfig
 from fastft.training.evaluate import AccuracyResult, evaluate_accuracy
+from fastft.training.grpo_demo import GRPOStage, run_grpo_stage
 from fastft.training.loss import causal_lm_loss_sum
 from fastft.training.progress import ProgressBar
 from fastft.training.trainer import TrainConfig, Trainer, TrainResult
@@ -39,6 +40,7 @@ class DemoResult:
     accuracy_before: AccuracyResult
     accuracy_after: AccuracyResult
     summary: dict
+    grpo: GRPOStage | None = None
 
     def text(self) -> str:
         """The plain-text summary printed at the end of `fastft demo`."""
@@ -69,6 +71,14 @@ class DemoResult:
                 )
                 formatted = f"{before.per_task.get(task, 0.0):6.1%} → {after.per_task[task]:6.1%}"
                 lines.append(f"      {task:<14} {content:>16}   {formatted:>16}")
+        if self.grpo is not None:
+            g = self.grpo
+            lines.append(
+                f"  GRPO                  {s['grpo_steps']} steps from the SFT result: format compliance "
+                f"{g.accuracy_before.overall:.1%} → {g.accuracy_after.overall:.1%}, content accuracy "
+                f"{g.accuracy_before.content:.1%} → {g.accuracy_after.content:.1%} "
+                f"(sampled reward {s['grpo_first_reward']:.2f} → {s['grpo_last_reward']:.2f})"
+            )
         lines += [
             f"  time                  {s['duration_s']:.1f} s {s['duration_covers']} "
             f"(training {s['training_s']:.1f} s, {s['training_cpu_s']:.1f} s of CPU)",
@@ -152,6 +162,11 @@ def _run(config: DemoConfig, log, started_at: float | None) -> DemoResult:
 
     log("accuracy after training …")
     after = evaluate_accuracy(model, tokenizer, questions)
+    stage = (
+        _grpo(model, tokenizer, train_rows, questions, config, after, log)
+        if config.method == "grpo"
+        else None
+    )
     adapter_path = save_adapter(model, run_dir / "adapter", tokenizer)
 
     steps = result.steps
@@ -206,13 +221,47 @@ def _run(config: DemoConfig, log, started_at: float | None) -> DemoResult:
         samples=samples,
         timeline=_timeline(trainer),
     )
+    if stage is not None:
+        rewards = [event.grpo["reward"] for event in stage.result.steps]
+        summary |= {
+            "grpo_steps": len(stage.result.steps),
+            "grpo_accuracy_after": stage.accuracy_after.overall,
+            "grpo_content_accuracy_after": stage.accuracy_after.content,
+            "grpo_first_reward": rewards[0],
+            "grpo_last_reward": rewards[-1],
+        }
     # the time is taken last, so that it covers writing the adapter and the report too
     summary["duration_s"] = time.time() - started_at
     report.summary = _readable(summary)
     report_path = write_report(report, run_dir / "report.html")
     with open(run_dir / "summary.json", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
-    return DemoResult(run_dir, report_path, adapter_path, result, before, after, summary)
+    return DemoResult(run_dir, report_path, adapter_path, result, before, after, summary, stage)
+
+
+def _grpo(
+    model, tokenizer, train_rows, questions, config: DemoConfig, after: AccuracyResult, log
+) -> GRPOStage:
+    """``--method grpo``: GRPO from the SFT result (`fastft.training.grpo_demo`), with its own progress bar."""
+    log(
+        f"GRPO from the SFT result: {config.grpo_steps} steps of {config.grpo_prompts_per_step} prompts × "
+        f"{config.grpo_generations} completions …"
+    )
+    bar = ProgressBar(config.grpo_steps) if config.progress else None
+    try:
+        return run_grpo_stage(
+            model,
+            tokenizer,
+            train_rows,
+            questions,
+            config,
+            before=after,
+            output_dir=str(config.run_dir / "grpo-checkpoints"),
+            subscribers=[bar] if bar is not None else [],
+        )
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _choose_threads(model, train_data, micro_batch_bins: int) -> ThreadChoice | None:

@@ -15,4 +15,5 @@ BENCHMARKS = {
     "export_rss": "fastft.bench.export_rss",
     "long-context": "fastft.bench.long_context",
     "ddp": "fastft.bench.ddp",
+    "grpo": "fastft.bench.grpo",
 }

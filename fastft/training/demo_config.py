@@ -32,9 +32,16 @@ class DemoConfig:
     name: str = field(default_factory=lambda: datetime.now().strftime("demo-%Y%m%d-%H%M%S"))
     device: str | None = None
     progress: bool = True
-    # "dpo": preference pairs made from the skills data instead of SFT (`fastft.demo.run_preference_demo`)
+    # "dpo": preference pairs made from the skills data instead of SFT (`fastft.demo.run_preference_demo`);
+    # "grpo": after SFT, GRPO with the exact-match reward (`fastft.training.grpo_demo`)
     method: str = "sft"
     dpo_steps: int = 40  # DPO's optimizer steps (more overshoots on the tiny preset: fastft.demo)
+    grpo_steps: int = 50
+    grpo_learning_rate: float = 5e-4
+    grpo_prompts_per_step: int = 8
+    grpo_generations: int = 16
+    grpo_max_new_tokens: int = 16
+    grpo_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         """Check every setting before anything is loaded (the demo fails in its first second, not after
@@ -47,6 +54,10 @@ class DemoConfig:
             ("eval_every", 1),
             ("eval_samples", 1),
             ("dpo_steps", 1),
+            ("grpo_steps", 1),
+            ("grpo_prompts_per_step", 1),
+            ("grpo_generations", 2),
+            ("grpo_max_new_tokens", 1),
         ):
             whole_number(name.replace("_", "-"), getattr(self, name), minimum=minimum)
         whole_number("seed", self.seed)
@@ -54,6 +65,15 @@ class DemoConfig:
             "learning-rate", self.learning_rate, low=0, low_open=True, fix="The demo's default is 4e-3."
         )
         real_number("lora-alpha", self.lora_alpha, low=0, low_open=True, fix="The scale is alpha / r.")
+        if self.method not in ("sft", "dpo", "grpo"):
+            raise SettingError(
+                f"method={self.method!r}: use sft, dpo (pairs from the skills data) or grpo (SFT, then GRPO "
+                "from its result)."
+            )
+        real_number("grpo-learning-rate", self.grpo_learning_rate, low=0, low_open=True)
+        real_number(
+            "grpo-temperature", self.grpo_temperature, low=0, low_open=True, fix="1.0 is the default."
+        )
         for name in ("model", "dataset", "eval_dataset", "output_dir", "name"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise SettingError(
@@ -62,8 +82,6 @@ class DemoConfig:
         from fastft.runtime.checkpointing import Checkpointing
 
         Checkpointing.parse(self.gradient_checkpointing)  # raises naming the modes
-        if self.method not in ("sft", "dpo"):
-            raise SettingError(f"method must be sft or dpo, got {self.method!r}.")
         if self.device is not None:
             from fastft.models.loading import resolve_device
 

@@ -28,7 +28,9 @@ class StepEvent:
     (`TrainConfig.static_shapes`). `graph_replays` counts the step's `micro_batches` that replayed a CUDA
     graph (`fastft.training.graph`). A preference run (`TrainConfig.method`) sets `preference`: the step's
     ``pairs`` and their mean ``rewards_chosen``, ``rewards_rejected``, ``margin`` and ``accuracy`` (the share
-    of pairs whose chosen answer has the higher reward; `fastft.training.preference`).
+    of pairs whose chosen answer has the higher reward; `fastft.training.preference`). A GRPO run
+    (`fastft.training.grpo`) sets `grpo`: the step's mean ``reward`` and ``reward_std``, ``reward/<function>``
+    per reward function, ``kl``, ``clip_ratio``, ``completion_length``, ``truncated`` and ``accuracy``.
     """
 
     step: int
@@ -48,6 +50,7 @@ class StepEvent:
     graph_replays: int = 0
     micro_batches: int = 1
     preference: dict[str, float] | None = field(default=None, hash=False)
+    grpo: dict[str, float] | None = field(default=None, hash=False)
 
     def as_dict(self) -> dict:
         return asdict(self)

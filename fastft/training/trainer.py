@@ -804,7 +804,7 @@ class Trainer:
                 padding_tokens=info["padding"],
                 graph_replays=info["replays"],
                 micro_batches=info["micro_batches"],
-                preference=_preference_metrics(metrics, info["pairs"]),
+                **self._event_metrics(metrics, info),
             )
             self.result.steps.append(event)
             self._publish(event)
@@ -822,6 +822,10 @@ class Trainer:
                     f"{event.learning_rate:.3g}, gradient norm {grad_norm:.3g}). Training stopped. "
                     f"{self._newest_good_checkpoint_text()}"
                 )
+
+    def _event_metrics(self, metrics: list[float], info: dict) -> dict:
+        """The method's fields of a `StepEvent` from the readout's values after loss and gradient norm."""
+        return {"preference": _preference_metrics(metrics, info["pairs"])}
 
     def _flush(self) -> None:
         self._emit_ready(wait=True)

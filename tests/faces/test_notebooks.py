@@ -36,6 +36,7 @@ PRODUCES = {
     "02_qlora_long_context.ipynb": ["runs/qlora_long_context/adapter/adapter_config.json"],
     "03_moe.ipynb": ["runs/moe/adapter/adapter_config.json"],
     "04_profiling.ipynb": ["runs/profiling/trace.json"],
+    "05_grpo.ipynb": ["runs/grpo/adapter/adapter_config.json"],
     "06_preference.ipynb": ["runs/preference/adapter/adapter_config.json"],
 }
 

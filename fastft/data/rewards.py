@@ -1,0 +1,134 @@
+"""Reward functions for GRPO (`fastft.grpo`): plain callables ``(prompts, completions, **row) -> list[float]``.
+
+`prompts` and `completions` hold one entry per completion (a prompt repeats for each of its group's
+completions); every other column of the prompt rows comes as a keyword argument, one value per completion.
+A reward names the columns it needs as keyword parameters (``answer`` below); `required_columns` reads them
+from its signature, and `check_columns` refuses, before any sampling, rows that lack one.
+
+Bundled:
+
+* `exact_match`: the skills checker (`fastft.data.skills.score`, as `fastft.evaluate_accuracy` scores
+  format compliance): 1.0 when the completion's first line is exactly the row's ``answer``, else 0.0.
+  It counts as the run's accuracy (`StepEvent.grpo["accuracy"]`).
+* `content_match`: the right answer in any wording (`fastft.data.skills.content_score`).
+* `format_reward(pattern)`: 1.0 when the whole stripped completion matches a regular expression (by
+  default a single line of at most 64 characters: the bare answer the skills' system prompt asks for).
+* `length_penalty(limit, per_char)`: ``-per_char`` times the characters beyond `limit`, 0 within it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Sequence
+
+from fastft.data.skills import content_score, score
+
+Reward = Callable[..., list[float]]
+
+
+class RewardError(ValueError):
+    """A reward function cannot run on these rows, or returned something that is not one number per
+    completion."""
+
+
+def exact_match(prompts: Sequence, completions: Sequence[str], answer: Sequence[str], **row) -> list[float]:
+    """1.0 where the completion's first line is exactly the row's ``answer`` (the skills' format check)."""
+    return [score(completion, expected) for completion, expected in zip(completions, answer, strict=True)]
+
+
+exact_match.is_accuracy = True
+
+
+def content_match(prompts: Sequence, completions: Sequence[str], answer: Sequence[str], **row) -> list[float]:
+    """1.0 where the completion gives the row's ``answer`` in any wording (the skills' content check)."""
+    return [
+        content_score(completion, expected) for completion, expected in zip(completions, answer, strict=True)
+    ]
+
+
+def format_reward(pattern: str = r"[^\n]{1,64}", name: str = "format") -> Reward:
+    """A reward of 1.0 where the stripped completion matches `pattern` in full (`re.fullmatch`), else 0.0."""
+    compiled = re.compile(pattern)
+
+    def reward(prompts: Sequence, completions: Sequence[str], **row) -> list[float]:
+        return [float(compiled.fullmatch(completion.strip()) is not None) for completion in completions]
+
+    reward.__name__ = name
+    reward.__doc__ = f"1.0 where the stripped completion matches {pattern!r} in full."
+    return reward
+
+
+def length_penalty(limit: int = 32, per_char: float = 0.01, name: str = "length") -> Reward:
+    """A reward of ``-per_char * max(0, len(completion) - limit)``: 0 up to `limit` characters, then lower
+    with every character beyond."""
+    if not isinstance(limit, int) or limit < 0:
+        raise RewardError(f"length_penalty(limit={limit!r}): give a character count >= 0.")
+    if not per_char >= 0:
+        raise RewardError(f"length_penalty(per_char={per_char!r}): give a penalty >= 0 per character.")
+
+    def reward(prompts: Sequence, completions: Sequence[str], **row) -> list[float]:
+        return [-per_char * max(0, len(completion.strip()) - limit) for completion in completions]
+
+    reward.__name__ = name
+    reward.__doc__ = f"-{per_char:g} per character beyond {limit}."
+    return reward
+
+
+def reward_name(reward: Reward) -> str:
+    return getattr(reward, "__name__", type(reward).__name__)
+
+
+def required_columns(reward: Reward) -> tuple[str, ...]:
+    """The row columns `reward` needs: its parameters after (prompts, completions) without a default."""
+    parameters = list(inspect.signature(reward).parameters.values())[2:]
+    return tuple(
+        p.name
+        for p in parameters
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is inspect.Parameter.empty
+    )
+
+
+def check_columns(rewards: Sequence[Reward], columns: Sequence[str]) -> None:
+    """Raise `RewardError` naming the first column a reward needs that the rows lack."""
+    have = set(columns)
+    for reward in rewards:
+        if not callable(reward):
+            raise RewardError(
+                f"rewards must be callables (prompts, completions, **row) -> list[float], got {reward!r}."
+            )
+        missing = [name for name in required_columns(reward) if name not in have]
+        if missing:
+            raise RewardError(
+                f"The reward {reward_name(reward)!r} needs the column {missing[0]!r}, which the prompt rows lack "
+                f"(they have: {', '.join(sorted(have)) or 'nothing'}). Add {missing[0]!r} to every row, or "
+                "drop this reward."
+            )
+
+
+def score_completions(
+    rewards: Sequence[Reward], prompts: list, completions: list[str], columns: dict[str, list]
+) -> list[list[float]]:
+    """Each reward's values, ``[rewards][completions]``; a reward gets only the columns it accepts (all of
+    them when it takes ``**row``)."""
+    values = []
+    for reward in rewards:
+        parameters = inspect.signature(reward).parameters.values()
+        takes_all = any(p.kind == p.VAR_KEYWORD for p in parameters)
+        accepted = {p.name for p in parameters}
+        given = {k: v for k, v in columns.items() if takes_all or k in accepted}
+        result = reward(prompts, completions, **given)
+        try:
+            result = [float(value) for value in result]
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"The reward {reward_name(reward)!r} returned {type(result).__name__} {result!r:.80}: return a "
+                "list with one number per completion."
+            ) from None
+        if len(result) != len(completions):
+            raise RewardError(
+                f"The reward {reward_name(reward)!r} returned {len(result)} values for {len(completions)} "
+                "completions: return one number per completion."
+            )
+        values.append(result)
+    return values

@@ -1,0 +1,181 @@
+"""GRPO's rollouts: prompts tokenised once, G completions sampled per prompt, packed for training.
+
+Sampling is batched (every prompt of the step, left-padded, ``num_return_sequences=G``) through Hugging Face
+``generate`` on the LoRA-patched model, with its KV cache: a patched layer sees the cache and runs the
+original forward (`fastft.models.patch`), so the completions come from the adapted policy. Its random numbers
+come from a generator forked off the global one and seeded with ``(seed, step)``: a step's completions are
+a pure function of the seed, the step and the weights, so a resumed run samples what the uninterrupted one
+did. A completion ends after its first EOS token (kept: the policy learns to stop) or at `max_new_tokens`
+(then it is `truncated`).
+
+The completions of a step are packed padding-free (`PackedBatch.from_sequences`: prompt tokens untrained,
+completion tokens the targets), into micro-batches of at most `micro_batch_tokens` by best-fit decreasing
+(`fastft.data.packing.best_fit_decreasing`), their metadata built once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastft.data.batch import PackedBatch
+from fastft.data.packing import best_fit_decreasing
+from fastft.data.tokenize import IGNORE_INDEX
+
+
+def prompt_of(row: dict):
+    """What a row asks: its ``prompt`` (a text or a message list), its ``messages`` up to the final
+    assistant turn, or its ``prompt_ids`` (token ids, used as they are)."""
+    if "prompt" in row:
+        return row["prompt"]
+    if "messages" in row:
+        from fastft.training.evaluate import prompt_messages
+
+        return prompt_messages(row)
+    if "prompt_ids" in row:
+        return [int(i) for i in row["prompt_ids"]]
+    raise ValueError(
+        f"A GRPO prompt row needs a 'prompt' (text or messages), 'messages' or 'prompt_ids' column; this one has "
+        f"{', '.join(sorted(row)) or 'nothing'}."
+    )
+
+
+def tokenize_prompt(tokenizer, prompt) -> np.ndarray:
+    """A prompt's token ids: a message list through the chat template with the generation prompt, a text
+    as it is, token ids unchanged."""
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+        return np.asarray(prompt, dtype=np.int64)
+    if isinstance(prompt, str):
+        text = prompt
+    else:
+        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"The prompt {prompt!r:.80} has no tokens: give every row a non-empty prompt.")
+    return np.asarray(ids, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are drawn (`GRPOConfig`'s fields of the same names)."""
+
+    num_generations: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    generation_batch_size: int | None = None
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    """Every token id that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = set()
+    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise ValueError(
+            "The tokenizer has no EOS token, so no completion could stop: set tokenizer.eos_token."
+        )
+    return ids
+
+
+@torch.no_grad()
+def sample(
+    model, tokenizer, prompt_ids: list[np.ndarray], sampling: Sampling, seed: tuple[int, int]
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """`sampling.num_generations` completions of each prompt, prompt-major (prompt i's are ``i*G … i*G+G-1``):
+    their token ids (EOS included where one was drawn) and whether each ran out of tokens (``truncated``)."""
+    device = next(model.parameters()).device
+    stops = stop_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+    chunk = sampling.generation_batch_size or len(prompt_ids)
+    was_training = model.training
+    model.eval()
+    completions: list[np.ndarray] = []
+    truncated: list[bool] = []
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(int(np.random.SeedSequence(list(seed)).generate_state(1)[0]))
+            for start in range(0, len(prompt_ids), chunk):
+                part = prompt_ids[start : start + chunk]
+                width = max(len(ids) for ids in part)
+                input_ids = torch.full((len(part), width), pad, dtype=torch.long)
+                attention_mask = torch.zeros((len(part), width), dtype=torch.long)
+                for row, ids in enumerate(part):
+                    input_ids[row, width - len(ids) :] = torch.from_numpy(ids)
+                    attention_mask[row, width - len(ids) :] = 1
+                output = model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    do_sample=True,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=0,  # the policy's distribution: no top-k or repetition penalty from generation_config
+                    repetition_penalty=1.0,
+                    max_new_tokens=sampling.max_new_tokens,
+                    num_return_sequences=sampling.num_generations,
+                    pad_token_id=pad,
+                    eos_token_id=sorted(stops),
+                    use_cache=True,
+                )
+                for ids in output[:, width:].cpu().numpy():
+                    ends = np.flatnonzero(np.isin(ids, list(stops)))
+                    completions.append(ids[: ends[0] + 1] if len(ends) else ids)
+                    truncated.append(not len(ends))
+    finally:
+        model.train(was_training)
+    return completions, np.asarray(truncated)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Packed completions of one micro-batch: the batch, which completions it holds (their indices in the
+    step), and each one's token count as a ``[sequences]`` tensor."""
+
+    batch: PackedBatch
+    members: np.ndarray
+    counts: torch.Tensor
+    sequence: torch.Tensor
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(
+            self.batch.to(device),
+            self.members,
+            self.counts.to(device, non_blocking=True),
+            self.sequence.to(device, non_blocking=True),
+        )
+
+
+def pack_completions(
+    prompt_ids: list[np.ndarray], completion_ids: list[np.ndarray], micro_batch_tokens: int | None
+) -> list[MicroBatch]:
+    """The step's sequences (prompt + completion, one per completion) packed into micro-batches of at most
+    `micro_batch_tokens` tokens (None: one micro-batch). Only completion tokens are trained."""
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    if micro_batch_tokens is None:
+        bins = [list(range(len(lengths)))]
+    else:
+        if max(lengths) > micro_batch_tokens:
+            raise ValueError(
+                f"A prompt with its completion takes {max(lengths)} tokens, more than micro_batch_tokens="
+                f"{micro_batch_tokens}: raise micro_batch_tokens to at least the longest prompt + max_new_tokens."
+            )
+        bins = [sorted(b) for b in best_fit_decreasing(lengths, micro_batch_tokens)]
+    batches = []
+    for members in bins:
+        ids = [np.concatenate([prompt_ids[i], completion_ids[i]]) for i in members]
+        labels = [
+            np.concatenate([np.full(len(prompt_ids[i]), IGNORE_INDEX), completion_ids[i]]) for i in members
+        ]
+        batch = PackedBatch.from_sequences(ids, labels)
+        counts = np.asarray([len(completion_ids[i]) for i in members], dtype=np.float32)
+        sequence = np.repeat(np.arange(len(members)), counts.astype(np.int64))
+        batches.append(
+            MicroBatch(batch, np.asarray(members), torch.from_numpy(counts), torch.from_numpy(sequence))
+        )
+    return batches

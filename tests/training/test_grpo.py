@@ -1,0 +1,241 @@
+"""The GRPO trainer: events, seeded rollouts, exact resume, and its settings' errors (tiny-llama, CPU)."""
+
+import math
+
+import pytest
+import torch
+
+import fastft
+from fastft.checks import SettingError
+from fastft.data.rewards import RewardError, content_match, exact_match, format_reward, length_penalty
+from fastft.data.skills import generate
+from fastft.training.grpo import GRPOConfig, GRPOTrainer, grpo
+
+ROWS = list(generate(16, seed=5))
+REWARDS = [content_match, length_penalty(limit=4, per_char=0.05), exact_match]
+
+
+def _model(seed=1):
+    model, tokenizer = fastft.load_model("tiny-llama")
+    return fastft.add_lora(model, r=4, alpha=8, gradient_checkpointing=False, seed=seed), tokenizer
+
+
+def _config(**overrides):
+    settings = dict(
+        max_steps=4,
+        prompts_per_step=2,
+        num_generations=4,
+        max_new_tokens=8,
+        learning_rate=1e-2,
+        warmup=0,
+        seed=11,
+        num_iterations=2,
+        kl_coef=0.1,
+        micro_batch_tokens=96,
+    )
+    return GRPOConfig(**(settings | overrides))
+
+
+def _trace(result):
+    return [
+        (e.step, e.loss, e.grpo["reward"], e.grpo["reward/content_match"], e.grpo["kl"]) for e in result.steps
+    ]
+
+
+def test_a_run_reports_rewards_per_function_kl_length_and_accuracy():
+    model, tokenizer = _model()
+    trainer = GRPOTrainer(model, tokenizer, ROWS, REWARDS, _config(max_steps=2, num_iterations=1))
+    result = trainer.train()
+    assert [e.step for e in result.steps] == [1, 2]
+    first = result.steps[0].grpo
+    assert set(first) >= {
+        "reward",
+        "reward_std",
+        "kl",
+        "clip_ratio",
+        "completion_length",
+        "accuracy",
+        "truncated",
+    }
+    assert {"reward/content_match", "reward/length", "reward/exact_match"} <= set(first)
+    rollout = trainer.last_rollout
+    assert len(rollout.completions) == 2 * 4
+    assert 1 <= first["completion_length"] <= 8
+    reward = sum(first[f"reward/{name}"] for name in ("content_match", "length", "exact_match"))
+    assert math.isclose(first["reward"], reward, rel_tol=1e-9, abs_tol=1e-12)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # the first rollout's policy is the reference (B = 0)
+    assert result.steps[1].grpo["kl"] > 1e-6  # after an update at this learning rate it is not
+    assert all(
+        math.isfinite(e.grad_norm) and e.grad_norm > 0 for e in result.steps
+    )  # the loss is ~0 at ratio 1
+    assert {"rollout", "forward", "backward", "optimizer", "reference"} <= set(
+        result.steps[0].phases
+    )  # kl_coef > 0: a reference pass
+
+
+def test_rollouts_are_a_pure_function_of_seed_and_step():
+    model, tokenizer = _model()
+    trainer = GRPOTrainer(model, tokenizer, ROWS, REWARDS, _config())
+    torch.manual_seed(0)
+    first = trainer.rollout(3)
+    torch.manual_seed(99)  # the global generator does not matter: the step's own seed does
+    again = trainer.rollout(3)
+    assert first.completions == again.completions
+    other = trainer.rollout(2)
+    assert other.completions != first.completions
+
+
+def test_a_resumed_run_gives_the_uninterrupted_runs_rewards_and_losses(tmp_path):
+    model, tokenizer = _model()
+    whole = GRPOTrainer(
+        model, tokenizer, ROWS, REWARDS, _config(save_every=2, output_dir=str(tmp_path / "a"))
+    )
+    expected = _trace(whole.train())
+    assert len({reward for _, _, reward, _, _ in expected}) > 1
+
+    model, tokenizer = _model()
+    resumed = GRPOTrainer(
+        model,
+        tokenizer,
+        ROWS,
+        REWARDS,
+        _config(output_dir=str(tmp_path / "b"), resume_from=str(tmp_path / "a" / "checkpoint-2")),
+    )
+    assert _trace(resumed.train()) == expected
+
+
+def test_one_update_per_rollout_never_clips():
+    model, tokenizer = _model()
+    result = grpo(model, tokenizer, ROWS, REWARDS, _config(num_iterations=1, max_steps=2), progress=False)
+    assert [e.grpo["clip_ratio"] for e in result.steps] == [0.0, 0.0]
+
+
+def test_a_reward_needing_a_column_the_rows_lack_names_it():
+    model, tokenizer = _model()
+    rows = [{"prompt": "What is 2 + 2?"}]
+    with pytest.raises(RewardError, match="'exact_match' needs the column 'answer'"):
+        GRPOTrainer(model, tokenizer, rows, [format_reward(), exact_match], _config())
+
+
+def test_a_reward_returning_the_wrong_count_is_named():
+    model, tokenizer = _model()
+
+    def too_few(prompts, completions, **row):
+        return [1.0]
+
+    trainer = GRPOTrainer(model, tokenizer, ROWS, [too_few], _config(max_steps=1))
+    with pytest.raises(RewardError, match="'too_few' returned 1 values for 8 completions"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"num_generations": 1}, "num_generations"),
+        ({"loss_type": "dapp"}, "Did you mean 'dapo'"),
+        ({"importance_sampling": "seq"}, "importance_sampling"),
+        ({"temperature": 0}, "temperature"),
+        ({"kl_coef": -1}, "kl_coef"),
+        ({"learning_rate": 0}, "learning_rate"),
+    ],
+)
+def test_bad_settings_are_named(settings, message):
+    with pytest.raises(SettingError, match=message):
+        GRPOConfig(**settings)
+
+
+def test_the_demo_with_method_grpo_runs_grpo_from_its_sft_result(tmp_path):
+    from fastft.cli import build_parser
+    from fastft.demo import DemoConfig, run_demo
+
+    args = build_parser().parse_args(["demo", "--method", "grpo", "--grpo-steps", "3"])
+    assert (args.method, args.grpo_steps) == ("grpo", 3)
+    config = DemoConfig(
+        steps=4,
+        eval_every=2,
+        eval_samples=8,
+        method="grpo",
+        grpo_steps=2,
+        grpo_prompts_per_step=2,
+        grpo_generations=2,
+        grpo_max_new_tokens=6,
+        output_dir=str(tmp_path),
+        name="grpo",
+        progress=False,
+    )
+    result = run_demo(config, log=lambda message: None)
+    stage = result.grpo
+    assert [e.step for e in stage.result.steps] == [1, 2]
+    assert stage.accuracy_before is result.accuracy_after  # GRPO starts from the SFT result
+    assert result.summary["grpo_steps"] == 2 and "GRPO" in result.text()
+    assert (tmp_path / "grpo" / "grpo-checkpoints" / "checkpoint-2").is_dir()
+    with pytest.raises(SettingError, match="method='ppo'"):
+        DemoConfig(method="ppo")
+
+
+def _kill_run(output_dir, log_path) -> None:
+    """In a forked child: a GRPO run that checkpoints every step and logs each step's loss and rewards."""
+    import json
+
+    model, tokenizer = _model()
+    config = _config(
+        max_steps=6, save_every=1, output_dir=str(output_dir), resume_from="latest", profile=False
+    )
+    trainer = GRPOTrainer(model, tokenizer, ROWS, REWARDS, config)
+    log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - the process is killed, not closed
+
+    def record(event):
+        log.write(json.dumps(_trace_of(event)) + "\n")
+        log.flush()
+
+    trainer.subscribe(record)
+    trainer.train()
+
+
+def _trace_of(event):
+    return [
+        event.step,
+        event.loss,
+        event.grpo["reward"],
+        event.grpo["reward/content_match"],
+        event.grpo["kl"],
+    ]
+
+
+def test_a_run_killed_mid_run_resumes_to_the_uninterrupted_runs_rewards_and_losses(tmp_path):
+    import json
+    import os
+    import signal
+    import time
+
+    model, tokenizer = _model()
+    whole = GRPOTrainer(model, tokenizer, ROWS, REWARDS, _config(max_steps=6, profile=False)).train()
+    expected = [_trace_of(event) for event in whole.steps]
+
+    output_dir, log_path = tmp_path / "run", tmp_path / "log.jsonl"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child leaves through os._exit
+        torch.set_num_threads(1)  # the parent's OpenMP pool did not survive the fork
+        try:
+            _kill_run(output_dir, log_path)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (
+        not log_path.exists() or len(log_path.read_text().splitlines()) < 3
+    ):
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)  # during step 4 or 5: after at least three steps were logged and saved
+    os.waitpid(pid, 0)
+    killed_at = len(log_path.read_text().splitlines())
+    assert 3 <= killed_at < 6, "the child ended before it was killed: raise max_steps"
+
+    _kill_run(output_dir, log_path)  # resume from the newest checkpoint that loads, in this process
+    logged = {}
+    for line in log_path.read_text().splitlines():
+        trace = json.loads(line)
+        logged.setdefault(trace[0], []).append(trace)
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+    for step, traces in logged.items():  # a step run twice (killed after it, before its save) agrees too
+        for trace in traces:
+            assert trace == expected[step - 1], step
