@@ -34,7 +34,7 @@ from fastft.studio.state import StudioState, Worker
 
 __all__ = ["DataPanel", "Segment", "uploaded_files"]
 
-FORMATS = ("auto", "alpaca", "sharegpt", "messages", "text")
+FORMATS = ("auto", "alpaca", "sharegpt", "messages", "text", "preference")
 TEMPLATES = {"tokenizer": "the tokenizer's own", "chatml": "ChatML (<|im_start|>role …<|im_end|>)"}
 UPLOAD_SUFFIXES = ".jsonl,.ndjson,.json,.csv,.tsv,.parquet"
 PREVIEW_TOKENS = 2048  # tokens drawn per row; the rest is summarised
@@ -90,6 +90,7 @@ class DataPanel(Panel):
         self._fallback_tokenizer = None
         self._original_templates: dict[int, str | None] = {}
         self._packed_with = None  # what the shared packed bins were made with
+        self.pair_cut = ""  # what pack_pairs cut from the previewed pair ("" when nothing)
         self._loaded_format = None
         self.figure = None
         state = self.state
@@ -238,6 +239,12 @@ class DataPanel(Panel):
     def busy(self) -> bool:
         return self._worker.busy
 
+    @property
+    def pairs(self) -> bool:
+        """Whether the loaded rows are preference pairs (``prompt`` / ``chosen`` / ``rejected``)."""
+        rows = self.state.rows
+        return rows is not None and "pair" in getattr(rows, "column_names", ())
+
     def code(self) -> str:
         """The plain-Python calls that the current settings stand for (copy-paste into a cell)."""
         settings = self.state.pack_settings
@@ -259,14 +266,21 @@ class DataPanel(Panel):
         load_kwargs = {} if settings.format == "auto" else {"format": settings.format}
         source = self.state.dataset_name or self.source.value.strip()
         lines.append(call_code("rows", "fastft.load_dataset", [py_repr(source)], load_kwargs))
-        pack_kwargs = {} if settings.train_on == "responses" else {"train_on": settings.train_on}
-        lines.append(
-            call_code("data", "fastft.pack", ["rows", "tokenizer", str(settings.max_seq_length)], pack_kwargs)
-        )
+        if self.pairs:
+            lines.append(
+                call_code("data", "fastft.pack_pairs", ["rows", "tokenizer", str(settings.max_seq_length)])
+            )
+        else:
+            pack_kwargs = {} if settings.train_on == "responses" else {"train_on": settings.train_on}
+            lines.append(
+                call_code(
+                    "data", "fastft.pack", ["rows", "tokenizer", str(settings.max_seq_length)], pack_kwargs
+                )
+            )
         lines.append("print(data.stats.summary())")
         return "\n".join(lines) + "\n"
 
-    def preview_segments(self, index: int | None = None) -> list[Segment]:
+    def preview_segments(self, index: int | None = None) -> list[Segment] | dict[str, list[Segment]]:
         """Row `index` (default: the ``row`` control) as the model sees it: runs of prompt, trained
         and cut tokens, in order, with the chat template and ``max_seq_length`` applied."""
         from fastft.data.tokenize import IGNORE_INDEX, KEPT, render_chats, tokenized_records
@@ -278,6 +292,8 @@ class DataPanel(Panel):
         row = rows[index]
         tokenizer = self._tokenizer()
         settings = self.state.pack_settings
+        if "pair" in rows.column_names:
+            return self.pair_segments(index)
         # Labels come from the same code `pack` runs (it also checks the chat template first).
         [record] = tokenized_records(
             [{k: row[k] for k in ("messages", "text") if k in row}],
@@ -316,6 +332,36 @@ class DataPanel(Panel):
             else:
                 segments.append(Segment(piece, kind, 1))
         return segments
+
+    def pair_segments(self, index: int | None = None) -> dict[str, list[Segment]]:
+        """Preference row `index` as the model sees it: ``{"chosen": [...], "rejected": [...]}``, each side
+        the prompt and that answer rendered with the chat template, in runs of prompt and trained tokens, cut
+        to ``max_seq_length`` as `fastft.pack_pairs` cuts it (both sides share one bin)."""
+        import warnings
+
+        from fastft.data.pairs import pack_pairs
+        from fastft.data.tokenize import IGNORE_INDEX
+
+        index = int(self.row.value if index is None else index)
+        tokenizer = self._tokenizer()
+        with warnings.catch_warnings(record=True) as cut:  # the cut is shown in the preview instead
+            warnings.simplefilter("always")
+            packed = pack_pairs([self.state.rows[index]], tokenizer, self.state.pack_settings.max_seq_length)
+        sides = {}
+        for side, ids, labels in zip(
+            ("chosen", "rejected"), packed.data.input_ids, packed.data.labels, strict=True
+        ):
+            segments: list[Segment] = []
+            kinds = ["trained" if label != IGNORE_INDEX else "prompt" for label in labels]
+            start = 0
+            for i in range(1, len(kinds) + 1):
+                if i == len(kinds) or kinds[i] != kinds[start]:
+                    text = tokenizer.decode(ids[start:i].tolist(), skip_special_tokens=False)
+                    segments.append(Segment(text, kinds[start], i - start))
+                    start = i
+            sides[side] = segments
+        self.pair_cut = str(packed.pair_stats) if cut else ""
+        return sides
 
     # ------------------------------------------------------------------------------------------ jobs
 
@@ -361,7 +407,10 @@ class DataPanel(Panel):
         state = self.state
         settings = state.pack_settings
         tokenizer = self._tokenizer()
-        packed = fastft.pack(state.rows, tokenizer, settings.max_seq_length, train_on=settings.train_on)
+        if self.pairs:  # preference rows: both answers of a pair in one bin, labels on the answers only
+            packed = fastft.pack_pairs(state.rows, tokenizer, settings.max_seq_length)
+        else:
+            packed = fastft.pack(state.rows, tokenizer, settings.max_seq_length, train_on=settings.train_on)
         state.packed = packed
         self._packed_with = self._pack_key()
         self._show_stats(packed)
@@ -379,8 +428,9 @@ class DataPanel(Panel):
             kind = dataset_kind(rows)
         except ValueError:
             kind = "?"
-        extra = [c for c in rows.column_names if c not in ("messages", "text")]
-        text = f"{len(rows):,} row{'s' if len(rows) != 1 else ''} of {'chats' if kind == 'chat' else 'plain text'} from {self.state.dataset_name}"
+        extra = [c for c in rows.column_names if c not in ("messages", "text", "pair")]
+        what = {"chat": "chats", "pairs": "preference pairs"}.get(kind, "plain text")
+        text = f"{len(rows):,} row{'s' if len(rows) != 1 else ''} of {what} from {self.state.dataset_name}"
         if extra:
             text += f" (other columns kept: {', '.join(extra)})"
         self.rows_info.value = status_html(text, "ok")
@@ -395,6 +445,15 @@ class DataPanel(Panel):
             segments = self.preview_segments()
         except Exception as error:  # noqa: BLE001 - e.g. a tokenizer without a chat template: show its fix
             self.preview.value = error_html(error)
+            return
+        if isinstance(segments, dict):  # a preference pair: each side as the model sees it
+            note = self._tokenizer_note()
+            if self.pair_cut:
+                note = f"Cut to fit max length together: {self.pair_cut}. {note}".strip()
+            self.preview.value = "".join(
+                f"<b>{side}</b>" + _segments_html(parts, note if side == "rejected" else "")
+                for side, parts in segments.items()
+            )
             return
         self.preview.value = _segments_html(segments, self._tokenizer_note())
 

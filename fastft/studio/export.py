@@ -14,7 +14,7 @@ import html
 import threading
 import time
 
-from fastft.studio.notices import Panel, code_html, code_section
+from fastft.studio.notices import Panel, button, code_html, code_section, row
 from fastft.studio.state import StudioState, Worker
 
 __all__ = ["ExportPanel"]
@@ -118,9 +118,7 @@ class ExportPanel(Panel):
         self.questions = widgets.IntSlider(
             value=64, min=8, max=256, step=8, description="questions", style=style, layout=wide
         )
-        self.score_button = widgets.Button(
-            description="Score held-out answers", icon="check", layout=widgets.Layout(width="auto")
-        )
+        self.score_button = button(description="Score held-out answers", icon="check")
         self.code_view = widgets.HTML("")
         self.scores = widgets.HTML("")
         self.last_scores = None
@@ -157,7 +155,7 @@ class ExportPanel(Panel):
                 self.generate_button,
                 self.answer,
                 widgets.HTML(f"<b>Score held-out answers</b> ({HELD_OUT})"),
-                widgets.HBox([self.questions, self.score_button]),
+                row([self.questions, self.score_button]),
                 self.scores,
                 self.status,
                 code_section(self.code_view),

@@ -24,9 +24,11 @@ Updates are throttled by the caller (`Ticker`, about once a second).
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -54,11 +56,34 @@ def frontend(env: Mapping[str, str] | None = None, kernel: bool | None = None) -
     return "auto" if kernel else "text"
 
 
+# The probe also keeps the plots of its box at the box's width: a FigureWidget redraws at a new width only on
+# the window's resize event, so a chart drawn in a hidden tab (700 px), or a notebook narrowed by a side panel,
+# would keep its old width. A ResizeObserver on the box raises one coalesced window resize per frame instead.
 _PROBE_ESM = """
 export default {
   render({ model, el }) {
     model.set("rendered", true);
     model.save_changes();
+    // once attached (render runs before the view is put in its box): watch the LiveFigure's Box, the
+    // nearest widget box around anywidget's `el`
+    let observer = null, tries = 0;
+    const attach = () => {
+      const box = el.isConnected && el.closest(".widget-box");
+      if (!box) { if (tries++ < 600) setTimeout(attach, 100); return; }
+      let width = -1;
+      observer = new ResizeObserver(entries => {
+        const now = Math.round(entries[entries.length - 1].contentRect.width);
+        if (now === width || now === 0) return;
+        width = now;
+        const shared = (window.__fastftResize = window.__fastftResize || { pending: false });
+        if (shared.pending) return;
+        shared.pending = true;
+        requestAnimationFrame(() => { shared.pending = false; window.dispatchEvent(new Event("resize")); });
+      });
+      observer.observe(box);
+    };
+    if (typeof ResizeObserver !== "undefined") attach();
+    return () => { tries = 1e9; if (observer) observer.disconnect(); };
   }
 };
 """
@@ -215,8 +240,12 @@ class LiveFigure:
         self._lock = threading.RLock()
         self._last_render = 0.0
         self._dirty = False
-        self._signature = None
         self._output = None
+        self._ops = None  # the display fallback's hidden Output for update scripts
+        self._shown = None  # what the display fallback's page holds: traces and layout as last sent
+        self._seq = 0
+        self._id = f"fastft-live-{uuid.uuid4().hex[:12]}"
+        self.last_update = ""  # the last update script sent (display fallback)
         self.probe = None
         self.rendered = False  # a probe reported: custom widgets render here
         self.fell_back_at: float | None = None
@@ -239,8 +268,8 @@ class LiveFigure:
         if self.mode == "widget":
             self.figure = self._figure_widget
             _fill_width(self.figure)
+            self.probe = render_probe()  # in every widget mode: it keeps the plot at its box's width
             if requested == "auto":
-                self.probe = render_probe()
                 if self.probe is None:
                     self._fall_back()
                     return
@@ -265,6 +294,7 @@ class LiveFigure:
                     widget.layout = self.figure.layout
                 self.figure, self.mode = widget, "widget"
                 _fill_width(widget)
+                self._shown = None
                 self.widget.children = [widget, self.probe]
 
     def _arm(self, timeout: float) -> None:
@@ -302,16 +332,17 @@ class LiveFigure:
         self.figure = go.Figure(self.figure)
         self.mode = "display"
         self.fell_back_at = time.monotonic()
-        self._show_output()
-        if self.probe is not None:  # it stays, invisible, in case the browser draws it after all
-            self.widget.children = [self._output, self.probe]
+        self._show_output()  # the probe stays, invisible, in case the browser draws it after all
 
     def _show_output(self) -> None:
         import ipywidgets as widgets
 
         if self._output is None:
             self._output = widgets.Output(layout=widgets.Layout(width="100%"))
-        self.widget.children = [self._output]
+            hidden = widgets.Layout(width="0", height="0", overflow="hidden", margin="0")
+            self._ops = widgets.Output(layout=hidden)
+        self.widget.children = [c for c in (self._output, self._ops, self.probe) if c is not None]
+        self._shown = None  # nothing drawn in this output yet: the next render draws the whole figure
         self._dirty = True
         self._render(force=True)
 
@@ -382,20 +413,215 @@ class LiveFigure:
                 self._render(force=True)
 
     def _render(self, force: bool = False) -> None:
+        """The display fallback: the whole figure once (the front end's own plotly renderer), then only what
+        changed, as a small script in a second, hidden `Output` that updates the drawn plot in place."""
         if self.mode != "display" or self._output is None:
             return
         now = time.monotonic()
         if not force and now - self._last_render < DISPLAY_INTERVAL:
             return
-        signature = hash(self.figure.to_json())
         self._last_render, self._dirty = now, False
-        if signature == self._signature:
-            return  # nothing changed: nothing resent
-        self._signature = signature
-        bundle = mime_bundle(self.figure)
-        # Setting `outputs` replaces the one display output in a single message: no clear, no flicker,
-        # and it is safe from any thread (unlike `with output:`).
-        self._output.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
+        figure = self.figure
+        figure.layout.meta = self._id  # how the update scripts find the drawn plot, whatever drew it
+        traces = [_trace_state(trace) for trace in figure.data]
+        layout = {
+            key: json.dumps(value, sort_keys=True, default=_jsonable)
+            for key, value in _layout_json(figure).items()
+        }
+        shown = self._shown
+        if shown is None:
+            # Setting `outputs` replaces the one display output in a single message: no clear, no flicker,
+            # and it is safe from any thread (unlike `with output:`). It is drawn once per output.
+            bundle = mime_bundle(_plain(figure))
+            self._output.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
+            self._shown = {"traces": traces, "layout": layout}
+            self._send({"kind": "setup"})
+            return
+        if [t["rest"] for t in traces] != [t["rest"] for t in shown["traces"]]:
+            # other traces or trace styles: the whole figure's data, drawn into the same plot (Plotly.react)
+            plain = json.loads(_plain(figure).to_json())
+            self._shown = {"traces": traces, "layout": layout}
+            self._send({"kind": "react", "data": plain.get("data", []), "layout": plain.get("layout", {})})
+            return
+        changed = []
+        for index, (new, old) in enumerate(zip(traces, shown["traces"], strict=True)):
+            start = min(_common_prefix(new["x"], old["x"]), _common_prefix(new["y"], old["y"]))
+            if start == len(new["x"]) == len(old["x"]) and start == len(new["y"]) == len(old["y"]):
+                continue
+            changed.append([index, start, _values(new["x"][start:]), _values(new["y"][start:])])
+        relayout = {
+            key: json.loads(value) for key, value in layout.items() if shown["layout"].get(key) != value
+        }
+        relayout.update({key: None for key in shown["layout"] if key not in layout})
+        self._shown = {"traces": traces, "layout": layout}
+        if changed or relayout:
+            self._send({"kind": "update", "traces": changed, "layout": relayout})
+
+    def _send(self, op: dict) -> None:
+        self._seq += 1
+        script = (
+            _UPDATE_JS.replace("__ID__", json.dumps(self._id))
+            .replace("__SEQ__", str(self._seq))
+            .replace("__OP__", _js(op))
+        )
+        self.last_update = script
+        self._ops.outputs = (
+            {
+                "output_type": "display_data",
+                "data": {"application/javascript": script, "text/plain": ""},
+                "metadata": {},
+            },
+        )
+
+
+# Runs in the page (an `application/javascript` output of the hidden ops `Output`): finds the plot drawn with
+# `layout.meta` = its id, waits for it and for plotly.js (the page's `Plotly`, or require's "plotly" where the
+# front end loads it that way: Kaggle, the classic notebook), and applies the operation in order, once per plot
+# (`__fastftSeq`: a re-rendered output does not apply it twice). It also keeps the plot at its box's width.
+_UPDATE_JS = """(function () {
+  const id = __ID__, seq = __SEQ__, op = __OP__;
+  const queue = (window.__fastftLive = window.__fastftLive || {});
+  const plotly = () => window.Plotly ? Promise.resolve(window.Plotly) : window.require
+    ? new Promise((ok, no) => window.require(["plotly"], ok, no)) : Promise.reject(new Error("no plotly.js"));
+  const plots = () => [...document.querySelectorAll(".js-plotly-plot")].filter(g => g.layout && g.layout.meta === id);
+  const found = () => new Promise((ok, no) => {
+    const look = n => { const g = plots(); if (g.length) ok(g); else if (n <= 0) no(new Error("no plot " + id));
+      else setTimeout(() => look(n - 1), 100); };
+    look(150);
+  });
+  const resize = () => {
+    const shared = (window.__fastftResize = window.__fastftResize || { pending: false });
+    if (shared.pending) return;
+    shared.pending = true;
+    requestAnimationFrame(() => { shared.pending = false; window.dispatchEvent(new Event("resize")); });
+  };
+  queue[id] = (queue[id] || Promise.resolve()).then(() => Promise.all([plotly(), found()])).then(([P, gds]) => {
+    for (const gd of gds) {
+      if ((gd.__fastftSeq || 0) >= seq) continue;
+      gd.__fastftSeq = seq;
+      if (!gd.__fastftObserver && typeof ResizeObserver !== "undefined" && gd.parentElement) {
+        let width = -1;
+        gd.__fastftObserver = new ResizeObserver(e => {
+          const now = Math.round(e[e.length - 1].contentRect.width);
+          if (now !== width && now > 0) { width = now; resize(); }
+        });
+        gd.__fastftObserver.observe(gd.parentElement);
+      }
+      if (op.kind === "react") { op.layout.meta = id; P.react(gd, op.data, op.layout); }
+      else if (op.kind === "update") {
+        const x = [], y = [], which = [];
+        for (const [i, start, tx, ty] of op.traces) {
+          const t = gd.data[i] || {};
+          const ox = Array.from(t.x || []), oy = Array.from(t.y || []);
+          if (ox.length < start || oy.length < start) continue;  // an update was missed: keep what is drawn
+          x.push(ox.slice(0, start).concat(tx)); y.push(oy.slice(0, start).concat(ty)); which.push(i);
+        }
+        if (which.length || Object.keys(op.layout).length)
+          P.update(gd, which.length ? { x, y } : {}, op.layout, which.length ? which : undefined);
+      }
+    }
+  }).catch(error => console.warn("fastft live plot:", error.message));
+})();
+"""
+
+
+def _layout_json(figure) -> dict:
+    return figure.layout.to_plotly_json()
+
+
+def _trace_state(trace) -> dict:
+    """A trace's x and y as arrays (for the prefix test) and the rest of it as JSON (a style change)."""
+    rest = {k: v for k, v in trace.to_plotly_json().items() if k not in ("x", "y")}
+    return {
+        "x": _array(trace.x),
+        "y": _array(trace.y),
+        "rest": json.dumps(rest, sort_keys=True, default=_jsonable),
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)
+
+
+def _array(values) -> np.ndarray:
+    if values is None:
+        return np.zeros(0, dtype=np.float32)
+    array = np.asarray(values)
+    if array.dtype.kind in "fiub":
+        return array.astype(np.float64).round(7) if array.dtype.kind == "f" else array.astype(np.float64)
+    return array.astype(object)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading entries `a` and `b` share (NaN equals NaN)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    same = a[:n] == b[:n]
+    if a.dtype.kind == "f" and b.dtype.kind == "f":
+        same |= np.isnan(a[:n]) & np.isnan(b[:n])
+    different = np.flatnonzero(~np.asarray(same, dtype=bool))
+    return int(different[0]) if different.size else n
+
+
+class _Values:
+    """Numbers written as a JavaScript array literal (NaN stays NaN: a gap in the line), 7 digits each."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def js(self) -> str:
+        if self.array.dtype.kind == "f":
+            return "[" + ",".join(_number(v) for v in self.array.tolist()) + "]"
+        return json.dumps(self.array.tolist(), default=_jsonable)
+
+
+def _number(value: float) -> str:
+    if value != value:
+        return "NaN"
+    if value in (np.inf, -np.inf):
+        return "Infinity" if value > 0 else "-Infinity"
+    return f"{value:.7g}"
+
+
+def _values(array: np.ndarray) -> _Values:
+    return _Values(array)
+
+
+def _js(value) -> str:
+    """`value` as a JavaScript literal (JSON, with `_Values` as number arrays)."""
+    if isinstance(value, _Values):
+        return value.js()
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{json.dumps(str(k))}:{_js(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_js(v) for v in value) + "]"
+    return json.dumps(value, default=_jsonable)
+
+
+def _plain(figure):
+    """A copy of `figure` whose x/y arrays are plain lists: drawn as JavaScript arrays (not typed arrays
+    from base64), which the update scripts extend."""
+    import plotly.graph_objects as go
+
+    plain = go.Figure(figure)
+    for trace in plain.data:
+        for name in ("x", "y"):
+            values = getattr(trace, name, None)
+            if values is not None and not isinstance(values, str):
+                array = _array(values)
+                setattr(
+                    trace,
+                    name,
+                    [None if v != v else v for v in array.tolist()]
+                    if array.dtype.kind == "f"
+                    else array.tolist(),
+                )
+    return plain
 
 
 def _fill_width(figure) -> None:

@@ -28,7 +28,17 @@ from fastft.studio.run_control import Run, explain
 from fastft.studio.state import StudioState
 from fastft.training.events import EvalEvent, StepEvent
 
-__all__ = ["Run", "RunPanel", "explain"]  # Run and explain: imported here before run_control existed
+__all__ = [
+    "METHODS",
+    "Run",
+    "RunPanel",
+    "explain",
+]  # Run and explain: imported here before run_control existed
+
+# The Run tab's method choice: value → label. A method the trainer gains (GRPO) is one more entry here; any
+# method but "sft" trains on preference pairs (the Data tab packs them with `fastft.pack_pairs`).
+METHODS = {"sft": "SFT", "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO"}
+DPO_LOSSES = {"sigmoid": "sigmoid", "ipo": "IPO", "robust": "robust"}
 
 
 def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
@@ -65,6 +75,7 @@ class RunPanel(Panel):
         import ipywidgets as widgets
 
         from fastft.report.figures import phases_figure, run_dashboard_figure
+        from fastft.studio.preference import preference_figure
 
         self.state = state if state is not None else StudioState()
         self.run: Run | None = None
@@ -79,10 +90,39 @@ class RunPanel(Panel):
             ("loss", "smoothed", "learning_rate", "tokens_per_second", "memory_gib"), max_points
         )
         self.eval_series = SeriesBuffer(("eval_loss",), max_points)
+        self.preference_series = SeriesBuffer(
+            ("rewards_chosen", "rewards_rejected", "margin", "accuracy"), max_points
+        )
         self._ema = Ema(0.9)
 
         style = {"description_width": "11em"}  # "grad accumulation", "eval every (0: end)" in full
         wide = field("18em", max_width="28em")
+        from fastft.training.preference import DEFAULT_BETA
+
+        self._default_beta = DEFAULT_BETA
+        self.method = widgets.Dropdown(
+            options=[(label, key) for key, label in METHODS.items()],
+            value="sft",
+            description="method",
+            style=style,
+            layout=wide,
+        )
+        self.beta = widgets.BoundedFloatText(
+            value=DEFAULT_BETA["dpo"],
+            min=1e-6,
+            max=1000,
+            step=0.05,
+            description="beta",
+            style=style,
+            layout=field("18em", max_width="28em"),  # its own: hidden for SFT, the others not
+        )
+        self.dpo_loss = widgets.Dropdown(
+            options=[(label, key) for key, label in DPO_LOSSES.items()],
+            value="sigmoid",
+            description="DPO loss",
+            style=style,
+            layout=field("18em", max_width="28em"),
+        )
         self.steps = widgets.BoundedIntText(
             value=60, min=1, max=10_000_000, description="steps", style=style, layout=wide
         )
@@ -121,10 +161,14 @@ class RunPanel(Panel):
         self.status = self.log.widget
         self.code_preview = widgets.HTML("")
         self.plots = LiveFigure(run_dashboard_figure(), self.mode)
+        self.preference_plots = LiveFigure(preference_figure(), self.mode)
         self.timing_figure = LiveFigure(phases_figure([], []), self.mode)
         self.timing_table = widgets.HTML("")
 
         self._controls = [
+            self.method,
+            self.beta,
+            self.dpo_loss,
             self.steps,
             self.learning_rate,
             self.micro_batch_bins,
@@ -141,6 +185,8 @@ class RunPanel(Panel):
                 with contextlib.suppress(Exception):  # a value it no longer takes: its default stays
                     control.value = kept[name]
             control.observe(self._on_setting, names="value")
+        self.method.observe(self._on_method, names="value")
+        self._show_method_controls()
         self.start_button.on_click(self._on_start)
         self.pause_button.on_click(self._on_pause)
         self.stop_button.on_click(self._on_stop)
@@ -183,6 +229,7 @@ class RunPanel(Panel):
                 self.progress_text,
                 self.status,
                 self.plots.widget,
+                self.preference_plots.widget,
                 timing,
                 code,
             ]
@@ -212,7 +259,30 @@ class RunPanel(Panel):
             save_every=int(self.save_every.value) or None,
             output_dir=self.output_dir.value.strip() or None,
         )
+        method = self.method.value
+        if method != "sft":
+            kwargs["method"] = method
+            kwargs["beta"] = float(self.beta.value)
+            if method == "dpo":
+                kwargs["dpo_loss"] = self.dpo_loss.value
         return kwargs
+
+    @property
+    def preference(self) -> bool:
+        """Whether the chosen method trains on preference pairs (every method but SFT)."""
+        return self.method.value != "sft"
+
+    def _on_method(self, change) -> None:
+        new, old = self._default_beta.get(change["new"]), self._default_beta.get(change["old"])
+        if new is not None and (old is None or float(self.beta.value) == old):
+            self.beta.value = new  # each method's usual beta, unless the user chose another
+        self._show_method_controls()
+
+    def _show_method_controls(self) -> None:
+        method = self.method.value
+        self.beta.layout.display = None if method != "sft" else "none"
+        self.dpo_loss.layout.display = None if method == "dpo" else "none"
+        self.preference_plots.widget.layout.display = None if method != "sft" else "none"
 
     def code(self) -> str:
         """The plain-Python equivalent of this run, from loading the model to training (runs as is)."""
@@ -243,10 +313,17 @@ class RunPanel(Panel):
         ]
         if pack.chat_template != "tokenizer":
             lines.append(f"# chat template: {pack.chat_template} (as chosen in the Data tab)")
-        train_on = {"train_on": pack.train_on} if pack.train_on != "responses" else {}
-        lines.append(
-            call_code("data", "fastft.pack", ["rows", "tokenizer"], {"max_seq_length": int(seq), **train_on})
-        )
+        if self.preference:
+            lines.append(
+                call_code("data", "fastft.pack_pairs", ["rows", "tokenizer"], {"max_seq_length": int(seq)})
+            )
+        else:
+            train_on = {"train_on": pack.train_on} if pack.train_on != "responses" else {}
+            lines.append(
+                call_code(
+                    "data", "fastft.pack", ["rows", "tokenizer"], {"max_seq_length": int(seq), **train_on}
+                )
+            )
         lines.append(
             call_code(
                 "result",
@@ -256,6 +333,8 @@ class RunPanel(Panel):
             )
         )
         lines.append('print(f"final loss {result.final_loss:.4f}")')
+        if self.preference:
+            lines.append("print(result.steps[-1].preference)  # rewards chosen/rejected, margin, accuracy")
         return "\n".join(lines) + "\n"
 
     def _update_preview(self) -> None:
@@ -290,6 +369,7 @@ class RunPanel(Panel):
                     f"reaches its peak. Fix: fewer warmup steps than {steps}, or a share below 1 (0.05).",
                 )
             )
+        found += self._data_problems(config.method)
         packed = self.state.packed
         bins = len(packed) if packed is not None and hasattr(packed, "__len__") else None
         per_step = config.micro_batch_bins * config.grad_accum_steps
@@ -322,6 +402,37 @@ class RunPanel(Panel):
         if config.eval_every and getattr(self.state, "eval_packed", None) is None:
             found.append(("warn", "eval every is set but there is no eval set: no evaluation will run."))
         return found
+
+    def _data_problems(self, method: str) -> list[tuple[str, str]]:
+        """A preference method on data without pairs, or SFT on pairs: the method and the data disagree."""
+        from fastft.data.pairs import PackedPairs
+
+        state = self.state
+        if state.packed is not None:
+            pairs = isinstance(state.packed, PackedPairs)
+        elif state.rows is not None and hasattr(state.rows, "column_names"):
+            pairs = "pair" in state.rows.column_names
+        else:
+            return []
+        name = METHODS.get(method, method)
+        if method != "sft" and not pairs:
+            return [
+                (
+                    "error",
+                    f"{name} trains on preference pairs (a prompt with a chosen and a rejected answer), but the "
+                    "loaded data has none. Fix: load rows with 'prompt', 'chosen' and 'rejected' in the Data tab "
+                    "(format auto or preference) and Pack them, or pick SFT.",
+                )
+            ]
+        if method == "sft" and pairs:
+            return [
+                (
+                    "error",
+                    "SFT trains on chats or text, but the loaded data is preference pairs. Fix: pick DPO, ORPO "
+                    "or SimPO as the method, or load chat data in the Data tab.",
+                )
+            ]
+        return []
 
     def _update_checks(self) -> None:
         from fastft.studio.notices import error_html, status_html
@@ -472,6 +583,7 @@ class RunPanel(Panel):
         with self._lock:
             self.series.clear()
             self.eval_series.clear()
+            self.preference_series.clear()
             self._ema = Ema(0.9)
             self._seen = 0
             self._last_timing = 0.0
@@ -482,6 +594,12 @@ class RunPanel(Panel):
             self.plots.replace(
                 run_dashboard_figure(max_steps=max_steps, memory_kind="cuda" if cuda else "cpu-rss")
             )
+            preference = getattr(run.config, "method", "sft") != "sft"
+            self.preference_plots.widget.layout.display = None if preference else "none"
+            if preference:
+                from fastft.studio.preference import preference_figure
+
+                self.preference_plots.replace(preference_figure(max_steps=max_steps))
 
     def refresh(self, final: bool = False) -> None:
         """Move new events into the plots, progress and status (called by the ticker a few times a second)."""
@@ -502,6 +620,10 @@ class RunPanel(Panel):
                         tokens_per_second=event.trained_tokens_per_second,
                         memory_gib=event.peak_memory_bytes / 2**30,
                     )
+                    if event.preference:
+                        self.preference_series.append(
+                            event.step, **{k: v for k, v in event.preference.items() if k != "pairs"}
+                        )
                 elif isinstance(event, EvalEvent):
                     self.eval_series.append(event.step, eval_loss=event.eval_loss)
             if new or final:
@@ -516,6 +638,7 @@ class RunPanel(Panel):
                 print(self._status_line(), flush=True)
             if final:
                 self.plots.flush()
+                self.preference_plots.flush()
                 self.timing_figure.flush()
 
     def _draw(self) -> None:
@@ -531,6 +654,17 @@ class RunPanel(Panel):
                 5: (x, s.column("memory_gib")),
             }
         )
+        p = self.preference_series
+        if len(p):
+            px = p.column("x")
+            self.preference_plots.set_data(
+                {
+                    0: (px, p.column("rewards_chosen")),
+                    1: (px, p.column("rewards_rejected")),
+                    2: (px, p.column("margin")),
+                    3: (px, p.column("accuracy")),
+                }
+            )
 
     def _update_progress(self) -> None:
         run = self.run
@@ -568,6 +702,9 @@ class RunPanel(Panel):
                 parts.append(
                     f"CUDA graph: {replayed}/{sum(e.micro_batches for e in recent)} micro-batches replayed"
                 )
+        if recent and recent[-1].preference:
+            metrics = recent[-1].preference
+            parts.append(f"accuracy {metrics['accuracy']:.0%} · margin {metrics['margin']:+.3f}")
         evals = [e for e in run.events[-50:] if isinstance(e, EvalEvent)]
         if evals:
             parts.append(f"eval loss {evals[-1].eval_loss:.4f}")

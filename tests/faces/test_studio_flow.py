@@ -4,6 +4,7 @@ every view shown and cleared when stale, settings checked before Start, plots th
 from __future__ import annotations
 
 import html
+import json
 import time
 
 import pytest
@@ -181,7 +182,9 @@ def test_pack_keeps_the_rows_line_and_a_new_load_clears_the_stale_stats():
     assert _text(panel.rows_info) == rows_line  # still there after Pack
     assert "sequences per bin" in panel.stats.value and panel.histogram.layout.display is None
     (output,) = panel.length_plot._output.outputs  # drawn by setting the widget, not `with output:`
-    assert "4,000 sequences" in str(output["data"])
+    assert output["data"]  # the (empty) figure, drawn once; the packed lengths came as an update of it
+    (update,) = panel.length_plot._ops.outputs
+    assert "4,000 sequences" in update["data"]["application/javascript"]
 
     panel.source.value = "bundled:skills-eval"
     panel.load_button.click()
@@ -336,3 +339,131 @@ def test_the_notebooks_third_party_noise_is_silenced_and_nothing_else():
     assert "is_gradient_checkpointing" not in done.stderr
     assert "USDT" not in done.stderr and "profiler_start" not in done.stderr
     assert "a line of the user's own" in done.stderr and "a warning of the user's own" in done.stderr
+
+
+def test_the_display_fallback_draws_the_figure_once_then_sends_only_the_new_points():
+    import numpy as np
+
+    from fastft.report.figures import run_dashboard_figure
+
+    live = LiveFigure(run_dashboard_figure(max_steps=400), "display")
+    drawn = live._output.outputs
+    (output,) = drawn
+    assert live._id in str(output["data"])  # the plot carries the id the update scripts look for
+    rng = np.random.default_rng(3)
+    loss = rng.random(301).astype(np.float32)
+    for n in (100, 200, 300, 301):  # four updates: 100 points at a time, then one
+        x = np.arange(1, n + 1, dtype=np.float32)
+        live.set_data({0: (x, loss[:n]), 1: (x, loss[:n] / 2)})
+        live.flush()
+        assert live._output.outputs is drawn  # the figure is never drawn again
+    script = live.last_update
+    (update,) = live._ops.outputs
+    assert update["data"]["application/javascript"] == script
+    assert len(script) < 3_000, len(script)  # the boilerplate and two numbers per trace
+    assert "[[0,300,[301],[" in script and "[1,300,[301],[" in script
+    for figure_only in ("<script", "newPlot", "bdata", "plotly.min", '"template"', "Loss"):
+        assert figure_only not in script, figure_only
+    before = live.last_update
+    live.set_data({0: (x, loss[:n]), 1: (x, loss[:n] / 2)})  # nothing new: nothing sent
+    live.flush()
+    assert live.last_update is before
+
+
+def _pair_rows(tmp_path, n: int = 12):
+    path = tmp_path / "pairs.jsonl"
+    lines = []
+    for i in range(n):
+        lines.append(
+            json.dumps(
+                {
+                    "prompt": f"What is {i} plus {i}?",
+                    "chosen": f"{2 * i}",
+                    "rejected": f"I think it might be {2 * i + 1}, but I am not sure at all.",
+                }
+            )
+        )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_data_tab_previews_and_packs_preference_pairs_as_the_model_sees_them(tmp_path):
+    state = StudioState()
+    _loaded(ModelPanel(state))
+    data = DataPanel(state, live="text")
+    data.source.value = str(_pair_rows(tmp_path))
+    data.load_button.click()
+    assert data.wait(WAIT) and data.error.value == "", data.error.value
+    assert "12 rows of preference pairs" in _text(data.rows_info)
+    sides = data.preview_segments(3)
+    assert set(sides) == {"chosen", "rejected"}
+    chosen = "".join(s.text for s in sides["chosen"] if s.kind == "trained")
+    rejected = "".join(s.text for s in sides["rejected"] if s.kind == "trained")
+    assert "6" in chosen and "I think it might be 7" in rejected
+    for side in sides.values():  # the prompt, rendered with the chat template, trains nothing
+        assert "What is 3 plus 3?" in "".join(s.text for s in side if s.kind == "prompt")
+    data.row.value = 3
+    shown = _text(data.preview)
+    assert "chosen" in shown and "rejected" in shown and "I think it might be 7" in shown
+    data.pack_button.click()
+    assert data.wait(WAIT) and data.error.value == "", data.error.value
+    from fastft.data.pairs import PackedPairs
+
+    assert isinstance(state.packed, PackedPairs) and state.packed.pairs == 12
+    assert "fastft.pack_pairs(rows, tokenizer" in data.code()
+
+
+def test_the_method_and_the_data_must_agree_before_start(tmp_path):
+    state = _packed_state(seq=256, rows=24)
+    panel = RunPanel(state, live="text")
+    panel.steps.value = 10
+    assert _text(panel.checks) == ""
+    panel.method.value = "dpo"
+    assert "DPO trains on preference pairs" in _text(panel.checks)
+    assert "Fix: load rows with 'prompt', 'chosen' and 'rejected'" in _text(panel.checks)
+    panel.start_button.click()
+    assert panel.run is None and "Cannot start" in _text(panel.status)
+
+    state.rows = fastft.load_dataset(str(_pair_rows(tmp_path)))
+    state.packed = fastft.pack_pairs(state.rows, state.tokenizer, 256)
+    state.notify("packed")
+    assert _text(panel.checks) == ""
+    panel.method.value = "sft"
+    assert "SFT trains on chats or text, but the loaded data is preference pairs" in _text(panel.checks)
+    assert "Fix: pick DPO, ORPO or SimPO" in _text(panel.checks)
+
+
+def test_a_dpo_run_from_the_run_tab_plots_rewards_margin_and_accuracy(tmp_path):
+    state = StudioState()
+    _loaded(ModelPanel(state))
+    state.rows = fastft.load_dataset(str(_pair_rows(tmp_path)))
+    state.dataset_name = str(_pair_rows(tmp_path))
+    state.packed = fastft.pack_pairs(state.rows, state.tokenizer, 128)
+    panel = RunPanel(state, live="text")
+    assert panel.preference_plots.widget.layout.display == "none"  # SFT: no preference curves
+    assert [label for label, _ in panel.method.options][:4] == ["SFT", "DPO", "ORPO", "SimPO"]
+    panel.method.value = "simpo"
+    assert panel.beta.value == 2.0 and panel.dpo_loss.layout.display == "none"
+    panel.method.value = "dpo"
+    assert panel.beta.value == 0.1 and panel.dpo_loss.layout.display is None
+    panel.dpo_loss.value = "ipo"
+    panel.steps.value = 3
+    panel.output_dir.value = ""
+    code = panel.code()
+    assert "fastft.pack_pairs(rows, tokenizer, max_seq_length=" in code
+    assert 'method="dpo"' in code and "beta=0.1" in code and 'dpo_loss="ipo"' in code
+    compile(code, "run.py", "exec")
+    assert panel.train_config().method == "dpo" and panel.train_config().dpo_loss == "ipo"
+    panel.start_button.click()
+    assert panel.run is not None, _text(panel.status)
+    panel.wait(WAIT)
+    assert panel.run.error is None, panel.run.error_message
+    assert panel.preference_plots.widget.layout.display is None
+    assert len(panel.preference_series) == 3
+    figure = panel.preference_plots.figure
+    assert [t.name for t in figure.data] == ["rewards chosen", "rewards rejected", "margin", "accuracy"]
+    events = [e for e in panel.run.events if hasattr(e, "preference") and e.step]
+    last = events[-1].preference
+    assert abs(float(figure.data[2].y[-1]) - last["margin"]) < 1e-5
+    assert abs(float(figure.data[3].y[-1]) - last["accuracy"]) < 1e-6
+    assert "accuracy" in panel._status_line() and "margin" in panel._status_line()

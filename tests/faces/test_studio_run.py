@@ -290,7 +290,8 @@ def test_display_mode_draws_the_figure_by_setting_the_output_widget():
     live.flush()
     (output,) = live._output.outputs
     assert "text/html" in output["data"] and list(live.figure.data[0].y) == [3.0, 2.0]
-    assert live.widget.children == (live._output,)
+    assert live.widget.children == (live._output, live._ops)  # the figure, and its update scripts
+    assert "[[0,0,[1,2],[3,2]]]" in live.last_update  # the points came as an update, not a new figure
 
 
 # -- Export ----------------------------------------------------------------------------------------------

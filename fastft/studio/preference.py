@@ -1,0 +1,61 @@
+"""The Run tab's preference curves: rewards of the chosen and rejected answers, their margin, and accuracy.
+
+Built from plain arrays like `fastft.report.figures.run_dashboard_figure` (a live plot sets the traces' data
+afterwards); the numbers are `StepEvent.preference`'s (`fastft.training.preference`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from fastft.report.figures import FONT_FAMILY, HEIGHT, TEMPLATE, TOOLBAR_PX
+
+__all__ = ["PREFERENCE_TRACES", "preference_figure"]
+
+PREFERENCE_TRACES = ("rewards chosen", "rewards rejected", "margin", "accuracy")
+
+
+def preference_figure(
+    step: Sequence[float] = (),
+    rewards_chosen: Sequence[float] = (),
+    rewards_rejected: Sequence[float] = (),
+    margin: Sequence[float] = (),
+    accuracy: Sequence[float] = (),
+    *,
+    max_steps: int | None = None,
+) -> go.Figure:
+    """Three panels over the steps: the rewards of the chosen and the rejected answers, their margin, and the
+    share of pairs whose chosen answer has the higher reward (traces in `PREFERENCE_TRACES` order)."""
+    fig = make_subplots(
+        rows=1,
+        cols=3,
+        subplot_titles=("Rewards", "Margin (chosen − rejected)", "Accuracy (chosen > rejected)"),
+        horizontal_spacing=0.08,
+    )
+    line = {"mode": "lines", "hoverlabel": {"namelength": -1}}
+    for name, y, color, col in (
+        ("rewards chosen", rewards_chosen, "#2a9d5c", 1),
+        ("rewards rejected", rewards_rejected, "#d62728", 1),
+        ("margin", margin, "#1f6fb4", 2),
+        ("accuracy", accuracy, "#8e5ec9", 3),
+    ):
+        fig.add_trace(
+            go.Scatter(x=step, y=y, name=name, line={"color": color, "width": 2}, **line), row=1, col=col
+        )
+    fig.update_layout(
+        template=TEMPLATE,
+        height=HEIGHT - 40,
+        font={"family": FONT_FAMILY, "size": 12},
+        margin={"l": 56, "r": 24, "t": 48 + TOOLBAR_PX // 2, "b": 72},
+        showlegend=True,
+        legend={"orientation": "h", "x": 0.0, "y": -0.2, "yanchor": "top"},
+        hovermode="x unified",
+        uirevision="preference",
+    )
+    fig.update_yaxes(range=[0, 1], tickformat=".0%", row=1, col=3)
+    if max_steps:
+        fig.update_xaxes(range=[0, max_steps])
+    return fig
