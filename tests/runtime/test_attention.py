@@ -346,6 +346,8 @@ def test_gpu_grouped_backward_bf16_long_sequence_matches_and_saves_memory():
         results.append(run())
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - before)
-    for a, b in zip(results[1], results[0], strict=True):  # FlashAttention's dq sums with atomics: not bitwise
+    for a, b in zip(
+        results[1], results[0], strict=True
+    ):  # FlashAttention's dq sums with atomics: not bitwise
         assert float((a.float() - b.float()).norm() / b.float().norm()) <= 1e-2
     assert peaks[1] <= peaks[0] - 2 * tokens * heads * dim * 2
