@@ -1,6 +1,7 @@
 """Ten SIGKILLs at random moments of a run that checkpoints every step and saves its adapter every second:
-half at random times, half at chosen moments inside a save (torch.save of the optimizer, the marker, the
-rename into place, the exchange of the adapter folders, the deletion of a pruned checkpoint).
+half at random moments (during start-up, or inside one of the next few steps), half at chosen moments
+inside a save (torch.save of the optimizer, the marker, the rename into place, the exchange of the adapter
+folders, the deletion of a pruned checkpoint).
 
 After every kill the latest checkpoint and the adapter (once one was written) load, and every step a resumed
 run computes has the loss of the uninterrupted run; the run finished after the last kill ends with its
@@ -171,6 +172,24 @@ def _wait_or_kill(pid: int, seconds: float) -> bool:
     return os.WIFSIGNALED(status)
 
 
+def _kill_after_steps(pid: int, log_path, new_steps: int, delay: float) -> bool:
+    """SIGKILL the child `delay` seconds after it logged `new_steps` more steps (0: during its start-up);
+    True when it died of the SIGKILL. Counted in steps, not seconds, so a fast machine cannot finish the
+    run before the kill (a timed kill did, on CI)."""
+    with open(log_path, encoding="utf-8") as f:
+        target = sum(1 for _ in f) + new_steps
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        with open(log_path, encoding="utf-8") as f:
+            if sum(1 for _ in f) >= target:
+                break
+        time.sleep(0.002)
+    return _wait_or_kill(pid, delay)
+
+
 def _logged(log_path) -> dict[int, float]:
     """Step → loss for every complete line (a kill can cut the last one)."""
     losses = {}
@@ -207,8 +226,10 @@ def test_ten_kills_at_random_moments_resume_exactly_and_lose_nothing(job, tmp_pa
     adapter_keys = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(job[0]).items()}
 
     reference_dir = tmp_path / "reference"
+    started = time.monotonic()
     pid = _fork(_run, job, reference_dir, tmp_path / "reference.log")
     assert os.waitpid(pid, 0)[1] == 0
+    step_seconds = (time.monotonic() - started) / STEPS  # an upper bound: start-up counted in
     reference = {step: losses[0] for step, losses in _logged(tmp_path / "reference.log").items()}
     assert sorted(reference) == list(range(1, STEPS + 1))
 
@@ -219,7 +240,10 @@ def test_ten_kills_at_random_moments_resume_exactly_and_lose_nothing(job, tmp_pa
     rng.shuffle(traps)
     for trap in traps:
         pid = _fork(_run, job, output_dir, log_path, trap)
-        killed = _wait_or_kill(pid, 8.0 if trap else rng.uniform(0.3, 1.5))
+        if trap:
+            killed = _wait_or_kill(pid, 8.0)
+        else:  # a random moment: start-up, or somewhere inside one of the next three steps
+            killed = _kill_after_steps(pid, log_path, rng.randint(0, 3), rng.uniform(0, step_seconds))
         assert killed, f"the run ended before kill {trap} (FASTFT_KILL_SEED={seed}): {_child_errors()}"
         _assert_loadable(output_dir, adapter_keys)
 
