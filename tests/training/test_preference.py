@@ -120,6 +120,42 @@ def test_the_reference_is_the_model_with_its_adapters_off():
     torch.testing.assert_close(reference, base, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_adapters_disabled_answers_like_peft_disable_adapter_without_its_status_report(fused, monkeypatch):
+    """The flags alone give PEFT's adapter-off forward, with a trained head copy too, and restore every layer's
+    own state after (one layer left disabled by the user stays disabled); PEFT's status report, the host
+    cost of its context manager, is never built."""
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(
+        model, r=4, alpha=8, gradient_checkpointing=False, fused=fused, seed=1, modules_to_save=["lm_head"]
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+    batch = pack_pairs(_rows(3), tokenizer, 512).batch([0])
+    with model.disable_adapter(), torch.no_grad():
+        expected, _ = sequence_log_probs(model, batch)
+    requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+    monkeypatch.setattr(type(model), "get_model_status", lambda self: pytest.fail("status report built"))
+    with adapters_disabled(model):
+        reference, _ = sequence_log_probs(model, batch)
+        assert not torch.is_grad_enabled()
+    torch.testing.assert_close(reference, expected, rtol=0, atol=0)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == requires_grad
+    with_adapters, _ = sequence_log_probs(model, batch)
+    assert (with_adapters - reference).abs().max() > 1e-3  # every adapter is back on
+
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    layer.enable_adapters(False)
+    with adapters_disabled(model):
+        pass
+    assert (
+        layer.disable_adapters
+        and not model.base_model.model.model.layers[0].self_attn.k_proj.disable_adapters
+    )
+
+
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s.method}-{s.dpo_loss}")
 def test_each_loss_and_every_lora_gradient_equal_the_plain_reference(settings):
     model, tokenizer = _model()
