@@ -8,7 +8,8 @@ sigmoid DPO with β = 0.1, the reference being the model with its adapters off. 
 process:
 
 * ``fastft`` -- `load_model` + `add_lora` + fastft's `Trainer(method="dpo")`: both sides packed into one
-  padding-free row, the log-probs from the fused head, offloaded checkpointing.
+  padding-free row, the log-probs from the fused head, offloaded checkpointing, the step (reference pass
+  included) replayed as a CUDA graph from the third step on (``graph_replays`` counts the timed ones).
 * ``trl``    -- transformers + PEFT (SDPA) under TRL's ``DPOTrainer`` with its defaults (gradient
   checkpointing on, bf16), fed the same token ids (its dataset preparation is skipped: the pairs are
   already token ids; its collator, reference pass and loss run as they are).
@@ -99,6 +100,7 @@ def _run_fastft(args, rows, device):
         tokens=sum(e.tokens for e in timed),
         step_seconds=[e.step_seconds for e in timed],
         attention=result.attention,
+        graph_replays=sum(e.graph_replays for e in timed),  # of the timed micro-batches, one per step
     )
 
 

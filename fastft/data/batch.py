@@ -125,6 +125,11 @@ class PackedBatch:
         """Tokens of the batch's sequences, without the padding of a static batch."""
         return self.num_tokens - self.padding
 
+    @property
+    def real_sequences(self) -> int:
+        """The batch's own sequences: a static batch's pad tail and zero-length boundaries left out."""
+        return len(self.sequence_lengths) - (1 if self.padding else 0)
+
     def padded(self, shape: BatchShape) -> PackedBatch:
         """This CPU batch padded to `shape` (see the class docstring); it must fit (`BatchShape.holds`).
 

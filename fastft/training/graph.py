@@ -147,8 +147,11 @@ class StepGraph:
 
     ``loss_fn(batch, divisor)`` returns the micro-batch's loss divided by `divisor` (a 0-d float32 tensor on
     the batch's device), under the caller's autocast; `forward_backward` runs it and its backward and returns
-    the loss, detached. `mode(batch, first_micro_batch)` says beforehand whether this batch will run `EAGER`, be captured or replayed (the
-    profiler times a graph as one phase). With ``enabled=False``, or off CUDA, everything runs eagerly.
+    the loss, detached. `mode(batch, first_micro_batch)` says beforehand whether this batch will run `EAGER`,
+    be captured or replayed (the profiler times a graph as one phase). With ``enabled=False``, or off CUDA,
+    everything runs eagerly. `accumulators` are device tensors the loss function adds into in place (a
+    preference step's metric sums), kept by the caller for the run and zeroed by it at each step's start: a
+    capture's discarded warm-up pass is taken out of them as it is out of the gradients.
     """
 
     def __init__(
@@ -158,8 +161,10 @@ class StepGraph:
         enabled: bool = True,
         warmup: int = 2,
         max_captures: int = 3,
+        accumulators: Sequence[torch.Tensor] = (),
     ):
         self.parameters = list(parameters)
+        self.accumulators = list(accumulators)
         cuda = bool(self.parameters) and self.parameters[0].is_cuda
         self.policy = GraphPolicy(warmup=warmup, max_captures=max_captures, enabled=enabled and cuda)
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -226,7 +231,7 @@ class StepGraph:
         with torch.cuda.stream(side):
             loss_fn(batch, divisor).backward()
         torch.cuda.current_stream(batch.device).wait_stream(side)
-        torch._foreach_zero_([parameter.grad for parameter in self.parameters])
+        torch._foreach_zero_([parameter.grad for parameter in self.parameters] + self.accumulators)
         static, static_divisor = _static_copy(batch), divisor.clone()
         graph = torch.cuda.CUDAGraph()
         # thread-local: the studio trains in a background thread while the notebook's thread stays free

@@ -216,7 +216,9 @@ def pair_loss_sum(
     """The micro-batch's summed pair loss (a scalar with its graph) and its metric sums ``[4]`` (chosen and
     rejected rewards, margin, correctly ordered pairs), detached; the caller divides by the step's pairs.
     `reference`, the batch's sequences' precomputed reference log-probs (``[num_sequences]``), replaces the
-    adapter-disabled forward."""
+    adapter-disabled forward. A batch padded to a static shape (`PackedBatch.padded`, for a CUDA graph) ends
+    in pad segments; they pair up into pairs with no trained token, which add nothing to the loss, the
+    rewards or the accuracy (found on the device, so a graph replays whatever the batch's pair count)."""
     if batch.num_sequences % 2:
         raise ValueError(
             f"a preference micro-batch needs whole pairs, got {batch.num_sequences} sequences: pack the data "
@@ -225,10 +227,21 @@ def pair_loss_sum(
     if settings.needs_reference and reference is None:
         with adapters_disabled(model):
             reference = sequence_log_probs(model, batch)[0]
-    policy = sequence_log_probs(model, batch)
+    sums, counts = sequence_log_probs(model, batch)
+    real = None
+    if batch.static:  # padded to a static shape: the pad segments pair up into pairs without a trained token
+        real = (counts[0::2] + counts[1::2]) > 0
+        sides = real.repeat_interleave(2)
+        # placeholders where a pad pair's values would be 0 / 0 (ORPO's log(1 - e^0)): no NaN, no gradient
+        sums, counts = torch.where(sides, sums, -1.0), torch.where(sides, counts, 1.0)
+        reference = None if reference is None else torch.where(sides, reference, -1.0)
     losses, chosen_rewards, rejected_rewards = pair_losses(
-        settings, policy, None if reference is None else (reference, policy[1])
+        settings, (sums, counts), None if reference is None else (reference, counts)
     )
+    if real is not None:
+        losses = torch.where(real, losses, 0.0)
+        chosen_rewards = torch.where(real, chosen_rewards, 0.0)
+        rejected_rewards = torch.where(real, rejected_rewards, 0.0)
     margin = chosen_rewards - rejected_rewards
     metrics = torch.stack(
         [chosen_rewards.sum(), rejected_rewards.sum(), margin.sum(), (margin > 0).to(margin.dtype).sum()]

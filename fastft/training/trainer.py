@@ -99,7 +99,8 @@ class TrainConfig:
     pairs (`fastft.data.pairs.pack_pairs`; `fastft.training.preference`): "dpo" (with `dpo_loss` "sigmoid",
     "ipo" or "robust"; the reference is the model with its adapters disabled), "orpo" or "simpo" (no
     reference). `beta` defaults to 0.1 (2.0 for SimPO); `label_smoothing` is DPO's and SimPO's ε,
-    `simpo_gamma` SimPO's margin γ. Preference steps run eagerly (no CUDA graph, no padding).
+    `simpo_gamma` SimPO's margin γ. Preference steps replay CUDA graphs and pad to a static shape as SFT
+    steps do (pad pairs take no loss), except with `precompute_reference`, whose steps run eagerly.
 
     `distributed` applies under torchrun (`fastft.training.distributed`): "ddp" replicates the model and sums
     the LoRA gradients once per step; "fsdp" shards the base and the adapters with FSDP2 (``fully_shard``).
@@ -276,11 +277,6 @@ def _check_method(config: TrainConfig) -> None:
             f"precompute_reference=True applies to method='dpo' only: {config.method!r} has no reference model. "
             "Leave it False."
         )
-    if config.method != "sft" and config.static_shapes:
-        raise SettingError(
-            f"static_shapes=True does not apply to method={config.method!r}: preference steps run eagerly. "
-            "Leave static_shapes=None."
-        )
 
 
 def preference_settings(config: TrainConfig):
@@ -451,9 +447,13 @@ class Trainer:
         self.autocast_dtype = self._autocast_dtype()
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
         # fp16's loss scaling changes between steps outside the graph's view: those runs stay eager
-        graphs = self.config.cuda_graph and self.grad_scaler is None and self.preference is None
+        graphs = self.config.cuda_graph and self.grad_scaler is None
+        # a precomputed reference is a per-step input the graph does not copy in: those DPO runs stay eager
+        graphs = graphs and not self.config.precompute_reference
         graphs = graphs and not (self.parallel and self.parallel.sharding == "fsdp")  # FSDP_LIMITS
-        self.step_graph = StepGraph(self.parameters, enabled=graphs)
+        # a preference step's metric sums: one tensor for the run (a replay adds into the captured one)
+        self._metric_sums = torch.zeros(4, device=self.device)
+        self.step_graph = StepGraph(self.parameters, enabled=graphs, accumulators=[self._metric_sums])
         self._batch_shape: BatchShape | None | bool = None  # decided on the first step (`_shaped`)
         self.step = 0
         self.result = TrainResult(profile=self.profile)
@@ -644,7 +644,7 @@ class Trainer:
         """Whether this run pads its micro-batches to one `BatchShape` (`TrainConfig.static_shapes`); decided
         on the run's first micro-batch (the attention backend is resolved on it)."""
         asked = self.config.static_shapes
-        if asked is False or self.preference is not None:
+        if asked is False:
             return False
         if router_aux_loss_coefficient(self.model) is not None:
             if asked:
@@ -708,14 +708,14 @@ class Trainer:
         trained = sum(b.num_trained_tokens for b in micro_batches)
         tokens = sum(b.real_tokens for b in micro_batches)
         padding = sum(b.padding for b in micro_batches)
-        pairs = sum(b.num_sequences for b in micro_batches) // 2
+        pairs = sum(b.real_sequences for b in micro_batches) // 2
         counts = None
         if self.parallel is not None:  # the global counts: one device all-reduce, no host sync
             counts = self.parallel.global_counts([trained, tokens, padding, pairs])
             divisor = counts[0 if self.preference is None else 3].float()
         else:
             divisor = _device_scalar(trained if self.preference is None else pairs, self.device)
-        self._metric_sums = torch.zeros(4, device=self.device)
+        self._metric_sums.zero_()
         micro_batches = [batch.to(self.device) for batch in micro_batches]
         timer = _StepTimer(self.device)
         loss_total = torch.zeros((), device=self.device)

@@ -86,11 +86,16 @@ def test_two_ranks_train_dpo_as_one_process(tmp_path, sharding):
     config = dict(max_steps=3, method="dpo", eval=True, micro_batch_bins=1)
     distributed = _two_ranks(tmp_path / "ranks", distributed=sharding, **config)
     single = distributed_worker.run(tmp_path / "one", dict(config, grad_accum_steps=2))
-    _assert_same_run(distributed, single)
+    # the losses, gradient norms and eval losses agree to 1e-5; Adam's first steps lift the ranks'
+    # summation-order rounding in the weights (see the gradient-accumulation test above): measured 1.8e-5
+    # and 5.7e-5 of a tensor's largest value in two FSDP2 runs on a 2-core machine, hence 2e-4
+    _assert_same_run(distributed, single, weights_rtol=2e-4)
     assert len(distributed["preference"]) == 4 and all(distributed["preference"])
     for mine, theirs in zip(distributed["preference"], single["preference"], strict=True):
         assert mine["pairs"] == theirs["pairs"]
-        assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+        # a reward is β times a difference of two sequence log-prob sums of a few hundred nats: their fp32
+        # rounding in another summation order is ~1e-6 absolute (measured 2.9e-6 on a margin of 0.11)
+        assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-5)
 
 
 @pytest.fixture(scope="module")

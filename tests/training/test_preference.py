@@ -182,6 +182,66 @@ def test_each_loss_and_every_lora_gradient_equal_the_plain_reference(settings):
         assert (grads[name] - parameter.grad).norm() / parameter.grad.norm() <= 1e-5, name
 
 
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s.method}-{s.dpo_loss}")
+def test_a_batch_padded_to_a_static_shape_gives_the_loss_metrics_and_gradients_of_the_unpadded_one(settings):
+    """The pad tail and the zero-length boundaries pair up into pad pairs: no loss, reward or accuracy, no
+    NaN (ORPO's log(1 - e^0) at an empty side) and no gradient from them."""
+    from fastft.data.batch import BatchShape
+
+    model, tokenizer = _model()
+    pairs = pack_pairs(_rows(6, seed=4), tokenizer, 512)
+    batch = pairs.batch(range(len(pairs)))
+    shape = BatchShape.covering(batch.num_tokens + 37, batch.num_sequences + 5, batch.num_trained_tokens + 9)
+    padded = batch.padded(shape)
+    assert padded.static and padded.num_sequences > batch.num_sequences + 2
+    assert padded.padding == shape.tokens - batch.num_tokens > 0
+    assert padded.real_sequences == batch.num_sequences == batch.real_sequences
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for which in (batch, padded):
+        model.zero_grad(set_to_none=True)
+        reference = None
+        if settings.needs_reference:  # precomputed, padded like the batch's sequences
+            with adapters_disabled(model):
+                reference = sequence_log_probs(model, which)[0]
+        loss, metrics = pair_loss_sum(model, which, settings, reference)
+        loss.backward()
+        results.append((loss.detach(), metrics, [p.grad.clone() for p in parameters]))
+        if which is padded:  # the reference computed inside, from the padded batch, too
+            inner, inner_metrics = pair_loss_sum(model, padded, settings)
+            torch.testing.assert_close(inner.detach(), loss.detach(), rtol=1e-5, atol=1e-6)
+    (loss, metrics, grads), (padded_loss, padded_metrics, padded_grads) = results
+    assert torch.isfinite(padded_loss)
+    torch.testing.assert_close(padded_loss, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(padded_metrics, metrics, rtol=1e-5, atol=1e-6)
+    for expected, got in zip(grads, padded_grads, strict=True):
+        assert torch.isfinite(got).all()
+        assert (got - expected).norm() <= 1e-5 * expected.norm() + 1e-9
+
+
+def test_dpo_with_static_shapes_trains_like_unpadded_steps():
+    """`static_shapes=True` (what a CUDA graph replays on GPU) pads every micro-batch of pairs: the same
+    losses, metrics and pair counts as the unpadded run, the padding reported."""
+    rows = _rows(24, seed=5)
+    runs = []
+    for static in (False, True):
+        model, tokenizer = _model()
+        data = pack_pairs(rows, tokenizer, 160)
+        config = TrainConfig(
+            method="dpo", max_steps=4, learning_rate=1e-3, warmup=0, micro_batch_bins=2, static_shapes=static
+        )
+        trainer = Trainer(model, tokenizer, data, config=config)
+        runs.append(trainer.train().steps)
+        assert (trainer.batch_shape is not None) == static
+    unpadded, padded = runs
+    assert any(e.padding_tokens > 0 for e in padded) and all(e.padding_tokens == 0 for e in unpadded)
+    for a, b in zip(unpadded, padded, strict=True):
+        assert a.preference["pairs"] == b.preference["pairs"] and a.tokens == b.tokens
+        assert b.loss == pytest.approx(a.loss, rel=1e-5, abs=1e-6)
+        for key in ("rewards_chosen", "margin", "accuracy"):
+            assert b.preference[key] == pytest.approx(a.preference[key], rel=1e-4, abs=1e-6), key
+
+
 def test_dpo_training_orders_held_out_pairs():
     """A short DPO run on programmatic pairs (the bare right answer chosen, a wrong wordy one rejected)
     raises the held-out accuracy and margin from the start (every reward 0: the policy is the reference)."""
@@ -224,8 +284,6 @@ def test_preference_settings_are_checked_with_the_fix():
         TrainConfig(method="simpO")
     with pytest.raises(SettingError, match="dpo_loss"):
         TrainConfig(method="dpo", dpo_loss="hinge")
-    with pytest.raises(SettingError, match="static_shapes"):
-        TrainConfig(method="dpo", static_shapes=True)
     with pytest.raises(SettingError, match="beta"):
         TrainConfig(method="dpo", beta=0)
     packed_for_sft = fastft.pack(
