@@ -294,9 +294,12 @@ def _causal_lm_forward(
     head that is not a plain linear layer) runs the original forward."""
     head = self.get_output_embeddings()
     asks_router_loss = kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
+    if past_key_values is not None:  # passed on only when given: transformers 5 names the cache `cache`
+        kwargs["past_key_values"] = past_key_values  # and warns when both arrive
     if (
         labels is None
-        or past_key_values is not None
+        or kwargs.get("past_key_values") is not None
+        or kwargs.get("cache") is not None
         or use_cache
         or asks_router_loss
         or kwargs.get("return_dict") is False
@@ -306,7 +309,6 @@ def _causal_lm_forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             labels=labels,
             use_cache=use_cache,
