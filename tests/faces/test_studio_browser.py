@@ -526,10 +526,9 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     expect(panel()).to_contain_text("Stopped at step")
     expect(panel().get_by_role("button", name="Start")).to_be_enabled()
     page.wait_for_timeout(1_000)  # the last plot update
-    # the run's charts, drawn now (narrowing charts that a run replaced is not covered yet: they keep the
-    # width they were replaced at)
-    page.set_viewport_size(VIEWPORT)
-    _check_layout(page, studio, tabs, VIEWPORT["width"], shot.parent)
+    # the run's charts, drawn now, and the charts the run replaced follow the window as it narrows
+    for width in WIDTHS:
+        _check_layout(page, studio, tabs, width, shot.parent if width == WIDTHS[0] else None)
     page.set_viewport_size(VIEWPORT)
     tabs.filter(has_text="Run").click()
     # the studio's header at the top of the window: tabs, settings, buttons, progress and the plots below
