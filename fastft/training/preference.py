@@ -107,11 +107,7 @@ def _adapter_layers(model: torch.nn.Module) -> tuple | None:
     adapters and kept on the instance; None where the flags are not how this model turns adapters off."""
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTunerLayer
-
-    try:
-        from peft.utils.other import AuxiliaryTrainingWrapper
-    except ImportError:  # older PEFT: ModulesToSaveWrapper carries the same flag
-        from peft.utils.other import ModulesToSaveWrapper as AuxiliaryTrainingWrapper
+    from peft.utils.other import AuxiliaryTrainingWrapper  # PEFT >= 0.15: trained copies and tokens
 
     if not isinstance(model, PeftModel):
         return None
