@@ -3,7 +3,8 @@
 Random weights of a catalog architecture (`fastft bench step`'s checkpoints; Llama-3.1-8B by default), QLoRA
 NF4 by default (``--workloads nf4``; ``bf16`` for a 16-bit base), LoRA r=16 on the seven projections. Each
 pair is a shared prompt of ``--prompt-length`` random tokens with a chosen and a rejected answer, each side
-``--side-length`` tokens (2 × 1,024 by default), trained on the answers only; one pair per micro-batch,
+``--side-length`` tokens (2 × 1,024 by default; ``--ragged`` draws every prompt's and answer's length, up
+to those), trained on the answers only; one pair per micro-batch,
 sigmoid DPO with β = 0.1, the reference being the model with its adapters off. Systems, each in its own
 process:
 
@@ -36,9 +37,11 @@ SYSTEMS = ("fastft", "trl")
 BETA = 0.1
 
 
-def pair_rows(count: int, vocab: int, prompt_length: int, side_length: int, seed: int):
+def pair_rows(count: int, vocab: int, prompt_length: int, side_length: int, seed: int, ragged: bool = False):
     """`count` pairs as (prompt ids, chosen answer ids, rejected answer ids), int64, random in ``[3, vocab)``;
-    each side (prompt + answer) is `side_length` tokens. The same seed gives both systems the same pairs."""
+    each side (prompt + answer) is `side_length` tokens. `ragged` draws every length instead: the prompt
+    between half and all of `prompt_length`, each answer independently between a quarter and all of
+    ``side_length - prompt_length``, as real pairs are. The same seed gives both systems the same pairs."""
     import numpy as np
 
     if not 0 < prompt_length < side_length:
@@ -47,10 +50,20 @@ def pair_rows(count: int, vocab: int, prompt_length: int, side_length: int, seed
         )
     rng = np.random.default_rng(seed)
     answer = side_length - prompt_length
-    return [
-        tuple(rng.integers(3, vocab, n).astype(np.int64) for n in (prompt_length, answer, answer))
-        for _ in range(count)
-    ]
+
+    def lengths():
+        if not ragged:
+            return prompt_length, answer, answer
+        prompt = int(rng.integers(max(1, prompt_length // 2), prompt_length + 1))
+        return (prompt, *(int(n) for n in rng.integers(max(1, answer // 4), answer + 1, 2)))
+
+    return [tuple(rng.integers(3, vocab, n).astype(np.int64) for n in lengths()) for _ in range(count)]
+
+
+def pair_tokens(row) -> int:
+    """Tokens a pair trains through: the prompt twice (once a side) and both answers."""
+    prompt, chosen, rejected = row
+    return 2 * len(prompt) + len(chosen) + len(rejected)
 
 
 def packed_pairs(rows, side_length: int):
@@ -98,6 +111,7 @@ def _run_fastft(args, rows, device):
     return dict(
         seconds=time.perf_counter() - started,
         tokens=sum(e.tokens for e in timed),
+        padding_tokens=sum(e.padding_tokens for e in timed),  # pad slots of a static shape, not counted
         step_seconds=[e.step_seconds for e in timed],
         attention=result.attention,
         graph_replays=sum(e.graph_replays for e in timed),  # of the timed micro-batches, one per step
@@ -125,6 +139,9 @@ def _run_trl(args, rows, device):
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset  # already TRL's tokenised columns (prompt_ids, chosen_ids, rejected_ids)
 
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)  # the timed pairs are known
+
     model = _hf_model(args.folder, args.workload, False, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -143,7 +160,7 @@ def _run_trl(args, rows, device):
         output_dir=args.scratch,
         max_steps=args.warmup + args.steps,
         per_device_train_batch_size=1,
-        max_length=None,  # the pairs are exactly --side-length a side
+        max_length=None,  # no side is longer than --side-length
         beta=BETA,
         learning_rate=1e-5,
         lr_scheduler_type="constant",
@@ -165,7 +182,7 @@ def _run_trl(args, rows, device):
     first, last = args.warmup - 1, args.warmup + args.steps - 1
     return dict(
         seconds=marks[last] - marks[first],
-        tokens=args.steps * 2 * args.side_length,
+        tokens=sum(map(pair_tokens, rows[args.warmup : args.warmup + args.steps])),
         step_seconds=[b - a for a, b in zip(marks[first:last], marks[first + 1 : last + 1], strict=True)],
     )
 
@@ -177,7 +194,9 @@ def run_worker(args) -> dict:
     torch.manual_seed(0)
     device = torch.device(args.device)
     vocab = AutoConfig.from_pretrained(args.folder).vocab_size
-    rows = pair_rows(args.warmup + args.steps, vocab, args.prompt_length, args.side_length, args.seed)
+    rows = pair_rows(
+        args.warmup + args.steps, vocab, args.prompt_length, args.side_length, args.seed, args.ragged
+    )
     measured = (_run_fastft if args.system == "fastft" else _run_trl)(args, rows, device)
     steps = measured.pop("step_seconds")
     seconds = measured.pop("seconds")
@@ -254,13 +273,14 @@ def _table(results: list[dict]) -> str:
 
 
 _SETTINGS = ("prompt_length", "side_length", "seed", "warmup", "steps")
+_FLAGS = ("ragged",)
 
 
 def _write(path: str, args, results: list[dict]) -> str:
     from fastft.bench.common import environment
 
     table = _table(results)
-    settings = {key: getattr(args, key) for key in (*_SETTINGS, "model", "layers")}
+    settings = {key: getattr(args, key) for key in (*_SETTINGS, *_FLAGS, "model", "layers")}
     output = {
         "benchmark": "dpo",
         "settings": {**settings, "beta": BETA, "lora_r": 16, "pairs_per_step": 1},
@@ -290,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--side-length", type=int, default=1024, help="tokens of each side (prompt + answer)")
     parser.add_argument("--prompt-length", type=int, default=256, help="tokens of the shared prompt")
     parser.add_argument("--seed", type=int, default=0, help="the pairs' seed")
+    parser.add_argument(
+        "--ragged", action="store_true", help="draw each prompt's and answer's length, as real pairs vary"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--folder", default="/dev/shm/fastft-bench-step", help="the random checkpoints")
@@ -323,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             argv_worker = ["--worker", "--system", system, "--workload", workload, "--folder", str(folder)]
             for key in (*_SETTINGS, "device"):
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+            argv_worker += [f"--{key}" for key in _FLAGS if getattr(args, key)]
             started = time.perf_counter()
             result = _run_in_process(
                 argv_worker, _worker_env(system, None), args.timeout, module="fastft.bench.dpo"

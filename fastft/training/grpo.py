@@ -68,15 +68,17 @@ from fastft.training.trainer import (
 class GRPOConfig(TrainConfig):
     """A GRPO run: `TrainConfig`'s optimizer, schedule, checkpoint and resume settings, and
 
-    `prompts_per_step` prompts per step, `num_generations` (G) completions each, sampled at `temperature`
-    and nucleus `top_p` up to `max_new_tokens` (stopping at EOS), `generation_batch_size` prompts per
-    ``generate`` call (None: all of the step's). `num_iterations` updates per rollout; clip range
-    ``[1 - epsilon, 1 + epsilon_high]`` (`epsilon_high` None: `epsilon`); `kl_coef` β of the KL to the
-    reference (0: no reference pass); `loss_type` "grpo", "dr_grpo" or "dapo" and `importance_sampling`
-    "token" or "sequence" (GSPO), see `fastft.training.grpo_loss`; `scale_rewards` divides advantages by the
-    group's standard deviation; `reward_weights` weighs the reward functions (None: 1 each);
-    `micro_batch_tokens` caps a training micro-batch (None: the step's completions in one). `max_steps`
-    counts rollouts (None: `epochs` over the prompts); `warmup` counts them too.
+        `prompts_per_step` prompts per step, `num_generations` (G) completions each, sampled at `temperature`
+        and nucleus `top_p` up to `max_new_tokens` (stopping at EOS), `generation_batch_size` prompts per
+        ``generate`` call (None: all of the step's); `static_decode` samples through the static-cache decoder,
+    each decode step one CUDA graph replay on a GPU (None: where the architecture allows, else ``generate``;
+    `fastft.training.decode`). `num_iterations` updates per rollout; clip range
+        ``[1 - epsilon, 1 + epsilon_high]`` (`epsilon_high` None: `epsilon`); `kl_coef` β of the KL to the
+        reference (0: no reference pass); `loss_type` "grpo", "dr_grpo" or "dapo" and `importance_sampling`
+        "token" or "sequence" (GSPO), see `fastft.training.grpo_loss`; `scale_rewards` divides advantages by the
+        group's standard deviation; `reward_weights` weighs the reward functions (None: 1 each);
+        `micro_batch_tokens` caps a training micro-batch (None: the step's completions in one). `max_steps`
+        counts rollouts (None: `epochs` over the prompts); `warmup` counts them too.
     """
 
     method: str = "grpo"
@@ -87,6 +89,7 @@ class GRPOConfig(TrainConfig):
     temperature: float = 1.0
     top_p: float = 1.0
     generation_batch_size: int | None = None
+    static_decode: bool | None = None
     num_iterations: int = 1
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -124,6 +127,7 @@ class GRPOConfig(TrainConfig):
             self.temperature,
             self.top_p,
             self.generation_batch_size,
+            self.static_decode,
         )
 
 

@@ -1,8 +1,10 @@
 """GRPO's rollouts: prompts tokenised once, G completions sampled per prompt, packed for training.
 
-Sampling is batched (every prompt of the step, left-padded, ``num_return_sequences=G``) through Hugging Face
-``generate`` on the LoRA-patched model, with its KV cache: a patched layer sees the cache and runs the
-original forward (`fastft.models.patch`), so the completions come from the adapted policy. Its random numbers
+Sampling is batched (every prompt of the step, left-padded, G rows each) on the LoRA-patched model: a
+patched layer sees the KV cache and runs the original forward (`fastft.models.patch`), so the completions
+come from the adapted policy. Supported decoders sample through `fastft.training.decode.StaticDecoder` (a
+static KV cache, each decode step one CUDA graph replay on a GPU); the others, or ``static_decode=False``,
+through Hugging Face ``generate`` with the same temperature and top-p. Its random numbers
 come from a generator forked off the global one and seeded with ``(seed, step)``: a step's completions are
 a pure function of the seed, the step and the weights, so a resumed run samples what the uninterrupted one
 did. A completion ends after its first EOS token (kept: the policy learns to stop) or at `max_new_tokens`
@@ -23,6 +25,7 @@ import torch
 from fastft.data.batch import PackedBatch
 from fastft.data.packing import best_fit_decreasing
 from fastft.data.tokenize import IGNORE_INDEX
+from fastft.training.decode import StaticDecoder, supports
 
 
 def prompt_of(row: dict):
@@ -66,6 +69,25 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     generation_batch_size: int | None = None
+    static_decode: bool | None = None
+
+
+def static_decoding(model, asked: bool | None) -> bool:
+    """Whether a rollout samples through `fastft.training.decode.StaticDecoder` (`asked` None: wherever the
+    model supports it) or through ``generate`` (False, or an architecture it does not cover)."""
+    if asked is False:
+        return False
+    if supports(model):
+        return True
+    if asked:
+        from fastft.training.decode import SUPPORTED_MODEL_TYPES
+
+        raise ValueError(
+            f"static_decode=True covers the decoders {', '.join(sorted(SUPPORTED_MODEL_TYPES))} with full "
+            f"attention in every layer; this {type(model).__name__} is not one: leave static_decode=None "
+            "(generate samples it)."
+        )
+    return False
 
 
 def stop_ids(model, tokenizer) -> set[int]:
@@ -93,6 +115,7 @@ def sample(
     stops = stop_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     chunk = sampling.generation_batch_size or len(prompt_ids)
+    static = static_decoding(model, sampling.static_decode)
     was_training = model.training
     model.eval()
     completions: list[np.ndarray] = []
@@ -109,21 +132,37 @@ def sample(
                 for row, ids in enumerate(part):
                     input_ids[row, width - len(ids) :] = torch.from_numpy(ids)
                     attention_mask[row, width - len(ids) :] = 1
-                output = model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    do_sample=True,
-                    temperature=sampling.temperature,
-                    top_p=sampling.top_p,
-                    top_k=0,  # the policy's distribution: no top-k or repetition penalty from generation_config
-                    repetition_penalty=1.0,
-                    max_new_tokens=sampling.max_new_tokens,
-                    num_return_sequences=sampling.num_generations,
-                    pad_token_id=pad,
-                    eos_token_id=sorted(stops),
-                    use_cache=True,
-                )
-                for ids in output[:, width:].cpu().numpy():
+                if static:
+                    group = sampling.num_generations
+                    decoder = StaticDecoder(
+                        model,
+                        len(part) * group,
+                        width,
+                        sampling.max_new_tokens,
+                        stops,
+                        pad,
+                        sampling.temperature,
+                        sampling.top_p,
+                    )
+                    new_ids = decoder.decode(
+                        input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)
+                    )
+                else:
+                    new_ids = model.generate(
+                        input_ids=input_ids.to(device),
+                        attention_mask=attention_mask.to(device),
+                        do_sample=True,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        top_k=0,  # the policy's distribution: no top-k or repetition penalty from generation_config
+                        repetition_penalty=1.0,
+                        max_new_tokens=sampling.max_new_tokens,
+                        num_return_sequences=sampling.num_generations,
+                        pad_token_id=pad,
+                        eos_token_id=sorted(stops),
+                        use_cache=True,
+                    )[:, width:]
+                for ids in new_ids.cpu().numpy():
                     ends = np.flatnonzero(np.isin(ids, list(stops)))
                     completions.append(ids[: ends[0] + 1] if len(ends) else ids)
                     truncated.append(not len(ends))

@@ -100,8 +100,8 @@ class TrainConfig:
     "ipo" or "robust"; the reference is the model with its adapters disabled), "orpo" or "simpo" (no
     reference). `beta` defaults to 0.1 (2.0 for SimPO); `label_smoothing` is DPO's and SimPO's ε,
     `simpo_gamma` SimPO's margin γ. Preference steps replay CUDA graphs as SFT steps do, except with
-    `precompute_reference` (eager); they pad to a static shape (pad pairs take no loss) with
-    ``static_shapes=True`` only, so by default pairs of equal lengths replay and ragged ones run eagerly.
+    `precompute_reference` (eager); ragged pairs pad to a static shape as SFT's packs do (pad pairs
+    take no loss).
 
     `distributed` applies under torchrun (`fastft.training.distributed`): "ddp" replicates the model and sums
     the LoRA gradients once per step; "fsdp" shards the base and the adapters with FSDP2 (``fully_shard``).
@@ -656,10 +656,6 @@ class Trainer:
             return False
         if asked:
             return True
-        if self.preference is not None:
-            # pairs pad only when asked: the GPU check of ragged pairs replayed padded
-            # (tests/training/test_graph.py) has not passed on a device yet; equal-length pairs replay unpadded
-            return False
         if not self.step_graph.policy.enabled or not is_patched(self.model):
             return False
         if isinstance(self.train_data, PackedDataset) and self.train_data.batches_repeat_one_shape():

@@ -1,0 +1,282 @@
+"""Static-cache sampling for GRPO's rollouts, each decode step replayed from one CUDA graph on a GPU.
+
+Hugging Face ``generate`` spends most of a decode step on the host: a quantised 8B model at 8 rows ran 139 ms
+a token through it on an H200, of which the GPU needed about 21 ms. `StaticDecoder` keeps everything a step
+touches in fixed buffers -- a KV cache of ``width + max_new_tokens`` slots per layer (`StaticKVCache`, which
+writes at a position held in a device tensor), the next tokens, their positions, an additive attention mask
+recomputed on the device each step, the output ids and the finished flags -- so one step is the same kernels on the
+same addresses every time. On CUDA it runs two steps eagerly on a side stream, captures the third, and
+replays the graph for the rest; elsewhere it runs every step eagerly (the same code, so the CPU tests check
+the math the graph replays).
+
+Rows are left-padded to the chunk's longest prompt: every row writes the same cache slot at each step, and a
+pad slot is closed in the mask (a pad query attends only to itself, so no softmax row is empty). Position ids
+count real tokens only, as ``generate`` does with an attention mask. The model gets that mask as a ready 4D
+additive mask, so transformers builds none, and explicit ``position_ids``, so it never asks the cache how much
+it holds (a host read of a device counter that a graph would freeze at its capture value).
+
+Sampling is ``generate``'s: logits over temperature, nucleus `top_p` (the smallest set of tokens whose
+probability reaches `top_p`, at least one), then a draw from the softmax -- as ``argmax(p / E)`` with
+``E ~ Exp(1)`` per token, which picks token i with probability p_i and needs no host work. The noise comes
+from the default generator, which `fastft.training.rollout.sample` seeds per step: a graph reads the
+generator's seed and offset at each replay, so a seeded rollout draws the same completions eagerly or
+replayed, and every run of the same seed the same ones.
+
+A row stops at its first stop token (kept) and pads after it; every 16 steps the host checks whether every
+row has stopped. `supports(model)` says whether a model can decode this way: a plain causal decoder whose layers all
+attend alike, to the full sequence or within one sliding window (Mistral's), which the mask then carries;
+the others (hybrid layers, attention sinks) sample through ``generate``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from fastft.training.graph import _warmup_stream
+
+# decoders whose layers write their KV through `cache.update(key, value, layer_idx, ...)`, rotate with the
+# given position ids and read a 4D additive mask as it is; each is checked against a full forward in
+# tests/training/test_decode.py
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
+_FINISHED_CHECK_EVERY = 16
+
+
+def _config(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base, base.config
+
+
+def attention_window(model) -> int | None | bool:
+    """The sliding window every layer of `model` attends within (None: full attention), or False where
+    layers differ (Qwen2's `max_window_layers`, Gemma's hybrid layers): one mask cannot serve them all."""
+    _, config = _config(model)
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        window = None
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if kinds <= {"full_attention"} and (window is None or not kinds):
+        return window
+    if kinds == {"sliding_attention"} and window:
+        return window
+    return False
+
+
+def supports(model) -> bool:
+    """Whether `model` decodes with `StaticDecoder` (else ``generate``): a supported architecture whose
+    layers all attend alike (the full sequence, or one sliding window)."""
+    _, config = _config(model)
+    return (
+        getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES and attention_window(model) is not False
+    )
+
+
+class StaticKVCache:
+    """A KV cache of `length` slots per layer at fixed addresses, for transformers' attention layers (it
+    answers ``update`` as their ``Cache`` does). A call's tokens go to slots ``position, position + 1, …``,
+    `position` being a one-element device tensor the decoder advances in place; each layer's keys and values
+    are allocated at its first update, in its own shape and dtype."""
+
+    is_compileable = True
+
+    def __init__(self, length: int, device: torch.device) -> None:
+        self.length = length
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self._offsets = torch.arange(length, device=device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == len(self.keys):
+            rows, heads, _, dim = key_states.shape
+            self.keys.append(key_states.new_zeros(rows, heads, self.length, dim))
+            self.values.append(value_states.new_zeros(rows, heads, self.length, value_states.shape[-1]))
+        slots = self.position + self._offsets[: key_states.shape[-2]]
+        self.keys[layer_idx].index_copy_(2, slots, key_states)
+        self.values[layer_idx].index_copy_(2, slots, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise RuntimeError(
+            "StaticDecoder passes position_ids on every call: nothing should ask the cache's length"
+        )
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def nucleus_sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """One token per row of `logits` ``[rows, vocab]`` as ``generate`` samples it (temperature, then top-p
+    keeping at least one token), drawn as ``argmax(p / E)`` with exponential noise: no host work."""
+    scores = logits.float() / temperature
+    if top_p < 1.0:
+        ascending, order = scores.sort(dim=-1)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - top_p
+        drop[:, -1] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    probabilities = scores.softmax(dim=-1)
+    noise = torch.empty_like(probabilities).exponential_()
+    return (probabilities / noise).argmax(dim=-1)
+
+
+def _cache_keyword(model) -> str:
+    """What the causal LM calls its KV cache argument: ``cache`` from transformers 5.2x, else
+    ``past_key_values``."""
+    base, _ = _config(model)
+    parameters = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+class StaticDecoder:
+    """Samples up to `new_tokens` tokens for each of `rows` left-padded prompts of `width` tokens.
+
+    ``choose(logits) -> token ids`` picks each step's tokens (default `nucleus_sample` at `temperature` and
+    `top_p`). `decode(input_ids, attention_mask)` returns ``[rows, new_tokens]`` ids, `pad` after each
+    row's first stop token. On CUDA the decode steps replay one graph (`graph`), released when `decode`
+    returns (its memory pool with it: the training step after a rollout gets the memory back).
+    """
+
+    def __init__(
+        self,
+        model,
+        rows: int,
+        width: int,
+        new_tokens: int,
+        stops: set[int],
+        pad: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        choose=None,
+    ) -> None:
+        if new_tokens < 1:
+            raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.rows, self.width, self.new_tokens = rows, width, new_tokens
+        self.choose = choose or (lambda logits: nucleus_sample(logits, temperature, top_p))
+        self.pad = pad
+        self.stops = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.closed = torch.finfo(self.dtype).min
+        self._cache_keyword = _cache_keyword(model)
+        device = self.device
+        self.cache = StaticKVCache(width + new_tokens, device)
+        self.tokens = torch.full((rows, 1), pad, dtype=torch.long, device=device)
+        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.window = attention_window(model) or None
+        self.slots = torch.arange(width + new_tokens, device=device)
+        self.real = torch.ones((rows, width + new_tokens), dtype=torch.bool, device=device)  # not a pad slot
+        self.mask = torch.full((rows, 1, 1, width + new_tokens), self.closed, dtype=self.dtype, device=device)
+        self.output = torch.full((rows, new_tokens), pad, dtype=torch.long, device=device)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.step_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph = None
+        self.stats = dict(eager_steps=0, replays=0)
+
+    def _forward(self, input_ids, position_ids, attention_mask) -> torch.Tensor:
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_keyword: self.cache},
+        )
+        return output.logits[:, -1]
+
+    def _take(self, logits: torch.Tensor) -> None:
+        """Record the step's tokens (`pad` for finished rows) and advance every counter, on the device."""
+        chosen = torch.where(self.finished, self.pad, self.choose(logits))
+        self.output.index_copy_(1, self.step_index, chosen[:, None])
+        self.finished |= torch.isin(chosen, self.stops)
+        self.tokens.copy_(chosen[:, None])
+        self.step_index += 1
+
+    def _open_slots(self) -> None:
+        """The step's mask: every real slot up to the new token's, within the window."""
+        visible = self.real & (self.slots <= self.cache.position)
+        if self.window is not None:
+            visible &= self.cache.position - self.slots < self.window
+        self.mask.fill_(self.closed).masked_fill_(visible[:, None, None], 0.0)
+
+    def _step(self) -> None:
+        """One decode step: the new token's slot opens, the model reads it, the next token is drawn."""
+        self._open_slots()
+        logits = self._forward(self.tokens, self.positions, self.mask)
+        self.cache.position += 1
+        self.positions += 1
+        self._take(logits)
+
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        rows, width = input_ids.shape
+        if (rows, width) != (self.rows, self.width):
+            raise ValueError(f"StaticDecoder for {self.rows} x {self.width} prompts got {rows} x {width}")
+        real = attention_mask.to(device=self.device, dtype=torch.bool)
+        slots = torch.arange(width + self.new_tokens, device=self.device)
+        queries = torch.arange(width, device=self.device)
+        keys_real = torch.nn.functional.pad(real, (0, self.new_tokens))  # [rows, slots]
+        sees = (slots[None, :] <= queries[:, None])[None] & keys_real[:, None, :]
+        if self.window is not None:
+            sees &= (queries[:, None] - slots[None, :] < self.window)[None]
+        sees |= (slots[None, :] == queries[:, None])[None]  # a pad query sees itself: no empty softmax row
+        prefill_mask = torch.zeros(sees.shape, dtype=self.dtype, device=self.device)
+        prefill_mask.masked_fill_(~sees, self.closed)
+        positions = (real.long().cumsum(-1) - 1).clamp_min(0)
+        self.cache.position.zero_()
+        logits = self._forward(input_ids.to(self.device), positions, prefill_mask[:, None])
+        self.real[:, :width] = real
+        self.cache.position.fill_(width)
+        self.positions.copy_(positions[:, -1:] + 1)
+        self.finished.zero_()
+        self.step_index.zero_()
+        self.output.fill_(self.pad)
+        self._take(logits)
+
+    def _all_finished(self) -> bool:
+        return bool(self.finished.all())
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self._prefill(input_ids, attention_mask)
+        remaining = self.new_tokens - 1
+        graphs = self.device.type == "cuda" and remaining > 3
+        try:
+            done = 0
+            if graphs:
+                side = _warmup_stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):  # the warm-up steps are real steps
+                    for _ in range(2):
+                        self._step()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                self.stats["eager_steps"] += 2
+                done = 2
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self._step()
+                self.graph = graph
+            while done < remaining:
+                if done % _FINISHED_CHECK_EVERY == 0 and self._all_finished():
+                    break
+                if self.graph is not None:
+                    self.graph.replay()
+                    self.stats["replays"] += 1
+                else:
+                    self._step()
+                    self.stats["eager_steps"] += 1
+                done += 1
+        finally:
+            self.graph = None
+        return self.output.clone()
+
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "StaticDecoder",
+    "StaticKVCache",
+    "attention_window",
+    "nucleus_sample",
+    "supports",
+]
