@@ -34,6 +34,8 @@ class ModelState:
     ``profile``: the `fastft.training.timing.StepProfile` whose hooks the model carries (one at a time).
     ``routers``: the `fastft.runtime.routing.RouterCollector` the model's MoE layers record their router
     logits into while the loss collects them (always present: it holds nothing between forwards).
+    ``decode_graphs``: whether GRPO's rollouts replay their decode steps as CUDA graphs
+    (`fastft.training.decode`); False once a capture failed on this model, so later rollouts do not retry.
     """
 
     lora: Any = None  # fastft.models.lora.LoraSettings (a higher layer's type)
@@ -42,6 +44,7 @@ class ModelState:
     offload: ActivationOffloader | None = None
     profile: Any = None  # fastft.training.timing.StepProfile (a higher layer's type)
     routers: RouterCollector = field(default_factory=RouterCollector)
+    decode_graphs: bool = True
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -31,10 +31,12 @@ the others (hybrid layers, attention sinks) sample through ``generate``.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 
-from fastft.training.graph import _warmup_stream
+from fastft.runtime.state import model_state
+from fastft.training.graph import GraphCaptureWarning, _warmup_stream
 
 # decoders whose layers write their KV through `cache.update(key, value, layer_idx, ...)`, rotate with the
 # given position ids and read a 4D additive mask as it is; each is checked against a full forward in
@@ -234,6 +236,25 @@ class StaticDecoder:
         self.output.fill_(self.pad)
         self._take(logits)
 
+    def _capture(self, state) -> torch.cuda.CUDAGraph | None:
+        """One decode step captured (not run), or None after a failed capture: the decoding goes on eagerly,
+        and so do this model's later rollouts (`ModelState.decode_graphs`), with one warning."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread-local: the studio trains in a background thread while the notebook's thread stays free
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._step()
+        except Exception as error:  # noqa: BLE001 - a host sync or an op a graph cannot hold
+            state.decode_graphs = False
+            warnings.warn(
+                f"CUDA graph capture of a decode step failed ({type(error).__name__}: {error}); this model's "
+                "rollouts decode eagerly from now on.",
+                GraphCaptureWarning,
+                stacklevel=3,
+            )
+            return None
+        return graph
+
     def _all_finished(self) -> bool:
         return bool(self.finished.all())
 
@@ -241,7 +262,8 @@ class StaticDecoder:
     def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         self._prefill(input_ids, attention_mask)
         remaining = self.new_tokens - 1
-        graphs = self.device.type == "cuda" and remaining > 3
+        state = model_state(self.model)
+        graphs = self.device.type == "cuda" and remaining > 3 and state.decode_graphs
         try:
             done = 0
             if graphs:
@@ -253,10 +275,7 @@ class StaticDecoder:
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 self.stats["eager_steps"] += 2
                 done = 2
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self._step()
-                self.graph = graph
+                self.graph = self._capture(state)
             while done < remaining:
                 if done % _FINISHED_CHECK_EVERY == 0 and self._all_finished():
                     break
