@@ -35,9 +35,11 @@ __all__ = [
     "explain",
 ]  # Run and explain: imported here before run_control existed
 
-# The Run tab's method choice: value → label. A method the trainer gains (GRPO) is one more entry here; any
-# method but "sft" trains on preference pairs (the Data tab packs them with `fastft.pack_pairs`).
-METHODS = {"sft": "SFT", "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO"}
+# The Run tab's method choice: value → label. The preference methods train on pairs (the Data tab packs them
+# with `fastft.pack_pairs`); GRPO on the loaded rows' prompts, scored by the chosen rewards
+# (`fastft.studio.grpo`).
+METHODS = {"sft": "SFT", "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO", "grpo": "GRPO"}
+PREFERENCE_METHODS = ("dpo", "orpo", "simpo")
 DPO_LOSSES = {"sigmoid": "sigmoid", "ipo": "IPO", "robust": "robust"}
 
 
@@ -75,6 +77,7 @@ class RunPanel(Panel):
         import ipywidgets as widgets
 
         from fastft.report.figures import phases_figure, run_dashboard_figure
+        from fastft.studio.grpo import GRPOControls, grpo_figure
         from fastft.studio.preference import preference_figure
 
         self.state = state if state is not None else StudioState()
@@ -93,6 +96,10 @@ class RunPanel(Panel):
         self.preference_series = SeriesBuffer(
             ("rewards_chosen", "rewards_rejected", "margin", "accuracy"), max_points
         )
+        self.max_points = max_points
+        self.grpo_series = SeriesBuffer(("reward", "kl", "completion_length", "accuracy"), max_points)
+        self._grpo_rewards: list[str] = []  # the running GRPO run's reward names, as its series hold them
+        self._shown_rollout = None
         self._ema = Ema(0.9)
 
         style = {"description_width": "11em"}  # "grad accumulation", "eval every (0: end)" in full
@@ -123,6 +130,7 @@ class RunPanel(Panel):
             style=style,
             layout=field("18em", max_width="28em"),
         )
+        self.grpo = GRPOControls(style, lambda: field("18em", max_width="28em"))
         self.steps = widgets.BoundedIntText(
             value=60, min=1, max=10_000_000, description="steps", style=style, layout=wide
         )
@@ -162,6 +170,8 @@ class RunPanel(Panel):
         self.code_preview = widgets.HTML("")
         self.plots = LiveFigure(run_dashboard_figure(), self.mode)
         self.preference_plots = LiveFigure(preference_figure(), self.mode)
+        self.grpo_plots = LiveFigure(grpo_figure(), self.mode)
+        self.rollouts = widgets.HTML("")  # the latest rollout: prompts, completions, rewards, advantages
         self.timing_figure = LiveFigure(phases_figure([], []), self.mode)
         self.timing_table = widgets.HTML("")
 
@@ -169,6 +179,7 @@ class RunPanel(Panel):
             self.method,
             self.beta,
             self.dpo_loss,
+            *self.grpo.widgets,
             self.steps,
             self.learning_rate,
             self.micro_batch_bins,
@@ -230,6 +241,8 @@ class RunPanel(Panel):
                 self.status,
                 self.plots.widget,
                 self.preference_plots.widget,
+                self.grpo_plots.widget,
+                self.rollouts,
                 timing,
                 code,
             ]
@@ -242,7 +255,12 @@ class RunPanel(Panel):
 
     # -- settings and code ---------------------------------------------------------------------------
     def train_config(self):
-        """The `TrainConfig` the controls describe (its errors name the field and the fix)."""
+        """The `TrainConfig` the controls describe, a `GRPOConfig` for GRPO (its errors name the field and
+        the fix)."""
+        if self.method.value == "grpo":
+            from fastft.training.grpo import GRPOConfig
+
+            return GRPOConfig(**self._config_kwargs())
         from fastft.training.trainer import TrainConfig
 
         return TrainConfig(**self._config_kwargs())
@@ -260,6 +278,10 @@ class RunPanel(Panel):
             output_dir=self.output_dir.value.strip() or None,
         )
         method = self.method.value
+        if method == "grpo":  # a rollout is one micro-batch set of its own; GRPO has no eval loss
+            for name in ("micro_batch_bins", "grad_accum_steps", "eval_every"):
+                del kwargs[name]
+            return kwargs | self.grpo.config_kwargs()
         if method != "sft":
             kwargs["method"] = method
             kwargs["beta"] = float(self.beta.value)
@@ -269,8 +291,8 @@ class RunPanel(Panel):
 
     @property
     def preference(self) -> bool:
-        """Whether the chosen method trains on preference pairs (every method but SFT)."""
-        return self.method.value != "sft"
+        """Whether the chosen method trains on preference pairs (DPO, ORPO, SimPO)."""
+        return self.method.value in PREFERENCE_METHODS
 
     def _on_method(self, change) -> None:
         new, old = self._default_beta.get(change["new"]), self._default_beta.get(change["old"])
@@ -280,9 +302,15 @@ class RunPanel(Panel):
 
     def _show_method_controls(self) -> None:
         method = self.method.value
-        self.beta.layout.display = None if method != "sft" else "none"
+        grpo = method == "grpo"
+        self.beta.layout.display = None if self.preference else "none"
         self.dpo_loss.layout.display = None if method == "dpo" else "none"
-        self.preference_plots.widget.layout.display = None if method != "sft" else "none"
+        self.grpo.show(grpo)
+        for control in (self.micro_batch_bins, self.grad_accum_steps, self.eval_every):
+            control.layout.display = "none" if grpo else None
+        self.preference_plots.widget.layout.display = None if self.preference else "none"
+        self.grpo_plots.widget.layout.display = None if grpo else "none"
+        self.rollouts.layout.display = None if grpo else "none"
 
     def code(self) -> str:
         """The plain-Python equivalent of this run, from loading the model to training (runs as is)."""
@@ -313,6 +341,24 @@ class RunPanel(Panel):
         ]
         if pack.chat_template != "tokenizer":
             lines.append(f"# chat template: {pack.chat_template} (as chosen in the Data tab)")
+        if self.method.value == "grpo":
+            from fastft.studio.grpo import REWARDS
+
+            made = ", ".join(REWARDS[key][1] for key in self.grpo.reward_keys)
+            lines.append(f"rewards = [{made}]")
+            shown = {"temperature": 1.0, "kl_coef": 0.0}  # GRPOConfig's defaults: left out of the call
+            lines.append(
+                call_code(
+                    "result",
+                    "fastft.grpo",
+                    ["model", "tokenizer", "rows", "rewards"],
+                    {k: v for k, v in config.items() if v is not None and not (k in shown and shown[k] == v)},
+                )
+            )
+            lines.append(
+                "print(result.steps[-1].grpo)  # reward (per function), KL, completion length, accuracy"
+            )
+            return "\n".join(lines) + "\n"
         if self.preference:
             lines.append(
                 call_code("data", "fastft.pack_pairs", ["rows", "tokenizer"], {"max_seq_length": int(seq)})
@@ -373,7 +419,7 @@ class RunPanel(Panel):
         packed = self.state.packed
         bins = len(packed) if packed is not None and hasattr(packed, "__len__") else None
         per_step = config.micro_batch_bins * config.grad_accum_steps
-        if bins is not None and per_step > bins:
+        if config.method != "grpo" and bins is not None and per_step > bins:
             found.append(
                 (
                     "error",
@@ -408,6 +454,8 @@ class RunPanel(Panel):
         from fastft.data.pairs import PackedPairs
 
         state = self.state
+        if method == "grpo":
+            return self._grpo_problems()
         if state.packed is not None:
             pairs = isinstance(state.packed, PackedPairs)
         elif state.rows is not None and hasattr(state.rows, "column_names"):
@@ -432,6 +480,38 @@ class RunPanel(Panel):
                     "or SimPO as the method, or load chat data in the Data tab.",
                 )
             ]
+        return []
+
+    def _grpo_problems(self) -> list[tuple[str, str]]:
+        """GRPO needs prompt rows (a 'prompt' or 'messages' column, not pairs), at least one reward, and the
+        columns the chosen rewards read."""
+        from fastft.data.rewards import RewardError, check_columns
+        from fastft.studio.grpo import reward_functions
+
+        rows = self.state.rows
+        if not self.grpo.reward_keys:
+            return [("error", "GRPO needs a reward to score completions. Fix: pick at least one in rewards.")]
+        if rows is None:
+            return [
+                (
+                    "error",
+                    "GRPO samples from the loaded rows' prompts, but no rows are loaded. Fix: load a dataset "
+                    "in the Data tab (bundled:skills has prompts and answers).",
+                )
+            ]
+        columns = list(getattr(rows, "column_names", None) or (rows[0] if len(rows) else {}))
+        if "pair" in columns or not ({"prompt", "messages", "prompt_ids"} & set(columns)):
+            return [
+                (
+                    "error",
+                    "GRPO samples completions of prompts, but the loaded rows have no 'prompt' or 'messages' "
+                    "column. Fix: load chat rows or rows with a 'prompt' in the Data tab.",
+                )
+            ]
+        try:
+            check_columns(reward_functions(self.grpo.reward_keys), columns)
+        except RewardError as error:
+            return [("error", f"{error} Or pick rewards these rows can feed (format, length penalty).")]
         return []
 
     def _update_checks(self) -> None:
@@ -468,7 +548,8 @@ class RunPanel(Panel):
             raise RuntimeError(
                 "No model yet. Fix: load one in the Model tab (or fastft.load_model + add_lora)."
             )
-        if state.packed is None:
+        grpo = self.method.value == "grpo"
+        if state.packed is None and not grpo:
             raise RuntimeError(
                 "No packed data yet. Fix: load and pack a dataset in the Data tab (fastft.pack)."
             )
@@ -484,7 +565,13 @@ class RunPanel(Panel):
         eval_data = getattr(state, "eval_packed", None)
         notes = [text for kind, text in found if kind == "warn"]
         notes += self._fit_warning(config)
-        run = Run(state.model, state.tokenizer, state.packed, eval_data, config)
+        if grpo:
+            from fastft.studio.grpo import reward_functions
+
+            rewards = reward_functions(self.grpo.reward_keys)
+            run = Run(state.model, state.tokenizer, state.rows, None, config, rewards=rewards)
+        else:
+            run = Run(state.model, state.tokenizer, state.packed, eval_data, config)
         state.run = run
         self._attach(run)
         self._show(" ".join(notes), "warn")
@@ -584,6 +671,8 @@ class RunPanel(Panel):
             self.series.clear()
             self.eval_series.clear()
             self.preference_series.clear()
+            self._shown_rollout = None
+            self.rollouts.value = ""
             self._ema = Ema(0.9)
             self._seen = 0
             self._last_timing = 0.0
@@ -594,12 +683,23 @@ class RunPanel(Panel):
             self.plots.replace(
                 run_dashboard_figure(max_steps=max_steps, memory_kind="cuda" if cuda else "cpu-rss")
             )
-            preference = getattr(run.config, "method", "sft") != "sft"
+            method = getattr(run.config, "method", "sft")
+            preference = method in PREFERENCE_METHODS
             self.preference_plots.widget.layout.display = None if preference else "none"
             if preference:
                 from fastft.studio.preference import preference_figure
 
                 self.preference_plots.replace(preference_figure(max_steps=max_steps))
+            grpo = method == "grpo"
+            self.grpo_plots.widget.layout.display = None if grpo else "none"
+            self.rollouts.layout.display = None if grpo else "none"
+            if grpo:
+                from fastft.data.rewards import reward_name
+                from fastft.studio.grpo import grpo_figure
+
+                self._grpo_rewards = [reward_name(r) for r in run.rewards or ()]
+                self.grpo_series = SeriesBuffer(self._grpo_columns(), self.max_points)
+                self.grpo_plots.replace(grpo_figure(self._grpo_rewards, max_steps=max_steps))
 
     def refresh(self, final: bool = False) -> None:
         """Move new events into the plots, progress and status (called by the ticker a few times a second)."""
@@ -624,10 +724,13 @@ class RunPanel(Panel):
                         self.preference_series.append(
                             event.step, **{k: v for k, v in event.preference.items() if k != "pairs"}
                         )
+                    if event.grpo:
+                        self.grpo_series.append(event.step, **event.grpo)
                 elif isinstance(event, EvalEvent):
                     self.eval_series.append(event.step, eval_loss=event.eval_loss)
             if new or final:
                 self._draw()
+                self._show_rollout(run)
             self._update_progress()
             now = time.monotonic()
             if final or now - self._last_timing >= self.TIMING_EVERY:
@@ -639,6 +742,7 @@ class RunPanel(Panel):
             if final:
                 self.plots.flush()
                 self.preference_plots.flush()
+                self.grpo_plots.flush()
                 self.timing_figure.flush()
 
     def _draw(self) -> None:
@@ -654,6 +758,10 @@ class RunPanel(Panel):
                 5: (x, s.column("memory_gib")),
             }
         )
+        g = self.grpo_series
+        if len(g) and g.columns[1:] == self._grpo_columns():
+            gx = g.column("x")
+            self.grpo_plots.set_data({i: (gx, g.column(name)) for i, name in enumerate(self._grpo_columns())})
         p = self.preference_series
         if len(p):
             px = p.column("x")
@@ -665,6 +773,22 @@ class RunPanel(Panel):
                     3: (px, p.column("accuracy")),
                 }
             )
+
+    def _grpo_columns(self) -> tuple[str, ...]:
+        """The GRPO series' columns in `fastft.studio.grpo.grpo_figure`'s trace order."""
+        per_function = (f"reward/{name}" for name in self._grpo_rewards)
+        return ("reward", *per_function, "kl", "completion_length", "accuracy")
+
+    def _show_rollout(self, run: Run) -> None:
+        """The rollouts inspector: redrawn when the trainer has a new rollout."""
+        rollout = getattr(run.trainer, "last_rollout", None)
+        if rollout is None or rollout is self._shown_rollout:
+            return
+        from fastft.studio.grpo import rollout_html
+
+        self._shown_rollout = rollout
+        group = run.config.num_generations
+        self.rollouts.value = rollout_html(rollout, self._grpo_rewards, group, step=run.step or None)
 
     def _update_progress(self) -> None:
         run = self.run
@@ -705,6 +829,11 @@ class RunPanel(Panel):
         if recent and recent[-1].preference:
             metrics = recent[-1].preference
             parts.append(f"accuracy {metrics['accuracy']:.0%} · margin {metrics['margin']:+.3f}")
+        if recent and recent[-1].grpo:
+            metrics = recent[-1].grpo
+            parts.append(f"reward {metrics['reward']:+.3f}")
+            if "accuracy" in metrics:
+                parts.append(f"accuracy {metrics['accuracy']:.0%}")
         evals = [e for e in run.events[-50:] if isinstance(e, EvalEvent)]
         if evals:
             parts.append(f"eval loss {evals[-1].eval_loss:.4f}")

@@ -28,7 +28,8 @@ _ACTIVE = ("starting", "running", "paused", "stopping")
 class Run:
     """One training run of `model` on `train_data`, on a background thread.
 
-    Arguments are `fastft.Trainer`'s; the trainer is built on the training thread when `start()`
+    Arguments are `fastft.Trainer`'s (with `rewards`, a `GRPOTrainer`'s: `train_data` are the prompt rows and
+    `config` a `GRPOConfig`); the trainer is built on the training thread when `start()`
     is called (choosing the attention backend can take a moment on a GPU) and is then ``.trainer``.
     ``.events`` lists every `StepEvent` / `EvalEvent` so far; ``.result`` is the trainer's
     `TrainResult` (partial while running); ``.error`` the exception that ended it, if any, and
@@ -36,8 +37,11 @@ class Run:
     "paused", "stopping", then "finished", "stopped" or "failed".
     """
 
-    def __init__(self, model, tokenizer, train_data, eval_data=None, config=None, *, trainer=None):
+    def __init__(
+        self, model, tokenizer, train_data, eval_data=None, config=None, *, trainer=None, rewards=None
+    ):
         self.model, self.tokenizer = model, tokenizer
+        self.rewards = rewards  # GRPO's reward functions (a GRPOConfig run: `train_data` are prompt rows)
         self.train_data, self.eval_data = train_data, eval_data
         self.config = config if config is not None else getattr(trainer, "config", None)
         self.trainer = trainer
@@ -214,7 +218,13 @@ class Run:
     # -- the training thread ---------------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            if self.trainer is None:
+            if self.trainer is None and self.rewards is not None:
+                from fastft.training.grpo import GRPOTrainer
+
+                self.trainer = GRPOTrainer(
+                    self.model, self.tokenizer, self.train_data, self.rewards, self.config
+                )
+            elif self.trainer is None:
                 from fastft.training.trainer import Trainer
 
                 self.trainer = Trainer(

@@ -467,3 +467,67 @@ def test_a_dpo_run_from_the_run_tab_plots_rewards_margin_and_accuracy(tmp_path):
     assert abs(float(figure.data[2].y[-1]) - last["margin"]) < 1e-5
     assert abs(float(figure.data[3].y[-1]) - last["accuracy"]) < 1e-6
     assert "accuracy" in panel._status_line() and "margin" in panel._status_line()
+
+
+def test_a_grpo_run_from_the_run_tab_plots_rewards_and_shows_the_rollouts(tmp_path):
+    """GRPO from the Run tab on the loaded skills rows (no packing): its own settings replace the SFT-only
+    ones, the code preview is a runnable `fastft.grpo` call, a rewards choice the rows cannot feed is named
+    before Start, and the run plots the reward of each function and shows the latest rollout's completions
+    with their rewards and advantages."""
+    state = StudioState()
+    _loaded(ModelPanel(state))
+    state.rows = fastft.load_dataset("bundled:skills").select(range(16))
+    state.dataset_name = "bundled:skills"
+    panel = RunPanel(state, live="text")
+    assert (
+        panel.grpo_plots.widget.layout.display == "none" and panel.grpo.generations.layout.display == "none"
+    )
+    assert "GRPO" in [label for label, _ in panel.method.options]
+    panel.method.value = "grpo"
+    assert panel.grpo.generations.layout.display is None and panel.micro_batch_bins.layout.display == "none"
+    assert panel.beta.layout.display == "none" and panel.grpo_plots.widget.layout.display is None
+    assert _text(panel.checks) == ""  # rows, not a pack: GRPO samples the prompts itself
+    panel.grpo.rewards.value = ("content_match", "length")
+    panel.grpo.generations.value = 3
+    panel.grpo.prompts_per_step.value = 2
+    panel.grpo.max_new_tokens.value = 6
+    panel.steps.value = 2
+    panel.warmup.value = 0
+    panel.output_dir.value = ""
+    code = panel.code()
+    assert "rewards = [fastft.rewards.content_match, fastft.rewards.length_penalty()]" in code
+    call = code[code.index("result = fastft.grpo(") :]
+    assert [a.strip() for a in call.split("\n")[1:5]] == ["model,", "tokenizer,", "rows,", "rewards,"]
+    assert "num_generations=3," in call and "max_new_tokens=6," in call
+    assert "micro_batch_bins" not in code and "save_every" not in code
+    compile(code, "run.py", "exec")
+    config = panel.train_config()
+    assert type(config).__name__ == "GRPOConfig" and config.num_generations == 3
+
+    state.rows = state.rows.remove_columns("answer")
+    state.notify("rows")
+    assert "needs the column 'answer'" in _text(panel.checks)
+    panel.start_button.click()
+    assert panel.run is None and "Cannot start" in _text(panel.status)
+    state.rows = fastft.load_dataset("bundled:skills").select(range(16))
+    state.notify("rows")
+    assert _text(panel.checks) == ""
+
+    panel.start_button.click()
+    assert panel.run is not None, _text(panel.status)
+    panel.wait(WAIT)
+    assert panel.run.error is None, panel.run.error_message
+    assert len(panel.grpo_series) == 2
+    figure = panel.grpo_plots.figure
+    names = [t.name for t in figure.data]
+    assert names == ["reward", "reward/content_match", "reward/length", "kl", "completion length", "accuracy"]
+    last = [e for e in panel.run.events if getattr(e, "grpo", None)][-1].grpo
+    assert abs(float(figure.data[0].y[-1]) - last["reward"]) < 1e-5
+    assert abs(float(figure.data[2].y[-1]) - last["reward/length"]) < 1e-5
+    assert abs(float(figure.data[4].y[-1]) - last["completion_length"]) < 1e-4
+    shown = _text(panel.rollouts)
+    rollout = panel.run.trainer.last_rollout
+    assert "Latest rollout (step 2)" in shown and "2 of 2 prompts, 3 completions each" in shown
+    assert html.escape(rollout.completions[0][:40]) in panel.rollouts.value
+    assert f"{rollout.advantages[0]:+.2f}" in shown and "content_match" in shown
+    assert "reward" in panel._status_line()

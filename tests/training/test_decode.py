@@ -179,6 +179,30 @@ def test_gpu_decode_steps_replay_one_graph_that_draws_what_eager_steps_draw():
     assert torch.equal(sampled, sampled_again)
 
 
+@gpu
+@needs_cuda
+def test_gpu_a_decode_step_no_graph_can_hold_decodes_eagerly_with_one_warning():
+    from fastft.runtime.state import model_state
+    from fastft.training.graph import GraphCaptureWarning
+
+    model, _ = _model("tiny-llama", device="cuda", dtype=torch.bfloat16)
+    ids, mask = _left_padded([[3, 4, 5, 6, 7], [8, 9]], 0)
+
+    def syncing(logits):
+        logits.sum().item()  # a host read: a graph capture cannot hold it
+        return logits.argmax(-1)
+
+    decoder = StaticDecoder(model, 2, 5, 12, stops={-1}, pad=0, choose=syncing)
+    with pytest.warns(GraphCaptureWarning, match="decode eagerly"):
+        output = decoder.decode(ids.cuda(), mask.cuda())
+    assert decoder.stats == dict(eager_steps=11, replays=0) and not model_state(model).decode_graphs
+    greedy = StaticDecoder(model, 2, 5, 12, stops={-1}, pad=0, choose=lambda logits: logits.argmax(-1))
+    assert torch.equal(output, _eager(greedy, ids.cuda(), mask.cuda()))
+    later = StaticDecoder(model, 2, 5, 12, stops={-1}, pad=0, choose=lambda logits: logits.argmax(-1))
+    later.decode(ids.cuda(), mask.cuda())  # the model's later rollouts do not try again
+    assert later.stats["replays"] == 0
+
+
 def _eager(decoder, ids, mask):
     """`StaticDecoder.decode` with every step eager (the reference the graph must match)."""
     with torch.no_grad():
