@@ -72,6 +72,12 @@ def estimate_vram(
     sharding: str = "ddp",
     method: str = "sft",
     precompute_reference: bool = False,
+    generations: int = 8,
+    prompts_per_step: int = 4,
+    completion_tokens: int = 64,
+    generation_batch_size: int | None = None,
+    kl_coef: float = 0.0,
+    num_iterations: int = 1,
 ) -> VramEstimate:
     """Estimate the GPU memory of LoRA/QLoRA training with fastft's trainer, component by component.
 
@@ -106,7 +112,32 @@ def estimate_vram(
     to the loss phase; DPO adds its reference pass (the adapters off, no autograd: one layer's forward at a
     time and one log-prob chunk, before the policy's forward), which `precompute_reference` removes from
     the step.
+
+    ``method="grpo"``: `seq_len` is a prompt and its completion, `completion_tokens` the completion (as
+    `GRPOConfig.max_new_tokens`); `generations` (G), `prompts_per_step`, `generation_batch_size`, `kl_coef`
+    and `num_iterations` are `GRPOConfig`'s. The step has a phase of its own before the update, the rollout:
+    the static decoder's KV cache for every sampled row (``prompts × G`` rows of `seq_len` slots, all layers,
+    16-bit) with the larger of its prefill (one layer's forward over the prompts, their 4D mask, the last
+    position's logits) and a decode step (the rows' logits and top-p's sort), and on 4/8-bit bases one
+    dequantised weight; the cache is freed before training. The update trains the completions packed
+    (`batch_tokens` defaults to all of the step's rows at full length, as ``micro_batch_tokens=None`` packs
+    them), only completion tokens carrying a target, with the per-target log-probs; a KL to the reference or
+    more than one update per rollout adds one no-autograd pass (as DPO's reference pass).
     """
+    if method == "grpo":
+        rollout = _Rollout.of(
+            seq_len,
+            generations,
+            prompts_per_step,
+            completion_tokens,
+            generation_batch_size,
+            kl_coef,
+            num_iterations,
+        )
+        batch_tokens = rollout.step_rows * seq_len if batch_tokens is None else batch_tokens
+        trained_fraction = min(trained_fraction, completion_tokens / seq_len)
+    else:
+        rollout = None
     sides = _sides_per_unit(method, precompute_reference)
     if batch_tokens is not None and batch_tokens < sides * seq_len:
         raise VramEstimateError(
@@ -134,16 +165,43 @@ def estimate_vram(
     adapters = _adapters(run)
     stored = _stored_activations(run, notes)
     loss_phase = _logits_and_loss(run)
-    if method != "sft":
+    if method in PREFERENCE_METHODS:
         loss_phase = _with_log_prob_sums(run, loss_phase)
         notes.append(f"{method}: micro-batches of whole pairs, {run.tokens:,} tokens (both sides)")
     reference = _reference_pass(run, stored) if method == "dpo" and not precompute_reference else None
+    rollout_bytes = None
+    if rollout is not None:
+        loss_phase = _with_log_prob_sums(run, loss_phase)
+        if rollout.reference_pass:
+            reference = _reference_pass(run, stored)
+        rollout_bytes = _rollout_bytes(run, stored, rollout)
+        notes.append(
+            f"grpo: rollouts of {rollout.rows} rows ({rollout.prompts} prompts × G={rollout.generations}) of "
+            f"{seq_len:,} tokens ({completion_tokens:,} sampled); the update trains {run.tokens:,} tokens a "
+            "micro-batch"
+        )
     workspace = _workspace(run)
     backward = _backward_phase(run, stored, adapters)
-    estimate = _assemble(run, weights, adapters, stored, loss_phase, workspace, backward, notes, reference)
+    estimate = _assemble(
+        run, weights, adapters, stored, loss_phase, workspace, backward, notes, reference, rollout_bytes
+    )
     estimate = replace(
         estimate,
-        settings=replace(estimate.settings, method=method, precompute_reference=precompute_reference),
+        settings=replace(
+            estimate.settings,
+            method=method,
+            precompute_reference=precompute_reference,
+            rollout=()
+            if rollout is None
+            else (
+                ("generations", generations),
+                ("prompts_per_step", prompts_per_step),
+                ("completion_tokens", completion_tokens),
+                ("generation_batch_size", generation_batch_size),
+                ("kl_coef", kl_coef),
+                ("num_iterations", num_iterations),
+            ),
+        ),
     )
     if world_size == 1 and sharding == "ddp":
         return estimate
@@ -158,14 +216,83 @@ PREFERENCE_METHODS = ("dpo", "orpo", "simpo")
 
 
 def _sides_per_unit(method: str, precompute_reference: bool) -> int:
-    """Sequences one `seq_len` unit of a micro-batch holds: 1 for SFT, a pair's 2 for a preference method."""
-    if method not in ("sft", *PREFERENCE_METHODS):
-        raise VramEstimateError(f"method={method!r} is not one of sft, {', '.join(PREFERENCE_METHODS)}.")
+    """Sequences one `seq_len` unit of a micro-batch holds: 1 for SFT and GRPO, a pair's 2 for a preference
+    method."""
+    if method not in ("sft", "grpo", *PREFERENCE_METHODS):
+        raise VramEstimateError(
+            f"method={method!r} is not one of sft, {', '.join(PREFERENCE_METHODS)}, grpo."
+        )
     if precompute_reference and method != "dpo":
         raise VramEstimateError(
             f"precompute_reference=True applies to method='dpo' only ({method!r} has no reference pass)."
         )
-    return 1 if method == "sft" else 2
+    return 2 if method in PREFERENCE_METHODS else 1
+
+
+@dataclass(frozen=True)
+class _Rollout:
+    """A GRPO step's sampling: `rows` sequences decoded at once, `step_rows` trained per step."""
+
+    generations: int
+    prompts: int  # per generate call
+    step_rows: int
+    completion_tokens: int
+    reference_pass: bool  # a KL reference or an old-policy pass before the update
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.generations
+
+    @classmethod
+    def of(
+        cls, seq_len, generations, prompts_per_step, completion_tokens, generation_batch_size, kl, iterations
+    ):
+        for name, value, low in (
+            ("generations", generations, 1),
+            ("prompts_per_step", prompts_per_step, 1),
+            ("completion_tokens", completion_tokens, 1),
+            ("num_iterations", iterations, 1),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise VramEstimateError(f"{name}={value!r}: give a whole number of at least {low}.")
+        if completion_tokens >= seq_len:
+            raise VramEstimateError(
+                f"completion_tokens={completion_tokens} must be below seq_len={seq_len} (a prompt and its "
+                "completion): pass seq_len=prompt tokens + completion_tokens."
+            )
+        prompts = min(generation_batch_size or prompts_per_step, prompts_per_step)
+        return cls(
+            generations, prompts, prompts_per_step * generations, completion_tokens, kl > 0 or iterations > 1
+        )
+
+
+# top-p sampling of one decode step, bytes per row and vocabulary entry: the 16-bit logits, their fp32
+# scores, the ascending sort's values (fp32) and indices (int64), the cumulative probabilities (fp32), the
+# drop mask scattered back (2 bools), the probabilities and the exponential noise (fp32 each)
+_SAMPLING_BYTES_PER_LOGIT = 2 + 4 + 4 + 8 + 4 + 2 + 4 + 4
+
+
+def _rollout_bytes(run: ResolvedRun, stored: _Stored, rollout: _Rollout) -> int:
+    """The rollout's peak above what lives through the step (`fastft.training.decode.StaticDecoder`)."""
+    inventory, rows, length = run.inventory, rollout.rows, run.seq_len
+    width = length - rollout.completion_tokens  # the prompts' slots
+    residual = run.profile.residual
+    kv_cache = (
+        rows * length * inventory.num_layers * 2 * inventory.num_kv_heads * inventory.head_dim * residual
+    )
+    prefill_tokens = rows * width
+    prefill = (
+        (max(stored.per_layer, default=0) + 2 * run.layer_input) * prefill_tokens  # one layer's forward
+        + rows * width * length * residual  # the prompts' 4D additive mask
+        + rows * inventory.vocab_size * (residual + 4)  # the last position's logits
+    )
+    decode = rows * inventory.vocab_size * _SAMPLING_BYTES_PER_LOGIT + rows * length * (residual + 1)
+    dequantised = 0
+    if run.profile.quantized:
+        dequantised = (
+            max((lin.in_features * lin.out_features for lin in inventory.linears), default=0) * residual
+        )
+    return kv_cache + max(prefill, decode) + dequantised
 
 
 def _with_log_prob_sums(run: ResolvedRun, loss_entry: tuple[int, str]) -> tuple[int, str]:
@@ -505,6 +632,7 @@ def _assemble(
     backward: _Backward,
     notes: list[str],
     reference: int | None = None,
+    rollout: int | None = None,
 ) -> VramEstimate:
     inventory, profile, gpu_spec = run.inventory, run.profile, run.gpu
     weights, constants, weights_note = weights_entry
@@ -516,8 +644,10 @@ def _assemble(
     peak = "loss" if loss_phase > backward_phase else "backward"
     if reference is not None and reference > max(loss_phase, backward_phase):
         peak = "reference"  # nothing stored yet: the reference pass runs before the policy's forward
+    if rollout is not None and rollout > max(loss_phase, backward_phase, reference or 0):
+        peak = "rollout"  # GRPO's sampling, before anything of the update exists
     persistent = weights + constants + adapters.bytes + adapters.optimizer_bytes + attention_ws
-    allocated = persistent + max(loss_phase, backward_phase, reference or 0)
+    allocated = persistent + max(loss_phase, backward_phase, reference or 0, rollout or 0)
     transient = allocated - weights - constants
     slack = int(SLACK_FRACTION * transient) + SLACK_FLOOR_BYTES
     context = gpu_spec.context_bytes if gpu_spec else DEFAULT_CONTEXT_BYTES
@@ -569,7 +699,21 @@ def _assemble(
                     at_peak(reference, "reference"),
                     reference,
                     "reference",
-                    "DPO's reference forward, adapters off, no autograd: one layer or one log-prob chunk",
+                    "the reference forward, adapters off, no autograd: one layer or one log-prob chunk",
+                ),
+            )
+        ),
+        *(
+            ()
+            if rollout is None
+            else (
+                VramComponent(
+                    "rollout",
+                    "rollout (KV cache, sampling)",
+                    at_peak(rollout, "rollout"),
+                    rollout,
+                    "rollout",
+                    "GRPO's sampling: the static KV cache of every row, then prefill or one decode step",
                 ),
             )
         ),

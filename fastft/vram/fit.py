@@ -103,8 +103,10 @@ def fits(
     """Whether `model` trains at `seq_len` on `gpu`, and if not, which changes make it fit.
 
     Each fix is computed, not guessed: stronger checkpointing, the fused loss, a shorter `seq_len` (the
-    longest that fits), 4-bit weights, a lower LoRA rank, or 4-bit with offloaded checkpointing; only
-    changes whose estimate fits are returned, least intrusive first.
+    longest that fits), 4-bit weights, a lower LoRA rank, or 4-bit with offloaded checkpointing; for GRPO
+    (``method="grpo"``), instead of a shorter `seq_len`: one prompt's group per generate call, micro-batches
+    of one completion, a smaller group G, shorter completions. Only changes whose estimate fits are
+    returned, least intrusive first.
     """
     gpu_spec = _require_gpu(gpu)
     inventory = inventory_of(model)
@@ -127,7 +129,13 @@ def fits(
         "trained_fraction": s.trained_tokens / s.batch_tokens,
         "method": s.method,
         "precompute_reference": s.precompute_reference,
+        **dict(s.rollout),
     }
+    grpo = s.method == "grpo"
+    if grpo:  # the update's micro-batch follows the rollout's rows unless it was given
+        rows = dict(s.rollout)["prompts_per_step"] * dict(s.rollout)["generations"]
+        base["batch_tokens"] = None if s.batch_tokens == rows * s.seq_len else s.batch_tokens
+        base["trained_fraction"] = 1.0  # estimate_vram derives it from the completion's share
 
     def fix(description: str, changes: dict) -> Fix | None:
         trial = estimate_vram(
@@ -154,9 +162,12 @@ def fits(
                 {"fused": True, "loss": "auto"},
             )
         )
-    longest = max_context(inventory, gpu_spec, **{k: v for k, v in base.items() if k != "batch_tokens"})
-    if 0 < longest < seq_len:
-        found.append(fix(f"lower seq_len to {longest:,}", {"seq_len": longest, "batch_tokens": None}))
+    if grpo:
+        found += _grpo_fixes(fix, dict(s.rollout), seq_len)
+    else:
+        longest = max_context(inventory, gpu_spec, **{k: v for k, v in base.items() if k != "batch_tokens"})
+        if 0 < longest < seq_len:
+            found.append(fix(f"lower seq_len to {longest:,}", {"seq_len": longest, "batch_tokens": None}))
     rank = s.lora_r // 2
     while rank >= 1:  # the largest rank that fits
         lower = fix(f"lower lora_r to {rank}", {"lora_r": rank})
@@ -175,6 +186,41 @@ def fits(
                 )
             )
     return FitVerdict(False, estimate, tuple(f for f in found if f is not None))
+
+
+def _grpo_fixes(fix, rollout: dict, seq_len: int) -> list:
+    """GRPO's own ways to fit: sample one prompt's group per generate call, train smaller micro-batches,
+    a smaller group G, shorter completions (the largest that fit, halving)."""
+    found = []
+    if rollout["prompts_per_step"] > 1 and rollout["generation_batch_size"] != 1:
+        found.append(
+            fix("sample one prompt's group at a time (generation_batch_size=1)", {"generation_batch_size": 1})
+        )
+    found.append(
+        fix(
+            f"train in micro-batches of one completion (micro_batch_tokens={seq_len})",
+            {"batch_tokens": seq_len},
+        )
+    )
+    generations = rollout["generations"] // 2
+    while generations >= 2:
+        smaller = fix(f"a smaller group: num_generations={generations}", {"generations": generations})
+        if smaller is not None:
+            found.append(smaller)
+            break
+        generations //= 2
+    prompt = seq_len - rollout["completion_tokens"]
+    completion = rollout["completion_tokens"] // 2
+    while completion >= 1:
+        shorter = fix(
+            f"shorter completions: max_new_tokens={completion}",
+            {"seq_len": prompt + completion, "completion_tokens": completion},
+        )
+        if shorter is not None:
+            found.append(shorter)
+            break
+        completion //= 2
+    return found
 
 
 def _require_gpu(gpu) -> GpuSpec:

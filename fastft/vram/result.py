@@ -29,7 +29,7 @@ class VramComponent:
     label: str
     bytes: int
     own_bytes: int
-    phase: str  # "outside" (not torch's allocator), "persistent", "stored", "loss", "backward" or "reference"
+    phase: str  # "outside" (not torch's allocator), "persistent", "stored", "loss", "backward", "reference" or "rollout"
     note: str = ""
 
 
@@ -52,6 +52,9 @@ class VramSettings:
     sharding: str = "ddp"  # "ddp" (whole model on each GPU) or "fsdp" (FSDP2: weights and states split)
     method: str = "sft"  # or a preference method: micro-batches of whole pairs (`estimate_vram`)
     precompute_reference: bool = False  # DPO without its per-step reference pass
+    # GRPO (method "grpo"): estimate_vram's generations, prompts_per_step, completion_tokens,
+    # generation_batch_size, kl_coef and num_iterations, as given
+    rollout: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class VramEstimate:
     lora_parameters: int
     settings: VramSettings
     components: tuple[VramComponent, ...]
-    peak_phase: str  # "loss", "backward" or (DPO) "reference"
+    peak_phase: str  # "loss", "backward", (DPO, GRPO) "reference" or (GRPO) "rollout"
     gpu: GpuSpec | None = None
     notes: tuple[str, ...] = field(default=())
 
