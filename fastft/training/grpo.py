@@ -190,7 +190,8 @@ class GRPOTrainer(Trainer):
 
     `prompts` are rows (a list of dicts or a `datasets.Dataset`) with a ``prompt`` or ``messages`` column and
     whatever columns the `rewards` read; each reward is ``(prompts, completions, **row) -> list[float]``.
-    `last_rollout` is the latest step's `Rollout` (for inspecting completions and advantages).
+    `last_rollout` is the latest step's `Rollout` (for inspecting completions and advantages);
+    `decode_stats` counts the rollouts' decode steps run eagerly and replayed from a CUDA graph.
     """
 
     def __init__(
@@ -278,6 +279,7 @@ class GRPOTrainer(Trainer):
         self._pending: list[_PendingReadout] = []
         self._epoch_orders: dict[int, np.ndarray] = {}
         self.last_rollout: Rollout | None = None
+        self.decode_stats = {"eager_steps": 0, "replays": 0}  # the static decoder's, over the run's rollouts
 
     def _schedule(self) -> torch.optim.lr_scheduler.LambdaLR:
         """Cosine with warmup over the run's optimizer updates (`num_iterations` per step)."""
@@ -324,6 +326,7 @@ class GRPOTrainer(Trainer):
             [self.prompt_ids[i] for i in chosen],
             config.sampling,
             (config.seed, step),
+            self.decode_stats,
         )
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         owners = [i for i in chosen for _ in range(group)]

@@ -107,10 +107,16 @@ def stop_ids(model, tokenizer) -> set[int]:
 
 @torch.no_grad()
 def sample(
-    model, tokenizer, prompt_ids: list[np.ndarray], sampling: Sampling, seed: tuple[int, int]
+    model,
+    tokenizer,
+    prompt_ids: list[np.ndarray],
+    sampling: Sampling,
+    seed: tuple[int, int],
+    decode_stats: dict[str, int] | None = None,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """`sampling.num_generations` completions of each prompt, prompt-major (prompt i's are ``i*G … i*G+G-1``):
-    their token ids (EOS included where one was drawn) and whether each ran out of tokens (``truncated``)."""
+    their token ids (EOS included where one was drawn) and whether each ran out of tokens (``truncated``).
+    `decode_stats` (a dict) gets the static decoder's eager and replayed decode steps added to it."""
     device = next(model.parameters()).device
     stops = stop_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
@@ -147,6 +153,9 @@ def sample(
                     new_ids = decoder.decode(
                         input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)
                     )
+                    if decode_stats is not None:
+                        for key, count in decoder.stats.items():
+                            decode_stats[key] = decode_stats.get(key, 0) + count
                 else:
                     new_ids = model.generate(
                         input_ids=input_ids.to(device),

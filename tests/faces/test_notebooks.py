@@ -24,6 +24,7 @@ VERSION = re.search(
     r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M
 ).group(1)
 BINDER_NOTEBOOK = "00_studio.ipynb"  # the notebook Binder opens
+WARNING = re.compile(r"\b\w*Warning: ")  # how `warnings` prints one: "path:line: UserWarning: text"
 
 # What each notebook leaves in its working folder once it has run to its last cell.
 PRODUCES = {
@@ -104,7 +105,9 @@ def test_one_parameters_cell_picks_the_model_by_device(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_top_to_bottom(path, tmp_path):
-    """As a user runs it on a CPU: a fresh kernel in an empty folder, every cell in order, no edits."""
+    """As a user runs it on a CPU: a fresh kernel in an empty folder, every cell in order, no edits; and no
+    cell shows a Python warning (a warning fastft means to give is part of what a cell prints, not stderr
+    noise: the tutorials are written so that none fires)."""
     from nbclient import NotebookClient
 
     import fastft
@@ -131,6 +134,23 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
     assert "widgets" not in notebook.metadata
     for produced in PRODUCES[path.name]:
         assert (tmp_path / produced).is_file(), f"{path.name} did not write {produced}"
+    warned = [
+        f"cell {index}: {line.strip()}"
+        for index, cell in enumerate(_code_cells(notebook))
+        for output in cell.outputs
+        if output.get("output_type") == "stream" and output.get("name") == "stderr"
+        for line in output.get("text", "").splitlines()
+        if WARNING.search(line)
+    ]
+    assert not warned, f"{path.name} shows warnings a user would have to read past:\n" + "\n".join(warned)
+
+
+def test_the_warning_check_sees_what_the_warnings_module_prints():
+    import warnings
+
+    printed = warnings.formatwarning("64 of 64 pairs cut", UserWarning, "fastft/data/pairs.py", 12)
+    assert WARNING.search(printed) and WARNING.search("x.py:3: FutureWarning: soon\n")
+    assert not WARNING.search("Packing 100%|██████████| 48/48 [00:00<00:00]")  # a progress bar on stderr
 
 
 def test_readme_links_every_notebook_and_the_binder_badge():

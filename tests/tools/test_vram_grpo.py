@@ -41,7 +41,9 @@ def test_the_estimate_is_within_ten_percent_of_the_measured_grpo_step():
 
 
 def test_a_long_rollout_peaks_in_the_rollout_and_fits_names_grpos_fixes():
-    settings = dict(precision="nf4", method="grpo", generations=16, prompts_per_step=4, completion_tokens=2048)
+    settings = dict(
+        precision="nf4", method="grpo", generations=16, prompts_per_step=4, completion_tokens=2048
+    )
     verdict = fits(MODEL, 256 + 2048, "rtx4090", **settings)
     assert not verdict and verdict.estimate.peak_phase == "rollout"
     described = " | ".join(fix.description for fix in verdict.fixes)

@@ -203,6 +203,28 @@ def test_gpu_a_decode_step_no_graph_can_hold_decodes_eagerly_with_one_warning():
     assert later.stats["replays"] == 0
 
 
+@gpu
+@needs_cuda
+def test_gpu_a_grpo_run_samples_through_replayed_decode_steps():
+    """The trainer's own path, profiler on: every rollout captures once (two eager warm-up steps) and
+    replays the rest, with no capture warning, and the step's phases keep the rollout."""
+    import warnings
+
+    from fastft.data.rewards import exact_match
+    from fastft.data.skills import generate
+    from fastft.training.graph import GraphCaptureWarning
+    from fastft.training.grpo import GRPOConfig, GRPOTrainer
+
+    model, tokenizer = _model("tiny-llama", device="cuda", dtype=torch.bfloat16)
+    config = GRPOConfig(max_steps=2, prompts_per_step=2, num_generations=4, max_new_tokens=12, warmup=0)
+    trainer = GRPOTrainer(model, tokenizer, list(generate(8, seed=2)), [exact_match], config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphCaptureWarning)
+        result = trainer.train()
+    assert trainer.decode_stats["eager_steps"] == 2 * 2 and trainer.decode_stats["replays"] > 0
+    assert all("rollout" in event.phases for event in result.steps)
+
+
 def _eager(decoder, ids, mask):
     """`StaticDecoder.decode` with every step eager (the reference the graph must match)."""
     with torch.no_grad():
