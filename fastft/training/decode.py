@@ -17,10 +17,11 @@ it holds (a host read of a device counter that a graph would freeze at its captu
 
 Sampling is ``generate``'s: logits over temperature, nucleus `top_p` (the smallest set of tokens whose
 probability reaches `top_p`, at least one), then a draw from the softmax -- as ``argmax(p / E)`` with
-``E ~ Exp(1)`` per token, which picks token i with probability p_i and needs no host work. The noise comes
-from the default generator, which `fastft.training.rollout.sample` seeds per step: a graph reads the
-generator's seed and offset at each replay, so a seeded rollout draws the same completions eagerly or
-replayed, and every run of the same seed the same ones.
+``E ~ Exp(1)`` per token, which picks token i with probability p_i and needs no host work. The noise is
+drawn into a fixed buffer before each step, outside the graph, from `generator` (`fastft.training.rollout.sample`
+gives each rollout its own, seeded with the step; on an H200, a draw from the default generator forked by
+``fork_rng`` around a capture failed the next rollout's first draw): a seeded rollout draws the same
+completions eagerly or replayed, and every run of the same seed the same ones.
 
 A row stops at its first stop token (kept) and pads after it; every 16 steps the host checks whether every
 row has stopped. `supports(model)` says whether a model can decode this way: a plain causal decoder whose layers all
@@ -108,9 +109,12 @@ class StaticKVCache:
         return len(self.keys)
 
 
-def nucleus_sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def nucleus_sample(
+    logits: torch.Tensor, temperature: float, top_p: float, noise: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token per row of `logits` ``[rows, vocab]`` as ``generate`` samples it (temperature, then top-p
-    keeping at least one token), drawn as ``argmax(p / E)`` with exponential noise: no host work."""
+    keeping at least one token), drawn as ``argmax(p / E)`` with exponential noise `E` (float32, the shape
+    of `logits`; drawn here when not given): no host work."""
     scores = logits.float() / temperature
     if top_p < 1.0:
         ascending, order = scores.sort(dim=-1)
@@ -119,7 +123,8 @@ def nucleus_sample(logits: torch.Tensor, temperature: float, top_p: float) -> to
         drop[:, -1] = False
         scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     probabilities = scores.softmax(dim=-1)
-    noise = torch.empty_like(probabilities).exponential_()
+    if noise is None:
+        noise = torch.empty_like(probabilities).exponential_()
     return (probabilities / noise).argmax(dim=-1)
 
 
@@ -135,7 +140,7 @@ class StaticDecoder:
     """Samples up to `new_tokens` tokens for each of `rows` left-padded prompts of `width` tokens.
 
     ``choose(logits) -> token ids`` picks each step's tokens (default `nucleus_sample` at `temperature` and
-    `top_p`). `decode(input_ids, attention_mask)` returns ``[rows, new_tokens]`` ids, `pad` after each
+    `top_p`, its noise from `generator`). `decode(input_ids, attention_mask)` returns ``[rows, new_tokens]`` ids, `pad` after each
     row's first stop token. On CUDA the decode steps replay one graph (`graph`), released when `decode`
     returns (its memory pool with it: the training step after a rollout gets the memory back).
     """
@@ -151,13 +156,19 @@ class StaticDecoder:
         temperature: float = 1.0,
         top_p: float = 1.0,
         choose=None,
+        generator: torch.Generator | None = None,
     ) -> None:
         if new_tokens < 1:
             raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
         self.model = model
         self.device = next(model.parameters()).device
         self.rows, self.width, self.new_tokens = rows, width, new_tokens
-        self.choose = choose or (lambda logits: nucleus_sample(logits, temperature, top_p))
+        self.noise: torch.Tensor | None = (
+            None  # [rows, vocab] float32, drawn before each step (default choose)
+        )
+        self._draws_noise = choose is None
+        self.generator = generator  # of the noise (None: the default one)
+        self.choose = choose or (lambda logits: nucleus_sample(logits, temperature, top_p, self.noise))
         self.pad = pad
         self.stops = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -234,7 +245,15 @@ class StaticDecoder:
         self.finished.zero_()
         self.step_index.zero_()
         self.output.fill_(self.pad)
+        if self._draws_noise and (self.noise is None or self.noise.shape != logits.shape):
+            self.noise = torch.empty(logits.shape, dtype=torch.float32, device=self.device)
+        self._draw_noise()
         self._take(logits)
+
+    def _draw_noise(self) -> None:
+        """The next step's exponential noise, eagerly into the buffer the (captured) step reads."""
+        if self._draws_noise:
+            self.noise.exponential_(generator=self.generator)
 
     def _capture(self, state) -> torch.cuda.CUDAGraph | None:
         """One decode step captured (not run), or None after a failed capture: the decoding goes on eagerly,
@@ -271,6 +290,7 @@ class StaticDecoder:
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):  # the warm-up steps are real steps
                     for _ in range(2):
+                        self._draw_noise()
                         self._step()
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 self.stats["eager_steps"] += 2
@@ -279,6 +299,7 @@ class StaticDecoder:
             while done < remaining:
                 if done % _FINISHED_CHECK_EVERY == 0 and self._all_finished():
                     break
+                self._draw_noise()
                 if self.graph is not None:
                     self.graph.replay()
                     self.stats["replays"] += 1

@@ -5,7 +5,7 @@ patched layer sees the KV cache and runs the original forward (`fastft.models.pa
 come from the adapted policy. Supported decoders sample through `fastft.training.decode.StaticDecoder` (a
 static KV cache, each decode step one CUDA graph replay on a GPU); the others, or ``static_decode=False``,
 through Hugging Face ``generate`` with the same temperature and top-p. Its random numbers
-come from a generator forked off the global one and seeded with ``(seed, step)``: a step's completions are
+come from a generator seeded with ``(seed, step)`` (the static decoder's own; ``generate``'s forked off the global one): a step's completions are
 a pure function of the seed, the step and the weights, so a resumed run samples what the uninterrupted one
 did. A completion ends after its first EOS token (kept: the policy learns to stop) or at `max_new_tokens`
 (then it is `truncated`).
@@ -17,6 +17,7 @@ completion tokens the targets), into micro-batches of at most `micro_batch_token
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,9 +128,15 @@ def sample(
     completions: list[np.ndarray] = []
     truncated: list[bool] = []
     devices = [device] if device.type == "cuda" else []
+    derived = int(np.random.SeedSequence(list(seed)).generate_state(1)[0])
+    generator = None
+    if static:  # its own generator: the global one is left alone, and never meets a graph capture
+        generator = torch.Generator(device=device)
+        generator.manual_seed(derived)
     try:
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(int(np.random.SeedSequence(list(seed)).generate_state(1)[0]))
+        with contextlib.nullcontext() if static else torch.random.fork_rng(devices=devices):
+            if not static:
+                torch.manual_seed(derived)
             for start in range(0, len(prompt_ids), chunk):
                 part = prompt_ids[start : start + chunk]
                 width = max(len(ids) for ids in part)
@@ -149,6 +156,7 @@ def sample(
                         pad,
                         sampling.temperature,
                         sampling.top_p,
+                        generator=generator,
                     )
                     new_ids = decoder.decode(
                         input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)
