@@ -100,6 +100,12 @@ class StaticKVCache:
         self.values[layer_idx].index_copy_(2, slots, value_states)
         return self.keys[layer_idx], self.values[layer_idx]
 
+    def expand(self, group: int) -> None:
+        """Each row's keys and values repeated `group` times in place of it (a prompt prefilled once for
+        its G completions)."""
+        self.keys = [keys.repeat_interleave(group, 0) for keys in self.keys]
+        self.values = [values.repeat_interleave(group, 0) for values in self.values]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise RuntimeError(
             "StaticDecoder passes position_ids on every call: nothing should ask the cache's length"
@@ -137,10 +143,12 @@ def _cache_keyword(model) -> str:
 
 
 class StaticDecoder:
-    """Samples up to `new_tokens` tokens for each of `rows` left-padded prompts of `width` tokens.
+    """Samples up to `new_tokens` tokens for each of `rows` rows: `group` rows (G completions) per left-padded
+    prompt of `width` tokens, the prompt prefilled once for its group.
 
     ``choose(logits) -> token ids`` picks each step's tokens (default `nucleus_sample` at `temperature` and
-    `top_p`, its noise from `generator`). `decode(input_ids, attention_mask)` returns ``[rows, new_tokens]`` ids, `pad` after each
+    `top_p`, its noise from `generator`). `decode(input_ids, attention_mask)` (one row per prompt) returns ``[rows, new_tokens]`` ids
+    (prompt-major), `pad` after each
     row's first stop token. On CUDA the decode steps replay one graph (`graph`), released when `decode`
     returns (its memory pool with it: the training step after a rollout gets the memory back).
     """
@@ -157,12 +165,15 @@ class StaticDecoder:
         top_p: float = 1.0,
         choose=None,
         generator: torch.Generator | None = None,
+        group: int = 1,
     ) -> None:
         if new_tokens < 1:
             raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
         self.model = model
         self.device = next(model.parameters()).device
-        self.rows, self.width, self.new_tokens = rows, width, new_tokens
+        if group < 1 or rows % group:
+            raise ValueError(f"rows={rows} must be a whole number of groups of {group}")
+        self.rows, self.width, self.new_tokens, self.group = rows, width, new_tokens, group
         self.noise: torch.Tensor | None = (
             None  # [rows, vocab] float32, drawn before each step (default choose)
         )
@@ -223,9 +234,12 @@ class StaticDecoder:
         self._take(logits)
 
     def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        rows, width = input_ids.shape
-        if (rows, width) != (self.rows, self.width):
-            raise ValueError(f"StaticDecoder for {self.rows} x {self.width} prompts got {rows} x {width}")
+        """Each distinct prompt once (`group` rows share it), its KV then repeated for every row."""
+        prompts, width = input_ids.shape
+        if (prompts * self.group, width) != (self.rows, self.width):
+            raise ValueError(
+                f"StaticDecoder for {self.rows // self.group} x {self.width} prompts got {prompts} x {width}"
+            )
         real = attention_mask.to(device=self.device, dtype=torch.bool)
         slots = torch.arange(width + self.new_tokens, device=self.device)
         queries = torch.arange(width, device=self.device)
@@ -239,6 +253,9 @@ class StaticDecoder:
         positions = (real.long().cumsum(-1) - 1).clamp_min(0)
         self.cache.position.zero_()
         logits = self._forward(input_ids.to(self.device), positions, prefill_mask[:, None])
+        if self.group > 1:
+            self.cache.expand(self.group)
+            logits, real, positions = (t.repeat_interleave(self.group, 0) for t in (logits, real, positions))
         self.real[:, :width] = real
         self.cache.position.fill_(width)
         self.positions.copy_(positions[:, -1:] + 1)

@@ -157,10 +157,9 @@ def sample(
                         sampling.temperature,
                         sampling.top_p,
                         generator=generator,
+                        group=group,
                     )
-                    new_ids = decoder.decode(
-                        input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)
-                    )
+                    new_ids = decoder.decode(input_ids, attention_mask)
                     if decode_stats is not None:
                         for key, count in decoder.stats.items():
                             decode_stats[key] = decode_stats.get(key, 0) + count

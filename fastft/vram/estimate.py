@@ -117,9 +117,10 @@ def estimate_vram(
     `GRPOConfig.max_new_tokens`); `generations` (G), `prompts_per_step`, `generation_batch_size`, `kl_coef`
     and `num_iterations` are `GRPOConfig`'s. The step has a phase of its own before the update, the rollout:
     the static decoder's KV cache for every sampled row (``prompts × G`` rows of `seq_len` slots, all layers,
-    16-bit) with the larger of its prefill (one layer's forward over the prompts, their 4D mask, the last
-    position's logits) and a decode step (the rows' logits and top-p's sort), and on 4/8-bit bases one
-    dequantised weight; the cache is freed before training. The update trains the completions packed
+    16-bit), at the largest of its prefill (each prompt once: one layer's forward, the 4D mask, the last
+    position's logits), the repeat of the prompts' cache for their groups, and a decode step (the rows'
+    logits and top-p's sort), and on 4/8-bit bases one dequantised weight; the cache is freed before
+    training. The update trains the completions packed
     (`batch_tokens` defaults to all of the step's rows at full length, as ``micro_batch_tokens=None`` packs
     them), only completion tokens carrying a target, with the per-target log-probs; a KL to the reference or
     more than one update per rollout adds one no-autograd pass (as DPO's reference pass).
@@ -273,26 +274,31 @@ _SAMPLING_BYTES_PER_LOGIT = 2 + 4 + 4 + 8 + 4 + 2 + 4 + 4
 
 
 def _rollout_bytes(run: ResolvedRun, stored: _Stored, rollout: _Rollout) -> int:
-    """The rollout's peak above what lives through the step (`fastft.training.decode.StaticDecoder`)."""
-    inventory, rows, length = run.inventory, rollout.rows, run.seq_len
+    """The rollout's peak above what lives through the step (`fastft.training.decode.StaticDecoder`): the
+    largest of the prefill (each prompt once: its KV cache, one layer's forward, the 4D mask, the last
+    position's logits), the KV cache repeated for the group (both copies at once), and a decode step (every
+    row's cache and the sampling buffers); on 4/8-bit bases one dequantised weight on top."""
+    inventory, rows, prompts, length = run.inventory, rollout.rows, rollout.prompts, run.seq_len
     width = length - rollout.completion_tokens  # the prompts' slots
     residual = run.profile.residual
-    kv_cache = (
-        rows * length * inventory.num_layers * 2 * inventory.num_kv_heads * inventory.head_dim * residual
-    )
-    prefill_tokens = rows * width
+    per_slot = inventory.num_layers * 2 * inventory.num_kv_heads * inventory.head_dim * residual
+    kv_prompts, kv_rows = prompts * length * per_slot, rows * length * per_slot
     prefill = (
-        (max(stored.per_layer, default=0) + 2 * run.layer_input) * prefill_tokens  # one layer's forward
-        + rows * width * length * residual  # the prompts' 4D additive mask
-        + rows * inventory.vocab_size * (residual + 4)  # the last position's logits
+        kv_prompts
+        + (max(stored.per_layer, default=0) + 2 * run.layer_input) * prompts * width  # one layer's forward
+        + prompts * width * length * residual  # the prompts' 4D additive mask
+        + prompts * inventory.vocab_size * (residual + 4)  # the last position's logits
     )
-    decode = rows * inventory.vocab_size * _SAMPLING_BYTES_PER_LOGIT + rows * length * (residual + 1)
+    expand = kv_prompts + kv_rows
+    decode = (
+        kv_rows + rows * inventory.vocab_size * _SAMPLING_BYTES_PER_LOGIT + rows * length * (residual + 1)
+    )
     dequantised = 0
     if run.profile.quantized:
         dequantised = (
             max((lin.in_features * lin.out_features for lin in inventory.linears), default=0) * residual
         )
-    return kv_cache + max(prefill, decode) + dequantised
+    return max(prefill, expand, decode) + dequantised
 
 
 def _with_log_prob_sums(run: ResolvedRun, loss_entry: tuple[int, str]) -> tuple[int, str]:

@@ -83,6 +83,28 @@ def test_every_steps_logits_equal_a_full_forward_of_the_sequence_so_far(preset, 
         assert ((logits[row] - expected).abs().max() / scale).item() < 1e-5
 
 
+def test_a_prompt_prefilled_once_for_its_group_decodes_as_each_row_prefilled_alone():
+    model, _ = _model("tiny-qwen3")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (7, 3)]
+    seen = []
+
+    def greedy(logits):
+        seen.append(logits.clone())
+        return logits.argmax(-1)
+
+    decoder = StaticDecoder(model, 2 * 3, 7, 5, stops={-1}, pad=0, choose=greedy, group=3)
+    output = decoder.decode(*_left_padded(prompts, pad=0))
+    logits = torch.stack(seen, 1)  # [rows, steps, vocab]: rows 0-2 the first prompt's, 3-5 the second's
+    for index, prompt in enumerate(prompts):
+        expected, tokens = _greedy_reference(model, prompt, 5)
+        for row in range(3 * index, 3 * index + 3):
+            assert output[row].tolist() == tokens
+            assert ((logits[row] - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    with pytest.raises(ValueError, match="whole number of groups"):
+        StaticDecoder(model, 5, 7, 5, stops={-1}, pad=0, group=3)
+
+
 def test_a_row_stops_at_its_first_stop_token_and_pads_after_it():
     model, _ = _model("tiny-llama")
     stop, pad = 7, 0
