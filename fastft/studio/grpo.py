@@ -2,7 +2,7 @@
 
 `GRPOControls` holds the widgets only GRPO has (completions per prompt, prompts per step, longest completion,
 temperature, KL coefficient, the bundled rewards to score with); `RunPanel` shows them when the method is GRPO.
-`grpo_figure` draws, over the steps, the mean reward and each reward function's, the KL to the reference, the
+`grpo_figure` draws, over the steps and two by two, the mean reward and each reward function's, the KL to the reference, the
 mean completion length and the accuracy (numbers from ``StepEvent.grpo``, `fastft.training.grpo`).
 `rollout_html` shows the latest rollout as the model wrote it: each prompt with its G completions, each
 completion's rewards, total and advantage.
@@ -21,11 +21,12 @@ from fastft.report.figures import FONT_FAMILY, HEIGHT, TEMPLATE, TOOLBAR_PX
 __all__ = ["REWARDS", "GRPOControls", "grpo_figure", "reward_functions", "rollout_html"]
 
 # the bundled rewards the Run tab offers: key -> (label, the code that makes it)
+# (exact and content match read the rows' 'answer' column: the Run tab names it when the rows lack it)
 REWARDS = {
-    "exact_match": ("exact match (needs 'answer')", "fastft.rewards.exact_match"),
-    "content_match": ("content match (needs 'answer')", "fastft.rewards.content_match"),
-    "format": ("format: one short line", "fastft.rewards.format_reward()"),
-    "length": ("length penalty past 32 chars", "fastft.rewards.length_penalty()"),
+    "exact_match": ("exact match", "fastft.rewards.exact_match"),
+    "content_match": ("content match", "fastft.rewards.content_match"),
+    "format": ("one short line", "fastft.rewards.format_reward()"),
+    "length": ("length penalty", "fastft.rewards.length_penalty()"),
 }
 
 
@@ -71,13 +72,19 @@ class GRPOControls:
             value=defaults.kl_coef, min=0.0, max=100.0, step=0.01, description="KL coefficient", style=style,
             layout=layout_of(),
         )  # fmt: skip
-        self.rewards = widgets.SelectMultiple(
+        self.rewards = widgets.SelectMultiple(  # ctrl/shift-click picks several
             options=[(label, key) for key, (label, _) in REWARDS.items()],
             value=("exact_match",),
             rows=len(REWARDS),
             description="rewards",
             style=style,
             layout=layout_of(),
+        )
+        tip = "tooltip" if "tooltip" in self.rewards.traits() else "description_tooltip"  # ipywidgets 8 / 7
+        setattr(
+            self.rewards,
+            tip,
+            "ctrl/shift-click to score with several; exact and content match compare with the rows' 'answer'",
         )
         self.widgets = [
             self.generations,
@@ -107,35 +114,45 @@ class GRPOControls:
 
 
 def grpo_figure(reward_names: Sequence[str] = (), *, max_steps: int | None = None) -> go.Figure:
-    """Four panels over the steps: the mean reward with each reward function's, the KL to the reference, the
-    mean completion length, and the accuracy. Traces: ``reward``, ``reward/<name>`` for each of
-    `reward_names`, ``kl``, ``completion length``, ``accuracy`` (in that order; empty until set)."""
+    """Four panels over the steps, two by two (they stay readable in a narrow notebook): the mean reward with
+    each reward function's, the KL to the reference, the mean completion length, and the accuracy. Traces:
+    ``reward``, ``reward/<name>`` for each of `reward_names`, ``kl``, ``completion length``, ``accuracy``
+    (in that order; empty until set)."""
     fig = make_subplots(
-        rows=1,
-        cols=4,
-        subplot_titles=("Reward", "KL to the reference", "Completion length (tokens)", "Accuracy"),
-        horizontal_spacing=0.06,
+        rows=2,
+        cols=2,
+        subplot_titles=("Reward", "KL to the reference", "Completion tokens", "Accuracy"),
+        horizontal_spacing=0.09,
+        vertical_spacing=0.16,
     )
     line = {"mode": "lines", "hoverlabel": {"namelength": -1}}
     palette = ("#1f6fb4", "#2a9d5c", "#d62728", "#8e5ec9", "#e39c1f", "#17becf")
-    traces = [("reward", 1, "#222222", 3)]
-    traces += [(f"reward/{name}", 1, palette[i % len(palette)], 1.5) for i, name in enumerate(reward_names)]
-    traces += [("kl", 2, "#1f6fb4", 2), ("completion length", 3, "#2a9d5c", 2), ("accuracy", 4, "#8e5ec9", 2)]
-    for name, col, color, width in traces:
+    traces = [("reward", (1, 1), "#222222", 3)]
+    traces += [
+        (f"reward/{name}", (1, 1), palette[i % len(palette)], 1.5) for i, name in enumerate(reward_names)
+    ]
+    traces += [
+        ("kl", (1, 2), "#1f6fb4", 2),
+        ("completion length", (2, 1), "#2a9d5c", 2),
+        ("accuracy", (2, 2), "#8e5ec9", 2),
+    ]
+    for name, (row, col), color, width in traces:
         fig.add_trace(
-            go.Scatter(x=[], y=[], name=name, line={"color": color, "width": width}, **line), row=1, col=col
+            go.Scatter(x=[], y=[], name=name, line={"color": color, "width": width}, **line), row=row, col=col
         )
     fig.update_layout(
         template=TEMPLATE,
-        height=HEIGHT - 40,
+        height=2 * HEIGHT - 60,
         font={"family": FONT_FAMILY, "size": 12},
         margin={"l": 56, "r": 24, "t": 48 + TOOLBAR_PX // 2, "b": 72},
         showlegend=True,
-        legend={"orientation": "h", "x": 0.0, "y": -0.2, "yanchor": "top"},
+        legend={"orientation": "h", "x": 0.0, "y": -0.1, "yanchor": "top"},
         hovermode="x unified",
         uirevision="grpo",
     )
-    fig.update_yaxes(range=[0, 1], tickformat=".0%", row=1, col=4)
+    fig.update_yaxes(rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(range=[0, 1], tickformat=".0%", row=2, col=2)
     if max_steps:
         fig.update_xaxes(range=[0, max_steps])
     return fig

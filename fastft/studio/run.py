@@ -103,7 +103,10 @@ class RunPanel(Panel):
         self._ema = Ema(0.9)
 
         style = {"description_width": "11em"}  # "grad accumulation", "eval every (0: end)" in full
-        wide = field("18em", max_width="28em")
+
+        def wide():  # each control its own Layout: hiding one (per method) must not hide the others
+            return field("18em", max_width="28em")
+
         from fastft.training.preference import DEFAULT_BETA
 
         self._default_beta = DEFAULT_BETA
@@ -112,7 +115,7 @@ class RunPanel(Panel):
             value="sft",
             description="method",
             style=style,
-            layout=wide,
+            layout=wide(),
         )
         self.beta = widgets.BoundedFloatText(
             value=DEFAULT_BETA["dpo"],
@@ -130,33 +133,33 @@ class RunPanel(Panel):
             style=style,
             layout=field("18em", max_width="28em"),
         )
-        self.grpo = GRPOControls(style, lambda: field("18em", max_width="28em"))
+        self.grpo = GRPOControls(style, wide)
         self.steps = widgets.BoundedIntText(
-            value=60, min=1, max=10_000_000, description="steps", style=style, layout=wide
+            value=60, min=1, max=10_000_000, description="steps", style=style, layout=wide()
         )
         self.learning_rate = widgets.FloatText(
-            value=2e-4, description="learning rate", style=style, layout=wide
+            value=2e-4, description="learning rate", style=style, layout=wide()
         )
         self.micro_batch_bins = widgets.BoundedIntText(
-            value=1, min=1, max=1024, description="micro-batch bins", style=style, layout=wide
+            value=1, min=1, max=1024, description="micro-batch bins", style=style, layout=wide()
         )
         self.grad_accum_steps = widgets.BoundedIntText(
-            value=1, min=1, max=1024, description="grad accumulation", style=style, layout=wide
+            value=1, min=1, max=1024, description="grad accumulation", style=style, layout=wide()
         )
         self.warmup = widgets.BoundedFloatText(
-            value=0.05, min=0.0, max=1_000_000, step=0.01, description="warmup", style=style, layout=wide
+            value=0.05, min=0.0, max=1_000_000, step=0.01, description="warmup", style=style, layout=wide()
         )
         # ipywidgets 8 calls it `tooltip`, 7.x `description_tooltip`
         tip = "tooltip" if "tooltip" in self.warmup.traits() else "description_tooltip"
         setattr(self.warmup, tip, "below 1: a share of the steps; 1 or more: a number of steps")
         self.eval_every = widgets.BoundedIntText(
-            value=0, min=0, max=10_000_000, description="eval every (0: end)", style=style, layout=wide
+            value=0, min=0, max=10_000_000, description="eval every (0: end)", style=style, layout=wide()
         )
         self.save_every = widgets.BoundedIntText(
-            value=0, min=0, max=10_000_000, description="save every (0: off)", style=style, layout=wide
+            value=0, min=0, max=10_000_000, description="save every (0: off)", style=style, layout=wide()
         )
         self.output_dir = widgets.Text(
-            value="runs/studio", description="output dir", style=style, layout=wide
+            value="runs/studio", description="output dir", style=style, layout=wide()
         )
         self.start_button = button(description="Start", icon="play", button_style="success")
         self.pause_button = button(description="Pause", icon="pause", disabled=True)

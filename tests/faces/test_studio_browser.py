@@ -6,8 +6,9 @@ bundled data and pack it (the length histogram appears), load other data (the ol
 the layout at 1,440 px, then the window narrowed to 1,024 and 800 px, then the notebook narrowed by the file
 browser (no button's text cut, no two plot labels overlapping, every chart's svg inside its panel and filling
 it, from the DOM's bounding boxes); start a short run, watch the loss plot and the progress line move, stop
-it; a live figure whose render probe never reports falls back to the display mode, renders, and gains points
-from a small update script (the figure is not drawn again). A screenshot is
+it; switch the method to GRPO, run three steps, see its curves and the latest rollout, and check the layout
+again; a live figure whose render probe never reports falls back to the display mode, renders, and gains
+points from a small update script (the figure is not drawn again). A screenshot is
 saved in the test's tmp folder, and also to ``$FASTFT_SCREENSHOT`` when that is set (that is how
 ``docs/studio.png`` is made: ``FASTFT_SCREENSHOT=docs/studio.png pytest tests/faces/test_studio_browser.py``).
 
@@ -536,6 +537,25 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     page.mouse.move(5, VIEWPORT["height"] - 10)  # no hover toolbar over the plots
     page.wait_for_timeout(500)
     page.screenshot(path=str(shot))
+
+    # GRPO on the loaded rows: the method's own settings, a short run, its curves and the latest rollout
+    panel().locator(".widget-dropdown:has(label:text-is('method')) select").select_option(label="GRPO")
+    expect(panel()).to_contain_text("fastft.grpo(")
+    for label, value in (("steps", "3"), ("completions (G)", "3"), ("prompts per step", "2")):
+        box = panel().locator(f".widget-text:has(label:text-is('{label}')) input").first
+        box.fill(value)
+        box.press("Enter")
+    expect(panel()).to_contain_text("num_generations=3")
+    panel().get_by_role("button", name="Start").click()
+    expect(panel()).to_contain_text("Finished 3 steps")
+    expect(panel()).to_contain_text("Latest rollout (step 3)")
+    expect(panel()).to_contain_text("advantage")
+    grpo_chart = panel().locator(".js-plotly-plot", has_text="Completion tokens").first
+    reward_line = grpo_chart.locator(".scatterlayer .trace path.js-line").first
+    expect(reward_line).to_have_attribute("d", re.compile(r"M[\d.]+,[\d.]+L"))
+    for width in WIDTHS:  # the GRPO charts and the rollouts table follow the window too
+        _check_layout(page, studio, tabs, width, shot.parent if width == WIDTHS[-1] else None)
+    page.set_viewport_size(VIEWPORT)
 
     # the display-mode fallback: a figure whose probe never reports is drawn by the Output widget
     second = page.locator(".jp-Notebook .jp-CodeCell").nth(1)

@@ -485,6 +485,11 @@ def test_a_grpo_run_from_the_run_tab_plots_rewards_and_shows_the_rollouts(tmp_pa
     assert "GRPO" in [label for label, _ in panel.method.options]
     panel.method.value = "grpo"
     assert panel.grpo.generations.layout.display is None and panel.micro_batch_bins.layout.display == "none"
+    shown = [c.description for c in panel._controls if c.layout.display != "none"]
+    assert shown[:2] == ["method", "completions (G)"] and {"steps", "learning rate", "output dir"} <= set(
+        shown
+    )
+    assert len({id(c.layout) for c in panel._controls}) == len(panel._controls)  # none shares a Layout
     assert panel.beta.layout.display == "none" and panel.grpo_plots.widget.layout.display is None
     assert _text(panel.checks) == ""  # rows, not a pack: GRPO samples the prompts itself
     panel.grpo.rewards.value = ("content_match", "length")
