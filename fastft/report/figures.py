@@ -475,8 +475,8 @@ OUTLIER_STEP_RATIO = 2.5
 
 
 def _cut_outlier_steps(fig: go.Figure, x: Sequence[int], totals: Sequence[float]) -> None:
-    """Cut bars taller than `OUTLIER_STEP_RATIO` × the median at that height and label their real time; cut
-    steps close together (the first few steps, typically) share one label, so labels never overlap."""
+    """Cut bars taller than `OUTLIER_STEP_RATIO` × the median at that height and label their real time in
+    one label at the first cut step (several labels met each other on a narrow chart)."""
     if len(totals) < 3:
         return
     ceiling = OUTLIER_STEP_RATIO * statistics.median(totals)
@@ -484,26 +484,19 @@ def _cut_outlier_steps(fig: go.Figure, x: Sequence[int], totals: Sequence[float]
     if not cut or ceiling <= 0:
         return
     fig.update_yaxes(range=[0, ceiling * 1.05])
-    gap = max(1, (max(x) - min(x)) / 8)  # a label is about an eighth of the axis wide
-    groups: list[list[tuple[int, float]]] = []
-    for step, total in cut:
-        if groups and step - groups[-1][0][0] <= gap:
-            groups[-1].append((step, total))
-        else:
-            groups.append([(step, total)])
-    for group in groups[:4]:
-        top = max(total for _, total in group)
-        text = f"{top:,.0f} ms" if len(group) == 1 else f"{len(group)} steps, up to {top:,.0f} ms"
-        fig.add_annotation(
-            x=group[0][0],
-            y=ceiling * 1.05,
-            text=text,
-            showarrow=False,
-            xanchor="left",
-            yanchor="top",
-            font={"size": 10},
-            bgcolor="rgba(255,255,255,0.8)",
-        )
+    top = max(total for _, total in cut)
+    text = f"{top:,.0f} ms" if len(cut) == 1 else f"{len(cut)} steps cut, up to {top:,.0f} ms"
+    fig.add_annotation(  # at the top of the plot area in paper units: inside it whatever the y range
+        x=cut[0][0],
+        yref="paper",
+        y=1.0,
+        text=text,
+        showarrow=False,
+        xanchor="left",
+        yanchor="top",
+        font={"size": 10},
+        bgcolor="rgba(255,255,255,0.8)",
+    )
 
 
 _ROWS = ("step phases", "modules and layers", "recompute and waits")

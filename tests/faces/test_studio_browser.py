@@ -7,7 +7,7 @@ the layout at 1,440 px, then the window narrowed to 1,024 and 800 px, then the n
 browser (no button's text cut, no two plot labels overlapping, every chart's svg inside its panel and filling
 it, from the DOM's bounding boxes); start a short run, watch the loss plot and the progress line move, stop
 it; switch the method to GRPO, run three steps, see its curves and the latest rollout, and check the layout
-again; a live figure whose render probe never reports falls back to the display mode, renders, and gains
+again; load preference pairs from a file, pack them, run three DPO steps, see its curves and the layout; a live figure whose render probe never reports falls back to the display mode, renders, and gains
 points from a small update script (the figure is not drawn again). A screenshot is
 saved in the test's tmp folder, and also to ``$FASTFT_SCREENSHOT`` when that is set (that is how
 ``docs/studio.png`` is made: ``FASTFT_SCREENSHOT=docs/studio.png pytest tests/faces/test_studio_browser.py``).
@@ -555,6 +555,38 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     expect(reward_line).to_have_attribute("d", re.compile(r"M[\d.]+,[\d.]+L"))
     for width in WIDTHS:  # the GRPO charts and the rollouts table follow the window too
         _check_layout(page, studio, tabs, width, shot.parent if width == WIDTHS[-1] else None)
+    page.set_viewport_size(VIEWPORT)
+
+    # DPO: preference pairs from a file, loaded and packed in the Data tab, three steps, its curves
+    pairs = lab.root / "pairs.jsonl"
+    pairs.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": f"What is {i} plus {i}?", "chosen": f"{2 * i}", "rejected": f"Maybe {2 * i + 1}."}
+            )
+            + "\n"
+            for i in range(12)
+        )
+    )
+    tabs.filter(has_text="Data").click()
+    source.fill(str(pairs))
+    source.press("Enter")
+    panel().get_by_role("button", name="Load data").click()
+    expect(panel()).to_contain_text("12 rows of preference pairs")
+    panel().get_by_role("button", name="Pack").click()
+    expect(panel()).to_contain_text("fastft.pack_pairs(rows, tokenizer")
+    tabs.filter(has_text="Run").click()
+    panel().locator(".widget-dropdown:has(label:text-is('method')) select").select_option(label="DPO")
+    expect(panel()).to_contain_text('method="dpo"')
+    panel().get_by_role("button", name="Start").click()
+    expect(panel()).to_contain_text("Finished 3 steps")
+    expect(panel()).to_contain_text(re.compile(r"accuracy \d+% · margin [+-]\d"))
+    preference_chart = panel().locator(".js-plotly-plot", has_text="Margin (chosen").first
+    expect(preference_chart.locator(".scatterlayer .trace path.js-line").first).to_have_attribute(
+        "d", re.compile(r"M[\d.]+,[\d.]+L")
+    )
+    for width in WIDTHS:
+        _check_layout(page, studio, tabs, width)
     page.set_viewport_size(VIEWPORT)
 
     # the display-mode fallback: a figure whose probe never reports is drawn by the Output widget
