@@ -147,10 +147,10 @@ class StaticDecoder:
     prompt of `width` tokens, the prompt prefilled once for its group.
 
     ``choose(logits) -> token ids`` picks each step's tokens (default `nucleus_sample` at `temperature` and
-    `top_p`, its noise from `generator`). `decode(input_ids, attention_mask)` (one row per prompt) returns ``[rows, new_tokens]`` ids
-    (prompt-major), `pad` after each
-    row's first stop token. On CUDA the decode steps replay one graph (`graph`), released when `decode`
-    returns (its memory pool with it: the training step after a rollout gets the memory back).
+    `top_p`, its noise from `generator`). `decode(input_ids, attention_mask)`, one row per prompt, returns
+    ``[rows, new_tokens]`` ids (prompt-major), `pad` after each row's first stop token. On CUDA the decode
+    steps replay one graph (`graph`), released when `decode` returns (its memory pool with it: the training
+    step after a rollout gets the memory back).
     """
 
     def __init__(
@@ -174,9 +174,7 @@ class StaticDecoder:
         if group < 1 or rows % group:
             raise ValueError(f"rows={rows} must be a whole number of groups of {group}")
         self.rows, self.width, self.new_tokens, self.group = rows, width, new_tokens, group
-        self.noise: torch.Tensor | None = (
-            None  # [rows, vocab] float32, drawn before each step (default choose)
-        )
+        self.noise: torch.Tensor | None = None  # [rows, vocab] float32, drawn before each step
         self._draws_noise = choose is None
         self.generator = generator  # of the noise (None: the default one)
         self.choose = choose or (lambda logits: nucleus_sample(logits, temperature, top_p, self.noise))
