@@ -791,7 +791,8 @@ class RunPanel(Panel):
 
         self._shown_rollout = rollout
         group = run.config.num_generations
-        self.rollouts.value = rollout_html(rollout, self._grpo_rewards, group, step=run.step or None)
+        # its own step: the trainer keeps a step's rollout before that step's event arrives
+        self.rollouts.value = rollout_html(rollout, self._grpo_rewards, group, step=rollout.step or None)
 
     def _update_progress(self) -> None:
         run = self.run

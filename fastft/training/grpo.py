@@ -183,6 +183,7 @@ class Rollout:
     rewards: np.ndarray  # [completions, reward functions]
     total: np.ndarray  # [completions], the weighted sum
     advantages: np.ndarray  # [completions]
+    step: int = 0  # the training step (1-based) it was sampled for
 
 
 class GRPOTrainer(Trainer):
@@ -357,6 +358,7 @@ class GRPOTrainer(Trainer):
             rewards,
             total,
             advantages,
+            step + 1,
         )
 
     def _log_probs(self, batch) -> torch.Tensor:

@@ -532,7 +532,9 @@ def test_a_grpo_run_from_the_run_tab_plots_rewards_and_shows_the_rollouts(tmp_pa
     assert abs(float(figure.data[4].y[-1]) - last["completion_length"]) < 1e-4
     shown = _text(panel.rollouts)
     rollout = panel.run.trainer.last_rollout
-    assert "Latest rollout (step 2)" in shown and "2 of 2 prompts, 3 completions each" in shown
+    assert (
+        rollout.step == 2 and "Latest rollout (step 2)" in shown and "2 of 2 prompts, 3 completions" in shown
+    )
     assert html.escape(rollout.completions[0][:40]) in panel.rollouts.value
     assert f"{rollout.advantages[0]:+.2f}" in shown and "content_match" in shown
     assert "reward" in panel._status_line()
