@@ -691,6 +691,22 @@ def vram_figure(estimate) -> go.Figure:
 DASHBOARD_TRACES = ("loss", "loss (smoothed)", "eval loss", "learning rate", "trained tokens/s", "memory")
 
 
+def grid_layout(fig: go.Figure, uirevision: str) -> go.Figure:
+    """The layout of a two-row grid of live panels (the Run tab's dashboard, preference and GRPO curves):
+    a legend below, the user's zoom kept under `uirevision` while the data grows."""
+    fig.update_layout(
+        template=TEMPLATE,
+        height=2 * HEIGHT - 60,
+        font={"family": FONT_FAMILY, "size": 12},
+        margin={"l": 56, "r": 24, "t": 48 + TOOLBAR_PX // 2, "b": 72},
+        showlegend=True,
+        legend={"orientation": "h", "x": 0.0, "y": -0.1, "yanchor": "top"},
+        hovermode="x unified",
+        uirevision=uirevision,
+    )
+    return fig
+
+
 def run_dashboard_figure(
     step: Sequence[float] = (),
     loss: Sequence[float] = (),
@@ -760,16 +776,7 @@ def run_dashboard_figure(
         row=2,
         col=2,
     )
-    fig.update_layout(
-        template=TEMPLATE,
-        height=2 * HEIGHT - 60,
-        font={"family": FONT_FAMILY, "size": 12},
-        margin={"l": 56, "r": 24, "t": 48 + TOOLBAR_PX // 2, "b": 72},
-        showlegend=True,
-        legend={"orientation": "h", "x": 0.0, "y": -0.1, "yanchor": "top"},
-        hovermode="x unified",
-        uirevision="run",  # keep the user's zoom while the data grows
-    )
+    grid_layout(fig, "run")
     fig.update_yaxes(tickformat=".1e", rangemode="tozero", row=1, col=2)
     fig.update_yaxes(rangemode="tozero", row=2, col=1)
     fig.update_yaxes(rangemode="tozero", row=2, col=2)

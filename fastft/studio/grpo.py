@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from fastft.report.figures import FONT_FAMILY, HEIGHT, TEMPLATE, TOOLBAR_PX
+from fastft.report.figures import grid_layout
 
 __all__ = ["REWARDS", "GRPOControls", "grpo_figure", "reward_functions", "rollout_html"]
 
@@ -140,16 +140,7 @@ def grpo_figure(reward_names: Sequence[str] = (), *, max_steps: int | None = Non
         fig.add_trace(
             go.Scatter(x=[], y=[], name=name, line={"color": color, "width": width}, **line), row=row, col=col
         )
-    fig.update_layout(
-        template=TEMPLATE,
-        height=2 * HEIGHT - 60,
-        font={"family": FONT_FAMILY, "size": 12},
-        margin={"l": 56, "r": 24, "t": 48 + TOOLBAR_PX // 2, "b": 72},
-        showlegend=True,
-        legend={"orientation": "h", "x": 0.0, "y": -0.1, "yanchor": "top"},
-        hovermode="x unified",
-        uirevision="grpo",
-    )
+    grid_layout(fig, "grpo")
     fig.update_yaxes(rangemode="tozero", row=1, col=2)
     fig.update_yaxes(rangemode="tozero", row=2, col=1)
     fig.update_yaxes(range=[0, 1], tickformat=".0%", row=2, col=2)

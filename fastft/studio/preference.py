@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from fastft.report.figures import FONT_FAMILY, HEIGHT, TEMPLATE, TOOLBAR_PX
+from fastft.report.figures import grid_layout
 
 __all__ = ["PREFERENCE_TRACES", "preference_figure"]
 
@@ -48,16 +48,7 @@ def preference_figure(
         fig.add_trace(
             go.Scatter(x=step, y=y, name=name, line={"color": color, "width": 2}, **line), row=row, col=col
         )
-    fig.update_layout(
-        template=TEMPLATE,
-        height=2 * HEIGHT - 60,
-        font={"family": FONT_FAMILY, "size": 12},
-        margin={"l": 56, "r": 24, "t": 48 + TOOLBAR_PX // 2, "b": 72},
-        showlegend=True,
-        legend={"orientation": "h", "x": 0.0, "y": -0.1, "yanchor": "top"},
-        hovermode="x unified",
-        uirevision="preference",
-    )
+    grid_layout(fig, "preference")
     fig.update_yaxes(range=[0, 1], tickformat=".0%", row=2, col=2)
     if max_steps:
         fig.update_xaxes(range=[0, max_steps])
