@@ -11,7 +11,8 @@ One step (`GRPOTrainer._train_step`):
    clipped objective (`fastft.training.grpo_loss`). The per-token log-probs come from the model's fused head
    (`fastft.training.loss.target_losses`: no ``[tokens, vocab]`` logits, forward or backward). With one
    update the old policy's log-probs are the policy's own, detached (ratio exactly 1, nothing recomputed);
-   with more they are computed once, before the first update. With ``kl_coef > 0`` the reference's come
+   with more they are the ones the static decoder drew the tokens with (`GRPOConfig.old_log_probs`; under
+   ``generate``, or "recompute", one no-grad pass computes them before the first update). With ``kl_coef > 0`` the reference's come
    from the same model with its adapters disabled (`fastft.training.preference.adapters_disabled`), once.
 
 The trainer is the SFT `Trainer` with this step: the same optimizer, schedule (one scheduler step per update),
@@ -77,8 +78,11 @@ class GRPOConfig(TrainConfig):
         reference (0: no reference pass); `loss_type` "grpo", "dr_grpo" or "dapo" and `importance_sampling`
         "token" or "sequence" (GSPO), see `fastft.training.grpo_loss`; `scale_rewards` divides advantages by the
         group's standard deviation; `reward_weights` weighs the reward functions (None: 1 each);
-        `micro_batch_tokens` caps a training micro-batch (None: the step's completions in one). `max_steps`
-        counts rollouts (None: `epochs` over the prompts); `warmup` counts them too.
+        `micro_batch_tokens` caps a training micro-batch (None: the step's completions in one); with
+        `num_iterations` > 1, `old_log_probs` "sampling" keeps the old policy's log-probs from the static
+        decoder that drew the tokens (``generate`` has none: then, or with "recompute", one no-grad pass
+        computes them before the first update). `max_steps` counts rollouts (None: `epochs` over the prompts);
+        `warmup` counts them too.
     """
 
     method: str = "grpo"
@@ -99,6 +103,7 @@ class GRPOConfig(TrainConfig):
     scale_rewards: bool = True
     reward_weights: tuple[float, ...] | None = None
     micro_batch_tokens: int | None = None
+    old_log_probs: str = "sampling"
 
     def __post_init__(self) -> None:
         if self.method != "grpo":
@@ -131,6 +136,16 @@ class GRPOConfig(TrainConfig):
         )
 
 
+def _sampled_log_probs(rollout: Rollout, micro_batch) -> torch.Tensor:
+    """The micro-batch's completion tokens' log-probs as the sampler drew them, in its targets' order
+    (completion by completion, token by token)."""
+    width = rollout.log_probs.shape[1]
+    index = np.concatenate(
+        [m * width + np.arange(len(rollout.completion_ids[m])) for m in micro_batch.members]
+    )
+    return rollout.log_probs.view(-1)[torch.from_numpy(index).to(rollout.log_probs.device, non_blocking=True)]
+
+
 def check_grpo_config(config: GRPOConfig) -> None:
     """GRPO's own settings, each with its value and fix."""
     whole_number("prompts_per_step", config.prompts_per_step, minimum=1)
@@ -159,7 +174,11 @@ def check_grpo_config(config: GRPOConfig) -> None:
     real_number(
         "kl_coef", config.kl_coef, low=0, fix="0 drops the KL term (and the reference pass); 0.04 is TRL's."
     )
-    for name, valid in (("loss_type", LOSS_TYPES), ("importance_sampling", IMPORTANCE_SAMPLING)):
+    for name, valid in (
+        ("loss_type", LOSS_TYPES),
+        ("importance_sampling", IMPORTANCE_SAMPLING),
+        ("old_log_probs", OLD_LOG_PROBS),
+    ):
         value = getattr(config, name)
         if value not in valid:
             close = difflib.get_close_matches(str(value), valid, n=1, cutoff=0.6)
@@ -169,6 +188,9 @@ def check_grpo_config(config: GRPOConfig) -> None:
         raise SettingError(f"scale_rewards must be True or False, got {config.scale_rewards!r}.")
     if config.reward_weights is not None:
         config.reward_weights = tuple(float(w) for w in config.reward_weights)
+
+
+OLD_LOG_PROBS = ("sampling", "recompute")
 
 
 @dataclass(frozen=True)
@@ -184,6 +206,8 @@ class Rollout:
     total: np.ndarray  # [completions], the weighted sum
     advantages: np.ndarray  # [completions]
     step: int = 0  # the training step (1-based) it was sampled for
+    # [completions, max_new_tokens] on the device: each drawn token's log-prob when the sampler kept them
+    log_probs: torch.Tensor | None = None
 
 
 class GRPOTrainer(Trainer):
@@ -321,13 +345,14 @@ class GRPOTrainer(Trainer):
         config = self.config
         chosen = self.prompts_for_step(step)
         group = config.num_generations
-        completion_ids, truncated = sample(
+        completion_ids, truncated, log_probs = sample(
             self.model,
             self.tokenizer,
             [self.prompt_ids[i] for i in chosen],
             config.sampling,
             (config.seed, step),
             self.decode_stats,
+            keep_log_probs=self.updates_per_step > 1 and config.old_log_probs == "sampling",
         )
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         owners = [i for i in chosen for _ in range(group)]
@@ -359,6 +384,7 @@ class GRPOTrainer(Trainer):
             total,
             advantages,
             step + 1,
+            log_probs,
         )
 
     def _log_probs(self, batch) -> torch.Tensor:
@@ -390,11 +416,14 @@ class GRPOTrainer(Trainer):
         divisor = _device_scalar(settings.divisor(len(rollout.completions), completion_tokens), self.device)
         old = [None] * len(micro_batches)
         reference = [None] * len(micro_batches)
-        if self.updates_per_step > 1 or settings.kl_coef > 0:
+        recompute = self.updates_per_step > 1 and rollout.log_probs is None
+        if self.updates_per_step > 1 and not recompute:
+            old = [_sampled_log_probs(rollout, mb) for mb in micro_batches]
+        if recompute or settings.kl_coef > 0:
             phases.begin("reference")
             with torch.no_grad():
                 for index, mb in enumerate(micro_batches):
-                    if self.updates_per_step > 1:
+                    if recompute:
                         old[index] = self._log_probs(mb.batch).detach()
                     if settings.kl_coef > 0:
                         with adapters_disabled(self.model):

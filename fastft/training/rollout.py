@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -106,6 +107,17 @@ def stop_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+class Samples(NamedTuple):
+    """A rollout's completions, prompt-major (prompt i's are ``i*G … i*G+G-1``): their token ids (EOS
+    included where one was drawn), whether each ran out of tokens, and -- where the static decoder drew them
+    and they were asked for -- each drawn token's log-probability under the sampling policy at temperature 1,
+    ``[completions, max_new_tokens]`` float32 on the model's device (None otherwise)."""
+
+    completion_ids: list[np.ndarray]
+    truncated: np.ndarray
+    log_probs: torch.Tensor | None = None
+
+
 @torch.no_grad()
 def sample(
     model,
@@ -114,10 +126,11 @@ def sample(
     sampling: Sampling,
     seed: tuple[int, int],
     decode_stats: dict[str, int] | None = None,
-) -> tuple[list[np.ndarray], np.ndarray]:
-    """`sampling.num_generations` completions of each prompt, prompt-major (prompt i's are ``i*G … i*G+G-1``):
-    their token ids (EOS included where one was drawn) and whether each ran out of tokens (``truncated``).
-    `decode_stats` (a dict) gets the static decoder's eager and replayed decode steps added to it."""
+    keep_log_probs: bool = False,
+) -> Samples:
+    """`sampling.num_generations` completions of each prompt (`Samples`). `decode_stats` (a dict) gets the
+    static decoder's eager and replayed decode steps added to it; `keep_log_probs` asks the static decoder for
+    the drawn tokens' log-probabilities (``generate`` gives none: `Samples.log_probs` stays None)."""
     device = next(model.parameters()).device
     stops = stop_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
@@ -127,6 +140,7 @@ def sample(
     model.eval()
     completions: list[np.ndarray] = []
     truncated: list[bool] = []
+    log_probs: list[torch.Tensor] = []
     devices = [device] if device.type == "cuda" else []
     derived = int(np.random.SeedSequence(list(seed)).generate_state(1)[0])
     generator = None
@@ -158,8 +172,11 @@ def sample(
                         sampling.top_p,
                         generator=generator,
                         group=group,
+                        keep_log_probs=keep_log_probs,
                     )
                     new_ids = decoder.decode(input_ids, attention_mask)
+                    if keep_log_probs:
+                        log_probs.append(decoder.log_probs)
                     if decode_stats is not None:
                         for key, count in decoder.stats.items():
                             decode_stats[key] = decode_stats.get(key, 0) + count
@@ -184,7 +201,7 @@ def sample(
                     truncated.append(not len(ends))
     finally:
         model.train(was_training)
-    return completions, np.asarray(truncated)
+    return Samples(completions, np.asarray(truncated), torch.cat(log_probs) if log_probs else None)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def test_every_steps_logits_equal_a_full_forward_of_the_sequence_so_far(preset, 
     steps = 7
     decoder = StaticDecoder(model, len(prompts), max(lengths), steps, stops={-1}, pad=0, choose=greedy)
     output = decoder.decode(*_left_padded(prompts, pad=0))
-    assert decoder.stats == dict(eager_steps=steps - 1, replays=0)
+    assert decoder.stats == dict(eager_steps=steps - 1, replays=0, captures=0, compactions=0)
     logits = torch.stack(seen, 1)  # [rows, steps, vocab]
     for row, prompt in enumerate(prompts):
         expected, tokens = _greedy_reference(model, prompt, steps)
@@ -105,6 +105,45 @@ def test_a_prompt_prefilled_once_for_its_group_decodes_as_each_row_prefilled_alo
         StaticDecoder(model, 5, 7, 5, stops={-1}, pad=0, group=3)
 
 
+def test_finished_rows_leave_the_batch_without_changing_what_any_row_draws():
+    """Compaction (rows that stopped dropped from the batch and the KV cache) against the full batch to the end:
+    the same seeded draws, the same tokens, the same log-probs, in fewer row-steps."""
+    model, _ = _model("tiny-llama")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompts = [np.random.default_rng(7).integers(3, 500, n).tolist() for n in (6, 2, 9)]
+    stops = set(range(3, vocab, 12))  # about one token in twelve ends a row: lengths from 1 to all 14
+    runs = {}
+    for compact in (True, False):
+        generator = torch.Generator().manual_seed(3)
+        decoder = StaticDecoder(
+            model,
+            12,
+            9,
+            14,
+            stops,
+            pad=0,
+            temperature=1.5,
+            generator=generator,
+            group=4,
+            keep_log_probs=True,
+            compact=compact,
+        )
+        runs[compact] = (decoder.decode(*_left_padded(prompts, pad=0)), decoder.log_probs, decoder.stats)
+    (ids, log_probs, stats), (full_ids, full_log_probs, full_stats) = runs[True], runs[False]
+    ended = torch.isin(full_ids, torch.tensor(sorted(stops)))
+    drawn = (ended.cumsum(1) - ended.long()) == 0  # up to and including each row's stop token
+    lengths = drawn.sum(1).tolist()
+    assert min(lengths) < 6 and max(lengths) > 10, lengths  # ragged: compaction has something to drop
+    assert torch.equal(ids, full_ids)
+    torch.testing.assert_close(log_probs[drawn], full_log_probs[drawn], rtol=1e-5, atol=1e-5)
+    assert stats["compactions"] >= 1 and full_stats["compactions"] == 0
+    generator = torch.Generator().manual_seed(3)
+    reused = StaticDecoder(model, 12, 9, 14, stops, pad=0, temperature=1.5, generator=generator, group=4)
+    reused.decode(*_left_padded(prompts, pad=0))
+    generator.manual_seed(3)  # a decoder that compacted decodes its next batch from a full one again
+    assert torch.equal(reused.decode(*_left_padded(prompts, pad=0)), ids)
+
+
 def test_a_row_stops_at_its_first_stop_token_and_pads_after_it():
     model, _ = _model("tiny-llama")
     stop, pad = 7, 0
@@ -113,7 +152,7 @@ def test_a_row_stops_at_its_first_stop_token_and_pads_after_it():
     def scripted(logits):
         return torch.tensor(next(script))
 
-    decoder = StaticDecoder(model, 3, 4, 5, stops={stop}, pad=pad, choose=scripted)
+    decoder = StaticDecoder(model, 3, 4, 5, stops={stop}, pad=pad, choose=scripted, compact=False)
     output = decoder.decode(*_left_padded([[3, 4], [5, 6, 8, 9], [11]], pad))
     assert output.tolist() == [[5, 7, 0, 0, 0], [7, 0, 0, 0, 0], [9, 9, 9, 7, 0]]
 
@@ -161,9 +200,9 @@ def test_a_seeded_rollout_draws_the_same_completions_each_time_and_ends_rows_at_
     model, tokenizer = _model("tiny-llama")
     prompts = [np.array(tokenizer("two plus two is")["input_ids"]), np.array([5, 6, 7])]
     sampling = Sampling(num_generations=3, max_new_tokens=6, temperature=1.3, top_p=0.9)
-    first, truncated = sample(model, tokenizer, prompts, sampling, (1, 2))
-    again, _ = sample(model, tokenizer, prompts, sampling, (1, 2))
-    other, _ = sample(model, tokenizer, prompts, sampling, (1, 3))
+    first, truncated, _ = sample(model, tokenizer, prompts, sampling, (1, 2))
+    again, _, _ = sample(model, tokenizer, prompts, sampling, (1, 2))
+    other, _, _ = sample(model, tokenizer, prompts, sampling, (1, 3))
     assert len(first) == 6 and all(1 <= len(ids) <= 6 for ids in first)
     assert [ids.tolist() for ids in first] == [ids.tolist() for ids in again]
     assert [ids.tolist() for ids in first] != [ids.tolist() for ids in other]
@@ -194,7 +233,7 @@ def test_gpu_decode_steps_replay_one_graph_that_draws_what_eager_steps_draw():
     greedy = lambda logits: logits.argmax(-1)  # noqa: E731
     replayed, stats = run(True, greedy)
     eager, eager_stats = run(False, greedy)
-    assert stats == dict(eager_steps=2, replays=21) and eager_stats["replays"] == 0
+    assert stats == dict(eager_steps=2, replays=21, captures=1, compactions=0) and eager_stats["replays"] == 0
     assert (replayed == eager).float().mean() > 0.95  # bf16: a near-tie may flip, late tokens then follow
     sampled, _ = run(True, None, seed=5)
     sampled_again, _ = run(True, None, seed=5)
@@ -219,7 +258,10 @@ def test_gpu_a_decode_step_no_graph_can_hold_decodes_eagerly_with_one_warning():
     decoder = StaticDecoder(model, 2, 5, 12, stops={-1}, pad=0, choose=syncing)
     with pytest.warns(GraphCaptureWarning, match="decode eagerly"):
         output = decoder.decode(ids.cuda(), mask.cuda())
-    assert decoder.stats == dict(eager_steps=11, replays=0) and not model_state(model).decode_graphs
+    assert (
+        decoder.stats == dict(eager_steps=11, replays=0, captures=0, compactions=0)
+        and not model_state(model).decode_graphs
+    )
     greedy = StaticDecoder(model, 2, 5, 12, stops={-1}, pad=0, choose=lambda logits: logits.argmax(-1))
     assert torch.equal(output, _eager(greedy, ids.cuda(), mask.cuda()))
     later = StaticDecoder(model, 2, 5, 12, stops={-1}, pad=0, choose=lambda logits: logits.argmax(-1))
@@ -247,6 +289,45 @@ def test_gpu_a_grpo_run_samples_through_replayed_decode_steps():
         result = trainer.train()
     assert trainer.decode_stats["eager_steps"] == 2 * 2 and trainer.decode_stats["replays"] > 0
     assert all("rollout" in event.phases for event in result.steps)
+
+
+@gpu
+@needs_cuda
+def test_gpu_a_batch_that_compacts_captures_a_graph_for_its_smaller_size_and_draws_what_the_full_one_does(
+    monkeypatch,
+):
+    """The finished flags read every step (on a GPU every 16: too coarse for rows this short), rows ending at
+    ragged lengths: the batch compacts, captures a new graph for its smaller size and replays it, and draws
+    the full batch's tokens."""
+    import fastft.training.decode as decode
+
+    monkeypatch.setattr(decode, "_FINISHED_CHECK_EVERY", 1)
+    model, _ = _model("tiny-llama", device="cuda", dtype=torch.bfloat16)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompts = [np.random.default_rng(2).integers(3, 500, n).tolist() for n in (12, 30, 7, 30)]
+    stops = set(range(3, vocab, 30))  # about one token in thirty ends a row
+    outputs = {}
+    for compact in (True, False):
+        generator = torch.Generator(device="cuda").manual_seed(4)
+        decoder = StaticDecoder(
+            model,
+            16,
+            30,
+            60,
+            stops,
+            pad=0,
+            temperature=1.5,
+            generator=generator,
+            group=4,
+            compact=compact,
+            keep_log_probs=True,
+        )
+        ids, mask = _left_padded(prompts, 0)
+        outputs[compact] = (decoder.decode(ids.cuda(), mask.cuda()), decoder.stats)
+    (compacted, stats), (full, full_stats) = outputs[True], outputs[False]
+    assert stats["compactions"] >= 1 and stats["captures"] >= 2, stats  # one graph before, one after
+    assert stats["replays"] > 0 and full_stats["compactions"] == 0 and full_stats["captures"] == 1, full_stats
+    assert (compacted == full).float().mean() > 0.95  # bf16: a smaller batch may round a near-tie apart
 
 
 def _eager(decoder, ids, mask):

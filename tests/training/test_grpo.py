@@ -112,6 +112,42 @@ def test_one_update_per_rollout_never_clips():
     assert [e.grpo["clip_ratio"] for e in result.steps] == [0.0, 0.0]
 
 
+def test_the_sampled_tokens_log_probs_are_the_old_policys_as_a_training_pass_computes_them():
+    """fp32: the static decoder's log-prob of each drawn token (temperature 1 whatever the sampling
+    temperature and top-p) equals the packed training pass's, after an update has made the adapter non-zero."""
+    model, tokenizer = _model()
+    trainer = GRPOTrainer(
+        model, tokenizer, ROWS, REWARDS, _config(max_steps=2, temperature=0.7, top_p=0.9, kl_coef=0.0)
+    )
+    trainer.train()  # the adapters' B matrices move off zero
+    rollout = trainer.rollout(2)
+    assert rollout.log_probs is not None and rollout.log_probs.shape == (8, 8)
+    from fastft.training.grpo import _sampled_log_probs
+    from fastft.training.rollout import pack_completions
+
+    for mb in pack_completions(rollout.prompt_ids, rollout.completion_ids, 48):  # several micro-batches
+        with torch.no_grad():
+            recomputed = trainer._log_probs(mb.batch)
+        torch.testing.assert_close(_sampled_log_probs(rollout, mb), recomputed, rtol=1e-5, atol=1e-5)
+
+
+def test_old_log_probs_kept_from_sampling_train_as_recomputed_ones_and_skip_the_extra_pass():
+    runs = {}
+    for mode in ("sampling", "recompute"):
+        model, tokenizer = _model()
+        trainer = GRPOTrainer(
+            model, tokenizer, ROWS, REWARDS, _config(max_steps=3, kl_coef=0.0, old_log_probs=mode)
+        )
+        runs[mode] = (trainer.train(), trainer)
+    (kept, kept_trainer), (recomputed, _) = runs["sampling"], runs["recompute"]
+    assert kept_trainer.last_rollout.log_probs is not None
+    for a, b in zip(kept.steps, recomputed.steps, strict=True):
+        assert a.grpo["reward"] == b.grpo["reward"]
+        assert math.isclose(a.loss, b.loss, rel_tol=1e-5, abs_tol=1e-6)
+        assert math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-4, abs_tol=1e-6)
+    assert "reference" not in kept.steps[-1].phases and "reference" in recomputed.steps[-1].phases
+
+
 def test_a_reward_needing_a_column_the_rows_lack_names_it():
     model, tokenizer = _model()
     rows = [{"prompt": "What is 2 + 2?"}]
@@ -211,7 +247,12 @@ def test_a_run_killed_mid_run_resumes_to_the_uninterrupted_runs_rewards_and_loss
     import time
 
     model, tokenizer = _model()
-    whole = GRPOTrainer(model, tokenizer, ROWS, REWARDS, _config(max_steps=6, profile=False)).train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the forked child runs: the sampled old log-probs' rounding depends on it
+    try:
+        whole = GRPOTrainer(model, tokenizer, ROWS, REWARDS, _config(max_steps=6, profile=False)).train()
+    finally:
+        torch.set_num_threads(threads)
     expected = [_trace_of(event) for event in whole.steps]
 
     output_dir, log_path = tmp_path / "run", tmp_path / "log.jsonl"
@@ -232,7 +273,11 @@ def test_a_run_killed_mid_run_resumes_to_the_uninterrupted_runs_rewards_and_loss
     killed_at = len(log_path.read_text().splitlines())
     assert 3 <= killed_at < 6, "the child ended before it was killed: raise max_steps"
 
-    _kill_run(output_dir, log_path)  # resume from the newest checkpoint that loads, in this process
+    torch.set_num_threads(1)
+    try:
+        _kill_run(output_dir, log_path)  # resume from the newest checkpoint that loads, in this process
+    finally:
+        torch.set_num_threads(threads)
     logged = {}
     for line in log_path.read_text().splitlines():
         trace = json.loads(line)
