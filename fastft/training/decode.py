@@ -29,10 +29,12 @@ once at most half the batch is still running the finished rows leave it (`compac
 the KV cache are cut to the live rows, a new graph is captured for the smaller batch, and what the dropped
 rows drew stays in the results. The noise is drawn for every row and gathered for the live ones, so
 compacting changes the work a step does and never what it draws: a group's short answers stop costing
-decode work once they end instead of riding along with the longest one. It is on by default on the CPU only
-(measured there 1.2-1.4x faster rollouts of the skills prompts, 8 x 16 rows; on an H200 a 1B-shape decode
-was 0.63-0.80x with it, 2026-12-02: a step there reads the weights whatever the batch, and each compaction
-costs two eager steps and a capture). `supports(model)` says whether a model can decode this way: a plain
+decode work once they end instead of riding along with the longest one. Measured (2026-12-03): on the CPU,
+rollouts of 8 skills prompts x 16 were 1.2-1.4x faster; on an H200, a Llama-3.2-1B-shape decode (bf16,
+random weights, 128-token prompts, about one token in a hundred ends a row) took the same time at 64 rows
+x 384 tokens, 2.0x less at 256 x 384 and 2.6-4x less at 256 x 1024, each compaction costing two eager
+steps and one capture. The finished check reads `is_stop`, a table over the vocabulary, not ``torch.isin``
+(which sorts, syncing the host, for a large stop set: the capture then failed). `supports(model)` says whether a model can decode this way: a plain
 causal decoder whose layers all attend alike, to the full sequence or within one sliding window (Mistral's),
 which the mask then carries; the others (hybrid layers, attention sinks) sample through ``generate``.
 """
@@ -164,7 +166,7 @@ class StaticDecoder:
     ``[rows, new_tokens]`` ids (prompt-major), `pad` after each row's first stop token; with `keep_log_probs`,
     `log_probs` then holds each drawn token's log-probability at temperature 1 (float32, same shape).
     `compact` drops finished rows from the batch once at most half of it runs (module docstring; a `choose`
-    then sees the live rows' logits only; None: on the CPU only). On CUDA the decode
+    then sees the live rows' logits only). On CUDA the decode
     steps replay one graph (`graph`), released when `decode` returns (its memory pool with it: the training
     step after a rollout gets the memory back).
     """
@@ -183,7 +185,7 @@ class StaticDecoder:
         generator: torch.Generator | None = None,
         group: int = 1,
         keep_log_probs: bool = False,
-        compact: bool | None = None,
+        compact: bool = True,
     ) -> None:
         if new_tokens < 1:
             raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
@@ -198,6 +200,13 @@ class StaticDecoder:
         self.choose = choose or (lambda logits: nucleus_sample(logits, temperature, top_p, self.noise))
         self.pad = pad
         self.stops = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
+        # a lookup table, not torch.isin: isin sorts (a host sync, which breaks a capture) for large stop sets
+        head = model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else model.get_input_embeddings().weight.shape[0]
+        self.is_stop = torch.zeros(
+            max(vocab, max(stops, default=-1) + 1), dtype=torch.bool, device=self.device
+        )
+        self.is_stop[self.stops[self.stops >= 0]] = True
         self.dtype = model.get_input_embeddings().weight.dtype
         self.closed = torch.finfo(self.dtype).min
         self._cache_keyword = _cache_keyword(model)
@@ -207,9 +216,7 @@ class StaticDecoder:
         self._allocate_rows()
         self.step_index = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graph = None
-        # None: on the CPU, where a step's cost follows its rows; off on a GPU, where a decode step reads the
-        # weights whatever the batch and each compaction costs two eager steps and a capture (measured slower)
-        self.compact = self.device.type != "cuda" if compact is None else compact
+        self.compact = compact
         self.stats = dict(eager_steps=0, replays=0, captures=0, compactions=0)
 
     def _allocate_rows(self) -> None:
@@ -249,7 +256,7 @@ class StaticDecoder:
         if self.log_probs is not None:
             taken = logits.float().log_softmax(-1).gather(1, chosen[:, None])
             self.log_probs.index_copy_(1, self.step_index, taken)
-        self.finished |= torch.isin(chosen, self.stops)
+        self.finished |= self.is_stop[chosen]
         self.tokens.copy_(chosen[:, None])
         self.step_index += 1
 
