@@ -34,8 +34,9 @@ rollouts of 8 skills prompts x 16 were 1.2-1.4x faster; on an H200, a Llama-3.2-
 random weights, 128-token prompts, about one token in a hundred ends a row) took the same time at 64 rows
 x 384 tokens, 2.0x less at 256 x 384 and 2.6-4x less at 256 x 1024, each compaction costing two eager
 steps and one capture. The finished check reads `is_stop`, a table over the vocabulary, not ``torch.isin``
-(which sorts, syncing the host, for a large stop set: the capture then failed). `supports(model)` says whether a model can decode this way: a plain
-causal decoder whose layers all attend alike, to the full sequence or within one sliding window (Mistral's),
+(which sorts, syncing the host, for a large stop set: the capture then failed).
+
+`supports(model)` says whether a model can decode this way: a plain causal decoder whose layers all attend alike, to the full sequence or within one sliding window (Mistral's),
 which the mask then carries; the others (hybrid layers, attention sinks) sample through ``generate``.
 """
 
@@ -199,14 +200,12 @@ class StaticDecoder:
         self.generator = generator  # of the noise (None: the default one)
         self.choose = choose or (lambda logits: nucleus_sample(logits, temperature, top_p, self.noise))
         self.pad = pad
-        self.stops = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
         # a lookup table, not torch.isin: isin sorts (a host sync, which breaks a capture) for large stop sets
         head = model.get_output_embeddings()
         vocab = head.weight.shape[0] if head is not None else model.get_input_embeddings().weight.shape[0]
-        self.is_stop = torch.zeros(
-            max(vocab, max(stops, default=-1) + 1), dtype=torch.bool, device=self.device
-        )
-        self.is_stop[self.stops[self.stops >= 0]] = True
+        self.is_stop = torch.zeros(max(vocab, max(stops, default=-1) + 1), dtype=torch.bool)
+        self.is_stop[[stop for stop in stops if stop >= 0]] = True
+        self.is_stop = self.is_stop.to(self.device)
         self.dtype = model.get_input_embeddings().weight.dtype
         self.closed = torch.finfo(self.dtype).min
         self._cache_keyword = _cache_keyword(model)

@@ -105,21 +105,18 @@ def test_a_prompt_prefilled_once_for_its_group_decodes_as_each_row_prefilled_alo
         StaticDecoder(model, 5, 7, 5, stops={-1}, pad=0, group=3)
 
 
-def test_finished_rows_leave_the_batch_without_changing_what_any_row_draws():
-    """Compaction (rows that stopped dropped from the batch and the KV cache) against the full batch to the end:
-    the same seeded draws, the same tokens, the same log-probs, in fewer row-steps."""
-    model, _ = _model("tiny-llama")
-    vocab = model.get_input_embeddings().weight.shape[0]
-    prompts = [np.random.default_rng(7).integers(3, 500, n).tolist() for n in (6, 2, 9)]
-    stops = set(range(3, vocab, 12))  # about one token in twelve ends a row: lengths from 1 to all 14
+def _compacting_and_full(model, prompts, stops, new_tokens, seed, rows, width):
+    """The same seeded decode with `compact` on and off: ``{compact: (ids, log_probs, stats)}``."""
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in _left_padded(prompts, pad=0))
     runs = {}
     for compact in (True, False):
-        generator = torch.Generator().manual_seed(3)
+        generator = torch.Generator(device=device).manual_seed(seed)
         decoder = StaticDecoder(
             model,
-            12,
-            9,
-            14,
+            rows,
+            width,
+            new_tokens,
             stops,
             pad=0,
             temperature=1.5,
@@ -128,7 +125,18 @@ def test_finished_rows_leave_the_batch_without_changing_what_any_row_draws():
             keep_log_probs=True,
             compact=compact,
         )
-        runs[compact] = (decoder.decode(*_left_padded(prompts, pad=0)), decoder.log_probs, decoder.stats)
+        runs[compact] = (decoder.decode(ids, mask), decoder.log_probs, decoder.stats)
+    return runs
+
+
+def test_finished_rows_leave_the_batch_without_changing_what_any_row_draws():
+    """Compaction (rows that stopped dropped from the batch and the KV cache) against the full batch to the end:
+    the same seeded draws, the same tokens, the same log-probs, in fewer row-steps."""
+    model, _ = _model("tiny-llama")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompts = [np.random.default_rng(7).integers(3, 500, n).tolist() for n in (6, 2, 9)]
+    stops = set(range(3, vocab, 12))  # about one token in twelve ends a row: lengths from 1 to all 14
+    runs = _compacting_and_full(model, prompts, stops, new_tokens=14, seed=3, rows=12, width=9)
     (ids, log_probs, stats), (full_ids, full_log_probs, full_stats) = runs[True], runs[False]
     ended = torch.isin(full_ids, torch.tensor(sorted(stops)))
     drawn = (ended.cumsum(1) - ended.long()) == 0  # up to and including each row's stop token
@@ -306,25 +314,8 @@ def test_gpu_a_batch_that_compacts_captures_a_graph_for_its_smaller_size_and_dra
     vocab = model.get_input_embeddings().weight.shape[0]
     prompts = [np.random.default_rng(2).integers(3, 500, n).tolist() for n in (12, 30, 7, 30)]
     stops = set(range(3, vocab, 8))  # on the CPU in fp32: two compactions, some rows to the end
-    outputs = {}
-    for compact in (True, False):
-        generator = torch.Generator(device="cuda").manual_seed(4)
-        decoder = StaticDecoder(
-            model,
-            16,
-            30,
-            60,
-            stops,
-            pad=0,
-            temperature=1.5,
-            generator=generator,
-            group=4,
-            compact=compact,
-            keep_log_probs=True,
-        )
-        ids, mask = _left_padded(prompts, 0)
-        outputs[compact] = (decoder.decode(ids.cuda(), mask.cuda()), decoder.stats)
-    (compacted, stats), (full, full_stats) = outputs[True], outputs[False]
+    runs = _compacting_and_full(model, prompts, stops, new_tokens=60, seed=4, rows=16, width=30)
+    (compacted, _, stats), (full, _, full_stats) = runs[True], runs[False]
     assert stats["compactions"] >= 1 and stats["captures"] >= 2, stats  # one graph before, one after
     assert stats["replays"] > 0 and full_stats["compactions"] == 0 and full_stats["captures"] == 1, full_stats
     assert (compacted == full).float().mean() > 0.95  # bf16: a smaller batch may round a near-tie apart
