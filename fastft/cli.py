@@ -35,7 +35,7 @@ def _demo_parser(sub) -> None:
         "dataset": "training data: bundled:NAME, a .jsonl/.json/.csv/.parquet file or a hub id",
         "eval_dataset": "held-out data for eval loss, content accuracy and format compliance",
         "max_seq_length": "tokens per packed bin (longer rows are truncated)",
-        "steps": "optimizer steps",
+        "steps": "SFT optimizer steps (default: 150; with --method grpo 20, a short start that GRPO goes on from)",
         "learning_rate": "peak learning rate (linear warmup, cosine decay)",
         "lora_r": "LoRA rank",
         "lora_alpha": "LoRA alpha (scale = alpha / r)",
@@ -51,7 +51,7 @@ def _demo_parser(sub) -> None:
         "progress": "show the progress bar (--no-progress to hide)",
         "dpo_steps": "optimizer steps of --method dpo",
         "method": "sft; dpo: pairs from the skills data (the bare right answer over a wordy or wrong one); "
-        "grpo: SFT, then GRPO with the exact-match reward from the SFT result",
+        "grpo: a short SFT run (20 steps), then GRPO with the exact-match reward from its result",
         "grpo_steps": "GRPO steps (rollouts) after SFT (--method grpo)",
         "grpo_learning_rate": "GRPO's peak learning rate (--method grpo)",
         "grpo_prompts_per_step": "prompts per GRPO step (--method grpo)",
@@ -70,7 +70,7 @@ def _demo_parser(sub) -> None:
     kinds = typing.get_type_hints(DemoConfig)
     for f in fields(DemoConfig):
         flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
+        default = None if f.default is None else getattr(defaults, f.name)  # None: the config picks (steps)
         if f.name == "progress":
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=True, help=help_text[f.name]
@@ -78,7 +78,8 @@ def _demo_parser(sub) -> None:
         elif f.name == "name":
             parser.add_argument(flag, default=None, help=help_text[f.name])
         else:
-            kind = kinds[f.name] if kinds[f.name] in (int, float) else str  # --lora-alpha 16.5 is a float
+            # --lora-alpha 16.5 is a float; --steps (int | None: None picks the method's) an int
+            kind = {int: int, float: float, int | None: int}.get(kinds[f.name], str)
             parser.add_argument(flag, type=kind, default=default, help=help_text[f.name])
 
 
