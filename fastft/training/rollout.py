@@ -180,6 +180,7 @@ def sample(
                     if decode_stats is not None:
                         for key, count in decoder.stats.items():
                             decode_stats[key] = decode_stats.get(key, 0) + count
+                    del decoder  # its KV cache goes now, before the next chunk's or the update's
                 else:
                     new_ids = model.generate(
                         input_ids=input_ids.to(device),
