@@ -28,14 +28,15 @@ class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _demo_parser(sub) -> None:
-    from fastft.training.demo_config import DemoConfig
+    from fastft.training.demo_config import GRPO_SFT_STEPS, SFT_STEPS, DemoConfig
 
     help_text = {
         "model": "embedded preset, local folder or hub id to fine-tune",
         "dataset": "training data: bundled:NAME, a .jsonl/.json/.csv/.parquet file or a hub id",
         "eval_dataset": "held-out data for eval loss, content accuracy and format compliance",
         "max_seq_length": "tokens per packed bin (longer rows are truncated)",
-        "steps": "SFT optimizer steps (default: 150; with --method grpo 20, a short start that GRPO goes on from)",
+        "steps": f"SFT optimizer steps (default: {SFT_STEPS}; with --method grpo {GRPO_SFT_STEPS}, a short start "
+        "that GRPO goes on from)",
         "learning_rate": "peak learning rate (linear warmup, cosine decay)",
         "lora_r": "LoRA rank",
         "lora_alpha": "LoRA alpha (scale = alpha / r)",
@@ -51,7 +52,7 @@ def _demo_parser(sub) -> None:
         "progress": "show the progress bar (--no-progress to hide)",
         "dpo_steps": "optimizer steps of --method dpo",
         "method": "sft; dpo: pairs from the skills data (the bare right answer over a wordy or wrong one); "
-        "grpo: a short SFT run (20 steps), then GRPO with the exact-match reward from its result",
+        f"grpo: a short SFT run ({GRPO_SFT_STEPS} steps), then GRPO with the exact-match reward from its result",
         "grpo_steps": "GRPO steps (rollouts) after SFT (--method grpo)",
         "grpo_learning_rate": "GRPO's peak learning rate (--method grpo)",
         "grpo_prompts_per_step": "prompts per GRPO step (--method grpo)",

@@ -23,7 +23,7 @@ class DemoConfig:
     dataset: str = "bundled:skills"
     eval_dataset: str = "bundled:skills-eval"
     max_seq_length: int = 256
-    # SFT's optimizer steps; None: 150, or with method "grpo" GRPO_SFT_STEPS, a short start that GRPO goes on from
+    # SFT's optimizer steps; None: SFT_STEPS, or with method "grpo" GRPO_SFT_STEPS
     steps: int | None = None
     learning_rate: float = 4e-3
     lora_r: int = 16
