@@ -188,6 +188,7 @@ def test_launch_refuses_what_cannot_start(tmp_path):
         [sys.executable, "-m", "fastft", "launch", "--gpus", "2", str(tmp_path / "missing.py")],
         capture_output=True,
         text=True,
+        cwd=tmp_path,  # not the checkout's root: its kernels/ folder would shadow the `kernels` package
     )
     assert done.returncode == 2 and "is not a file" in done.stderr
 
@@ -208,7 +209,7 @@ def test_the_ddp_bench_runs_one_rank_and_two_on_the_cpu(tmp_path):
         "128",
     ]
     command += ["--folder", str(tmp_path / "models"), "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(out.read_text())
     assert [(run["world_size"], run["backend"]) for run in report["runs"]] == [(1, "gloo"), (2, "gloo")]
