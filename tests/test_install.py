@@ -1,4 +1,4 @@
-"""Packaging: fastft.kernels maps to kernels/, data ships in the wheel, README and CI agree."""
+"""Packaging: fastft.kernels lives in fastft/kernels/, data ships in the wheel, README and CI agree."""
 
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_kernels_package_is_fastft_kernels_not_a_top_level_module(tmp_path):
     kernels = importlib.import_module("fastft.kernels")
-    assert Path(kernels.__file__).resolve().parent == ROOT / "kernels"
-    # From anywhere but the source tree, the name `kernels` is not ours (it is Hugging Face's).
+    assert Path(kernels.__file__).resolve().parent == ROOT / "fastft" / "kernels"
+    # From anywhere, the source tree's root included (``python -m`` / ``-c`` put it first on sys.path), the
+    # name `kernels` is not ours: it is Hugging Face's, which transformers >= 5.25 imports.
     code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
-    )
-    assert str(ROOT / "kernels") not in out.stdout
+    for cwd in (tmp_path, ROOT):
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=cwd
+        )
+        assert str(ROOT / "fastft" / "kernels") not in out.stdout
 
 
 def test_public_api_names_resolve():

@@ -55,8 +55,6 @@ THIRD_PARTY_FLOOR = {
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[0] == "kernels":
-        parts = ["fastft", *parts]
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
@@ -101,7 +99,7 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
 
 
 def source_files() -> list[Path]:
-    return sorted([*ROOT.glob("fastft/**/*.py"), *ROOT.glob("kernels/**/*.py")])
+    return sorted(ROOT.glob("fastft/**/*.py"))
 
 
 def test_every_module_has_a_layer():

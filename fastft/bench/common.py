@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import statistics
 import time
@@ -12,16 +11,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import torch
-
-
-def worker_env(env: dict | None = None) -> dict:
-    """The environment of a benchmark worker started as ``python -m fastft.bench...``: `env` (default: this
-    process's) with ``PYTHONSAFEPATH=1``, so the working directory is not put first on the worker's
-    ``sys.path``. Run from a checkout's root, it would be, and the checkout's ``kernels/`` folder (installed
-    as ``fastft.kernels``) would then shadow the ``kernels`` package transformers >= 5.25 imports."""
-    env = dict(os.environ if env is None else env)
-    env["PYTHONSAFEPATH"] = "1"
-    return env
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype):

@@ -61,8 +61,6 @@ def run_worker(args) -> dict:
 
 
 def _launch(args, gpus: int, result_path: Path) -> dict:
-    from fastft.bench.common import worker_env
-
     command = [
         sys.executable,
         "-m",
@@ -76,7 +74,7 @@ def _launch(args, gpus: int, result_path: Path) -> dict:
         str(result_path),
         *args.passed,
     ]
-    done = subprocess.run(command, check=False, timeout=args.timeout, env=worker_env())
+    done = subprocess.run(command, check=False, timeout=args.timeout)
     if done.returncode != 0:
         raise RuntimeError(f"the {gpus}-rank run failed (exit {done.returncode}): {' '.join(command)}")
     return json.loads(result_path.read_text())

@@ -323,9 +323,7 @@ def save_random_checkpoint(model_id: str, folder: Path, layers: int | None = Non
 
 
 def _worker_env(system: str, unsloth_path: str | None) -> dict:
-    from fastft.bench.common import worker_env
-
-    env = worker_env()
+    env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     if system == "unsloth":

@@ -36,7 +36,7 @@ from fastft.vram.settings import ResolvedRun, resolve_run
 # and a 256-entry fp32 map for the nested state.
 NF4_BLOCK = 64
 NF4_NESTED_BLOCK = 256
-# The fused linear cross-entropy (kernels/fused_linear_ce.py) keeps one chunk of logits of at most this
+# The fused linear cross-entropy (fastft/kernels/fused_linear_ce.py) keeps one chunk of logits of at most this
 # many bytes (its LOGITS_CHUNK_BYTES for a frozen head, as LoRA leaves it), in the hidden states' dtype.
 FUSED_CE_CHUNK_BYTES = 2**28
 # cuBLAS workspaces PyTorch allocates through its caching allocator and keeps for the process: 32 MiB on

@@ -44,6 +44,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from fastft.kernels import use_triton
 from fastft.kernels.rounding import round_to
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from fastft.kernels import use_triton
 from fastft.kernels.rounding import round_to
 

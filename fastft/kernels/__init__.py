@@ -1,7 +1,7 @@
 """fastft.kernels: fused Triton kernels with manual backward, each beside a plain-PyTorch reference.
 
-Packaged from the top-level ``kernels/`` folder as ``fastft.kernels`` (never as a top-level
-``kernels`` module, a name that belongs to Hugging Face's kernel hub). This layer knows torch
+Never a top-level ``kernels`` module: that name belongs to Hugging Face's kernel hub, which
+transformers imports. This layer knows torch
 and triton only. One module per op, each with its plain-PyTorch reference beside it:
 ``rms_norm`` (Llama/Qwen and Gemma's (1 + w)), ``rope`` (Q and K in one launch, per-token
 positions), ``qk_norm_rope`` (Qwen3's q/k norm fused with it), ``swiglu`` (SwiGLU / GeGLU, backward
