@@ -22,10 +22,11 @@ import os
 
 import pytest
 import torch
-from fastft.kernels import use_triton
 from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from fastft.kernels import use_triton
 
 TOL = {
     torch.float32: {"rel": 1e-5, "rtol": 1e-5, "atol": 1e-6},

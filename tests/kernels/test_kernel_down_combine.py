@@ -19,8 +19,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from fastft.kernels.down_combine import DownCombineFunction, down_combine, down_combine_reference  # noqa: E402
 from grouped_gemm_cases import DEVICE, QWEN3_MOE, TOLERANCE, _rel, _routing  # noqa: E402
+
+from fastft.kernels.down_combine import DownCombineFunction, down_combine, down_combine_reference  # noqa: E402
 
 
 def _down_operands(dtype, tokens=29, top_k=3, experts=6, hidden=40, inter=24, rank=4, bias=True, seed=21):

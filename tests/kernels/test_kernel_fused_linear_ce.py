@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import triton  # noqa: E402
+
 from fastft.kernels import fused_linear_ce  # noqa: E402
 from fastft.kernels.fused_linear_ce import (  # noqa: E402
     FusedLinearCrossEntropyFunction,

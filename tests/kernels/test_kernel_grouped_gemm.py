@@ -26,8 +26,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from fastft.kernels.grouped_gemm import GroupedMMFunction, grouped_mm, grouped_mm_reference  # noqa: E402
 from grouped_gemm_cases import DEVICE, QWEN3_MOE, TOLERANCE, _rel, _routing  # noqa: E402
+
+from fastft.kernels.grouped_gemm import GroupedMMFunction, grouped_mm, grouped_mm_reference  # noqa: E402
 
 FUNCTION_NAME = GroupedMMFunction.__name__ + "Backward"
 

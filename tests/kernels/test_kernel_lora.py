@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fastft.kernels.lora import (
     FrozenLinear,
     LoraMLPFunction,
@@ -207,6 +208,7 @@ def test_checkpointed_mlp_skips_the_down_projection_only_when_its_output_is_disc
     mlp(x)``) computes its down projection again, or that product's backward would read uninitialised
     memory. Gradients equal the un-checkpointed ones exactly either way."""
     import torch.utils.checkpoint as checkpoint
+
     from fastft.kernels import lora
 
     generator = torch.Generator().manual_seed(4)
@@ -311,6 +313,7 @@ def test_checkpointed_tiled_mlp_computes_nothing_when_re_run(monkeypatch):
     run once per tile in the backward, as the untiled recompute runs them once. Gradients equal the plain
     tiled ones exactly."""
     import torch.utils.checkpoint as checkpoint
+
     from fastft.kernels import lora
 
     projections, x, weight = _mlp_case(

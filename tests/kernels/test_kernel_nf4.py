@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
 from fastft.kernels import nf4  # noqa: E402
 from fastft.kernels.nf4 import (  # noqa: E402
     NF4_CODE,

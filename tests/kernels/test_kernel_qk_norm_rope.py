@@ -17,7 +17,6 @@ if shutil.which("nvidia-smi") is None:  # no GPU: interpret Triton on the CPU (m
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from fastft.kernels.qk_norm_rope import apply_qk_norm_rope, qk_norm_rope_reference  # noqa: E402
 from rope_cases import (  # noqa: E402
     DEVICE,
     _close,
@@ -30,6 +29,8 @@ from rope_cases import (  # noqa: E402
 )
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
+
+from fastft.kernels.qk_norm_rope import apply_qk_norm_rope, qk_norm_rope_reference  # noqa: E402
 
 # --------------------------------------------------------------------------------- Qwen3 QK-norm fusion
 

@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import triton  # noqa: E402
+
 from fastft.kernels.rms_norm import (  # noqa: E402
     FastRMSNorm,
     RMSNormFunction,

@@ -15,14 +15,6 @@ if shutil.which("nvidia-smi") is None:  # no GPU: interpret Triton on the CPU (m
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from fastft.kernels import rope  # noqa: E402
-from fastft.kernels.rope import (  # noqa: E402
-    apply_rope,
-    rope_backward,
-    rope_forward,
-    rope_inplace_,
-    rope_reference,
-)
 from rope_cases import (  # noqa: E402
     DEVICE,
     PACKED,
@@ -35,6 +27,15 @@ from rope_cases import (  # noqa: E402
     triton_path,
 )
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
+
+from fastft.kernels import rope  # noqa: E402
+from fastft.kernels.rope import (  # noqa: E402
+    apply_rope,
+    rope_backward,
+    rope_forward,
+    rope_inplace_,
+    rope_reference,
+)
 
 RoPE = "RoPEFunctionBackward"
 

@@ -19,6 +19,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from transformers.activations import ACT2FN  # noqa: E402
+
 from fastft.kernels import use_triton  # noqa: E402
 from fastft.kernels.swiglu import (  # noqa: E402
     HIDDEN_ACT_TO_KIND,
@@ -31,7 +33,6 @@ from fastft.kernels.swiglu import (  # noqa: E402
     geglu,
     swiglu,
 )
-from transformers.activations import ACT2FN  # noqa: E402
 
 # dtype -> (max ‖a − b‖ / ‖b‖, per-element rtol, per-element atol)
 TOLERANCES = {
