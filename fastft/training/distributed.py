@@ -36,6 +36,7 @@ not (NCCL on CUDA, gloo on the CPU) and trains one run across the ranks:
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -275,6 +276,10 @@ def setup(device: torch.device, sharding: str) -> Distributed | None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        # started here, so ended here too: a process group left to the interpreter's finalisation warns
+        # and can abort the process while gloo's threads still hold tensors
+        atexit.unregister(_end_process_group)  # once, however many runs start a group
+        atexit.register(_end_process_group)
     backend = dist.get_backend()
     world_size = dist.get_world_size()
     if device.type == "cuda" and world_size > 1 and device.index != local_rank():
@@ -284,6 +289,12 @@ def setup(device: torch.device, sharding: str) -> Distributed | None:
             f"device='cuda:{local_rank()}'."
         )
     return Distributed(dist.get_rank(), world_size, sharding, backend, device)
+
+
+def _end_process_group() -> None:
+    """At exit, the process group `setup` started, unless the script ended it already."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shard_model(model: torch.nn.Module, parallel: Distributed) -> None:

@@ -8,6 +8,7 @@ the step losses, the events' trained-token counts and the final LoRA weights; ev
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -98,4 +99,8 @@ def _count_checkpoint_writes() -> list[str]:
 if __name__ == "__main__":
     run(Path(sys.argv[1]), json.loads(sys.argv[2]))
     if torch.distributed.is_initialized():
+        # every rank done with every collective before any tears its group down: once, in CI, a rank
+        # aborted ("terminate called without an active exception") while the two ended their groups
+        gc.collect()
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -5,6 +5,7 @@ batch, under DDP and FSDP2; a 2-rank run resumes exactly; only rank 0 writes che
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,29 @@ def test_fsdp2_refuses_an_output_dir_before_any_step(tmp_path):
                 torch.distributed.destroy_process_group()
 
 
+def test_a_process_group_fastft_starts_ends_at_exit(tmp_path):
+    """A script that trains under torchrun and never ends the process group: the group fastft started is
+    destroyed at exit, while the interpreter is whole (the check, registered first, runs last)."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit, torch, torch.distributed as dist\n"
+        "from fastft.training.distributed import setup\n"
+        "atexit.register(lambda: print('initialised at exit:', dist.is_initialized()))\n"
+        "print(setup(torch.device('cpu'), 'ddp').world_size)\n"
+    )
+    environment = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    environment |= {"MASTER_PORT": str(_free_port())}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **environment},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["1", "initialised at exit: False"]
+
+
 def _free_port() -> int:
     import socket
 
@@ -188,7 +212,6 @@ def test_launch_refuses_what_cannot_start(tmp_path):
         [sys.executable, "-m", "fastft", "launch", "--gpus", "2", str(tmp_path / "missing.py")],
         capture_output=True,
         text=True,
-        cwd=tmp_path,  # not the checkout's root: its kernels/ folder would shadow the `kernels` package
     )
     assert done.returncode == 2 and "is not a file" in done.stderr
 
@@ -209,7 +232,7 @@ def test_the_ddp_bench_runs_one_rank_and_two_on_the_cpu(tmp_path):
         "128",
     ]
     command += ["--folder", str(tmp_path / "models"), "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(out.read_text())
     assert [(run["world_size"], run["backend"]) for run in report["runs"]] == [(1, "gloo"), (2, "gloo")]
