@@ -17,6 +17,7 @@ import torch
 from peft import PeftModel
 
 from fastft.atomic import check_destination, recover_folder, replace_folder_atomically
+from fastft.runtime.state import is_quantised
 
 
 def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None, overwrite: bool = False) -> Path:
@@ -42,7 +43,7 @@ def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None, over
 def merged_state_dict(model: PeftModel, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The base model's state dict with every LoRA delta added in fp32, cast to `dtype`."""
     base = model.get_base_model()
-    if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
+    if is_quantised(base):
         raise ValueError(
             "Merging into a 4/8-bit base is lossy and not supported: load the base in 16-bit with "
             "load_model(name, load_in_4bit=False), attach the saved adapter with "

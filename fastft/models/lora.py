@@ -23,7 +23,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from fastft.checks import real_number, whole_number
 from fastft.runtime.checkpointing import Checkpointing
 from fastft.runtime.offload import disable_offload, enable_offload
-from fastft.runtime.state import model_state
+from fastft.runtime.state import is_quantised, model_state
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the stacked expert parameters an ``experts`` target adapts
 
@@ -206,7 +206,7 @@ def add_lora(
             + ". Reload the base model with load_model(...) before adding different adapters."
         )
 
-    quantized = getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False)
+    quantized = is_quantised(base)
     # PEFT's k-bit preparation casts every 16-bit weight (norms, embeddings, head) to fp32 for fp16's sake;
     # with bf16 that only turns the residual stream and every matmul fp32. fastft keeps bf16 (as Unsloth).
     if quantized and base.get_input_embeddings().weight.dtype != torch.bfloat16:

@@ -355,7 +355,8 @@ class _AttentionFromKept(torch.autograd.Function):
 def _kept_attention(q, k, v, scale, choose, longest: int, kept: KeptTensors | None) -> torch.Tensor | None:
     """Causal attention through a kept output (see above), or None where the caller computes it as usual:
     outside an offloaded layer (`kept` None), attention not kept, sequences shorter than
-    `KEEP_FROM_LENGTH`, a kernel fastft does not call, or where the forward kept nothing."""
+    `KEEP_FROM_LENGTH` (or the offloader's longer `KeptTensors.from_length`), a kernel fastft does not
+    call, or where the forward kept nothing."""
     if kept is None:
         return None
     if not kept.recording:
@@ -366,7 +367,7 @@ def _kept_attention(q, k, v, scale, choose, longest: int, kept: KeptTensors | No
         return _AttentionFromKept.apply(q, k, v, out, lse, kernel, state)
     if not kept.wants(ATTENTION):
         return None
-    kernel = choose(q, k, v, scale) if longest >= KEEP_FROM_LENGTH else None
+    kernel = choose(q, k, v, scale) if longest >= max(KEEP_FROM_LENGTH, kept.from_length) else None
     if kernel is None:
         return None
     out, lse, state = kernel.forward(q, k, v)

@@ -36,9 +36,21 @@ ALIASES = {True: "recompute", False: "none", None: "none", "unsloth": "offload",
 # graphed steps in one process, three interleaved rounds: 325 -> 320 ms keeping the attention output,
 # -> 313 ms with o_proj's too (+3.7 %), for +94 MB of peak (two device buffers of both). Below
 # `KEEP_FROM_LENGTH` the attention forward is cheap beside the copies and buffers, so shorter bins keep
-# nothing; quantised bases keep nothing by default (`fastft.runtime.offload.keeps_by_default`).
-# The constant lives here, not in `fastft.runtime.attention`, so the VRAM estimator reads it without torch.
+# nothing.
+#
+# Quantised bases are the memory-first choice: there a layer keeps its attention output (not o_proj's)
+# only for sequences of `KEEP_QUANTISED_FROM_LENGTH` tokens and more, and only where the VRAM estimate
+# with it still fits the device (`fastft.runtime.offload.KeepPolicy`; the estimator answers the same way
+# for ``keep_attention=None``). At those lengths the quadratic attention is most of the step: Llama-3.1-8B
+# NF4 r=32 at 1 x 131,072 tokens under a 24 GiB cap, on the H200, two steps each in one process: 2,755
+# tokens/s recomputing the attention forward, 3,333 keeping it (+21 %). The probe's peak read 19.62 ->
+# 22.64 GiB, but it held the first offloader (and its two 1 GiB layer-input buffers) while the second
+# ran: the keeping run's own cost is the 2 x 1.02 GiB of kept buffers less the 1.02 GiB output the
+# recompute no longer allocates, 19.62 + 1.02 = 20.64 GiB, as the estimator counts it (20.02 -> 21.03
+# GiB estimated). At 163,840 tokens keeping does not fit under 24 GiB, and the run recomputes as before.
+# The constants live here, not in `fastft.runtime.attention`, so the VRAM estimator reads them without torch.
 KEEP_FROM_LENGTH = 2048
+KEEP_QUANTISED_FROM_LENGTH = 32768
 
 LABELS = {
     "auto": "auto (offload on a GPU, recompute on the CPU)",
@@ -107,4 +119,12 @@ def _unknown(value) -> str:
     )
 
 
-__all__ = ["BY_MEMORY", "KEEP_FROM_LENGTH", "KINDS", "LABELS", "Checkpointing", "CheckpointingError"]
+__all__ = [
+    "BY_MEMORY",
+    "KEEP_FROM_LENGTH",
+    "KEEP_QUANTISED_FROM_LENGTH",
+    "KINDS",
+    "LABELS",
+    "Checkpointing",
+    "CheckpointingError",
+]

@@ -71,7 +71,7 @@ class KeptTensors:
     and strides, or None where the forward kept nothing under that name: the caller then computes it, as
     it would without keeping. `kept` says whether a name was kept in this call."""
 
-    __slots__ = ("_names", "_store", "entries", "_views", "_count")
+    __slots__ = ("_names", "_store", "entries", "_views", "_count", "from_length")
 
     def __init__(
         self,
@@ -79,24 +79,34 @@ class KeptTensors:
         store: Callable[[str, tuple[torch.Tensor, ...]], bool] | None = None,
         entries: dict | None = None,
         views: list[torch.Tensor] | None = None,
+        from_length: int = 0,
     ):
         self._names, self._store, self._views = names, store, views
+        # the attention output is kept for sequences this long and longer (and `KEEP_FROM_LENGTH`'s)
+        self.from_length = from_length
         # name -> (what, index of its first tensor among the call's kept tensors, how many)
         self.entries: dict[str, tuple[object, int, int]] = {} if entries is None else dict(entries)
         self._count = sum(count for _, _, count in self.entries.values())
 
     @classmethod
     def recording_into(
-        cls, names: frozenset[str], store: Callable[[str, tuple[torch.Tensor, ...]], bool]
+        cls,
+        names: frozenset[str],
+        store: Callable[[str, tuple[torch.Tensor, ...]], bool],
+        from_length: int = 0,
     ) -> KeptTensors:
-        """For a layer's forward: `store(name, tensors)` copies them beside its input (False: declined)."""
-        return cls(names, store=store)
+        """For a layer's forward: `store(name, tensors)` copies them beside its input (False: declined);
+        the attention output only for sequences of `from_length` tokens and more (and never below
+        `fastft.runtime.checkpointing.KEEP_FROM_LENGTH`)."""
+        return cls(names, store=store, from_length=from_length)
 
     @classmethod
     def replaying(cls, forward: KeptTensors, views: list[torch.Tensor]) -> KeptTensors:
         """For the recompute of the call whose forward kept `forward`: its tensors, now `views` on the
         device (in the order they were kept)."""
-        return cls(forward._names, entries=forward.entries, views=list(views))
+        return cls(
+            forward._names, entries=forward.entries, views=list(views), from_length=forward.from_length
+        )
 
     @property
     def recording(self) -> bool:

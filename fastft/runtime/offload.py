@@ -51,7 +51,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fastft.runtime.context import attach_layer_contexts, keep_names, layer_context
+from fastft.runtime.checkpointing import KEEP_QUANTISED_FROM_LENGTH
+from fastft.runtime.context import ATTENTION, ROUTING, attach_layer_contexts, keep_names, layer_context
 from fastft.runtime.copies import CudaCopies
 from fastft.runtime.host_memory import HOST_BUDGET_FRACTION, HostSlabs, host_memory_available, pinnable_bytes
 from fastft.runtime.offload_layer import (
@@ -66,7 +67,70 @@ from fastft.runtime.offload_layer import (
     storage_order,
     unflatten,
 )
-from fastft.runtime.state import base_model, model_state, state_of
+from fastft.runtime.state import base_model, is_quantised, model_state, state_of
+
+
+class KeepPolicy:
+    """What an offloaded layer call keeps beside its input for the recompute, and when.
+
+    `names`: `fastft.runtime.context.KEEPS` names. `from_length`: the attention output is kept only for
+    sequences of at least this many tokens (and `KEEP_FROM_LENGTH`: `fastft.runtime.attention`).
+    `fits_for`: when given (a model), a forward keeps anything only when its layer calls carry at least
+    `from_length` tokens and the VRAM estimate for that many tokens with the attention kept still fits the
+    device (`fastft.vram.estimate_vram` with ``keep_attention=None`` decides, as it does for
+    `max_context`): the quantised bases' default (`default_keep`, and the measurements in
+    `fastft.runtime.checkpointing`). Each token count is estimated once (host arithmetic, no device sync)."""
+
+    def __init__(
+        self,
+        names: bool | Collection[str],
+        from_length: int = 0,
+        fits_for: torch.nn.Module | None = None,
+    ):
+        self.names = keep_names(names)
+        self.from_length = from_length
+        self._model = None if fits_for is None else weakref.ref(fits_for)
+        self._answers: dict[int, bool] = {}
+
+    @property
+    def conditional(self) -> bool:
+        return self._model is not None
+
+    def settings(self) -> tuple:
+        return (self.names, self.from_length, self.conditional)
+
+    def names_for(self, tokens: int, device: torch.device | None) -> frozenset[str]:
+        """What a forward whose layer calls carry `tokens` tokens keeps."""
+        if not self.conditional or not self.names:
+            return self.names
+        if tokens < self.from_length:
+            return frozenset()
+        if tokens not in self._answers:
+            model = self._model()
+            self._answers[tokens] = model is not None and _fits_keeping(model, tokens, device)
+        return self.names if self._answers[tokens] else frozenset()
+
+
+def _fits_keeping(model: torch.nn.Module, tokens: int, device: torch.device | None) -> bool:
+    """Whether `estimate_vram` keeps the attention outputs for `tokens` tokens on this device (it does only
+    where they fit). The device's room is its allocator cap (``set_per_process_memory_fraction``), or what
+    the driver has free plus what PyTorch holds already, whichever is less."""
+    if device is None or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return False
+    from fastft.vram import capped_gpu, estimate_vram
+    from fastft.vram.result import VramEstimateError
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    room = min(int(total * fraction), free + torch.cuda.memory_reserved(device))
+    try:
+        estimate = estimate_vram(
+            model, tokens, tokens, gpu=capped_gpu(room), checkpointing="offload", keep_attention=None
+        )
+    except (VramEstimateError, ValueError):  # a model the estimator cannot describe: keep nothing
+        return False
+    return bool(estimate.fits) and estimate.settings.keep_attention
 
 
 class OffloadBudgetWarning(UserWarning):
@@ -122,8 +186,8 @@ class ActivationOffloader:
     ("offload-single", the ablation). `layers`: how many layers use it (for the pinned-memory check).
     `timing`: record CUDA events for `stats`. `keep`: what a layer call keeps beside its input for the
     recompute, as `fastft.runtime.context.KEEPS` names (True: all of them; False: none; without
-    ``"o_proj"`` the fused o_proj recomputes its output). `copies`: the copy engine
-    (`fastft.runtime.copies`); None: a `CudaCopies` on the first CUDA device a layer input comes from.
+    ``"o_proj"`` the fused o_proj recomputes its output), or a `KeepPolicy` (what, and when). `copies`: the
+    copy engine (`fastft.runtime.copies`); None: a `CudaCopies` on the first CUDA device a layer input comes from.
     Layer inputs on any other device run as plain recompute.
     """
 
@@ -133,11 +197,13 @@ class ActivationOffloader:
         layers: int = 0,
         host_budget_bytes: int | None = None,
         timing: bool = False,
-        keep: bool | Collection[str] = True,
+        keep: bool | Collection[str] | KeepPolicy = True,
         copies=None,
     ):
         self.double_buffer = double_buffer
-        self.keeps = keep_names(keep)
+        self.policy = keep if isinstance(keep, KeepPolicy) else KeepPolicy(keep)
+        self.keeps = self.policy.names
+        self.forward_keeps = frozenset() if self.policy.conditional else self.keeps  # this forward's
         self.layers = layers
         self.host_budget_bytes = host_budget_bytes
         self.timing = timing
@@ -169,7 +235,13 @@ class ActivationOffloader:
         return bool(self.keeps)
 
     def settings(self) -> tuple:
-        return (self.double_buffer, self.host_budget_bytes, self.timing, self.keeps, self.copies_given)
+        return (
+            self.double_buffer,
+            self.host_budget_bytes,
+            self.timing,
+            self.policy.settings(),
+            self.copies_given,
+        )
 
     def _reset_counts(self) -> None:
         self.counts = dict.fromkeys(
@@ -239,6 +311,8 @@ class ActivationOffloader:
         nbytes = hidden.numel() * hidden.element_size()
         with self._lock:
             if self._live == 0:  # the first layer of a forward: will the whole forward fit?
+                tokens = hidden.numel() // max(1, hidden.shape[-1])
+                self.forward_keeps = self.policy.names_for(tokens, hidden.device) & self.keeps
                 need, budget = max(1, self.layers) * nbytes, self._budget()
                 # what `_keep` may add this forward: layers whose keeps do not fit recompute as before
                 self._keep_room = None if budget is None else budget - need
@@ -281,7 +355,7 @@ class ActivationOffloader:
         """Copy `tensors` to host memory beside the call's layer input, if `name` is kept (see
         `fastft.runtime.context.KeptTensors`)."""
         saved = call.saved
-        if saved is None or name not in self.keeps:
+        if saved is None or name not in self.forward_keeps:
             return False
         if not all(t.device == self.device and dense(t) for t in tensors):
             return False
@@ -298,7 +372,7 @@ class ActivationOffloader:
             except RuntimeError:  # pinning failed: keep nothing more, recompute instead
                 for slot in slots:
                     self._host.give(slot)
-                self.keeps = frozenset()
+                self.keeps = self.forward_keeps = frozenset()
                 return False
             parts = [saved.add(slot, t) for slot, t in zip(slots, tensors, strict=True)]
         for part, tensor in zip(parts, tensors, strict=True):
@@ -410,13 +484,18 @@ def _is_layer(module: torch.nn.Module) -> bool:
     return isinstance(module, GradientCheckpointingLayer)
 
 
-def keeps_by_default(model: torch.nn.Module) -> bool:
-    """Whether offloading keeps attention and o_proj outputs unless told otherwise: on 16-bit bases yes, on
-    4- or 8-bit ones no. A quantised base is the memory-first choice, and keeping costs two device buffers of
-    those outputs (on Llama-3.1-8B at 2 x 2,048 tokens +94 MB of peak, about 1.3 % of a QLoRA step's 7 GiB,
-    for 3 % of its time; at 16,384 tokens four times the bytes). ``enable_offload(keep_attention=True)``
-    keeps them on a quantised base too."""
-    return not (getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+def default_keep(model: torch.nn.Module) -> bool | KeepPolicy:
+    """What offloading keeps unless told otherwise. On 16-bit bases: everything (attention and o_proj
+    outputs, routing orders) from `KEEP_FROM_LENGTH` tokens on. On 4- and 8-bit bases, the memory-first
+    choice: the attention output and routing orders, only for sequences of `KEEP_QUANTISED_FROM_LENGTH`
+    tokens and more and only where the estimate with them still fits the device (`KeepPolicy`). Below that
+    the attention forward is cheap and keeping costs two device buffers (Llama-3.1-8B at 2 x 2,048 tokens:
+    +94 MB of peak, about 1.3 % of a QLoRA step's 7 GiB, for 3 % of its time); above it the recompute of the
+    attention forward is a sixth of the step (the measurements in `fastft.runtime.checkpointing`).
+    ``enable_offload(keep_attention=True)`` keeps everything on a quantised base too."""
+    if not is_quantised(model):
+        return True
+    return KeepPolicy((ATTENTION, ROUTING), KEEP_QUANTISED_FROM_LENGTH, fits_for=model)
 
 
 def enable_offload(
@@ -424,7 +503,7 @@ def enable_offload(
     double_buffer: bool = True,
     host_budget_bytes: int | None = None,
     timing: bool = False,
-    keep_attention: bool | Collection[str] | None = None,
+    keep_attention: bool | Collection[str] | KeepPolicy | None = None,
     copies=None,
 ) -> ActivationOffloader:
     """Make the model's checkpointed layers offload their inputs (see the module docstring).
@@ -436,14 +515,15 @@ def enable_offload(
     forward and o_proj (`fastft.runtime.context.KeptTensors`; from
     ``fastft.runtime.attention.KEEP_FROM_LENGTH`` tokens on), and so does an MoE layer's routing order, so
     the recompute skips the top-k and the sort; or the `fastft.runtime.context.KEEPS` names to keep (the
-    ablations: ``("attention", "routing")`` recomputes o_proj). None (the default): keep on 16-bit bases,
-    not on quantised ones (`keeps_by_default`). `copies`: the copy engine (`ActivationOffloader`). Each
+    ablations: ``("attention", "routing")`` recomputes o_proj), or a `KeepPolicy`. None (the default):
+    `default_keep` (everything on 16-bit bases; on quantised ones the attention output of long sequences
+    where it fits). `copies`: the copy engine (`ActivationOffloader`). Each
     checkpointed layer gets its `fastft.runtime.context.LayerContext`. Returns the offloader, also at
     ``model_state(model).offload``.
     """
     base = base_model(model)
     if keep_attention is None:
-        keep_attention = keeps_by_default(base)
+        keep_attention = default_keep(base)
     modules = _checkpointed_modules(base)
     if not modules:
         raise ValueError(
@@ -452,11 +532,12 @@ def enable_offload(
         )
     state = model_state(base)
     current = state.offload
-    wanted = (double_buffer, host_budget_bytes, timing, keep_names(keep_attention), copies)
+    policy = keep_attention if isinstance(keep_attention, KeepPolicy) else KeepPolicy(keep_attention)
+    wanted = (double_buffer, host_budget_bytes, timing, policy.settings(), copies)
     if current is None or current.settings() != wanted:
         layers = sum(_is_layer(m) for m in modules) or len(modules)
         current = ActivationOffloader(
-            double_buffer, layers, host_budget_bytes, timing, keep=keep_attention, copies=copies
+            double_buffer, layers, host_budget_bytes, timing, keep=policy, copies=copies
         )
         state.offload = current
     attach_layer_contexts(base, modules)
@@ -497,7 +578,8 @@ __all__ = [
     "disable_offload",
     "enable_offload",
     "host_memory_available",
-    "keeps_by_default",
+    "KeepPolicy",
+    "default_keep",
     "no_span",
     "offload_stats",
     "offloader_of",

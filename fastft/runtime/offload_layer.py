@@ -212,8 +212,9 @@ class OffloadedLayer(torch.autograd.Function):
         offloader = call.offloader
         offloader._save(call, hidden)
         call.stash_state(hidden.device)
-        keeps = offloader.keeps if call.context is not None else frozenset()
-        kept = KeptTensors.recording_into(keeps, functools.partial(offloader._keep, call)) if keeps else None
+        keeps = offloader.forward_keeps if call.context is not None else frozenset()
+        store = functools.partial(offloader._keep, call)
+        kept = KeptTensors.recording_into(keeps, store, offloader.policy.from_length) if keeps else None
         routers = call.routers
         collect = routers is not None and routers.collecting
         with _router_records_of(routers, collect) as records, call.running(kept):

@@ -53,6 +53,12 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def is_quantised(model: torch.nn.Module) -> bool:
+    """Whether `model` (or the transformers model under a PEFT model) has a 4- or 8-bit bitsandbytes base."""
+    base = base_model(model)
+    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
+
+
 def state_of(model: torch.nn.Module | None) -> ModelState | None:
     """The model's `ModelState`, or None when fastft never installed anything on it, or `model` is None
     (creates nothing)."""

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from fastft.runtime.checkpointing import KEEP_FROM_LENGTH, Checkpointing
+from fastft.runtime.checkpointing import Checkpointing
 from fastft.vram import activations as act
 from fastft.vram.activations import Profile
 from fastft.vram.gpus import DEFAULT_CONTEXT_BYTES, GiB, GpuSpec, MiB
@@ -101,7 +101,9 @@ def estimate_vram(
     each layer's attention output (and the fused o_proj's) travels with its input so the recompute skips
     the attention forward, for sequences of ``KEEP_FROM_LENGTH`` tokens and more, and each MoE layer's
     routing order (4 bytes per routed slot) with it; False for an offloader that recomputes them; None (the
-    default) as `fastft.runtime.offload.enable_offload` decides: keep on 16-bit bases, not on quantised ones.
+    default) as `fastft.runtime.offload.default_keep` decides: keep on 16-bit bases; on quantised ones keep
+    the attention output (not o_proj's) from ``KEEP_QUANTISED_FROM_LENGTH`` tokens on where that still fits
+    `gpu`, and otherwise answer for the run that recomputes it (``settings.keep_attention`` says which).
        `world_size` / `sharding`: a run on several GPUs under torchrun, answered per GPU
     (`fastft.vram.parallel`): "ddp" holds the whole model on each GPU, "fsdp" (FSDP2) splits the 16-bit
     base, the adapters, their gradients and the optimizer states; `batch_tokens` is per rank.
@@ -125,6 +127,7 @@ def estimate_vram(
     them), only completion tokens carrying a target, with the per-target log-probs; a KL to the reference or
     more than one update per rollout adds one no-autograd pass (as DPO's reference pass).
     """
+    arguments = dict(locals())
     if method == "grpo":
         rollout = _Rollout.of(
             seq_len,
@@ -186,10 +189,15 @@ def estimate_vram(
     estimate = _assemble(
         run, weights, adapters, stored, loss_phase, workspace, backward, notes, reference, rollout_bytes
     )
+    if run.keep_if_fits and stored.keeping and estimate.fits is False:
+        # a quantised base keeps only where it fits (`fastft.runtime.offload.KeepPolicy`): answer for the
+        # run that recomputes instead
+        return estimate_vram(**{**arguments, "keep_attention": False})
     estimate = replace(
         estimate,
         settings=replace(
             estimate.settings,
+            keep_attention=stored.keeping,
             method=method,
             precompute_reference=precompute_reference,
             rollout=()
@@ -420,6 +428,7 @@ class _Stored:
     per_layer: list[int]  # what each layer saves, per token, when it is not checkpointed
     released: list[int]  # what each layer's backward frees of the stored activations, per token
     kept_attention: int  # an offloaded layer's kept attention output and log-sum-exp, per token
+    keeping: bool = False  # offloaded layers keep something beside their inputs
 
 
 def _stored_activations(run: ResolvedRun, notes: list[str]) -> _Stored:
@@ -434,13 +443,13 @@ def _stored_activations(run: ResolvedRun, notes: list[str]) -> _Stored:
     h = inventory.hidden_size
     layer_input = run.layer_input
     # what an offloaded layer keeps beside its input (`fastft.runtime.context.KeptTensors`): its attention
-    # output (16-bit) and fp32 log-sum-exp from `KEEP_FROM_LENGTH` tokens on, where it pays, with the fused
-    # o_proj's output (`fastft.models.patch`), and an MoE layer's routing order (int32 sorted slots) at any
-    # length
-    keeping = mode == "offload" and run.keep_attention
-    attention_kept = keeping and run.seq_len >= KEEP_FROM_LENGTH
+    # output (16-bit) and fp32 log-sum-exp from `run.keep_from` tokens on, where it pays, with the fused
+    # o_proj's output (`fastft.models.patch`) on 16-bit bases, and an MoE layer's routing order (int32
+    # sorted slots); a quantised base keeps only from `run.keep_from` tokens a micro-batch
+    keeping = mode == "offload" and run.keep_attention and (not run.keep_if_fits or tokens >= run.keep_from)
+    attention_kept = keeping and run.seq_len >= run.keep_from
     kept_attention = inventory.num_heads * (inventory.head_dim * 2 + 4) if attention_kept else 0
-    kept_output = layer_input if attention_kept and profile.fused_projections else 0
+    kept_output = layer_input if attention_kept and run.keep_output and profile.fused_projections else 0
     moe_layers = sum(1 for layer in layers if layer.moe)
     kept_routing = 4 * inventory.experts_per_token if keeping and moe_layers else 0
     if mode == "none":
@@ -469,7 +478,8 @@ def _stored_activations(run: ResolvedRun, notes: list[str]) -> _Stored:
             "backward even when checkpointed; counted as all of down_proj's input columns, the worst case "
             f"(random weights reach it): {outliers / GiB:.2f} GiB here. Trained weights keep fewer"
         )
-    return _Stored(stored_per_token * tokens, stored_note, per_layer, released, kept_attention)
+    keeping = bool(kept_attention or kept_routing)
+    return _Stored(stored_per_token * tokens, stored_note, per_layer, released, kept_attention, keeping)
 
 
 # -- step 5: the loss phase: logits and the loss's buffers ---------------------------------------------------

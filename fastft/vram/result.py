@@ -55,6 +55,8 @@ class VramSettings:
     # GRPO (method "grpo"): estimate_vram's generations, prompts_per_step, completion_tokens,
     # generation_batch_size, kl_coef and num_iterations, as given
     rollout: tuple[tuple[str, object], ...] = ()
+    # whether offloaded layers keep anything beside their inputs here (attention outputs, routing orders)
+    keep_attention: bool = False
 
 
 @dataclass(frozen=True)

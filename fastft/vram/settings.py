@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fastft.runtime.checkpointing import BY_MEMORY, Checkpointing, CheckpointingError
+from fastft.runtime.checkpointing import (
+    BY_MEMORY,
+    KEEP_FROM_LENGTH,
+    KEEP_QUANTISED_FROM_LENGTH,
+    Checkpointing,
+    CheckpointingError,
+)
 from fastft.vram import activations as act
 from fastft.vram.activations import Profile
 from fastft.vram.gpus import GpuSpec, detect_gpu, get_gpu
@@ -42,6 +48,15 @@ class ResolvedRun:
     profile: Profile
     keep_attention: bool
     loaded_lora: bool  # a loaded model's own adapters are estimated (neither lora_r nor targets was given)
+    # what an offloaded layer keeps (`fastft.runtime.offload.default_keep`): o_proj's output with the
+    # attention output, the shortest sequence whose attention output is kept, and whether the run keeps
+    # only where that still fits the GPU (a quantised base's default: `estimate_vram` then answers for the
+    # run that does not keep when keeping would not fit)
+    keep_output: bool = True
+    keep_from: int = KEEP_FROM_LENGTH
+    keep_if_fits: bool = (
+        False  # a loaded model's own adapters are estimated (neither lora_r nor targets was given)
+    )
 
     @property
     def layer_input(self) -> int:
@@ -111,8 +126,9 @@ def resolve_run(
     )
     if loss == "auto":
         loss = "fused" if profile.fused_loss else "eager"
-    if keep_attention is None:  # `fastft.runtime.offload.keeps_by_default`
-        keep_attention = profile.quantized is None
+    keep_if_fits = keep_attention is None and profile.quantized is not None
+    if keep_attention is None:  # `fastft.runtime.offload.default_keep`
+        keep_attention = True
     return ResolvedRun(
         inventory=inventory,
         precision=precision,
@@ -129,6 +145,9 @@ def resolve_run(
         profile=profile,
         keep_attention=keep_attention,
         loaded_lora=bool(loaded and loaded.lora_params and lora_r is None and targets is None),
+        keep_output=not keep_if_fits,
+        keep_from=KEEP_QUANTISED_FROM_LENGTH if keep_if_fits else KEEP_FROM_LENGTH,
+        keep_if_fits=keep_if_fits,
     )
 
 

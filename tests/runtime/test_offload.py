@@ -25,6 +25,7 @@ from fastft.models.lora import is_checkpointing, set_gradient_checkpointing
 from fastft.models.presets import PRESETS
 from fastft.runtime import host_memory, offload, offload_layer
 from fastft.runtime.attention import patch_packed_attention, unpatch_packed_attention
+from fastft.runtime.context import KEEPS
 from fastft.training.loss import causal_lm_loss_sum
 
 LENGTHS = (37, 5, 61, 23)  # awkward sizes, one bin
@@ -494,24 +495,112 @@ def test_the_recompute_rebuilds_each_routing_plan_from_the_kept_order(name, forc
     assert offload.offload_stats(model).bytes_kept == built_once * per_layer
 
 
-def test_quantised_bases_keep_nothing_unless_asked():
-    """Keeping is the default on 16-bit bases; a 4- or 8-bit base is the memory-first choice and keeps
-    nothing unless `keep_attention=True` says so. The estimator follows the same default."""
+def test_quantised_bases_keep_attention_only_for_long_sequences_that_fit(monkeypatch):
+    """Keeping is the default on 16-bit bases. A 4- or 8-bit base is the memory-first choice: it keeps the
+    attention output (not o_proj's) only for layer calls of `KEEP_QUANTISED_FROM_LENGTH` tokens and more, and
+    only where the VRAM estimate with it fits the device, asked once per token count; `keep_attention=True`
+    keeps everything. The estimator follows the same default."""
+    from fastft.runtime.checkpointing import KEEP_QUANTISED_FROM_LENGTH as LONG
+
     model = _model(mode="offload")
-    assert offload.enable_offload(model).keep
+    assert offload.enable_offload(model).policy.settings() == (frozenset(KEEPS), 0, False)
     model.get_base_model().is_loaded_in_4bit = True
-    assert not offload.enable_offload(model).keep
-    assert offload.enable_offload(model, keep_attention=True).keep
-    from fastft.vram import estimate_vram
+    policy = offload.enable_offload(model).policy
+    assert policy.settings() == (frozenset({"attention", "routing"}), LONG, True)
+    asked = []
 
-    def kept_bytes(precision, keep=None):
-        estimate = estimate_vram(
-            "Qwen/Qwen3-8B", 4096, precision=precision, checkpointing="offload", gpu=None, keep_attention=keep
+    def fits(model_, tokens, device):
+        asked.append(tokens)
+        return tokens < 2 * LONG
+
+    monkeypatch.setattr(offload, "_fits_keeping", fits)
+    assert policy.names_for(LONG - 1, None) == frozenset() and asked == []  # short: not even estimated
+    assert policy.names_for(LONG, None) == {"attention", "routing"}
+    assert policy.names_for(LONG, None) == {"attention", "routing"} and asked == [LONG]  # asked once
+    assert policy.names_for(2 * LONG, None) == frozenset()  # does not fit: recompute as before
+    assert offload.enable_offload(model, keep_attention=True).policy.settings() == (
+        frozenset(KEEPS),
+        0,
+        False,
+    )
+    monkeypatch.undo()
+    assert not offload._fits_keeping(model, 4 * LONG, torch.device("cpu"))  # no CUDA device: nothing kept
+
+
+def test_the_keeping_check_asks_the_estimator_with_the_room_the_device_has(monkeypatch):
+    """`_fits_keeping` gives `estimate_vram` the device's room (its allocator cap, or the driver's free
+    memory plus what PyTorch holds, whichever is less) and answers what the estimate with the attention
+    kept says; nothing is kept while a CUDA graph is captured. The CUDA queries are faked: no GPU here."""
+    from fastft.vram import capped_gpu, estimate_vram
+
+    model = _model(mode="offload")
+    GiB, total = 2**30, 80 * 2**30
+    room = {"fraction": 0.3, "free": 60 * GiB, "reserved": 2 * GiB, "capturing": False}
+
+    class Properties:
+        total_memory = total
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda device: room["fraction"])
+    monkeypatch.setattr(cuda, "mem_get_info", lambda device: (room["free"], total))
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device: room["reserved"])
+    monkeypatch.setattr(cuda, "is_current_stream_capturing", lambda: room["capturing"])
+    seen = []
+
+    def recording(*args, gpu, **settings):
+        seen.append(gpu.capacity_bytes)
+        return estimate_vram(*args, gpu=gpu, **settings)
+
+    monkeypatch.setattr("fastft.vram.estimate_vram", recording)
+    device, tokens = torch.device("cuda", 0), 4096
+    kept = offload._fits_keeping(model, tokens, device)
+    alone = estimate_vram(
+        model, tokens, tokens, checkpointing="offload", keep_attention=None, gpu=capped_gpu(24 * GiB)
+    )
+    assert kept == alone.settings.keep_attention is True  # tiny-llama keeps, with room to spare
+    room["free"] = 0  # the driver has nothing left beyond what PyTorch holds: 2 GiB
+    room["reserved"] = alone.total_bytes // 2
+    assert not offload._fits_keeping(model, tokens, device)
+    assert seen == [24 * GiB, alone.total_bytes // 2]  # the cap, then free + reserved
+    room["free"], room["capturing"] = 60 * GiB, True
+    assert not offload._fits_keeping(model, tokens, device) and len(seen) == 2  # capturing: not asked
+
+
+def test_the_estimate_of_a_quantised_base_keeps_attention_only_where_it_fits():
+    from fastft.vram import capped_gpu, estimate_vram, max_context
+
+    def estimate(precision, length, keep=None, gpu=capped_gpu(2**40)):  # noqa: B008 (one spec, read only)
+        return estimate_vram(
+            "Qwen/Qwen3-8B",
+            length,
+            precision=precision,
+            checkpointing="offload",
+            gpu=gpu,
+            keep_attention=keep,
         )
-        return estimate["activations"]
 
-    assert kept_bytes("bf16") > kept_bytes("bf16", keep=False)
-    assert kept_bytes("nf4") == kept_bytes("nf4", keep=False) < kept_bytes("nf4", keep=True)
+    assert estimate("bf16", 4096)["activations"] > estimate("bf16", 4096, keep=False)["activations"]
+    short = estimate("nf4", 4096)
+    assert short["activations"] == estimate("nf4", 4096, keep=False)["activations"]
+    assert not short.settings.keep_attention
+    assert estimate("nf4", 4096, keep=True)["activations"] > short["activations"]
+    long, recomputing = estimate("nf4", 65536), estimate("nf4", 65536, keep=False)
+    assert long.settings.keep_attention and long.allocated_bytes > recomputing.allocated_bytes
+    # o_proj's output is not kept on a quantised base: less than what keep_attention=True (everything) keeps
+    assert long.allocated_bytes < estimate("nf4", 65536, keep=True).allocated_bytes
+    # a cap between the two: the answer is the run that recomputes
+    gpu = capped_gpu((long.total_bytes + recomputing.total_bytes) // 2)
+    tight = estimate("nf4", 65536, gpu=gpu)
+    assert tight.fits and not tight.settings.keep_attention
+    assert tight.allocated_bytes == recomputing.allocated_bytes
+    roomy = estimate("nf4", 65536, gpu=capped_gpu(long.total_bytes))
+    assert roomy.fits and roomy.settings.keep_attention
+    # the longest context is the recomputing run's: keeping never shortens it
+    settings = {"precision": "nf4", "checkpointing": "offload", "multiple_of": 1024}
+    assert max_context("Qwen/Qwen3-8B", gpu, **settings) == max_context(
+        "Qwen/Qwen3-8B", gpu, keep_attention=False, **settings
+    )
 
 
 def test_sequences_shorter_than_the_threshold_keep_nothing():
