@@ -20,6 +20,8 @@ import importlib
 import logging
 import warnings
 
+from fastft.runtime import keep_fit as _keep_fit
+
 __version__ = "0.1.0"
 
 
@@ -43,6 +45,16 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BitsandbytesCpuKer
 warnings.filterwarnings(
     "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
 )
+
+def _keeping_fits(model, tokens, device):
+    """The VRAM estimator's answer to offloading's conditional keep (`fastft.runtime.keep_fit`), imported on
+    first call so that ``import fastft`` stays light."""
+    from fastft.vram.keeping import keeping_fits
+
+    return keeping_fits(model, tokens, device)
+
+
+_keep_fit.register(_keeping_fits)
 
 _EXPORTS = {
     # models

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from fastft.runtime import keep_fit
 from fastft.runtime.checkpointing import KEEP_QUANTISED_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, ROUTING, attach_layer_contexts, keep_names, layer_context
 from fastft.runtime.copies import CudaCopies
@@ -113,24 +114,11 @@ class KeepPolicy:
 
 def _fits_keeping(model: torch.nn.Module, tokens: int, device: torch.device | None) -> bool:
     """Whether `estimate_vram` keeps the attention outputs for `tokens` tokens on this device (it does only
-    where they fit). The device's room is its allocator cap (``set_per_process_memory_fraction``), or what
-    the driver has free plus what PyTorch holds already, whichever is less."""
+    where they fit): `fastft.vram.keeping.keeping_fits`, registered from above (`fastft.runtime.keep_fit`).
+    Nothing is kept off CUDA or while a CUDA graph is captured (the estimate reads the device's free memory)."""
     if device is None or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return False
-    from fastft.vram import capped_gpu, estimate_vram
-    from fastft.vram.result import VramEstimateError
-
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
-    free, _ = torch.cuda.mem_get_info(device)
-    room = min(int(total * fraction), free + torch.cuda.memory_reserved(device))
-    try:
-        estimate = estimate_vram(
-            model, tokens, tokens, gpu=capped_gpu(room), checkpointing="offload", keep_attention=None
-        )
-    except (VramEstimateError, ValueError):  # a model the estimator cannot describe: keep nothing
-        return False
-    return bool(estimate.fits) and estimate.settings.keep_attention
+    return keep_fit.keeping_fits(model, tokens, device)
 
 
 class OffloadBudgetWarning(UserWarning):

@@ -527,6 +527,20 @@ def test_quantised_bases_keep_attention_only_for_long_sequences_that_fit(monkeyp
     assert not offload._fits_keeping(model, 4 * LONG, torch.device("cpu"))  # no CUDA device: nothing kept
 
 
+def test_the_keeping_answer_is_registered_from_above_and_keeps_nothing_without_one(monkeypatch):
+    """The runtime never imports the estimator (tests/test_layers.py): ``import fastft`` registers it into
+    `fastft.runtime.keep_fit`, and with nothing registered a conditional policy keeps nothing."""
+    import fastft
+    from fastft.runtime import keep_fit
+
+    assert keep_fit._answer is fastft._keeping_fits
+    seen = []
+    monkeypatch.setattr(keep_fit, "_answer", lambda model, tokens, device: seen.append(tokens) or True)
+    assert keep_fit.keeping_fits(None, 7, None) and seen == [7]
+    keep_fit.register(None)
+    assert not keep_fit.keeping_fits(None, 7, None)
+
+
 def test_the_keeping_check_asks_the_estimator_with_the_room_the_device_has(monkeypatch):
     """`_fits_keeping` gives `estimate_vram` the device's room (its allocator cap, or the driver's free
     memory plus what PyTorch holds, whichever is less) and answers what the estimate with the attention
