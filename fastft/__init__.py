@@ -46,6 +46,7 @@ warnings.filterwarnings(
     "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
 )
 
+
 def _keeping_fits(model, tokens, device):
     """The VRAM estimator's answer to offloading's conditional keep (`fastft.runtime.keep_fit`), imported on
     first call so that ``import fastft`` stays light."""

@@ -146,9 +146,12 @@ class Lab:
         return f"{self.base}{path}?token={self.token}&reset"
 
 
-@pytest.fixture
-def lab(tmp_path):
+@contextlib.contextmanager
+def _server(tmp_path: Path, app: str):
+    """A Jupyter server on 127.0.0.1 with a token: `app` is "jupyterlab" or "notebook" (Notebook 7)."""
     _skip_without_tools()
+    if importlib.util.find_spec(app) is None:
+        pytest.skip(f"{app} is not installed (pip install -e '.[dev]')")
     root = tmp_path / "lab"
     home = tmp_path / "home"
     root.mkdir()
@@ -175,21 +178,24 @@ def lab(tmp_path):
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
-    log = tmp_path / "jupyterlab.log"
+    log = tmp_path / f"{app}.log"
     command = [
         sys.executable,
         "-m",
-        "jupyterlab",
+        app,
         "--no-browser",
         "--ServerApp.ip=127.0.0.1",
         f"--ServerApp.port={port}",
         "--ServerApp.port_retries=0",
         f"--IdentityProvider.token={token}",
         f"--ServerApp.root_dir={root}",
-        "--LabApp.news_url=None",
-        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-        "--LabApp.extension_manager=readonly",  # no PyPI look-ups from the extension manager
     ]
+    if app == "jupyterlab":
+        command += [
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.extension_manager=readonly",  # no PyPI look-ups from the extension manager
+        ]
     if os.geteuid() == 0:  # CI runs as root
         command.append("--allow-root")
     with open(log, "wb") as out:
@@ -208,19 +214,29 @@ def lab(tmp_path):
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while True:
             if process.poll() is not None:
-                pytest.fail(f"JupyterLab exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+                pytest.fail(f"{app} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
             try:
                 _api(base, token, "/api/status", timeout=2)
                 break
             except (urllib.error.URLError, OSError):
                 if time.monotonic() > deadline:
-                    pytest.fail(
-                        f"JupyterLab did not answer in {STARTUP_TIMEOUT}s:\n{log.read_text()[-3000:]}"
-                    )
+                    pytest.fail(f"{app} did not answer in {STARTUP_TIMEOUT}s:\n{log.read_text()[-3000:]}")
                 time.sleep(0.5)
         yield server
     finally:
         _stop_lab(server)
+
+
+@pytest.fixture
+def lab(tmp_path):
+    with _server(tmp_path, "jupyterlab") as server:
+        yield server
+
+
+@pytest.fixture
+def notebook7(tmp_path):
+    with _server(tmp_path, "notebook") as server:
+        yield server
 
 
 def _stop_lab(server: Lab) -> None:
