@@ -12,9 +12,13 @@ cached snapshot, or fails at once).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
+import logging
 import os
 import socket
+import sys
 from urllib.parse import urlparse
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -68,6 +72,45 @@ def offline_reason() -> str | None:
     return _unreachable(endpoint, _proxy_for(_address(endpoint, "huggingface.co")[0]))
 
 
+class _OfflineKernelNotice(logging.Filter):
+    """Drops the `kernels` package's "Skipping publisher trust check … offline mode" warning, which
+    `hub_offline_while_unreachable` causes and which tells the user nothing they can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "because Hugging Face Hub is in offline mode" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def hub_offline_while_unreachable():
+    """Around the first import of bitsandbytes (peft imports it): huggingface_hub in offline mode while the hub
+    cannot be reached. bitsandbytes' CPU backend asks the hub for a kernel (the `kernels` package) when it is
+    imported; where connections to the hub hang (a firewall that drops packets) ``import peft`` then hung for
+    a minute and more, and the studio's Load model with it. The switch is huggingface_hub's own, set only for
+    the import and put back after; with the hub reachable, or bitsandbytes already imported, nothing changes
+    (the reachability check is `offline_reason`'s: once per process)."""
+    if (
+        "bitsandbytes" in sys.modules
+        or importlib.util.find_spec("bitsandbytes") is None
+        or importlib.util.find_spec("kernels") is None
+        or _env_offline()
+        or offline_reason() is None
+    ):
+        yield
+        return
+    import huggingface_hub.constants as constants
+
+    notice = _OfflineKernelNotice()
+    logger = logging.getLogger("kernels._internals.hf_hub")
+    saved = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = saved
+        logger.removeFilter(notice)
+
+
 def offline_fix(name: str, files: str = "", repo_type: str = "model") -> str:
     """What to do about a hub id that is not in the local cache while the hub is out of reach (`files`: the
     files the caller needs, e.g. "config.json"; empty for the whole repository)."""
@@ -94,4 +137,10 @@ def cached_dataset_snapshot(repo_id: str) -> str | None:
         return None
 
 
-__all__ = ["cached_dataset_snapshot", "declared_offline", "offline_fix", "offline_reason"]
+__all__ = [
+    "cached_dataset_snapshot",
+    "declared_offline",
+    "hub_offline_while_unreachable",
+    "offline_fix",
+    "offline_reason",
+]

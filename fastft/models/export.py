@@ -14,10 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from peft import PeftModel
 
 from fastft.atomic import check_destination, recover_folder, replace_folder_atomically
+from fastft.data.hub import hub_offline_while_unreachable
 from fastft.runtime.state import is_quantised
+
+with hub_offline_while_unreachable():  # bitsandbytes, which peft imports, asks the hub for a kernel
+    from peft import PeftModel
 
 
 def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None, overwrite: bool = False) -> Path:

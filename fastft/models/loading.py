@@ -119,8 +119,11 @@ def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: 
             f"{bits} loading needs a CUDA GPU (bitsandbytes); none was found. On the CPU load the model "
             "in 16/32-bit: load_model(..., load_in_4bit=False, load_in_8bit=False)."
         )
+    from fastft.data.hub import hub_offline_while_unreachable
+
     try:
-        import bitsandbytes  # noqa: F401
+        with hub_offline_while_unreachable():  # its CPU backend asks the hub for a kernel at import
+            import bitsandbytes  # noqa: F401
     except ImportError as error:
         raise QuantizationError(
             f"{bits} loading needs bitsandbytes: pip install 'fastft[gpu]' (or pip install bitsandbytes)."

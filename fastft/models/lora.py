@@ -18,12 +18,15 @@ import warnings
 from dataclasses import asdict, dataclass
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 
 from fastft.checks import real_number, whole_number
+from fastft.data.hub import hub_offline_while_unreachable
 from fastft.runtime.checkpointing import Checkpointing
 from fastft.runtime.offload import disable_offload, enable_offload
 from fastft.runtime.state import is_quantised, model_state
+
+with hub_offline_while_unreachable():  # bitsandbytes, which peft imports, asks the hub for a kernel
+    from peft import LoraConfig, PeftModel, get_peft_model
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the stacked expert parameters an ``experts`` target adapts
 
