@@ -207,8 +207,28 @@ def _estimate_parser(sub) -> None:
         "--unfused", action="store_true", help="transformers + peft modules instead of fastft's fused kernels"
     )
     parser.add_argument("--gpu", default="auto", help="GPU preset (rtx4090, a100-80gb, h100, …) or auto")
+    parser.add_argument(
+        "--host-memory",
+        type=_host_gib,
+        default="auto",
+        help="GiB of host memory offloading may pin (auto: 75%% of what this machine has available; "
+        "none: unchecked); an offload that does not fit it is estimated as the recompute it becomes",
+    )
     parser.add_argument("--max-context", action="store_true", help="also print the longest seq-len that fits")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON instead of a table")
+
+
+def _host_gib(text: str) -> int | str | None:
+    """--host-memory: "auto", "none", or GiB (a number) as bytes."""
+    if text.strip().lower() in ("auto", "none"):
+        return None if text.strip().lower() == "none" else "auto"
+    try:
+        gib = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give GiB (e.g. 64), auto or none") from None
+    if gib < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: host memory cannot be negative")
+    return int(gib * 2**30)
 
 
 def _run_estimate(args) -> int:
@@ -225,6 +245,7 @@ def _run_estimate(args) -> int:
         checkpointing=args.checkpointing,
         optimizer=args.optimizer,
         fused=not args.unfused,
+        host_memory=args.host_memory,
     )
     try:
         estimate = estimate_vram(args.model, args.seq_len, gpu=args.gpu, **settings)

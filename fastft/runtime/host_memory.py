@@ -12,36 +12,10 @@ from __future__ import annotations
 
 import torch
 
-HOST_BUDGET_FRACTION = 0.75  # of available host memory
+from fastft.runtime.host_budget import HOST_BUDGET_FRACTION, host_memory_available, pinnable_bytes
+
 _HOST_GRANULE = 2 * 2**20  # host slots are rounded up to 2 MiB so nearby sizes reuse them
 _SLAB_BYTES = 2 * 2**30  # largest pinned slab cut into slots (unless one slot is larger)
-
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory available now (psutil, else /proc/meminfo ``MemAvailable``); None if unknown."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def pinnable_bytes(held: int, host_budget_bytes: int | None) -> int | None:
-    """How many bytes of host memory offloading may hold: `host_budget_bytes` when given, else the `held`
-    bytes plus `HOST_BUDGET_FRACTION` of what is available; None when the host does not say."""
-    if host_budget_bytes is not None:
-        return host_budget_bytes
-    available = host_memory_available()
-    return None if available is None else held + int(HOST_BUDGET_FRACTION * available)
 
 
 class HostSlabs:

@@ -78,6 +78,7 @@ def estimate_vram(
     generation_batch_size: int | None = None,
     kl_coef: float = 0.0,
     num_iterations: int = 1,
+    host_memory: int | str | None = "auto",
 ) -> VramEstimate:
     """Estimate the GPU memory of LoRA/QLoRA training with fastft's trainer, component by component.
 
@@ -126,6 +127,13 @@ def estimate_vram(
     (`batch_tokens` defaults to all of the step's rows at full length, as ``micro_batch_tokens=None`` packs
     them), only completion tokens carrying a target, with the per-target log-probs; a KL to the reference or
     more than one update per rollout adds one no-autograd pass (as DPO's reference pass).
+
+    `host_memory`: bytes of host memory offloading may pin, as the offloader decides
+    (`fastft.runtime.host_budget.pinnable_bytes`): "auto" (the default) is this machine's (75 % of what is
+    available now), an int another machine's, None unchecked. Offloaded layer inputs that do not fit it make
+    the offloader recompute instead (`OffloadBudgetWarning`), so the estimate then answers for
+    ``checkpointing="recompute"`` and says why in its notes; kept attention outputs that do not fit are kept
+    by some layers only, so it answers for the larger of keeping and not keeping.
     """
     arguments = dict(locals())
     if method == "grpo":
@@ -212,11 +220,56 @@ def estimate_vram(
             ),
         ),
     )
-    if world_size == 1 and sharding == "ddp":
-        return estimate
-    from fastft.vram.parallel import per_gpu
+    if world_size != 1 or sharding != "ddp":
+        from fastft.vram.parallel import per_gpu
 
-    return per_gpu(estimate, run.inventory, world_size, sharding)
+        estimate = per_gpu(estimate, run.inventory, world_size, sharding)
+    budget = _host_budget(host_memory)
+    if budget is not None and world_size > 1:
+        budget //= world_size  # the ranks of one host pin from the same memory
+    if run.mode == "offload" and budget is not None and stored.host_bytes > budget:
+        return _within_host_memory(arguments, estimate, stored, budget)
+    return estimate
+
+
+def _host_budget(host_memory: int | str | None) -> int | None:
+    """The bytes of host memory offloading may pin (`estimate_vram`'s `host_memory`), None if unchecked."""
+    if host_memory is None:
+        return None
+    if host_memory == "auto":
+        from fastft.runtime.host_budget import pinnable_bytes
+
+        return pinnable_bytes(0, None)
+    if isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory < 0:
+        raise VramEstimateError(
+            f'host_memory={host_memory!r}: give the bytes of host memory offloading may pin, "auto" (this '
+            "machine's) or None (unchecked)."
+        )
+    return host_memory
+
+
+def _within_host_memory(
+    arguments: dict, estimate: VramEstimate, stored: _Stored, budget: int
+) -> VramEstimate:
+    """The estimate of the run the offloader really makes when what it would pin is over `budget`: plain
+    recompute when the layer inputs alone do not fit (the offloader turns itself off), else the larger of
+    keeping and not keeping (layers whose kept outputs do not fit recompute them)."""
+    need = stored.host_input_bytes if stored.host_input_bytes > budget else stored.host_bytes
+    if stored.host_input_bytes > budget:
+        changed = {"checkpointing": "recompute"}
+        what = "its layer inputs do not fit, so the offloader turns itself off: plain recompute"
+    else:
+        changed = {"keep_attention": False}
+        what = "only some layers' kept attention outputs fit: the larger of keeping and recomputing them"
+    other = estimate_vram(**{**arguments, **changed, "host_memory": None})
+    if "keep_attention" in changed and estimate.total_bytes > other.total_bytes:
+        other = estimate
+    chosen = other
+    note = (
+        f"host memory: offloading would pin {need / GiB:.2f} GiB but this host may pin {budget / GiB:.2f} GiB "
+        f"(host_memory): {what}. Free host memory, or shorten the sequences, to offload"
+    )
+    return replace(chosen, notes=(*chosen.notes, note))
 
 
 # -- preference runs -------------------------------------------------------------------------------------------
@@ -429,6 +482,8 @@ class _Stored:
     released: list[int]  # what each layer's backward frees of the stored activations, per token
     kept_attention: int  # an offloaded layer's kept attention output and log-sum-exp, per token
     keeping: bool = False  # offloaded layers keep something beside their inputs
+    host_bytes: int = 0  # what offloading pins in host memory: every layer's input, and what it keeps
+    host_input_bytes: int = 0  # of those, the layer inputs alone (without them the offloader recomputes)
 
 
 def _stored_activations(run: ResolvedRun, notes: list[str]) -> _Stored:
@@ -467,9 +522,9 @@ def _stored_activations(run: ResolvedRun, notes: list[str]) -> _Stored:
         what = "layer inputs" + (" and attention outputs" if kept_attention else "")
         what += " and routing orders" if kept_routing else ""
         stored_note = f"{what} in host memory; two buffers for them on the device"
-        host = len(per_layer) * (layer_input + kept_attention + kept_output) + moe_layers * kept_routing
-        host = host * tokens / GiB
-        notes.append(f"offload keeps {host:.2f} GiB of {what} in pinned host memory")
+        host_per_token = len(per_layer) * (layer_input + kept_attention + kept_output)
+        host_per_token += moe_layers * kept_routing
+        notes.append(f"offload keeps {host_per_token * tokens / GiB:.2f} GiB of {what} in pinned host memory")
     if mode != "offload" and sum(kept):
         outliers = sum(act.int8_outlier_bytes(layer, inventory, profile) for layer in layers) * tokens
         stored_note += "; bitsandbytes' 8-bit inputs and outlier columns"
@@ -479,7 +534,10 @@ def _stored_activations(run: ResolvedRun, notes: list[str]) -> _Stored:
             f"(random weights reach it): {outliers / GiB:.2f} GiB here. Trained weights keep fewer"
         )
     keeping = bool(kept_attention or kept_routing)
-    return _Stored(stored_per_token * tokens, stored_note, per_layer, released, kept_attention, keeping)
+    host = (host_per_token * tokens, len(per_layer) * layer_input * tokens) if mode == "offload" else (0, 0)
+    return _Stored(
+        stored_per_token * tokens, stored_note, per_layer, released, kept_attention, keeping, *host
+    )
 
 
 # -- step 5: the loss phase: logits and the loss's buffers ---------------------------------------------------

@@ -122,7 +122,10 @@ def fits(
         "precision": s.precision if inventory.loaded is None else None,
         "lora_r": s.lora_r,
         "targets": list(s.targets) if s.targets != ("all-linear",) else "all-linear",
-        "checkpointing": s.checkpointing,
+        # as asked: an offloaded run the host cannot hold is estimated as the recompute it becomes, and
+        # each fix is judged on the same host
+        "checkpointing": settings.get("checkpointing", s.checkpointing),
+        "host_memory": settings.get("host_memory", "auto"),
         "optimizer": s.optimizer,
         "loss": s.loss,
         "fused": s.fused,

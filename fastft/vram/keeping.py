@@ -20,7 +20,13 @@ def keeping_fits(model: torch.nn.Module, tokens: int, device: torch.device) -> b
     room = min(int(total * fraction), free + torch.cuda.memory_reserved(device))
     try:
         estimate = estimate_vram(
-            model, tokens, tokens, gpu=capped_gpu(room), checkpointing="offload", keep_attention=None
+            model,
+            tokens,
+            tokens,
+            gpu=capped_gpu(room),
+            checkpointing="offload",
+            keep_attention=None,
+            host_memory=None,  # the offloader keeps only what its pinned budget holds (`_keep_room`)
         )
     except (VramEstimateError, ValueError):  # a model the estimator cannot describe: keep nothing
         return False
