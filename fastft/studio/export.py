@@ -14,7 +14,7 @@ import html
 import threading
 import time
 
-from fastft.studio.notices import Panel, button, code_html, code_section, row
+from fastft.studio.notices import Panel, button, code_html, code_section, field, row
 from fastft.studio.state import StudioState, Worker
 
 __all__ = ["ExportPanel"]
@@ -70,18 +70,19 @@ class ExportPanel(Panel):
         self.completion = ""
         self.updates = 0  # how many times the streamed answer was redrawn
         self.last_saved: str | None = None
-        style = {"description_width": "110px"}
-        wide = widgets.Layout(width="480px")
+        style = {"description_width": "10em"}  # "quantization", "max new tokens" in full
+
+        def wide():  # each control its own Layout: grows with the panel, wraps under a narrow one
+            return field("24em", max_width="40em")
+
         self.adapter_dir = widgets.Text(
-            value="runs/adapter", description="adapter folder", style=style, layout=wide
+            value="runs/adapter", description="adapter folder", style=style, layout=wide()
         )
-        self.save_adapter_button = widgets.Button(
-            description="Save adapter", icon="save", button_style="primary"
-        )
+        self.save_adapter_button = button(description="Save adapter", icon="save", button_style="primary")
         self.merged_dir = widgets.Text(
-            value="runs/merged", description="merged folder", style=style, layout=wide
+            value="runs/merged", description="merged folder", style=style, layout=wide()
         )
-        self.merge_button = widgets.Button(description="Merge to 16-bit", icon="compress")
+        self.merge_button = button(description="Merge to 16-bit", icon="compress")
         self.gguf_format = widgets.ToggleButtons(
             options=[("GGUF file", "gguf"), ("Ollama folder", "ollama")],
             value="gguf",
@@ -89,14 +90,14 @@ class ExportPanel(Panel):
             style=style,
         )
         self.gguf_quantization = widgets.Dropdown(
-            options=GGUF_CHOICES, value="q8_0", description="quantization", style=style
+            options=GGUF_CHOICES, value="q8_0", description="quantization", style=style, layout=wide()
         )
         self.gguf_path = widgets.Text(
-            value="runs/model.gguf", description="GGUF path", style=style, layout=wide
+            value="runs/model.gguf", description="GGUF path", style=style, layout=wide()
         )
-        self.gguf_button = widgets.Button(description="Export + check", icon="download")
+        self.gguf_button = button(description="Export + check", icon="download")
         self.gguf_progress = widgets.IntProgress(
-            value=0, min=0, max=1, description="", bar_style="info", layout=widgets.Layout(width="480px")
+            value=0, min=0, max=1, description="", bar_style="info", layout=wide()
         )
         self.gguf_stage = widgets.HTML("")
         self.gguf_check = widgets.HTML("")
@@ -105,18 +106,18 @@ class ExportPanel(Panel):
             value="Compute 48 plus 8.",
             description="prompt",
             style=style,
-            layout=widgets.Layout(width="480px", height="80px"),
+            layout=widgets.Layout(width="100%", max_width="48em", height="6em"),
         )
         self.max_new_tokens = widgets.IntSlider(
-            value=64, min=1, max=1024, description="max new tokens", style=style, layout=wide
+            value=64, min=1, max=1024, description="max new tokens", style=style, layout=wide()
         )
         self.temperature = widgets.FloatSlider(
-            value=0.0, min=0.0, max=2.0, step=0.05, description="temperature", style=style, layout=wide
+            value=0.0, min=0.0, max=2.0, step=0.05, description="temperature", style=style, layout=wide()
         )
-        self.generate_button = widgets.Button(description="Generate", icon="play", button_style="success")
+        self.generate_button = button(description="Generate", icon="play", button_style="success")
         self.answer = widgets.HTML("")
         self.questions = widgets.IntSlider(
-            value=64, min=8, max=256, step=8, description="questions", style=style, layout=wide
+            value=64, min=8, max=256, step=8, description="questions", style=style, layout=wide()
         )
         self.score_button = button(description="Score held-out answers", icon="check")
         self.code_view = widgets.HTML("")
@@ -139,19 +140,18 @@ class ExportPanel(Panel):
         self.widget = widgets.VBox(
             [
                 widgets.HTML("<b>Keep the result</b>"),
-                widgets.HBox([self.adapter_dir, self.save_adapter_button]),
-                widgets.HBox([self.merged_dir, self.merge_button]),
+                row([self.adapter_dir, self.save_adapter_button]),
+                row([self.merged_dir, self.merge_button]),
                 widgets.HTML(
                     "<b>Export for llama.cpp / Ollama / LM Studio</b> (read back and checked against the merged model)"
                 ),
-                widgets.HBox([self.gguf_format, self.gguf_quantization]),
-                widgets.HBox([self.gguf_path, self.gguf_button]),
-                widgets.HBox([self.gguf_progress, self.gguf_stage]),
+                row([self.gguf_format, self.gguf_quantization]),
+                row([self.gguf_path, self.gguf_button]),
+                row([self.gguf_progress, self.gguf_stage]),
                 self.gguf_check,
                 widgets.HTML("<b>Try a prompt</b>"),
                 self.prompt,
-                self.max_new_tokens,
-                self.temperature,
+                row([self.max_new_tokens, self.temperature]),
                 self.generate_button,
                 self.answer,
                 widgets.HTML(f"<b>Score held-out answers</b> ({HELD_OUT})"),

@@ -46,8 +46,7 @@ VIEWPORT = {"width": 1440, "height": 900}
 # The layouts checked: the page opens at the first, then the window narrows; every chart must follow its panel.
 WIDTHS = (1440, 1024, 800)
 HUB_ANSWER_S = 2.0  # a hub id typed offline is answered within this
-# The tabs whose layout is checked. Export is being rewritten on its own branch (its "Score held-out answers"
-# button still has a fixed width): add it here when that lands.
+# The tabs whose layout is checked: all five.
 LAYOUT_TABS = ("Model", "Data", "VRAM", "Run", "Export")
 
 NOTEBOOK_SOURCE = "import fastft\n\nstudio = fastft.studio()"
@@ -147,8 +146,9 @@ class Lab:
 
 
 @contextlib.contextmanager
-def _server(tmp_path: Path, app: str):
-    """A Jupyter server on 127.0.0.1 with a token: `app` is "jupyterlab" or "notebook" (Notebook 7)."""
+def _server(tmp_path: Path, app: str, hub_endpoint: str):
+    """A Jupyter server on 127.0.0.1 with a token: `app` is "jupyterlab" or "notebook" (Notebook 7); its
+    kernels reach the hub at `hub_endpoint`."""
     _skip_without_tools()
     if importlib.util.find_spec(app) is None:
         pytest.skip(f"{app} is not installed (pip install -e '.[dev]')")
@@ -165,6 +165,11 @@ def _server(tmp_path: Path, app: str):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the kernel takes the plain-PyTorch paths, as a CPU user's does
     env.pop("FASTFT_LIVE", None)  # the kernel picks the FigureWidget itself
+    # offline as a machine without network is, not by a variable: every connection to the hub hangs (a black
+    # hole, as behind a firewall that drops packets), and HF_HUB_OFFLINE is not set
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name, None)
+    env["HF_ENDPOINT"] = hub_endpoint
     env.update(
         JUPYTER_CONFIG_DIR=str(home / "config"),
         JUPYTER_RUNTIME_DIR=str(home / "runtime"),
@@ -172,9 +177,7 @@ def _server(tmp_path: Path, app: str):
         JUPYTERLAB_WORKSPACES_DIR=str(home / "lab-workspaces"),
         IPYTHONDIR=str(home / "ipython"),
         JUPYTER_PLATFORM_DIRS="1",
-        HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
@@ -227,15 +230,36 @@ def _server(tmp_path: Path, app: str):
         _stop_lab(server)
 
 
+@contextlib.contextmanager
+def _black_hole():
+    """An endpoint where a TCP connection hangs until its timeout: a socket listening with a backlog of 0
+    whose one queued slot is taken, so the kernel drops every further SYN."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(0)
+        port = hole.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            yield f"http://127.0.0.1:{port}"
+
+
+def test_the_black_hole_hangs_a_connection():
+    with _black_hole() as endpoint:
+        host, port = endpoint.removeprefix("http://").split(":")
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+        assert time.monotonic() - started >= 0.4  # hung until the timeout, not refused at once
+
+
 @pytest.fixture
 def lab(tmp_path):
-    with _server(tmp_path, "jupyterlab") as server:
+    with _black_hole() as hub, _server(tmp_path, "jupyterlab", hub) as server:
         yield server
 
 
 @pytest.fixture
 def notebook7(tmp_path):
-    with _server(tmp_path, "notebook") as server:
+    with _black_hole() as hub, _server(tmp_path, "notebook", hub) as server:
         yield server
 
 
@@ -481,12 +505,16 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     expect(panel()).to_contain_text("offline", timeout=HUB_ANSWER_S * 1000)
     answered = time.monotonic() - typed_at - typed
     assert answered < HUB_ANSWER_S, f"the VRAM tab answered {answered:.1f} s after the last keystroke"
+    expect(panel()).to_contain_text("cannot be reached")  # the reason: the network, not a variable
+    expect(panel()).not_to_contain_text("unset HF_HUB_OFFLINE")  # never set here
     page.wait_for_timeout(300)
     assert panel().locator(".js-plotly-plot .shapelayer path").count() == 0  # no capacity line left alone
     tabs.filter(has_text="Model").click()
+    expect(panel()).to_contain_text("to load someone/a-model", timeout=HUB_ANSWER_S * 1000)  # kernel answered
     combo.fill("tiny-llama")
     combo.press("Enter")
-    expect(panel()).to_contain_text("Loaded tiny-llama", timeout=HUB_ANSWER_S * 1000)  # the kernel answers
+    expect(panel()).not_to_contain_text("to load someone/a-model", timeout=HUB_ANSWER_S * 1000)
+    expect(panel()).to_contain_text("Loaded tiny-llama")
 
     # Data: other bundled data first, Pack: the stats and the histogram; then bundled:skills, the stale stats go
     tabs.filter(has_text="Data").click()
@@ -631,3 +659,85 @@ def _drive(page, lab: Lab, shot: Path) -> None:
         assert time.monotonic() < deadline, f"the fallback's plot did not gain points ({before} bars)"
         time.sleep(0.25)
     assert output.locator(".js-plotly-plot").count() == 1  # updated in place, not drawn a second time
+
+
+NOTEBOOK7_CHECK_SOURCE = """plot = studio.data.length_plot
+print("histogram", plot.mode, plot.rendered)"""
+
+
+def _kernel_idle(server: Lab, timeout: float = STARTUP_TIMEOUT) -> None:
+    """Wait until the notebook's kernel is started and idle (asked over the REST API: the same in every front
+    end, where each shows its kernel status somewhere else)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sessions = _api(server.base, server.token, "/api/sessions") or []
+        if any(s.get("kernel", {}).get("execution_state") == "idle" for s in sessions):
+            return
+        assert time.monotonic() < deadline, f"no idle kernel after {timeout}s: {sessions}"
+        time.sleep(0.5)
+
+
+def test_studio_in_notebook7_draws_its_live_plots_as_widgets(notebook7, tmp_path):
+    """Notebook 7 (the classic notebook's successor) renders the studio, its custom widgets and live plots:
+    a model loads, packed data draws its histogram, and the histogram's render probe reported from the
+    browser, so the plot stayed a live widget rather than falling back."""
+    import nbformat
+    from playwright.sync_api import expect, sync_playwright
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells += [
+        nbformat.v4.new_code_cell(NOTEBOOK_SOURCE),
+        nbformat.v4.new_code_cell(NOTEBOOK7_CHECK_SOURCE),
+    ]
+    nbformat.write(notebook, notebook7.root / "studio.ipynb")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=_chromium(), headless=True, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={**VIEWPORT, "width": 1024})
+            page.set_default_timeout(ACTION_TIMEOUT)
+            expect.set_options(timeout=ACTION_TIMEOUT)
+            try:
+                page.goto(notebook7.url("/notebooks/studio.ipynb"))
+                cell = page.locator(".jp-Notebook .jp-CodeCell").first
+                expect(cell).to_be_visible()
+                _kernel_idle(notebook7)
+                cell.locator(".cm-content").click()
+                page.keyboard.press("Shift+Enter")
+                studio = page.locator(".jupyter-widgets", has_text="fastft studio").first
+                expect(studio).to_be_visible()
+                tabs = studio.locator(".lm-TabBar-tab")
+
+                def panel():
+                    return studio.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)").first
+
+                tabs.filter(has_text="Model").click()
+                combo = panel().locator("input[list]").first
+                combo.fill("tiny-llama")
+                combo.press("Enter")
+                panel().get_by_role("button", name="Load model").click()
+                expect(panel()).to_contain_text("Loaded tiny-llama")
+                tabs.filter(has_text="Data").click()
+                source = panel().locator("input[list]").first
+                source.fill("bundled:skills-eval")
+                source.press("Enter")
+                panel().get_by_role("button", name="Load data").click()
+                expect(panel()).to_contain_text(re.compile(r"\d rows? of .* from bundled:skills-eval"))
+                panel().get_by_role("button", name="Pack").click()
+                expect(panel()).to_contain_text("sequences per bin")
+                assert _until_bars(panel()) >= 3  # the histogram, drawn by the FigureWidget
+                cut = studio.evaluate(_CUT_BUTTONS_JS)
+                assert not cut, f"Data tab in Notebook 7 at 1,024 px: button text cut: {cut}"
+                check = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
+                check.locator(".cm-content").click()
+                page.keyboard.press("Shift+Enter")
+                expect(check.locator(".jp-Cell-outputArea").first).to_contain_text("histogram widget True")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    page.screenshot(path=str(tmp_path / "failure.png"))
+                    (tmp_path / "failure.html").write_text(page.content())
+                raise
+        finally:
+            browser.close()
