@@ -209,8 +209,12 @@ def test_hf_trainer_with_flattening_collator_trains_the_fused_model(tmp_path, bo
 
 
 def test_trl_sft_trainer_with_packing_trains_the_fused_model_and_logs_token_accuracy(
-    tmp_path, boundary_reads
+    tmp_path, boundary_reads, monkeypatch
 ):
+    import inspect
+
+    from fastft.kernels import fused_linear_ce
+
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -246,11 +250,23 @@ def test_trl_sft_trainer_with_packing_trains_the_fused_model_and_logs_token_accu
     trainer = trl.SFTTrainer(
         model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
     )
+    logits = []  # the head run as a module: full [tokens × vocab] logits
+    model.get_output_embeddings().register_forward_hook(lambda m, i, out: logits.append(tuple(out.shape)))
+    fused = []
+    real = fused_linear_ce.FusedLinearCrossEntropyFunction.apply
+    monkeypatch.setattr(
+        fused_linear_ce.FusedLinearCrossEntropyFunction, "apply", lambda *a: fused.append(1) or real(*a)
+    )
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logged) == 3 and all(0.0 <= entry["mean_token_accuracy"] <= 1.0 for entry in logged)
     assert all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logged)
     assert len(boundary_reads) >= 3  # TRL's packed rows ran through fastft's packed attention
+    assert logits == []  # no step built the full logits
+    # TRL >= 1.16 installs its own chunked LM head on the model (add_fused_lm_head) and computes the loss
+    # and its metrics there; before, the labels= call reached fastft's fused linear cross-entropy
+    trl_head = "add_fused_lm_head" in inspect.getsource(trl.SFTTrainer.__init__)
+    assert (len(fused) == 0) == trl_head, (trl.__version__, len(fused))
 
 
 def test_trl_default_gradient_checkpointing_keeps_fastft_offload(tmp_path):
