@@ -6,7 +6,8 @@ its progress bar. "studio": a `RunPanel` of the same settings, training on its b
 ticker moves the events into the live plots (FigureWidget updates sent over the kernel's iopub, as in
 JupyterLab), the progress line and the step-timing chart. Runs are interleaved (script, studio, script, …) so
 the machine's load falls on both alike; each run's figure is the median `StepEvent.step_seconds` of its steps
-after the first two (allocation, warm-up).
+after the first two (allocation, warm-up), and the median whole run by the wall clock (from start to the
+last event shown, so the work between steps counts too).
 
     python benchmarks/studio_overhead.py [--steps 40] [--repeats 5] [--live widget] [--json out.json]
 """
@@ -101,6 +102,9 @@ def main() -> None:
     script_ms = statistics.median(m for m, _ in runs["script"]) * 1000
     studio_ms = statistics.median(m for m, _ in runs["studio"]) * 1000
     paired = [s[0] / p[0] - 1 for s, p in zip(runs["studio"], runs["script"], strict=True)]
+    # the whole run by the wall clock, from start to the last event shown: the work between steps counts too
+    script_s = statistics.median(s for _, s in runs["script"])
+    studio_s = statistics.median(s for _, s in runs["studio"])
     summary = {
         "steps": args.steps,
         "repeats": args.repeats,
@@ -112,12 +116,16 @@ def main() -> None:
         "studio_median_step_ms": round(studio_ms, 2),
         "overhead": round(studio_ms / script_ms - 1, 4),
         "paired_overheads": [round(x, 4) for x in paired],
+        "script_median_run_s": round(script_s, 3),
+        "studio_median_run_s": round(studio_s, 3),
+        "wall_overhead": round(studio_s / script_s - 1, 4),
         "runs": runs,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     print(
         f"script {script_ms:.1f} ms/step, studio {studio_ms:.1f} ms/step: overhead {summary['overhead']:+.1%} "
-        f"(paired per repeat: {', '.join(f'{x:+.1%}' for x in paired)})"
+        f"(paired per repeat: {', '.join(f'{x:+.1%}' for x in paired)}); whole run {script_s:.2f} s against "
+        f"{studio_s:.2f} s: {summary['wall_overhead']:+.1%}"
     )
     if args.json:
         with open(args.json, "w") as out:
