@@ -214,6 +214,15 @@ def _estimate_parser(sub) -> None:
         help="GiB of host memory offloading may pin (auto: 75%% of what this machine has available; "
         "none: unchecked); an offload that does not fit it is estimated as the recompute it becomes",
     )
+    parser.add_argument(
+        "--world-size", type=int, default=1, help="GPUs of a torchrun run: the estimate is per GPU"
+    )
+    parser.add_argument(
+        "--sharding",
+        default="ddp",
+        choices=["ddp", "fsdp"],
+        help="with --world-size: ddp (the whole model on each GPU) or fsdp (FSDP2 splits the 16-bit base)",
+    )
     parser.add_argument("--max-context", action="store_true", help="also print the longest seq-len that fits")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON instead of a table")
 
@@ -246,6 +255,8 @@ def _run_estimate(args) -> int:
         optimizer=args.optimizer,
         fused=not args.unfused,
         host_memory=args.host_memory,
+        world_size=args.world_size,
+        sharding=args.sharding,
     )
     try:
         estimate = estimate_vram(args.model, args.seq_len, gpu=args.gpu, **settings)

@@ -126,6 +126,8 @@ def fits(
         # each fix is judged on the same host
         "checkpointing": settings.get("checkpointing", s.checkpointing),
         "host_memory": settings.get("host_memory", "auto"),
+        "world_size": s.world_size,
+        "sharding": s.sharding,
         "optimizer": s.optimizer,
         "loss": s.loss,
         "fused": s.fused,
@@ -141,12 +143,15 @@ def fits(
         base["trained_fraction"] = 1.0  # estimate_vram derives it from the completion's share
 
     def fix(description: str, changes: dict) -> Fix | None:
-        trial = estimate_vram(
-            inventory,
-            changes.get("seq_len", seq_len),
-            gpu=gpu_spec,
-            **{**base, **{k: v for k, v in changes.items() if k != "seq_len"}},
-        )
+        try:
+            trial = estimate_vram(
+                inventory,
+                changes.get("seq_len", seq_len),
+                gpu=gpu_spec,
+                **{**base, **{k: v for k, v in changes.items() if k != "seq_len"}},
+            )
+        except VramEstimateError:  # a change this run cannot take (4-bit weights under FSDP2)
+            return None
         return Fix(description, changes, trial.total_bytes) if trial.fits else None
 
     # least intrusive first: memory traded for time, then a shorter context, then quality-affecting changes

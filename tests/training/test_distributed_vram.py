@@ -50,3 +50,27 @@ def test_settings_that_cannot_run_are_refused_with_the_fix():
         _estimate(world_size=0)
     with pytest.raises(VramEstimateError, match="not one of ddp, fsdp"):
         _estimate(world_size=2, sharding="zero3")
+
+
+def test_fits_judges_its_fixes_per_gpu_and_the_cli_answers_per_gpu(capsys):
+    """`fits` for a run on several GPUs tries each fix on the same GPUs; `fastft estimate --world-size N
+    --sharding fsdp` prints the per-GPU estimate."""
+    from fastft.cli import main
+    from fastft.vram import estimate_vram, fits
+
+    model, seq = "Qwen/Qwen3-14B", 16384
+    settings = dict(gpu="rtx4090", checkpointing="recompute", host_memory=None)
+    verdict = fits(model, seq, world_size=2, sharding="fsdp", **settings)
+    assert not verdict and verdict.fixes
+    for fix in verdict.fixes:
+        changed = {k: v for k, v in fix.changes.items() if k not in ("seq_len", "batch_tokens")}
+        trial = estimate_vram(
+            model, fix.changes.get("seq_len", seq), world_size=2, sharding="fsdp", **{**settings, **changed}
+        )
+        assert trial.fits and trial.total_bytes == fix.total_bytes, fix
+    args = ["estimate", model, "--seq-len", "8192", "--gpu", "rtx4090", "--host-memory", "none"]
+    assert main([*args, "--world-size", "2", "--sharding", "fsdp"]) == 0
+    two = capsys.readouterr().out
+    assert "per GPU of 2 (FSDP2)" in two
+    assert main(args) == 0
+    assert "per GPU of" not in capsys.readouterr().out
