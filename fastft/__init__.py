@@ -39,6 +39,23 @@ class _BitsandbytesCpuKernelNotice(logging.Filter):
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BitsandbytesCpuKernelNotice())
 
+
+class _OfflineKernelTrustNotice(logging.Filter):
+    """Drops the `kernels` package's "Skipping publisher trust check for 'kernels-community/quantization-
+    bitsandbytes' because Hugging Face Hub is in offline mode" warning: the same bitsandbytes CPU kernel look-up
+    as above, made offline (HF_HUB_OFFLINE, or `fastft.data.hub.hub_offline_while_unreachable`). Only messages
+    about that repository are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (
+            message.startswith("Skipping publisher trust check")
+            and "kernels-community/quantization-bitsandbytes" in message
+        )
+
+
+logging.getLogger("kernels._internals.hf_hub").addFilter(_OfflineKernelTrustNotice())
+
 # peft 0.21 reads transformers' deprecated `model.is_gradient_checkpointing` whenever a PeftModel is made (its
 # own `PeftModel.from_pretrained` included, which the notebooks use to reload an adapter with plain peft): a
 # red FutureWarning about code neither fastft nor its user wrote. Only this message is dropped.

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import logging
 import os
 import socket
 import sys
@@ -72,14 +71,6 @@ def offline_reason() -> str | None:
     return _unreachable(endpoint, _proxy_for(_address(endpoint, "huggingface.co")[0]))
 
 
-class _OfflineKernelNotice(logging.Filter):
-    """Drops the `kernels` package's "Skipping publisher trust check … offline mode" warning, which
-    `hub_offline_while_unreachable` causes and which tells the user nothing they can act on."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "because Hugging Face Hub is in offline mode" not in record.getMessage()
-
-
 @contextlib.contextmanager
 def hub_offline_while_unreachable():
     """Around the first import of bitsandbytes (peft imports it): huggingface_hub in offline mode while the hub
@@ -99,16 +90,12 @@ def hub_offline_while_unreachable():
         return
     import huggingface_hub.constants as constants
 
-    notice = _OfflineKernelNotice()
-    logger = logging.getLogger("kernels._internals.hf_hub")
     saved = constants.HF_HUB_OFFLINE
     constants.HF_HUB_OFFLINE = True
-    logger.addFilter(notice)
     try:
         yield
     finally:
         constants.HF_HUB_OFFLINE = saved
-        logger.removeFilter(notice)
 
 
 def offline_fix(name: str, files: str = "", repo_type: str = "model") -> str:
