@@ -224,10 +224,17 @@ def is_disk_full(error: BaseException, folder: Path) -> bool:
 
 def write_text_atomically(path: Path, text: str) -> None:
     """Write `text` to a temp file beside `path`, fsync it, then `os.replace` it into place."""
+    write_file_atomically(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def write_file_atomically(path: str | os.PathLike, write) -> None:
+    """Call ``write(binary_file)`` on a temp file beside `path`, fsync it, then `os.replace` it into place:
+    a reader sees the old file or the whole new one, never a part."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)

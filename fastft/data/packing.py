@@ -166,8 +166,77 @@ class PackedDataset:
             [self.data.input_ids[i] for i in members], [self.data.labels[i] for i in members]
         )
 
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the packed data to `path` (one ``.npz`` file of plain arrays, no pickle) so another process
+        trains on exactly these bins: `load_packed` reads it back. Written under a temporary name and renamed
+        into place. Returns the path written."""
+        from dataclasses import asdict
+
+        from fastft.atomic import write_file_atomically
+
+        lengths = self.data.lengths
+        arrays = {
+            "format": np.array([PACKED_FORMAT]),
+            "max_seq_length": np.array([self.max_seq_length], dtype=np.int64),
+            "lengths": lengths,
+            "input_ids": _concat(self.data.input_ids),
+            "labels": _concat(self.data.labels),
+            "source_rows": np.asarray(self.data.source_rows, dtype=np.int64),
+            "bin_sizes": np.fromiter((len(b) for b in self.bins), dtype=np.int64, count=len(self.bins)),
+            "bin_members": np.fromiter(itertools.chain.from_iterable(self.bins), dtype=np.int64),
+            "stats_names": np.array(list(asdict(self.data.stats))),
+            "stats_values": np.array(list(asdict(self.data.stats).values()), dtype=np.int64),
+        }
+        path = os.fspath(path)
+        if not path.endswith(".npz"):
+            path += ".npz"
+
+        write_file_atomically(path, lambda handle: np.savez(handle, **arrays))
+        return path
+
     def __repr__(self) -> str:
         return f"PackedDataset({self.stats.summary()})"
+
+
+PACKED_FORMAT = "fastft-packed-1"
+
+
+def _concat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays).astype(np.int32) if arrays else np.zeros(0, dtype=np.int32)
+
+
+def load_packed(path: str | os.PathLike) -> PackedDataset:
+    """A `PackedDataset` written by `PackedDataset.save`: the same rows, bins and statistics."""
+    try:
+        stored = np.load(os.fspath(path), allow_pickle=False)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"{path} cannot be read as packed data ({error}): save packed data with PackedDataset.save."
+        ) from None
+    with stored:
+        if "format" not in stored or str(stored["format"][0]) != PACKED_FORMAT:
+            raise ValueError(
+                f"{path} is not packed data written by PackedDataset.save ({PACKED_FORMAT}): pack the rows again "
+                "with fastft.pack and save that."
+            )
+        ends = np.cumsum(stored["lengths"])
+        starts = ends - stored["lengths"]
+        ids, labels = stored["input_ids"], stored["labels"]
+        members = stored["bin_members"].tolist()
+        bins, at = [], 0
+        for size in stored["bin_sizes"].tolist():
+            bins.append(members[at : at + size])
+            at += size
+        stats = TokenizeStats(
+            **dict(zip(stored["stats_names"].tolist(), stored["stats_values"].tolist(), strict=True))
+        )
+        data = TokenizedData(
+            [ids[a:b].copy() for a, b in zip(starts, ends, strict=True)],
+            [labels[a:b].copy() for a, b in zip(starts, ends, strict=True)],
+            stored["source_rows"].tolist(),
+            stats,
+        )
+        return PackedDataset(data, bins, int(stored["max_seq_length"][0]))
 
 
 # `pack` tokenises a `datasets.Dataset` of at least this many rows in several processes by default.

@@ -66,14 +66,23 @@ class RunPanel(Panel):
     `grad_accum_steps`, `warmup` (a share of the steps below 1, else a step count), `eval_every` and
     `save_every` (0: off), `output_dir`; buttons `start_button`, `pause_button` (Pause / Resume),
     `stop_button`, `save_button`. `code()` is the same run in plain Python. `live` chooses how plots
-    update ("widget", "display", "text"; default: `fastft.studio.live.frontend()`).
+    update ("widget", "display", "text"; default: `fastft.studio.live.frontend()`). `processes`: on a
+    machine with several GPUs the run goes to "this kernel" or to every GPU through torchrun
+    (`fastft.studio.launched.LaunchedRun`); the choices are `launch_choices()` unless given.
     """
 
     TIMING_EVERY = 5.0  # seconds between redraws of the step-timing figure and table
     TIMING_STEPS = 120  # steps shown in the step-timing bars (the latest ones)
     TEXT_EVERY = 10.0  # seconds between status lines printed without a notebook
 
-    def __init__(self, state: StudioState | None = None, *, live: str | None = None, max_points: int = 2000):
+    def __init__(
+        self,
+        state: StudioState | None = None,
+        *,
+        live: str | None = None,
+        max_points: int = 2000,
+        processes: list[tuple[str, int]] | None = None,
+    ):
         import ipywidgets as widgets
 
         from fastft.report.figures import phases_figure, run_dashboard_figure
@@ -161,6 +170,15 @@ class RunPanel(Panel):
         self.output_dir = widgets.Text(
             value="runs/studio", description="output dir", style=style, layout=wide()
         )
+        from fastft.studio.launched import launch_choices
+
+        choices = launch_choices() if processes is None else processes
+        # "this kernel", or every GPU through torchrun (`fastft.studio.launched`); shown only with a choice
+        self.processes = widgets.Dropdown(
+            options=choices, value=choices[0][1], description="processes", style=style, layout=wide()
+        )
+        if len(choices) < 2:
+            self.processes.layout.display = "none"
         self.start_button = button(description="Start", icon="play", button_style="success")
         self.pause_button = button(description="Pause", icon="pause", disabled=True)
         self.stop_button = button(description="Stop", icon="stop", button_style="danger", disabled=True)
@@ -191,6 +209,7 @@ class RunPanel(Panel):
             self.eval_every,
             self.save_every,
             self.output_dir,
+            self.processes,
         ]
         kept = self.state.run_settings  # the last studio's values: a re-run cell keeps them
         for control in self._controls:
@@ -382,6 +401,12 @@ class RunPanel(Panel):
             )
         )
         lines.append('print(f"final loss {result.final_loss:.4f}")')
+        if self.processes.value > 1:
+            lines.insert(
+                0,
+                f"# on {self.processes.value} processes: save as train.py and run "
+                f"`fastft launch --gpus {self.processes.value} train.py` (the studio writes and runs its own)",
+            )
         if self.preference:
             lines.append("print(result.steps[-1].preference)  # rewards chosen/rejected, margin, accuracy")
         return "\n".join(lines) + "\n"
@@ -450,6 +475,34 @@ class RunPanel(Panel):
             )
         if config.eval_every and getattr(self.state, "eval_packed", None) is None:
             found.append(("warn", "eval every is set but there is no eval set: no evaluation will run."))
+        found += self._launch_problems(config)
+        return found
+
+    def _launch_problems(self, config) -> list[tuple[str, str]]:
+        """A run on several processes: SFT on packed data, with an output dir to bring the adapter back from."""
+        processes = self.processes.value
+        if processes < 2:
+            return []
+        found = []
+        if config.method != "sft":
+            found.append(
+                (
+                    "error",
+                    f"the studio runs only SFT on {processes} processes so far ({config.method} here). Fix: "
+                    "processes 'this kernel', or run the Python section's script with `fastft launch --gpus "
+                    f"{processes} train.py`.",
+                )
+            )
+        if not config.output_dir:
+            found.append(
+                (
+                    "error",
+                    "a run on several processes brings its adapter back from its checkpoints. Fix: name an "
+                    "output dir.",
+                )
+            )
+        if getattr(self.state, "eval_packed", None) is not None:
+            found.append(("warn", "a run on several processes leaves out the eval set."))
         return found
 
     def _data_problems(self, method: str) -> list[tuple[str, str]]:
@@ -568,7 +621,12 @@ class RunPanel(Panel):
         eval_data = getattr(state, "eval_packed", None)
         notes = [text for kind, text in found if kind == "warn"]
         notes += self._fit_warning(config)
-        if grpo:
+        if self.processes.value > 1:
+            from fastft.studio.launched import LaunchedRun
+
+            name = state.model_name or getattr(getattr(state.model, "fastft_info", None), "name", None)
+            run = LaunchedRun(state, config, self.processes.value, model_name=name)
+        elif grpo:
             from fastft.studio.grpo import reward_functions
 
             rewards = reward_functions(self.grpo.reward_keys)
@@ -891,10 +949,13 @@ class RunPanel(Panel):
         run = self.run
         active = run is not None and run.active
         self.start_button.disabled = active
-        self.pause_button.disabled = not active or run.status == "stopping"
+        launched = run is not None and not isinstance(run, Run)  # on several processes: no pause, no save
+        self.pause_button.disabled = not active or run.status == "stopping" or launched
         self.pause_button.description = "Resume" if active and run.status == "paused" else "Pause"
         self.pause_button.icon = "play" if active and run.status == "paused" else "pause"
         self.stop_button.disabled = not active
-        self.save_button.disabled = run is None or run.error is not None or run.status == "created"
+        self.save_button.disabled = (
+            run is None or run.error is not None or run.status == "created" or launched
+        )
         for control in self._controls:
             control.disabled = active

@@ -6,6 +6,8 @@ Events are plain frozen dataclasses of host numbers, safe to keep, plot or seria
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -72,3 +74,42 @@ class EvalEvent:
 
 Event = StepEvent | EvalEvent
 Subscriber = Callable[[Event], None]
+
+
+class EventLog:
+    """A subscriber that appends every event to `path` as one JSON line, written and flushed at once, so
+    another process can follow the run (`read_events`: the studio plotting a run it started under
+    torchrun). Under torchrun only rank 0 writes: every rank sees the same global figures."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+
+    def __call__(self, event: Event) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+        line = json.dumps({"kind": type(event).__name__, **event.as_dict()})
+        with open(self.path, "a", encoding="utf-8") as log:
+            log.write(line + "\n")
+            log.flush()
+
+
+def read_events(path: str | os.PathLike, offset: int = 0) -> tuple[list[Event], int]:
+    """The events an `EventLog` wrote to `path` after byte `offset`, and the offset to read on from. Only
+    whole lines count: one being written is read the next time."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(offset)
+            chunk = log.read()
+    except FileNotFoundError:
+        return [], offset
+    complete = chunk.rfind(b"\n") + 1
+    events: list[Event] = []
+    for line in chunk[:complete].splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        kind = record.pop("kind")
+        events.append(StepEvent(**record) if kind == "StepEvent" else EvalEvent(**record))
+    return events, offset + complete
