@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+from fastft.studio.launched import LaunchedRun
 from fastft.studio.live import (
     DISPLAY_INTERVAL,
     WIDGET_INTERVAL,
@@ -272,7 +273,7 @@ class RunPanel(Panel):
         self._update_preview()
         self._update_checks()
         self._update_buttons()
-        if isinstance(self.state.run, Run):  # a studio shown again: watch the run the state already has
+        if isinstance(self.state.run, (Run, LaunchedRun)):  # a studio shown again: watch the state's run
             self._attach(self.state.run)
 
     # -- settings and code ---------------------------------------------------------------------------
@@ -581,7 +582,7 @@ class RunPanel(Panel):
 
     def _on_state(self, name: str) -> None:
         run = self.state.run
-        if name == "run" and isinstance(run, Run) and run is not self.run:
+        if name == "run" and isinstance(run, (Run, LaunchedRun)) and run is not self.run:
             self._attach(run)  # started elsewhere (another panel, or code): watch it here too
         self._update_preview()
         if name in ("packed", "rows"):
@@ -622,8 +623,6 @@ class RunPanel(Panel):
         notes = [text for kind, text in found if kind == "warn"]
         notes += self._fit_warning(config)
         if self.processes.value > 1:
-            from fastft.studio.launched import LaunchedRun
-
             name = state.model_name or getattr(getattr(state.model, "fastft_info", None), "name", None)
             run = LaunchedRun(state, config, self.processes.value, model_name=name)
         elif grpo:
@@ -949,7 +948,7 @@ class RunPanel(Panel):
         run = self.run
         active = run is not None and run.active
         self.start_button.disabled = active
-        launched = run is not None and not isinstance(run, Run)  # on several processes: no pause, no save
+        launched = isinstance(run, LaunchedRun)  # on several processes: no pause, no save
         self.pause_button.disabled = not active or run.status == "stopping" or launched
         self.pause_button.description = "Resume" if active and run.status == "paused" else "Pause"
         self.pause_button.icon = "play" if active and run.status == "paused" else "pause"
