@@ -24,7 +24,10 @@ attention backend is its own choice (``attention`` in the result).
 Every system sees the same chats in its own packing. After `--warmup` steps, `--steps` steps are timed
 (wall clock between ``torch.cuda.synchronize()`` calls); the report gives real tokens per second (padding
 slots not counted), trained tokens per second, the median and the slowest step, and the peak of
-``torch.cuda.max_memory_allocated``.
+``torch.cuda.max_memory_allocated``. A step's time is the wall clock: for TRL's trainers between
+synchronised step ends, for fastft's between the arrivals of consecutive steps' events on the host (each
+after its CUDA events completed), so a host stall counts; fastft's device-side step times are kept beside
+(``device_step_seconds``).
 
     fastft bench sft --systems fastft,fastft-trl,unsloth,hf --workloads bf16,nf4 --unsloth-path /tmp/site_unsloth
     fastft bench sft --model Qwen/Qwen3-30B-A3B --layers 12 --workloads bf16
@@ -116,17 +119,24 @@ def _run_fastft(model, rows, args, device):
     )
     trainer.train(steps=args.warmup)
     torch.cuda.synchronize(device) if device.type == "cuda" else None
+    # when each step's event reaches the host (on a GPU during the next step, once its CUDA events completed):
+    # the intervals are the steps as the wall clock sees them, host stalls included, without a sync per step
+    arrivals: dict[int, float] = {}
+    trainer.subscribe(lambda event: arrivals.setdefault(event.step, time.perf_counter()))
     started = time.perf_counter()
     result = trainer.train(steps=args.steps)
     torch.cuda.synchronize(device) if device.type == "cuda" else None
     seconds = time.perf_counter() - started
     timed = result.steps[args.warmup :]
+    marks = [started] + [arrivals[e.step] for e in timed if e.step in arrivals]
+    wall = [b - a for a, b in zip(marks, marks[1:], strict=False)][1:]  # the first holds the pipeline's start
     return dict(
         seconds=seconds,
         tokens=sum(e.tokens for e in timed),
         trained=sum(e.trained_tokens for e in timed),
         padding=sum(e.padding_tokens for e in timed),
-        step_seconds=[e.step_seconds for e in timed],
+        step_seconds=wall if len(wall) >= 2 else [e.step_seconds for e in timed],
+        device_step_seconds=[e.step_seconds for e in timed],
         graph=result.cuda_graph,
         attention=result.attention,
     )

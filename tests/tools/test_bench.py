@@ -285,11 +285,12 @@ def test_sft_bench_runs_fastft_and_its_trl_switch_on_a_preset(tmp_path):
         [
             "--model", "tiny-llama", "--systems", "fastft,fastft-trl", "--workloads", "bf16", "--device", "cpu",
             "--chats", "40", "--user-median", "10", "--assistant-median", "16", "--max-seq-length", "192",
-            "--warmup", "1", "--steps", "2", "--folder", str(tmp_path / "checkpoints"), "--out", str(out),
+            "--warmup", "1", "--steps", "4", "--folder", str(tmp_path / "checkpoints"), "--out", str(out),
         ]
     )  # fmt: skip
     assert code == 0
     results = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert len(results["fastft"]["device_step_seconds"]) == 4  # beside the wall-clock steps of the ratio
     assert set(results) == {"fastft", "fastft-trl"} and not any("error" in r for r in results.values())
     for result in results.values():
         assert 0 < result["trained_tokens_per_s"] < result["tokens_per_s"]
