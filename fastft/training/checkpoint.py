@@ -59,13 +59,19 @@ def set_rng_state(tensors: dict, plain: dict) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def save_checkpoint(folder, model, optimizer, scheduler, state: dict) -> Path:
-    """Write a resumable checkpoint of a PEFT model's adapters and the optimisation state."""
+def save_checkpoint(
+    folder, model, optimizer, scheduler, state: dict, model_state=None, optimizer_state=None
+) -> Path:
+    """Write a resumable checkpoint of a PEFT model's adapters and the optimisation state. `model_state` and
+    `optimizer_state`, when given, are written instead of the model's and the optimizer's own (a sharded run's
+    gathered full tensors: `fastft.training.distributed.Distributed.save_once`)."""
     tensors, plain = rng_state()
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, save_embedding_layers=False)  # no hub lookup of the base (save_adapter)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        # no hub lookup of the base (save_adapter); PEFT keeps the adapter's keys of `model_state`
+        model.save_pretrained(tmp, save_embedding_layers=False, state_dict=model_state)
+        optimizer_dict = optimizer.state_dict() if optimizer_state is None else optimizer_state
+        torch.save(optimizer_dict, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(tensors, tmp / "rng.pt")
         with open(tmp / "trainer_state.json", "w", encoding="utf-8") as f:
@@ -90,15 +96,28 @@ def load_checkpoint(folder, model, optimizer, scheduler, restore_optimizer: bool
 
 
 def apply_checkpoint(
-    folder: Path, contents: dict, model, optimizer, scheduler, restore_optimizer: bool = True
+    folder: Path,
+    contents: dict,
+    model,
+    optimizer,
+    scheduler,
+    restore_optimizer: bool = True,
+    sharded: bool = False,
 ):
-    """Put what `read_checkpoint` read into the model, optimizer, scheduler and RNG; return the trainer state."""
+    """Put what `read_checkpoint` read into the model, optimizer, scheduler and RNG; return the trainer state.
+    `sharded`: the model is FSDP2-sharded (its optimizer's state is keyed by parameter name)."""
     from peft import set_peft_model_state_dict
 
     check_adapter_matches(folder, model, contents["adapter"])
-    set_peft_model_state_dict(model, contents["adapter"])
+    if sharded:  # FSDP2: full tensors from the files, each rank keeps its shard
+        from fastft.training.distributed import load_sharded
+
+        load_sharded(model, optimizer if restore_optimizer else None, contents)
+    else:
+        set_peft_model_state_dict(model, contents["adapter"])
+        if restore_optimizer:
+            optimizer.load_state_dict(contents["optimizer"])
     if restore_optimizer:
-        optimizer.load_state_dict(contents["optimizer"])
         scheduler.load_state_dict(contents["scheduler"])
     state = dict(contents["state"])
     set_rng_state(contents["rng"], state.pop("rng"))

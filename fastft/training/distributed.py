@@ -30,6 +30,9 @@ not (NCCL on CUDA, gloo on the CPU) and trains one run across the ranks:
 - **Checkpoints** are written once, by rank 0, atomically (`fastft.atomic`), with every rank's RNG state and
   the world size; the other ranks wait at a barrier. A resume must use the same world size (the data order
   per rank depends on it) and restores each rank's RNG: the resumed losses equal the uninterrupted run's.
+  Under FSDP2 the trainable shards and the optimizer's state are gathered into full tensors on rank 0 first
+  (`gather_sharded`), so the checkpoint is a single process's (a plain PEFT adapter), and a resume shards them
+  back (`load_sharded`).
 - **Events** are the run's: loss, grad norm, trained tokens and tokens/s are global (all ranks). Only rank 0
   shows a progress bar.
 """
@@ -57,8 +60,6 @@ FSDP_LIMITS = {
     "quantised base": "fully_shard splits plain tensors into DTensors; a bitsandbytes Params4bit/Int8Params "
     "carries its quantisation state beside the data, which the split would not carry (and which needs CUDA to "
     "test), so QLoRA runs under DDP",
-    "checkpoints": "the adapter and the optimizer state are sharded DTensors; gathering them into a PEFT "
-    "checkpoint and sharding them back on resume is not built yet",
 }
 
 
@@ -170,10 +171,15 @@ class Distributed:
         generators = self.gather_objects(_torch_rng())
         state = dict(state, distributed={"world_size": self.world_size, "sharding": self.sharding})
         state["rank_rng"] = generators
+        full = {}
+        if self.sharding == "fsdp":  # every rank takes part in gathering the shards; rank 0 holds the result
+            full = dict(
+                zip(("model_state", "optimizer_state"), gather_sharded(model, optimizer), strict=True)
+            )
         failure = None
         if self.is_main:
             try:
-                save_checkpoint(folder, model, optimizer, scheduler, state)
+                save_checkpoint(folder, model, optimizer, scheduler, state, **full)
             except Exception as error:  # handed to the other ranks, then raised here as it was
                 failure = error
         shared = [(type(failure).__name__, str(failure)) if failure is not None else None]
@@ -349,16 +355,50 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+
+
+def gather_sharded(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """An FSDP2 model's trainable weights and its optimizer's state as full CPU tensors, keyed by parameter
+    name, on rank 0 (empty on the others): a collective every rank calls. The checkpoint is then the one a
+    single process writes: a PEFT adapter beside the optimizer state."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    options = _full_options()
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(
+        model, optimizer, options=options
+    )
+
+
+def load_sharded(model: torch.nn.Module, optimizer, contents: dict) -> None:
+    """A checkpoint's full adapter (PEFT keys) and optimizer state (parameter names) into an FSDP2 model and
+    its optimizer, each rank keeping its shard; `optimizer` None leaves the optimizer fresh."""
+    from peft import get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # PEFT's keys drop the adapter's name: map them back to the parameters' names through PEFT itself
+    placeholders = {name: torch.empty(0) for name, p in model.named_parameters() if p.requires_grad}
+    names = {id(tensor): name for name, tensor in placeholders.items()}
+    renamed = get_peft_model_state_dict(model, state_dict=placeholders, save_embedding_layers=False)
+    by_name = {names[id(tensor)]: contents["adapter"][key].cpu() for key, tensor in renamed.items()}
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, by_name, options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=contents["optimizer"], options=options)
+
+
 def start_distributed(model: torch.nn.Module, device: torch.device, config) -> Distributed | None:
     """The trainer's start under torchrun: the process group, and for FSDP2 the checks of `FSDP_LIMITS`
     and the sharding; None outside a distributed run."""
     parallel = setup(device, config.distributed)
     if parallel is None or parallel.sharding != "fsdp":
         return parallel
-    if config.output_dir:
-        raise SettingError(
-            f"distributed='fsdp' does not write or resume checkpoints yet ({FSDP_LIMITS['checkpoints']}). Use "
-            "distributed='ddp' for a run with save_every / resume_from, or leave them unset."
-        )
     shard_model(model, parallel)
     return parallel

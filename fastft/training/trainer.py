@@ -932,8 +932,15 @@ class Trainer:
     def _weights_are_finite(self) -> bool:
         """One device-side reduction over the trained weights and one sync (at save time, never per step)."""
         with torch.no_grad():
-            flags = [torch.isfinite(p).all() for p in self.parameters]
-            return bool(torch.stack(flags).all()) if flags else True
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in self.parameters]  # FSDP2 shards
+            flags = [torch.isfinite(p).all() for p in local]
+            finite = (
+                torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=self.device)
+            )
+            if self.parallel is not None and self.parallel.sharding == "fsdp":  # every rank's shards
+                finite = finite.to(torch.int32)
+                torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+            return bool(finite)
 
     def _newest_checkpoint(self) -> Path | None:
         """The newest checkpoint this run wrote or resumed from that is still on disk."""
@@ -1005,7 +1012,10 @@ class Trainer:
                 "resume with the same data and TrainConfig so the schedule and data order match."
             )
         restore = not self.config.reset_optimizer
-        state = apply_checkpoint(folder, contents, self.model, self.optimizer, self.scheduler, restore)
+        sharded = self.parallel is not None and self.parallel.sharding == "fsdp"
+        state = apply_checkpoint(
+            folder, contents, self.model, self.optimizer, self.scheduler, restore, sharded=sharded
+        )
         if self.parallel is not None:
             self.parallel.restore_rng(state)
         if self.config.reset_optimizer:  # a fresh optimizer; the schedule of this config, at the resumed step

@@ -141,23 +141,47 @@ def test_a_checkpoint_resumes_only_on_the_world_size_that_wrote_it(two_rank_run)
         Trainer(model, tokenizer, data, config=config).train()
 
 
-def test_fsdp2_refuses_an_output_dir_before_any_step(tmp_path):
-    from fastft.checks import SettingError
-    from fastft.training.distributed import start_distributed
+@pytest.fixture(scope="module")
+def two_rank_fsdp_run(tmp_path_factory):
+    """A 2-rank FSDP2 run of 6 steps with checkpoints at 2, 4 and 6 (dropout on)."""
+    out = tmp_path_factory.mktemp("fsdp-run")
+    config = dict(
+        max_steps=6,
+        save_every=2,
+        save_total_limit=3,
+        output_dir=str(out / "checkpoints"),
+        dropout=0.1,
+        distributed="fsdp",
+    )
+    return out, config, _two_ranks(out, **config)
 
-    model = torch.nn.Linear(2, 2)
-    config = TrainConfig(max_steps=1, distributed="fsdp", output_dir=str(tmp_path))
-    environment = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in environment.items():
-            patch.setenv(name, value)
-        patch.setenv("MASTER_PORT", str(_free_port()))
-        try:
-            with pytest.raises(SettingError, match="does not write or resume checkpoints yet"):
-                start_distributed(model, torch.device("cpu"), config)
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+
+def test_fsdp2_checkpoints_are_plain_peft_adapters_written_once(two_rank_fsdp_run):
+    """The sharded adapter and optimizer state are gathered into one checkpoint, written by rank 0: an
+    adapter plain PEFT loads (full shapes), with the final weights of the run."""
+    from safetensors.torch import load_file
+
+    out, _, full = two_rank_fsdp_run
+    ranks = [json.loads((out / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["writes"] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"] and ranks[1]["writes"] == []
+    state = json.loads((out / "checkpoints" / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["distributed"] == {"world_size": 2, "sharding": "fsdp"}
+    adapter = load_file(str(out / "checkpoints" / "checkpoint-6" / "adapter_model.safetensors"))
+    final = {name.replace(".default", ""): weight for name, weight in full["weights"].items()}
+    assert adapter.keys() == final.keys()
+    for name, weight in final.items():
+        assert torch.equal(adapter[name], weight), name
+    optimizer = torch.load(out / "checkpoints" / "checkpoint-6" / "optimizer.pt", weights_only=True)
+    assert len(optimizer["state"]) == len(final)  # every trained weight's Adam moments, gathered whole
+
+
+def test_a_two_rank_fsdp2_run_resumes_exactly(two_rank_fsdp_run, tmp_path):
+    out, config, full = two_rank_fsdp_run
+    resumed = _two_ranks(tmp_path, **dict(config, resume_from=str(out / "checkpoints" / "checkpoint-2")))
+    assert resumed["losses"][:2] == full["losses"][:2]  # read back from the checkpoint
+    assert resumed["losses"][2:] == pytest.approx(full["losses"][2:], rel=1e-5)
+    for name, weight in full["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_a_process_group_fastft_starts_ends_at_exit(tmp_path):
