@@ -36,6 +36,7 @@ import torch
 from fastft.checks import SettingError, real_number, whole_number
 from fastft.data.rewards import Reward, check_columns, reward_name, score_completions
 from fastft.runtime.attention import patch_packed_attention, unpatch_packed_attention
+from fastft.training.distributed import start_distributed
 from fastft.training.events import Subscriber
 from fastft.training.graph import StepGraph
 from fastft.training.grpo_loss import (
@@ -258,13 +259,21 @@ class GRPOTrainer(Trainer):
             patch_packed_attention(model, self.config.attention)
         else:
             unpatch_packed_attention(model)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.config.distributed != "ddp":
             raise SettingError(
-                "GRPO runs in one process for now (rollouts are not sharded across ranks): start it with python, "
-                "not torchrun / fastft launch."
+                f"GRPO runs on several processes as DDP only (distributed={self.config.distributed!r}): each rank "
+                "samples its share of the step's prompts. Fix: distributed='ddp'."
             )
-        self.parallel = None  # the SFT trainer's DDP / FSDP2 state: not used by GRPO yet
+        self.parallel = start_distributed(model, self.device, self.config)  # None outside torchrun
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if self.parallel is not None:
+            if self.config.prompts_per_step < self.parallel.world_size:
+                raise SettingError(
+                    f"prompts_per_step={self.config.prompts_per_step} on {self.parallel.world_size} ranks leaves a "
+                    f"rank without prompts: each rank samples whole groups. Fix: prompts_per_step of at least "
+                    f"{self.parallel.world_size}."
+                )
+            self.parallel.broadcast_parameters(self.parameters)
         if not self.parameters:
             raise ValueError("The model has no trainable parameters: call fastft.add_lora(model, ...) first.")
         _check_has_adapters(model)
@@ -341,16 +350,21 @@ class GRPOTrainer(Trainer):
 
     # -- one step ------------------------------------------------------------------------------
     def rollout(self, step: int) -> Rollout:
-        """Sample and score step `step`'s completions (no update)."""
+        """Sample and score step `step`'s completions (no update). Under torchrun each rank samples its share
+        of the step's prompts (every ``world_size``-th, whole groups), from a seed of its own."""
         config = self.config
         chosen = self.prompts_for_step(step)
+        seed = (config.seed, step)
+        if self.parallel is not None:
+            chosen = self.parallel.shard(chosen)
+            seed = (config.seed, step, self.parallel.rank)
         group = config.num_generations
         completion_ids, truncated, log_probs = sample(
             self.model,
             self.tokenizer,
             [self.prompt_ids[i] for i in chosen],
             config.sampling,
-            (config.seed, step),
+            seed,
             self.decode_stats,
             keep_log_probs=self.updates_per_step > 1 and config.old_log_probs == "sampling",
         )
@@ -413,7 +427,16 @@ class GRPOTrainer(Trainer):
             for mb in micro_batches
         ]
         completion_tokens = sum(len(ids) for ids in rollout.completion_ids)
-        divisor = _device_scalar(settings.divisor(len(rollout.completions), completion_tokens), self.device)
+        completions = len(rollout.completions)
+        tokens = sum(mb.batch.num_tokens for mb in micro_batches)
+        counts = None
+        if (
+            self.parallel is not None
+        ):  # the step's counts over every rank (a host read: rollouts are on the host)
+            counts = self.parallel.global_counts([completion_tokens, tokens, 0, 0, completions])
+            completion_tokens, tokens, _, _, completions = (int(n) for n in counts.tolist())
+            counts = counts[:4]
+        divisor = _device_scalar(settings.divisor(completions, completion_tokens), self.device)
         old = [None] * len(micro_batches)
         reference = [None] * len(micro_batches)
         recompute = self.updates_per_step > 1 and rollout.log_probs is None
@@ -450,8 +473,15 @@ class GRPOTrainer(Trainer):
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
                 loss_total += loss.detach()
                 metric_total += metrics
+            if self.parallel is not None:
+                phases.begin("communication")
+                self.parallel.reduce_gradients(self.parameters)
             phases.begin("optimizer")
             norm_total += self._update()
+        if self.parallel is not None:  # the loss and the metric sums of every rank's completions
+            summed = torch.cat([loss_total.reshape(1), metric_total])
+            self.parallel.sum_(summed)
+            loss_total, metric_total = summed[0], summed[1:]
         timing = phases.step_end(self.step + 1)
         timer.stop()
         updates = self.updates_per_step
@@ -461,7 +491,8 @@ class GRPOTrainer(Trainer):
                 metric_total / (completion_tokens * updates),
             ]
         )
-        tokens = sum(mb.batch.num_tokens for mb in micro_batches)
+        if counts is not None:  # read back with the loss, as the SFT trainer's global counts are
+            values = torch.cat([values.double(), counts.double()])
         info = dict(
             step=self.step + 1, lr=learning_rate, trained=completion_tokens, tokens=tokens, timer=timer
         )
@@ -469,6 +500,24 @@ class GRPOTrainer(Trainer):
         info["epoch"] = (self.step + 1) * self.bins_per_step / len(self.rows)
         info["grpo"] = self._host_metrics(rollout)
         self._pending.append(_PendingReadout(values, info))
+
+    def _every_rank(self, rollout: Rollout) -> Rollout:
+        """The step's rollout of every rank, for the run's metrics (one host gather of small arrays)."""
+        parts = self.parallel.gather_objects(
+            (rollout.total, rollout.rewards, [len(ids) for ids in rollout.completion_ids], rollout.truncated)
+        )
+        return Rollout(
+            [],
+            [None] * sum(len(total) for total, *_ in parts),
+            [],
+            [np.zeros(n) for _, _, lengths, _ in parts for n in lengths],
+            np.concatenate([np.asarray(truncated) for *_, truncated in parts]),
+            np.concatenate([rewards for _, rewards, _, _ in parts]),
+            np.concatenate([total for total, *_ in parts]),
+            None,
+            rollout.step,
+            None,
+        )
 
     def _update(self) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, zero the gradients; the gradient norm (device)."""
@@ -488,6 +537,8 @@ class GRPOTrainer(Trainer):
         return norm.detach().float().to(self.device)
 
     def _host_metrics(self, rollout: Rollout) -> dict[str, float]:
+        if self.parallel is not None:
+            rollout = self._every_rank(rollout)
         lengths = np.asarray([len(ids) for ids in rollout.completion_ids], dtype=np.float64)
         metrics = {
             "reward": float(rollout.total.mean()),

@@ -35,6 +35,27 @@ def run(out: Path, config: dict) -> dict:
     model = fastft.add_lora(
         model, r=4, alpha=8, dropout=dropout, seed=7, gradient_checkpointing=checkpointing
     )
+    if config.get("method") == "grpo":  # GRPO on skills questions, each rank sampling its share
+        from fastft.data.rewards import content_match, length_penalty
+        from fastft.training.grpo import grpo
+
+        config.pop("method")
+        settings = (
+            dict(
+                prompts_per_step=4,
+                num_generations=3,
+                max_new_tokens=6,
+                learning_rate=1e-2,
+                warmup=0,
+                seed=11,
+                micro_batch_tokens=96,
+                attention="sdpa_masked",
+            )
+            | config
+        )
+        rewards = [content_match, length_penalty(limit=4, per_char=0.05)]
+        result = grpo(model, tokenizer, ROWS[:16], rewards, progress=False, **settings)
+        return _summarise(out, model, result, writes)
     if config.get("method", "sft") == "sft":
         data = fastft.pack(ROWS, tokenizer, 128)
         eval_data = fastft.pack(list(generate(20, seed=3)), tokenizer, 128) if held_out else None
@@ -43,6 +64,10 @@ def run(out: Path, config: dict) -> dict:
     # a fixed attention backend: "auto" times the backends and may pick another one run to run
     settings = dict(learning_rate=3e-3, micro_batch_bins=2, seed=5, attention="sdpa_masked") | config
     result = fastft.train(model, tokenizer, data, eval_data, progress=False, **settings)
+    return _summarise(out, model, result, writes)
+
+
+def _summarise(out: Path, model, result, writes: list[str]) -> dict:
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     weights = {n: (w.full_tensor() if hasattr(w, "full_tensor") else w) for n, w in weights.items()}
     rank = int(os.environ.get("RANK", 0))
@@ -53,6 +78,7 @@ def run(out: Path, config: dict) -> dict:
         "phases": sorted({name for e in result.steps for name in e.phases}),
         "evals": [e.eval_loss for e in result.evals],
         "preference": [e.preference for e in result.steps] + [e.preference for e in result.evals],
+        "grpo": [e.grpo for e in result.steps],
         "weights": weights,
     }
     out.mkdir(parents=True, exist_ok=True)
