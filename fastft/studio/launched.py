@@ -28,11 +28,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
+from fastft.studio.run_control import RunLifecycle
 from fastft.training.events import Event, StepEvent, read_events
 
 __all__ = ["LaunchedRun", "launch_choices"]
 
-_ACTIVE = ("starting", "running", "stopping")
 POLL_S = 0.5  # how often the events file and the processes are looked at
 
 
@@ -47,8 +47,9 @@ def launch_choices() -> list[tuple[str, int]]:
     return choices
 
 
-class LaunchedRun:
-    """One run of `config` on `processes` ranks (see the module docstring). It reads like a `Run`:
+class LaunchedRun(RunLifecycle):
+    """One run of `config` on `processes` ranks (see the module docstring). It reads like a `Run`
+    (`RunLifecycle`):
     ``.events``, ``.status`` ("created", "starting", "running", "stopping", then "finished", "stopped" or
     "failed"), ``.step``, ``.max_steps``, ``.checkpoints``, ``.result``, ``.error`` and ``.error_message``,
     ``wait()``, ``stop()``, ``add_done_callback()``."""
@@ -191,46 +192,14 @@ class LaunchedRun:
         )
         return future
 
-    def wait(self, timeout: float | None = None, *, raise_error: bool = False):
-        self._done.wait(timeout)
-        if raise_error and self.error is not None and self.done:
-            raise self.error
-        return self.result
-
-    def add_done_callback(self, callback: Callable[[LaunchedRun], None]) -> None:
-        with self._lock:
-            if not self.done:
-                self._done_callbacks.append(callback)
-                return
-        callback(self)
-
     # -- reading -------------------------------------------------------------------------------------
-    @property
-    def status(self) -> str:
-        return self._status
-
     @property
     def parked(self) -> bool:
         return False
 
     @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def active(self) -> bool:
-        return self._status in _ACTIVE
-
-    @property
     def max_steps(self) -> int | None:
         return getattr(self.config, "max_steps", None)
-
-    @property
-    def step(self) -> int:
-        for event in reversed(self.events):
-            if isinstance(event, StepEvent):
-                return event.step
-        return 0
 
     @property
     def checkpoints(self) -> list[str]:

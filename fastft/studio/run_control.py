@@ -20,12 +20,54 @@ from concurrent.futures import Future
 
 from fastft.training.events import Event, StepEvent
 
-__all__ = ["Run", "explain"]
+__all__ = ["Run", "RunLifecycle", "explain"]
 
 _ACTIVE = ("starting", "running", "paused", "stopping")
 
 
-class Run:
+class RunLifecycle:
+    """What every studio run shares (`Run` in this process, `fastft.studio.launched.LaunchedRun` under
+    torchrun): its status and events, waiting for it, and being told when it ends. A run sets ``events``,
+    ``error``, ``_status``, ``_lock``, ``_done`` (an Event) and ``_done_callbacks``, and has a ``result``."""
+
+    def wait(self, timeout: float | None = None, *, raise_error: bool = False):
+        """Block until the run ends (or `timeout` seconds); returns its result (None before there is one).
+        With `raise_error`, the exception that ended the run is raised here."""
+        self._done.wait(timeout)
+        if raise_error and self.error is not None and self.done:
+            raise self.error
+        return self.result
+
+    def add_done_callback(self, callback: Callable[[RunLifecycle], None]) -> None:
+        """Call `callback(run)` once the run has ended (on the thread that ends it; at once if it has)."""
+        with self._lock:
+            if not self.done:
+                self._done_callbacks.append(callback)
+                return
+        callback(self)
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def active(self) -> bool:
+        return self._status in _ACTIVE
+
+    @property
+    def step(self) -> int:
+        """The last step whose event arrived."""
+        for event in reversed(self.events):
+            if isinstance(event, StepEvent):
+                return event.step
+        return 0
+
+
+class Run(RunLifecycle):
     """One training run of `model` on `train_data`, on a background thread.
 
     Arguments are `fastft.Trainer`'s (with `rewards`, a `GRPOTrainer`'s: `train_data` are the prompt rows and
@@ -142,43 +184,15 @@ class Run:
     def _save(self):
         return self.trainer.save_checkpoint()
 
-    def wait(self, timeout: float | None = None, *, raise_error: bool = False):
-        """Block until the run ends (or `timeout` seconds); returns its `TrainResult` (None before the
-        trainer exists). With `raise_error`, the exception that ended the run is raised here."""
-        self._done.wait(timeout)
-        if raise_error and self.error is not None and self.done:
-            raise self.error
-        return self.result
-
     def subscribe(self, listener: Callable[[Event], None]) -> None:
         """Call `listener(event)` on the training thread for every event: keep it cheap (append, set a flag)."""
         self._listeners.append(listener)
 
-    def add_done_callback(self, callback: Callable[[Run], None]) -> None:
-        """Call `callback(run)` once the run has ended (on the training thread; at once if it already has)."""
-        with self._lock:
-            if not self.done:
-                self._done_callbacks.append(callback)
-                return
-        callback(self)
-
     # -- reading -------------------------------------------------------------------------------------
-    @property
-    def status(self) -> str:
-        return self._status
-
     @property
     def parked(self) -> bool:
         """True while the training thread holds between two steps (paused)."""
         return self.trainer is not None and self.trainer.holding
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def active(self) -> bool:
-        return self._status in _ACTIVE
 
     @property
     def result(self):
@@ -193,14 +207,6 @@ class Run:
         if self.trainer is not None:
             return self.trainer.max_steps
         return getattr(self.config, "max_steps", None)
-
-    @property
-    def step(self) -> int:
-        """The last step whose event arrived."""
-        for event in reversed(self.events):
-            if isinstance(event, StepEvent):
-                return event.step
-        return 0
 
     @property
     def elapsed_seconds(self) -> float:
