@@ -454,6 +454,33 @@ def _check_layout(page, studio, tabs, width: int, shots: Path | None = None) -> 
             assert _fills(plot), f"{title} tab at {width} px: a chart does not fill its panel: {_box(plot)}"
 
 
+def _studio_in(page):
+    """The studio's widget, its tab bar, and a function that gives the panel shown."""
+    from playwright.sync_api import expect
+
+    studio = page.locator(".jupyter-widgets", has_text="fastft studio").first
+    expect(studio).to_be_visible()
+
+    def panel():
+        return studio.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)").first
+
+    return studio, studio.locator(".lm-TabBar-tab"), panel
+
+
+def _load_tiny_llama(tabs, panel):
+    """Model tab: tiny-llama, Load model; loaded when Apply LoRA becomes clickable. Returns the name box."""
+    from playwright.sync_api import expect
+
+    tabs.filter(has_text="Model").click()
+    combo = panel().locator("input[list]").first
+    combo.fill("tiny-llama")
+    combo.press("Enter")
+    panel().get_by_role("button", name="Load model").click()
+    expect(panel().get_by_role("button", name="Apply LoRA")).to_be_enabled()
+    expect(panel()).to_contain_text("Loaded tiny-llama")
+    return combo
+
+
 def _drive(page, lab: Lab, shot: Path) -> None:
     from playwright.sync_api import expect
 
@@ -469,21 +496,8 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     page.keyboard.press("Shift+Enter")
     expect(cell.locator(".jp-InputPrompt").first).not_to_have_text(re.compile(r"\[ \]"))
 
-    studio = page.locator(".jupyter-widgets", has_text="fastft studio").first
-    expect(studio).to_be_visible()
-    tabs = studio.locator(".lm-TabBar-tab")
-
-    def panel():
-        return studio.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)").first
-
-    # Model: tiny-llama, Load model; loaded when Apply LoRA becomes clickable
-    tabs.filter(has_text="Model").click()
-    combo = panel().locator("input[list]").first
-    combo.fill("tiny-llama")
-    combo.press("Enter")
-    panel().get_by_role("button", name="Load model").click()
-    expect(panel().get_by_role("button", name="Apply LoRA")).to_be_enabled()
-    expect(panel()).to_contain_text("Loaded tiny-llama")
+    studio, tabs, panel = _studio_in(page)
+    combo = _load_tiny_llama(tabs, panel)
 
     # a Load that fails keeps the model: the error says so, and the Export tab still has it
     combo.fill("nobody/no-such-model")
@@ -706,19 +720,8 @@ def test_studio_in_notebook7_draws_its_live_plots_as_widgets(notebook7, tmp_path
                 _kernel_idle(notebook7)
                 cell.locator(".cm-content").click()
                 page.keyboard.press("Shift+Enter")
-                studio = page.locator(".jupyter-widgets", has_text="fastft studio").first
-                expect(studio).to_be_visible()
-                tabs = studio.locator(".lm-TabBar-tab")
-
-                def panel():
-                    return studio.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)").first
-
-                tabs.filter(has_text="Model").click()
-                combo = panel().locator("input[list]").first
-                combo.fill("tiny-llama")
-                combo.press("Enter")
-                panel().get_by_role("button", name="Load model").click()
-                expect(panel()).to_contain_text("Loaded tiny-llama")
+                studio, tabs, panel = _studio_in(page)
+                _load_tiny_llama(tabs, panel)
                 tabs.filter(has_text="Data").click()
                 source = panel().locator("input[list]").first
                 source.fill("bundled:skills-eval")
