@@ -219,20 +219,14 @@ def load_packed(path: str | os.PathLike) -> PackedDataset:
                 f"{path} is not packed data written by PackedDataset.save ({PACKED_FORMAT}): pack the rows again "
                 "with fastft.pack and save that."
             )
-        ends = np.cumsum(stored["lengths"])
-        starts = ends - stored["lengths"]
-        ids, labels = stored["input_ids"], stored["labels"]
-        members = stored["bin_members"].tolist()
-        bins, at = [], 0
-        for size in stored["bin_sizes"].tolist():
-            bins.append(members[at : at + size])
-            at += size
+        rows = np.cumsum(stored["lengths"])[:-1]  # where each row's tokens start, after the first
+        bins = [b.tolist() for b in np.split(stored["bin_members"], np.cumsum(stored["bin_sizes"])[:-1])]
         stats = TokenizeStats(
             **dict(zip(stored["stats_names"].tolist(), stored["stats_values"].tolist(), strict=True))
         )
         data = TokenizedData(
-            [ids[a:b].copy() for a, b in zip(starts, ends, strict=True)],
-            [labels[a:b].copy() for a, b in zip(starts, ends, strict=True)],
+            np.split(stored["input_ids"], rows),
+            np.split(stored["labels"], rows),
             stored["source_rows"].tolist(),
             stats,
         )

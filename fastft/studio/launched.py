@@ -57,7 +57,7 @@ class LaunchedRun(RunLifecycle):
     trainer = None  # the trainer lives in the ranks
     rewards = None
 
-    def __init__(self, state, config, processes: int, *, model_name: str):
+    def __init__(self, state, config, processes: int, *, model_name: str, train: dict):
         if not getattr(config, "output_dir", None):
             raise ValueError(
                 "A run on several GPUs writes its checkpoints to the output dir, and the studio reads the trained "
@@ -66,6 +66,7 @@ class LaunchedRun(RunLifecycle):
         self.state, self.config, self.processes = state, config, processes
         self.model = state.model
         self.model_name = model_name
+        self.train = train  # `fastft.train`'s keyword arguments, as the Run tab's Python section has them
         self.folder = Path(config.output_dir).expanduser() / "launch"
         self.events: list[Event] = []
         self.error: BaseException | None = None
@@ -98,7 +99,6 @@ class LaunchedRun(RunLifecycle):
         from fastft.studio.notices import call_code, py_repr
 
         state = self.state
-        config = {k: v for k, v in vars(self.config).items() if k in _CONFIG_KEYS and v != _DEFAULTS.get(k)}
         lora = state.lora_settings
         return "\n".join(
             [
@@ -124,7 +124,7 @@ class LaunchedRun(RunLifecycle):
                 ),
                 "# the Data tab's packed bins, saved as they were",
                 call_code("data", "load_packed", [py_repr(str(self.folder / "data.npz"))]),
-                _train_call(config, str(self.events_path)),
+                _train_call(self.train, str(self.events_path)),
                 "if is_main_process():  # the trained adapter, once, for the studio to take back",
                 f"    fastft.save_adapter(model, {py_repr(str(self.trained_path))}, overwrite=True)",
                 "",
@@ -287,19 +287,6 @@ class LaunchedRun(RunLifecycle):
             callbacks, self._done_callbacks = self._done_callbacks, []
         for callback in callbacks:
             callback(self)
-
-
-_CONFIG_KEYS = (
-    "max_steps",
-    "learning_rate",
-    "micro_batch_bins",
-    "grad_accum_steps",
-    "warmup",
-    "eval_every",
-    "save_every",
-    "output_dir",
-)
-_DEFAULTS = {"grad_accum_steps": 1, "micro_batch_bins": 1, "eval_every": None, "save_every": None}
 
 
 class _Code:

@@ -340,11 +340,10 @@ class RunPanel(Panel):
         from fastft.studio.notices import call_code, py_repr
 
         state = self.state
-        name = state.model_name or getattr(getattr(state.model, "fastft_info", None), "name", None)
+        name = self._model_name()
         pack = state.pack_settings
         seq = getattr(state.packed, "max_seq_length", None) or pack.max_seq_length
         config = self._config_kwargs()
-        defaults = {"grad_accum_steps": 1, "micro_batch_bins": 1, "eval_every": None, "save_every": None}
         lines = [
             "import fastft",
             "",
@@ -398,7 +397,7 @@ class RunPanel(Panel):
                 "result",
                 "fastft.train",
                 ["model", "tokenizer", "data"],
-                {k: v for k, v in config.items() if not (k in defaults and defaults[k] == v)},
+                self._train_kwargs(),
             )
         )
         lines.append('print(f"final loss {result.final_loss:.4f}")')
@@ -411,6 +410,18 @@ class RunPanel(Panel):
         if self.preference:
             lines.append("print(result.steps[-1].preference)  # rewards chosen/rejected, margin, accuracy")
         return "\n".join(lines) + "\n"
+
+    _TRAIN_DEFAULTS = {"grad_accum_steps": 1, "micro_batch_bins": 1, "eval_every": None, "save_every": None}
+
+    def _train_kwargs(self) -> dict:
+        """`fastft.train`'s keyword arguments for these settings, its defaults left out (the Python section's
+        call, and the script of a run on several processes)."""
+        defaults = self._TRAIN_DEFAULTS
+        return {k: v for k, v in self._config_kwargs().items() if not (k in defaults and defaults[k] == v)}
+
+    def _model_name(self) -> str | None:
+        state = self.state
+        return state.model_name or getattr(getattr(state.model, "fastft_info", None), "name", None)
 
     def _update_preview(self) -> None:
         try:
@@ -623,8 +634,9 @@ class RunPanel(Panel):
         notes = [text for kind, text in found if kind == "warn"]
         notes += self._fit_warning(config)
         if self.processes.value > 1:
-            name = state.model_name or getattr(getattr(state.model, "fastft_info", None), "name", None)
-            run = LaunchedRun(state, config, self.processes.value, model_name=name)
+            run = LaunchedRun(
+                state, config, self.processes.value, model_name=self._model_name(), train=self._train_kwargs()
+            )
         elif grpo:
             from fastft.studio.grpo import reward_functions
 

@@ -173,9 +173,8 @@ class Distributed:
         state["rank_rng"] = generators
         full = {}
         if self.sharding == "fsdp":  # every rank takes part in gathering the shards; rank 0 holds the result
-            full = dict(
-                zip(("model_state", "optimizer_state"), gather_sharded(model, optimizer), strict=True)
-            )
+            model_state, optimizer_state = gather_sharded(model, optimizer)
+            full = dict(model_state=model_state, optimizer_state=optimizer_state)
         failure = None
         if self.is_main:
             try:
@@ -355,19 +354,17 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _full_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-
-
 def gather_sharded(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     """An FSDP2 model's trainable weights and its optimizer's state as full CPU tensors, keyed by parameter
     name, on rank 0 (empty on the others): a collective every rank calls. The checkpoint is then the one a
     single process writes: a PEFT adapter beside the optimizer state."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
-    options = _full_options()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(
         model, optimizer, options=options
     )

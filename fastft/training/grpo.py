@@ -432,7 +432,7 @@ class GRPOTrainer(Trainer):
         counts = None
         if (
             self.parallel is not None
-        ):  # the step's counts over every rank (a host read: rollouts are on the host)
+        ):  # the step's counts over every rank (a host read: rollouts are host-side)
             counts = self.parallel.global_counts([completion_tokens, tokens, 0, 0, completions])
             completion_tokens, tokens, _, _, completions = (int(n) for n in counts.tolist())
             counts = counts[:4]
@@ -501,24 +501,6 @@ class GRPOTrainer(Trainer):
         info["grpo"] = self._host_metrics(rollout)
         self._pending.append(_PendingReadout(values, info))
 
-    def _every_rank(self, rollout: Rollout) -> Rollout:
-        """The step's rollout of every rank, for the run's metrics (one host gather of small arrays)."""
-        parts = self.parallel.gather_objects(
-            (rollout.total, rollout.rewards, [len(ids) for ids in rollout.completion_ids], rollout.truncated)
-        )
-        return Rollout(
-            [],
-            [None] * sum(len(total) for total, *_ in parts),
-            [],
-            [np.zeros(n) for _, _, lengths, _ in parts for n in lengths],
-            np.concatenate([np.asarray(truncated) for *_, truncated in parts]),
-            np.concatenate([rewards for _, rewards, _, _ in parts]),
-            np.concatenate([total for total, *_ in parts]),
-            None,
-            rollout.step,
-            None,
-        )
-
     def _update(self) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, zero the gradients; the gradient norm (device)."""
         if self.grad_scaler:
@@ -537,23 +519,25 @@ class GRPOTrainer(Trainer):
         return norm.detach().float().to(self.device)
 
     def _host_metrics(self, rollout: Rollout) -> dict[str, float]:
-        if self.parallel is not None:
-            rollout = self._every_rank(rollout)
+        total, rewards, truncated = rollout.total, rollout.rewards, np.asarray(rollout.truncated)
         lengths = np.asarray([len(ids) for ids in rollout.completion_ids], dtype=np.float64)
+        if self.parallel is not None:  # every rank's completions: one host gather of small arrays
+            parts = self.parallel.gather_objects((total, rewards, truncated, lengths))
+            total, rewards, truncated, lengths = (
+                np.concatenate(column) for column in zip(*parts, strict=True)
+            )
         metrics = {
-            "reward": float(rollout.total.mean()),
-            "reward_std": float(
-                rollout.total.reshape(-1, self.config.num_generations).std(axis=1, ddof=1).mean()
-            ),
+            "reward": float(total.mean()),
+            "reward_std": float(total.reshape(-1, self.config.num_generations).std(axis=1, ddof=1).mean()),
         }
         for column, reward in enumerate(self.rewards):
-            metrics[f"reward/{reward_name(reward)}"] = float(rollout.rewards[:, column].mean())
+            metrics[f"reward/{reward_name(reward)}"] = float(rewards[:, column].mean())
         accuracy = [c for c, reward in enumerate(self.rewards) if getattr(reward, "is_accuracy", False)]
         if accuracy:
-            metrics["accuracy"] = float((rollout.rewards[:, accuracy[0]] >= 1).mean())
+            metrics["accuracy"] = float((rewards[:, accuracy[0]] >= 1).mean())
         metrics["completion_length"] = float(lengths.mean())
-        metrics["truncated"] = float(rollout.truncated.mean())
-        metrics["completions"] = len(rollout.completions)
+        metrics["truncated"] = float(truncated.mean())
+        metrics["completions"] = len(total)
         return metrics
 
     def _event_metrics(self, metrics: list[float], info: dict) -> dict:

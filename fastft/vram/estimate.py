@@ -254,17 +254,15 @@ def _within_host_memory(
     """The estimate of the run the offloader really makes when what it would pin is over `budget`: plain
     recompute when the layer inputs alone do not fit (the offloader turns itself off), else the larger of
     keeping and not keeping (layers whose kept outputs do not fit recompute them)."""
-    need = stored.host_input_bytes if stored.host_input_bytes > budget else stored.host_bytes
     if stored.host_input_bytes > budget:
-        changed = {"checkpointing": "recompute"}
+        need, changed = stored.host_input_bytes, {"checkpointing": "recompute"}
         what = "its layer inputs do not fit, so the offloader turns itself off: plain recompute"
     else:
-        changed = {"keep_attention": False}
+        need, changed = stored.host_bytes, {"keep_attention": False}
         what = "only some layers' kept attention outputs fit: the larger of keeping and recomputing them"
-    other = estimate_vram(**{**arguments, **changed, "host_memory": None})
-    if "keep_attention" in changed and estimate.total_bytes > other.total_bytes:
-        other = estimate
-    chosen = other
+    chosen = estimate_vram(**{**arguments, **changed, "host_memory": None})
+    if "keep_attention" in changed and estimate.total_bytes > chosen.total_bytes:
+        chosen = estimate
     note = (
         f"host memory: offloading would pin {need / GiB:.2f} GiB but this host may pin {budget / GiB:.2f} GiB "
         f"(host_memory): {what}. Free host memory, or shorten the sequences, to offload"
