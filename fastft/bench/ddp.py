@@ -28,11 +28,14 @@ def run_worker(args) -> dict:
 
     from fastft.bench.sft import _packed, chat_rows
     from fastft.bench.step import _fastft_model
+    from fastft.models.patch import is_fused
+    from fastft.runtime.offload import offload_stats
+    from fastft.runtime.state import model_state
     from fastft.training.trainer import TrainConfig, Trainer
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
-    model = _fastft_model(args.checkpoint, "bf16", args.max_seq_length, "auto", device)
+    model = _fastft_model(args.checkpoint, args.precision, args.max_seq_length, "auto", device)
     vocab = model.get_input_embeddings().weight.shape[0]
     rows = chat_rows(
         args.chats, vocab, args.user_median, args.assistant_median, args.sigma, args.max_seq_length, args.seed
@@ -49,7 +52,25 @@ def run_worker(args) -> dict:
     seconds = time.perf_counter() - started
     timed = result.steps[args.warmup :]
     phases = [e.phases.get("communication", 0.0) for e in timed]
+    offloaded = offload_stats(model)
+    kernels = model_state(model.get_base_model() if hasattr(model, "get_base_model") else model).kernels
     return dict(
+        precision=args.precision,
+        # what ran under the process group: graph replays, offloaded layers, fused modules, attention
+        cuda_graph=dict(result.cuda_graph),
+        timed_graph_replays=sum(e.graph_replays for e in timed),
+        timed_micro_batches=sum(e.micro_batches for e in timed),
+        offload=None
+        if offloaded is None
+        else dict(
+            layers_offloaded=offloaded.layers_offloaded,
+            fallback_calls=offloaded.fallback_calls,
+            bytes_kept=offloaded.bytes_kept,
+            disabled=offloaded.disabled,
+        ),
+        fused=is_fused(model),
+        patch_report=str(kernels.report) if kernels is not None else None,
+        attention=result.attention,
         world_size=trainer.world_size,
         backend=trainer.parallel.backend if trainer.parallel is not None else None,
         seconds=seconds,
@@ -91,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--user-median", type=float, default=120.0)
     parser.add_argument("--assistant-median", type=float, default=220.0)
     parser.add_argument("--sigma", type=float, default=0.7)
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "nf4"))
     parser.add_argument("--max-seq-length", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=5)
@@ -143,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{run['world_size']} rank(s) ({run['backend'] or 'no process group'}): "
             f"{run['trained_tokens_per_second']:,.0f} trained tokens/s, {run['tokens_per_second']:,.0f} tokens/s, "
-            f"communication {run['communication_ms']:.2f} ms/step, peak {run['peak_memory_bytes'] / 2**30:.2f} GiB"
+            f"communication {run['communication_ms']:.2f} ms/step, peak {run['peak_memory_bytes'] / 2**30:.2f} GiB; "
+            f"graph replays {run['timed_graph_replays']} of {run['timed_micro_batches']} timed micro-batches, "
+            f"offload {run['offload']}, fused: {run['patch_report']}"
         )
     print(f"speed-up on {args.gpus} rank(s): {report['speedup']:.2f}x  ->  {args.out}")
     return 0

@@ -20,9 +20,11 @@ import gc
 import json
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
+from fastft.atomic import write_text_atomically
 from fastft.bench.common import environment
 
 GiB = 2**30
@@ -78,7 +80,10 @@ def run(
     snapshot: int | None,
     check_prediction: bool,
     granularity: int,
+    save=None,
 ) -> dict:
+    """The trials; `save(result)` (if given) runs after each, so a call cut by its time limit keeps what
+    it measured."""
     from fastft.vram import capped_gpu, estimate_vram, max_context
     from fastft.vram.measure import TrainingProbe, is_out_of_memory
 
@@ -137,6 +142,8 @@ def run(
             row.update(trained=True, tokens_per_s=length / row["steps"][-1]["seconds"])
         print(json.dumps({k: v for k, v in row.items() if k != "live_at_peak"}), flush=True)
         result["trials"].append(row)
+        if save is not None:
+            save(result)
         return row
 
     try:
@@ -205,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the cap is a CUDA allocator fraction)")
     started = time.perf_counter()
+
+    def save(result: dict) -> None:
+        if args.json:
+            write_text_atomically(Path(args.json), json.dumps(result, indent=1))
+
     result = run(
         args.model,
         args.precision,
@@ -215,12 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         args.snapshot,
         not args.no_prediction,
         args.granularity,
+        save,
     )
     result["seconds"] = time.perf_counter() - started
     print(report(result))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+    save(result)
     return 0
 
 
