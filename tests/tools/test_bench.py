@@ -344,3 +344,31 @@ def test_dpo_bench_runs_fastft_and_trl_on_a_preset(tmp_path):
     ratio = results["fastft"]["tokens_per_s"] / results["trl"]["tokens_per_s"]
     assert found["speed_vs_trl"] == pytest.approx(ratio) and found["meets_bar"] is None  # no CUDA peak
     assert "tokens/s vs TRL" in out.with_suffix(".md").read_text()
+
+
+def test_ddp_bench_runs_one_and_two_gloo_ranks_and_says_what_ran_under_them(tmp_path):
+    """`fastft bench ddp` on the CPU: a 1-rank and a 2-rank torchrun launch of the same packed-chat run, each
+    reporting its throughput, communication time and what ran under the process group (fused modules,
+    graph replays: none on the CPU, offload: none without CUDA)."""
+    import json
+
+    from fastft.bench import ddp
+
+    out = tmp_path / "ddp.json"
+    code = ddp.main(
+        [
+            "--model", "tiny-llama", "--gpus", "2", "--device", "cpu", "--chats", "60", "--user-median", "10",
+            "--assistant-median", "16", "--max-seq-length", "128", "--warmup", "1", "--steps", "2",
+            "--folder", str(tmp_path / "checkpoints"), "--out", str(out), "--timeout", "300",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [run["world_size"] for run in report["runs"]] == [1, 2]
+    for run in report["runs"]:
+        assert run["backend"] == "gloo" and run["precision"] == "bf16"
+        assert 0 < run["trained_tokens_per_second"] < run["tokens_per_second"]
+        assert run["fused"] and "cross_entropy" in run["patch_report"]
+        assert run["timed_graph_replays"] == 0 and run["timed_micro_batches"] >= 2
+        assert run["offload"] is None and run["attention"]
+    assert report["speedup"] > 0
