@@ -359,6 +359,7 @@ def set_gradient_checkpointing(model: torch.nn.Module, mode: Checkpointing | boo
         base.gradient_checkpointing_disable()
     if mode:
         base.config.use_cache = False
+        drop_input_gradients(base)
     if checkpointing.offloads:  # after transformers reset every layer's checkpoint function
         enable_offload(base)
     else:
@@ -391,6 +392,32 @@ def _route_checkpointing_calls(base: torch.nn.Module) -> None:
     for name in _ROUTED:
         if hasattr(type(base), name):
             setattr(base, name, types.MethodType(enable if name.endswith("enable") else disable, base))
+
+    def enable_input_require_grads(self):
+        # TRL's trainers call this before training a PEFT model with checkpointing (see drop_input_gradients)
+        if getattr(self, "_fastft_checkpointing", Checkpointing("none")).checkpoints:
+            return
+        type(self).enable_input_require_grads(self)
+
+    if hasattr(type(base), "enable_input_require_grads"):
+        base.enable_input_require_grads = types.MethodType(enable_input_require_grads, base)
+
+
+def drop_input_gradients(base: torch.nn.Module) -> None:
+    """Remove the forward hooks that make the embeddings' output require a gradient (transformers'
+    ``enable_input_require_grads``, which PEFT installs on a model it wraps with checkpointing on, and TRL's
+    trainers again).
+
+    The hook exists for reentrant checkpointing, whose backward never reaches a layer whose inputs need no
+    gradient. fastft's checkpointing is non-reentrant or offloaded: the layers' LoRA weights build the graph.
+    With the hook, the embeddings' output becomes a leaf of the graph, held to the end of backward: under
+    offloading, where every other layer input lives in host memory, that is one ``[tokens, hidden]`` 16-bit
+    tensor on the device through the whole step (Llama-3.1-8B at 159,744 tokens: 1.22 GiB; the held-out
+    long-context set's peaks measured 2.0–2.2 bytes per hidden value per token above the estimate, this
+    tensor), and the first layer computes an input gradient nothing reads."""
+    for module in base.modules():
+        if getattr(module, "_require_grads_hooks", None) or hasattr(module, "_require_grads_hook"):
+            module.disable_input_require_grads()
 
 
 _ROUTED = (

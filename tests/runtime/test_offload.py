@@ -834,3 +834,52 @@ def test_cuda_peak_memory_does_not_grow_with_depth_beyond_two_buffers():
     growth = {mode: activation_peak(mode, 8) - activation_peak(mode, 4) for mode in ("offload", True)}
     assert growth[True] > 3 * layer_input  # plain recompute keeps one input per layer on the GPU
     assert growth["offload"] < layer_input / 2, growth  # offload: two buffers whatever the depth
+
+
+def _embedding_outputs(model) -> list:
+    """Weak references to the embeddings' outputs of each forward (a hook on this instance)."""
+    import weakref
+
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(weakref.ref(o)))
+    return seen
+
+
+@pytest.mark.parametrize("mode,force", [(True, None), ("offload", "sync")])
+def test_the_embeddings_output_needs_no_gradient_and_offloading_does_not_hold_it(mode, force):
+    """PEFT (wrapping a checkpointed model) and TRL's trainers (`enable_input_require_grads`) make the
+    embeddings' output require a gradient, for reentrant checkpointing. fastft's checkpointing needs none,
+    and with it that output became a leaf held to the end of backward: under offloading, one ``[tokens,
+    hidden]`` tensor on the device through the step beside the two buffers (`drop_input_gradients`)."""
+    import gc
+
+    model = _model(mode=mode, force=force)
+    model.enable_input_require_grads()  # what TRL's SFTTrainer calls: a no-op while fastft checkpoints
+    seen = _embedding_outputs(model)
+    loss = causal_lm_loss_sum(model, _batch())
+    gc.collect()
+    output = seen[0]()
+    if mode == "offload":
+        assert output is None  # in host memory only: the device tensor is gone before backward
+    else:
+        assert output is not None and not output.requires_grad  # the checkpoint's saved input of layer 0
+    del output
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_gradients_do_not_change_without_the_embeddings_gradient_hook():
+    """The same offloaded step with transformers' hook put back on the instance (the embeddings' output a
+    leaf that requires grad, layer 0 computing its input gradient): every LoRA gradient identical."""
+    batch = _batch()
+    loss, grads = _step(_model(mode="offload", force="sync"), batch)
+    hooked = _model(mode="offload", force="sync")
+    base = hooked.get_base_model()
+    type(base).enable_input_require_grads(base)
+    required = []
+    hooked.get_input_embeddings().register_forward_hook(lambda m, i, o: required.append(o.requires_grad))
+    hooked_loss, hooked_grads = _step(hooked, batch)
+    assert required == [True]  # the hook ran: the reference step had the leaf
+    assert loss == hooked_loss
+    assert grads.keys() == hooked_grads.keys()
+    assert all(torch.equal(grads[name], hooked_grads[name]) for name in grads)
