@@ -28,9 +28,8 @@ def run_worker(args) -> dict:
 
     from fastft.bench.sft import _packed, chat_rows
     from fastft.bench.step import _fastft_model
-    from fastft.models.patch import is_fused
+    from fastft.models.patch import is_fused, patch_report
     from fastft.runtime.offload import offload_stats
-    from fastft.runtime.state import model_state
     from fastft.training.trainer import TrainConfig, Trainer
 
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -53,7 +52,7 @@ def run_worker(args) -> dict:
     timed = result.steps[args.warmup :]
     phases = [e.phases.get("communication", 0.0) for e in timed]
     offloaded = offload_stats(model)
-    kernels = model_state(model.get_base_model() if hasattr(model, "get_base_model") else model).kernels
+    fused = patch_report(model)
     return dict(
         precision=args.precision,
         # what ran under the process group: graph replays, offloaded layers, fused modules, attention
@@ -69,7 +68,7 @@ def run_worker(args) -> dict:
             disabled=offloaded.disabled,
         ),
         fused=is_fused(model),
-        patch_report=str(kernels.report) if kernels is not None else None,
+        patch_report=str(fused) if fused is not None else None,
         attention=result.attention,
         world_size=trainer.world_size,
         backend=trainer.parallel.backend if trainer.parallel is not None else None,

@@ -537,6 +537,12 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def patch_report(model: torch.nn.Module) -> PatchReport | None:
+    """What `patch` fused on this model (a PEFT model or its base), None where it has not run."""
+    state = model_state(_base(model)).kernels
+    return state.report if state is not None else None
+
+
 def is_fused(model: torch.nn.Module) -> bool:
     """Whether `patch` has run on this model (and it was not undone)."""
     state = model_state(_base(model)).kernels

@@ -378,14 +378,14 @@ class ModelPanel(Panel):
 
     def _show_loaded(self, notes: list[str] = ()) -> None:
         from fastft.models.lora import linear_layer_names, trainable_parameter_count
+        from fastft.models.patch import patch_report
 
         model = self.state.model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.linear_layers = linear_layer_names(base)
         chosen = getattr(getattr(state_of(model), "lora", None), "target_modules", None)
         self._set_targets(self.linear_layers, chosen)
-        kernels = getattr(state_of(base), "kernels", None)
-        self.fused_report = kernels.report if kernels is not None else None
+        self.fused_report = patch_report(model)
         info = getattr(model, "fastft_info", None)
         trainable, total = trainable_parameter_count(model)
         config = base.config
