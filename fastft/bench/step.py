@@ -213,7 +213,9 @@ def run_worker(args) -> dict:
     vocab = model.config.vocab_size if hasattr(model, "config") else model.get_base_model().config.vocab_size
     ids = _random_batch(vocab, batch, seq).to(device)
     parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=1e-5, fused=device.type == "cuda")
+    from fastft.training.optimizer import adamw  # after the model: Unsloth's import must come first
+
+    optimizer = adamw(parameters, lr=1e-5, fused=device.type == "cuda")
     cuda = device.type == "cuda"
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
 

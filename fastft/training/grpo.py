@@ -47,6 +47,7 @@ from fastft.training.grpo_loss import (
     token_loss_sum,
 )
 from fastft.training.loss import target_losses
+from fastft.training.optimizer import adamw
 from fastft.training.preference import adapters_disabled
 from fastft.training.rollout import Sampling, pack_completions, prompt_of, sample, tokenize_prompt
 from fastft.training.timing import NULL_PROFILE, StepProfile
@@ -289,7 +290,7 @@ class GRPOTrainer(Trainer):
         self.updates_per_step = self.config.num_iterations
         warmup = self.config.warmup
         self.warmup_steps = int(warmup * self.max_steps) if isinstance(warmup, float) else int(warmup)
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = adamw(
             self.parameters,
             lr=self.config.learning_rate,
             betas=self.config.adam_betas,

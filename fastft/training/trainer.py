@@ -61,6 +61,7 @@ from fastft.training.distributed import full_tensor, set_gradient_sync, start_di
 from fastft.training.events import EvalEvent, Event, StepEvent, Subscriber
 from fastft.training.graph import EAGER, REPLAY, StepGraph
 from fastft.training.loss import causal_lm_loss_sum, router_aux_loss_coefficient
+from fastft.training.optimizer import adamw
 from fastft.training.timing import NULL_PROFILE, StepProfile
 from fastft.training.timing_hooks import detach_profile
 
@@ -433,7 +434,7 @@ class Trainer:
         self.warmup_steps = int(warmup * self.max_steps) if isinstance(warmup, float) else int(warmup)
         if self.config.max_steps is None and self.warmup_steps >= self.max_steps and self.warmup_steps > 0:
             _warn_long_warmup(self.warmup_steps, self.max_steps)
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = adamw(
             self.parameters,
             lr=self.config.learning_rate,
             betas=self.config.adam_betas,

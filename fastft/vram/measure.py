@@ -206,6 +206,7 @@ class TrainingProbe:
 
         from fastft.models.lora import add_lora
         from fastft.runtime.attention import patch_packed_attention
+        from fastft.training.optimizer import adamw
 
         self.device = _require_cuda()
         # whatever else lives in this process (another model in the notebook, earlier tests) is not ours:
@@ -234,7 +235,7 @@ class TrainingProbe:
         self.model.train()
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         if optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(self.parameters, lr=1e-5, fused=True)
+            self.optimizer = adamw(self.parameters, lr=1e-5, fused=True)  # its state made now, as fastft's
         elif optimizer == "adamw_8bit":
             import bitsandbytes as bnb
 

@@ -275,3 +275,15 @@ def test_bad_config_values_are_named():
         TrainConfig(micro_batch_bins=0)
     with pytest.raises(ValueError, match="output_dir"):
         TrainConfig(save_every=5)
+
+
+def test_the_optimizer_state_is_made_at_setup_not_in_the_first_step():
+    """`fastft.training.optimizer`: near a memory cap, moments made in step 1 split the activations' freed
+    segments and step 2 runs out of memory."""
+    model, tokenizer = _lora_model()
+    trainer = Trainer(
+        model, tokenizer, fastft.pack(ROWS[:8], tokenizer, 128), config=TrainConfig(max_steps=1)
+    )
+    assert len(trainer.optimizer.state) == len(trainer.parameters) > 0
+    for p in trainer.parameters:
+        assert trainer.optimizer.state[p]["exp_avg"].shape == p.shape
