@@ -115,6 +115,9 @@ def _run_fastft(args, rows, device):
         step_seconds=[e.step_seconds for e in timed],
         attention=result.attention,
         graph_replays=sum(e.graph_replays for e in timed),  # of the timed micro-batches, one per step
+        # every step's, the warm-up's included (each `train` call restarts the allocator's peak; a replay's
+        # activations live in the graph's pool, which the trainer's events count from the capture)
+        peak_bytes=max(e.peak_memory_bytes for e in result.steps),
     )
 
 
@@ -200,13 +203,16 @@ def run_worker(args) -> dict:
     measured = (_run_fastft if args.system == "fastft" else _run_trl)(args, rows, device)
     steps = measured.pop("step_seconds")
     seconds = measured.pop("seconds")
+    peak = measured.pop("peak_bytes", 0)
+    if device.type == "cuda":
+        peak = max(peak, torch.cuda.max_memory_allocated(device))
     return dict(
         system=args.system,
         workload=args.workload,
         tokens_per_s=measured.pop("tokens") / seconds,
         step_ms=1000 * statistics.median(steps),
         slowest_step_ms=1000 * max(steps),
-        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        peak_gib=peak / 2**30 if device.type == "cuda" else None,
         **measured,
     )
 

@@ -172,6 +172,9 @@ class StepGraph:
         self._divisor: torch.Tensor | None = None
         self._loss: torch.Tensor | None = None
         self._planned = EAGER
+        # the allocator's peak when the graph was captured: a replay reuses the capture's private pool
+        # without the allocator seeing it, so this is the peak every replay reaches
+        self.peak_bytes = 0
 
     @property
     def holds_gradients(self) -> bool:
@@ -240,11 +243,13 @@ class StepGraph:
             loss.backward()
         self._graph, self._static, self._divisor, self._loss = graph, static, static_divisor, loss.detach()
         graph.replay()
+        self.peak_bytes = torch.cuda.max_memory_allocated(batch.device)
         return self._loss
 
     def release(self) -> None:
         """Drop the graph and its memory pool (a batch with another signature, or the run's end)."""
         self._graph = self._static = self._divisor = self._loss = None
+        self.peak_bytes = 0
         self.policy.captured = None
 
 

@@ -800,7 +800,8 @@ class Trainer:
                 tokens=info["tokens"],
                 step_seconds=seconds,
                 trained_tokens_per_second=info["trained"] / seconds if seconds > 0 else 0.0,
-                peak_memory_bytes=_peak_memory(self.device),
+                # a replay's activations are the capture's, invisible to the allocator's counters
+                peak_memory_bytes=max(_peak_memory(self.device), self.step_graph.peak_bytes),
                 memory_kind="cuda" if self.device.type == "cuda" else "cpu-rss",
                 phases=phases,
                 padding_tokens=info["padding"],

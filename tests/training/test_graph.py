@@ -152,6 +152,30 @@ def test_gpu_graph_replays_train_like_eager_steps(preset, checkpointing):
 
 @gpu
 @needs_cuda
+def test_gpu_replayed_steps_report_the_peak_their_activations_reach():
+    """A replay allocates nothing the allocator's counters see (its activations live in the graph's pool):
+    the events report the capture's peak, also after a paused run restarts the counters, and it is no
+    lower than the eager run's."""
+
+    def peaks(cuda_graph: bool) -> list[int]:
+        torch.manual_seed(0)
+        model, tokenizer = fastft.load_model("tiny-llama", device="cuda", dtype=torch.bfloat16)
+        model = fastft.add_lora(model, r=8, gradient_checkpointing="offload")
+        data = _fixed_length_data(model.config.vocab_size, rows=64, length=512)
+        config = TrainConfig(max_steps=8, warmup=0, cuda_graph=cuda_graph)
+        trainer = Trainer(model, tokenizer, data, config=config)
+        trainer.train(steps=4)
+        result = trainer.train(steps=4)  # `train` restarts the allocator's peak: only replays from here
+        assert result.cuda_graph["replays"] == (5 if cuda_graph else 0)
+        return [event.peak_memory_bytes for event in result.steps]
+
+    eager, graphed = peaks(False), peaks(True)
+    resting = torch.cuda.memory_allocated()
+    assert min(graphed[4:]) >= 0.98 * max(eager[4:]) > resting
+
+
+@gpu
+@needs_cuda
 def test_gpu_graph_with_gradient_accumulation_and_the_profiler_phase():
     steps = 6
     eager, _, _ = _train("tiny-llama", False, steps, True, micro_batch_bins=2, grad_accum_steps=2)
