@@ -75,7 +75,9 @@ def test_the_tuned_on_8b_trains_at_max_contexts_answer_under_the_default_allocat
     "the cap, 0.65-0.91 GiB above what was allocated). With expandable segments all four trained and each "
     "+5 % did not, but then the tuned-on 8B ran out of memory at its answer. The measured peaks stood one "
     "[tokens, hidden] 16-bit tensor above the estimate: the embeddings' output, which fastft held needlessly "
-    "until `drop_input_gradients`; the record predates that fix. Re-run the set, record it, and drop the mark.",
+    "until `drop_input_gradients`. The step-2 failures had the cap reserved but not allocated: AdamW's moments, "
+    "made in step 1 out of the activations' freed segments, until `fastft.training.optimizer` made them at "
+    "setup. The record predates both fixes. Re-run the set, record it, and drop the mark.",
 )
 def test_max_context_never_promises_a_held_out_length_that_ran_out_of_memory():
     over = {}
