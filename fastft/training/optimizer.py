@@ -46,6 +46,7 @@ def make_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     for any other optimizer and for parameters that already have state (idempotent). Returns `optimizer`."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return optimizer
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     for group in optimizer.param_groups:
         on_device = group["capturable"] or group["fused"]
         for p in group["params"]:
@@ -54,7 +55,6 @@ def make_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
                 continue
             # torch.optim.adam.Adam._init_group's lazy initialisation: `step` lives on the parameter's
             # device when capturable or fused (float32 for fused), else on the host
-            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
             if on_device:
                 dtype = torch.float32 if group["fused"] else scalar
                 state["step"] = torch.zeros((), dtype=dtype, device=p.device)
