@@ -323,6 +323,11 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
         use_safetensors=True,
         device_map={"": target},
         local_files_only=offline,
+        # No hub kernels (transformers >= 5.25 turns them on wherever the `kernels` package is installed):
+        # they are compiled code fetched from the hub at load time, and fastft's fused forwards replace the
+        # modules they would serve. A user who wants them calls `model.set_use_kernels(True)`; fastft's
+        # patches survive that (`fastft.models.patch`).
+        use_kernels=False,
     )
     if quantization is not None:
         kwargs.update(quantization_config=quantization)

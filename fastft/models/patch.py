@@ -26,6 +26,19 @@ per instance too, and `unpatch` removes it and the copies.
 Patching twice is a no-op. The decoder layers themselves are left alone, so transformers' gradient
 checkpointing and fastft's offloaded checkpointing wrap them as before.
 
+Hub kernels (the `kernels` package) do not take the fused forwards away. transformers kernelizes a model
+that ``from_pretrained`` loads with ``use_kernels`` on (its default in transformers >= 5.25 wherever
+`kernels` is installed, though `load_model` turns it off; TRL's ``model_init_kwargs`` can pass it) or
+that ``set_use_kernels(True)`` switches, and again on each ``train()`` / ``eval()`` that changes its mode.
+Each time, `kernels.kernelize` gives every module whose class is a hub-kernel layer (the RMSNorms) the hub
+kernel's forward or, where none applies (none for the device, as on any CPU, or none loadable), the class
+forward, by deleting the instance ``forward``. The decoder's pre-hook gives such a module its fused forward
+back before each forward (`_keep_fused_forwards`), and `patch` on a patched model does so at once. On the
+modules fastft patched its forward wins over a hub kernel, as it does when `patch` runs on a kernelized
+model: the user asked for it after loading, and it is what the `PatchReport` promises and the parity tests
+check. Every other module keeps its hub kernel. Turning kernels off would take those from a user who asked
+for them, and refusing would reject every plain ``from_pretrained`` model, where they are on by default.
+
 gpt-oss gets its MoE blocks fused and nothing else: its attention adds learned sinks to the softmax and
 its RMSNorm keeps fp32 weights, neither of which the fused attention and norm functions reproduce, so
 those stay transformers' modules and the `UnfusedWarning` names them.
@@ -118,6 +131,8 @@ class _PatchState:
     projections: list[torch.nn.Module] = field(default_factory=list)  # LoRA'd linears the fused forwards read
     copies: object | None = None  # fastft.kernels.lora.AdapterComputeCopies
     hook: object | None = None  # the decoder's pre-hook that refreshes them
+    kernel_layers: list[torch.nn.Module] = field(default_factory=list)  # patched modules kernelize rewrites
+    kernels_hook: object | None = None  # the decoder's pre-hook that gives them their fused forward back
 
 
 # --------------------------------------------------------------------------------------------- projections
@@ -378,12 +393,45 @@ def _hook_adapter_copies(state: _PatchState, decoder: torch.nn.Module) -> None:
 
 
 def _install(module: torch.nn.Module, forward, state: _PatchState, **attributes) -> None:
-    module._fastft_original_forward = module.forward
-    module._fastft_had_instance_forward = "forward" in module.__dict__
     for name, value in attributes.items():
         setattr(module, "_fastft_" + name, value)
-    module.forward = types.MethodType(forward, module)
+    module._fastft_forward = forward
+    _take_fused_forward(module)
     state.modules.append(module)
+
+
+def _take_fused_forward(module: torch.nn.Module) -> None:
+    """Give `module` its fused forward; the forward it had becomes the original, run where the fused one does
+    not apply and given back by `unpatch`."""
+    module._fastft_original_forward = module.forward
+    module._fastft_had_instance_forward = "forward" in module.__dict__
+    module.forward = types.MethodType(module._fastft_forward, module)
+
+
+def _runs_fused_forward(module: torch.nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is module._fastft_forward
+
+
+def _keep_fused_forwards(state: _PatchState) -> None:
+    """Give back their fused forward to the patched modules that `kernels.kernelize` rewrote since (it runs on
+    every ``train()`` / ``eval()`` that changes a kernelized model's mode); the forward it chose becomes their
+    original. A no-op where nothing was rewritten, so it runs before every decoder forward."""
+    for module in state.kernel_layers:
+        if not _runs_fused_forward(module):
+            _take_fused_forward(module)
+
+
+def _hook_kernel_layers(state: _PatchState, decoder: torch.nn.Module) -> None:
+    """Before each decoder forward, `_keep_fused_forwards`: whatever kernelized the model since (a change of
+    mode, ``set_use_kernels``, ``kernels.kernelize`` called directly), every fused module runs its fused forward
+    again by the time the decoder reaches it. Only the modules whose class is a hub-kernel layer (its
+    ``kernel_layer_name``, set by `kernels`' decorator) are looked at: kernelize rewrites no others. Without
+    the `kernels` package there are none, and no hook."""
+    state.kernel_layers = [module for module in state.modules if hasattr(type(module), "kernel_layer_name")]
+    if state.kernel_layers:
+        state.kernels_hook = decoder.register_forward_pre_hook(
+            lambda module, args: _keep_fused_forwards(state)
+        )
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -407,12 +455,14 @@ def _sliding_window(attention, model_type: str, config):
 def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
     """Swap fastft's fused kernels into `model` (a transformers causal LM or a PEFT model around one).
 
-    Idempotent (a second call returns the first report) and reversible with `unpatch`. Returns a
-    `PatchReport`; when something stays on the reference path, one `UnfusedWarning` says what and why.
+    Idempotent (a second call returns the first report, after giving back any fused forward a hub-kernel
+    `kernelize` took since) and reversible with `unpatch`. Returns a `PatchReport`; when something stays on
+    the reference path, one `UnfusedWarning` says what and why.
     """
     base = _base(model)
     existing = model_state(base).kernels
     if existing is not None:
+        _keep_fused_forwards(existing)
         return existing.report
     config = base.config
     model_type = getattr(config, "model_type", type(base).__name__)
@@ -469,6 +519,7 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
         _install(base, _causal_lm_forward, state)  # model(..., labels=...) the Hugging Face way
     state.projections = _lora_projections(state.modules)
     _hook_adapter_copies(state, decoder)
+    _hook_kernel_layers(state, decoder)
     attach_layer_contexts(base)  # the fused forwards reach their layer's kept tensors and router collector
     model_state(base).kernels = state
     if warn and report.not_fused:
@@ -518,7 +569,9 @@ def _patch_mlp(mlp: torch.nn.Module, kind: str | None, state: _PatchState, outpu
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Give every patched module its original forward back; a model that is not patched is unchanged."""
+    """Give every patched module its original forward back; a model that is not patched is unchanged.
+    A module that `kernels.kernelize` rewrote since its fused forward last ran keeps the forward kernelize
+    chose: that is the model's current kernelization, which the original from before would undo."""
     base = _base(model)
     state = model_state(base).kernels
     if state is None:
@@ -526,10 +579,12 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     if state.hook is not None:
         state.hook.remove()
         state.copies.release()
+    if state.kernels_hook is not None:
+        state.kernels_hook.remove()
     for module in state.modules:
-        if module._fastft_had_instance_forward:
+        if _runs_fused_forward(module) and module._fastft_had_instance_forward:
             module.forward = module._fastft_original_forward
-        else:
+        elif _runs_fused_forward(module):
             del module.forward
         for name in [key for key in vars(module) if key.startswith("_fastft_")]:
             delattr(module, name)
