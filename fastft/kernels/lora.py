@@ -105,6 +105,10 @@ class AdapterComputeCopies:
     function the copy while the weight is unchanged since -- its version counter has not moved -- or else
     casts as before, so a weight the optimizer (or anything else in place) has changed is never read stale.
     The copies stay allocated between steps: 2 bytes per adapter parameter.
+
+    Weights sharded by FSDP2 (``DTensor``) get no copy: outside a layer's forward they are shards, and inside
+    it FSDP2 hands the layer its unsharded parameters, other tensors than the ones a copy would be keyed to,
+    so those forwards cast as before.
     """
 
     def __init__(self) -> None:
@@ -112,7 +116,7 @@ class AdapterComputeCopies:
 
     def refresh(self, weights: list[torch.Tensor], dtype: torch.dtype) -> None:
         """Write the `dtype` copy of each of `weights` (those already in `dtype` are skipped)."""
-        weights = [w for w in weights if w.dtype != dtype and w.is_floating_point()]
+        weights = [w for w in weights if w.dtype != dtype and w.is_floating_point() and not _is_sharded(w)]
         if not weights:
             return
         sources, copies = self._buffers.get(dtype, ([], []))
@@ -130,6 +134,12 @@ class AdapterComputeCopies:
             for weight in sources:
                 weight.__dict__.pop("_fastft_compute_copy", None)
         self._buffers.clear()
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a ``DTensor`` (FSDP2's sharded parameters), as `fastft.training.distributed` tells
+    them, without importing torch.distributed."""
+    return hasattr(tensor, "full_tensor")
 
 
 def compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -51,15 +51,19 @@ from fastft.checks import SettingError
 SHARDINGS = ("ddp", "fsdp")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
-# What does not run under FSDP2, and why (checked when the trainer starts; each refusal names its fix). Neither
-# was measured on a GPU yet (this was built on a CPU machine): the reasons are those of the mechanism.
+# What does not run under FSDP2, and why (checked when the trainer starts; each refusal names its fix).
+# `python -m fastft.bench.fsdp_limits` forces each past the refusal under torchrun. The quantised base was
+# measured there (one NCCL rank on an H100, 2026-12-06, benchmarks/fsdp_limits_1rank_h100_2026-12-06.json):
+# `fully_shard` itself raises. The graph's reason is the mechanism's: that probe's runs stopped on a bug since
+# fixed (16-bit adapter copies of sharded weights), before any capture.
 FSDP_LIMITS = {
     "cuda_graph": "FSDP2 all-gathers each layer's weights in its forward pre-hook and frees them after, from "
     "Python hooks with allocations of their own that a captured graph would not repeat, so the step runs "
     "eagerly (graphs are turned off for the run)",
     "quantised base": "fully_shard splits plain tensors into DTensors; a bitsandbytes Params4bit/Int8Params "
-    "carries its quantisation state beside the data, which the split would not carry (and which needs CUDA to "
-    "test), so QLoRA runs under DDP",
+    "holds packed integer data with its quantisation state beside it, which the split does not carry: on a GPU "
+    "fully_shard stops with 'only Tensors of floating point dtype can require gradients', so QLoRA runs under "
+    "DDP",
 }
 
 

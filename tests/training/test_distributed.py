@@ -282,3 +282,49 @@ def test_the_ddp_bench_runs_one_rank_and_two_on_the_cpu(tmp_path):
         == report["runs"][1]["trained_tokens_per_second"] / report["runs"][0]["trained_tokens_per_second"]
     )
     assert "speed-up on 2 rank(s)" in done.stdout
+
+
+def test_fsdp2_sharded_adapters_train_under_16_bit_autocast_in_one_process(tmp_path):
+    """Under 16-bit autocast the fused forwards want the adapters in 16 bits, and fastft keeps 16-bit copies of
+    them (`AdapterComputeCopies`). FSDP2's sharded adapters (DTensors) get none: the copy was a plain tensor
+    written from a DTensor, which stopped every FSDP2 step on a GPU (bf16) and no fp32 CPU run. One gloo rank,
+    CPU bf16 autocast: the sharded model's loss and LoRA gradients are the unsharded model's."""
+    import fastft
+    from fastft.data.batch import PackedBatch
+    from fastft.training.distributed import Distributed, full_tensor, shard_model
+    from fastft.training.loss import causal_lm_loss_sum
+
+    def loss_and_grads(model):
+        generator = torch.Generator().manual_seed(0)
+        ids = [torch.randint(3, 500, (n,), generator=generator).numpy() for n in (13, 30)]
+        batch = PackedBatch.from_sequences(ids, [i.copy() for i in ids])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = causal_lm_loss_sum(model, batch)
+        loss.backward()
+        grads = {n: full_tensor(p.grad).float() for n, p in model.named_parameters() if p.requires_grad}
+        return float(loss.detach()), grads
+
+    def lora_model():
+        torch.manual_seed(0)
+        model, _ = fastft.load_model("tiny-llama")
+        model = fastft.add_lora(model, r=4, alpha=8, gradient_checkpointing=False, seed=0)
+        model.train()
+        return model
+
+    reference_loss, reference_grads = loss_and_grads(lora_model())
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model = lora_model()
+        parallel = Distributed(
+            rank=0, world_size=1, sharding="fsdp", backend="gloo", device=torch.device("cpu")
+        )
+        shard_model(model, parallel)
+        assert any(hasattr(p, "full_tensor") for p in model.parameters() if p.requires_grad)
+        loss, grads = loss_and_grads(model)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert loss == pytest.approx(reference_loss, rel=1e-5)
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()))
