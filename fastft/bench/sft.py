@@ -208,6 +208,16 @@ def _run_trl(model, rows, args, device):
     )
 
 
+def _tile_every_mlp(rows: int, intermediate: int) -> None:
+    """This worker's fused MLPs (16-bit compute, `intermediate` columns) run in tiles of at most `rows` rows at
+    every length: the tiling rule's two constants, set in this process only (`fastft.kernels.tiling` reads
+    them at each call)."""
+    from fastft.kernels import tiling
+
+    tiling.TILE_FROM_BYTES = 0
+    tiling.TILE_BYTES = rows * intermediate * 2
+
+
 def run_worker(args) -> dict:
     import torch
 
@@ -220,6 +230,8 @@ def run_worker(args) -> dict:
         torch.backends.cuda.enable_cudnn_sdp(False)
     model = _model(args, device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if args.mlp_tile_rows and not baseline:
+        _tile_every_mlp(args.mlp_tile_rows, base.config.intermediate_size)
     rows = chat_rows(
         args.chats,
         base.config.vocab_size,
@@ -305,6 +317,7 @@ def _write(path: str, args, results: list[dict]) -> str:
         "steps",
         "baseline_cudnn_attention",
         "trl_gradient_checkpointing",
+        "mlp_tile_rows",
     )
     settings = {key: getattr(args, key) for key in keys}
     output = {"benchmark": "sft", "settings": settings, "environment": environment(), "results": results}
@@ -379,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         default="on",
         help="SFTConfig(gradient_checkpointing=...) for fastft-trl and hf (on: TRL's default)",
     )
+    parser.add_argument(
+        "--mlp-tile-rows",
+        type=int,
+        default=0,
+        help="experiment: fastft's fused MLP in tiles of this many rows at every length (0: its own rule, "
+        "tiles only from 1 GiB per [rows, intermediate] tensor; fastft.kernels.tiling)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/sft.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -410,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device",
                 "baseline_cudnn_attention",
                 "trl_gradient_checkpointing",
+                "mlp_tile_rows",
             ):
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
             started = time.perf_counter()

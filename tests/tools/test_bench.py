@@ -298,6 +298,19 @@ def test_sft_bench_runs_fastft_and_its_trl_switch_on_a_preset(tmp_path):
     assert "vs HF+PEFT" in out.with_suffix(".md").read_text()
 
 
+def test_sft_bench_can_tile_every_mlp_in_its_fastft_workers(monkeypatch):
+    """`--mlp-tile-rows N`: the worker's fused MLPs run in N-row tiles however short the micro-batch."""
+    from fastft.bench import sft
+    from fastft.kernels import tiling
+
+    monkeypatch.setattr(tiling, "TILE_FROM_BYTES", tiling.TILE_FROM_BYTES)  # restored after the test
+    monkeypatch.setattr(tiling, "TILE_BYTES", tiling.TILE_BYTES)
+    assert tiling.mlp_tile_rows(4096, 14336, 2) is None
+    sft._tile_every_mlp(1024, 14336)
+    assert tiling.mlp_tile_rows(4096, 14336, 2) == 1024
+    assert tiling.mlp_tile_rows(1000, 14336, 2) == 1024  # one tile, rounded up to 64 rows
+
+
 def test_dpo_bench_pairs_share_their_prompt_and_train_the_answers_only():
     from fastft.bench.dpo import packed_pairs, pair_rows
 
