@@ -103,10 +103,10 @@ def test_the_fixes_brought_the_allocated_estimate_to_the_measured_peak():
     "of the first length each process tried: Llama-3.2-1B (50,176 under 8 GiB), Llama-3.2-3B (60,416 under "
     "10 GiB) and Qwen3-4B (31,744 under 8 GiB, while 33,792 then trained at 7.90 GiB). Qwen3-8B's answer "
     "trained (11.55 GiB allocated, estimate 11.52) and its +5 % did not. No step-2 failure remains, and where a "
-    "length trained the allocated estimate is within 0.08 GiB: what is missing is step 1's transient memory "
-    "beyond the allocated estimate (fragmentation under the default allocator; below 32,768 tokens the "
-    "attention backward runs ungrouped, and its grouped-query dk/dv expanded to every query head, 0.48 GiB "
-    "on Qwen3-4B at 31,744, is not counted). No snapshot was taken: the next device call records one "
+    "length trained the allocated estimate is within 0.08 GiB: what is missing is step 1's memory beyond "
+    "the allocated estimate in a fresh process (one-time costs: autotuning, cuDNN plans, workspaces; "
+    "fragmentation under the default allocator; below 32,768 tokens the ungrouped attention backward). "
+    "No snapshot was taken: the next device call records one "
     "(`--snapshot`) at each failing answer.",
 )
 def test_max_context_never_promises_a_held_out_length_that_ran_out_of_memory():
