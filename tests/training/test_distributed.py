@@ -284,11 +284,13 @@ def test_the_ddp_bench_runs_one_rank_and_two_on_the_cpu(tmp_path):
     assert "speed-up on 2 rank(s)" in done.stdout
 
 
-def test_fsdp2_sharded_adapters_train_under_16_bit_autocast_in_one_process(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fsdp2_sharded_adapters_train_under_16_bit_autocast_in_one_process(tmp_path, checkpointing):
     """Under 16-bit autocast the fused forwards want the adapters in 16 bits, and fastft keeps 16-bit copies of
     them (`AdapterComputeCopies`). FSDP2's sharded adapters (DTensors) get none: the copy was a plain tensor
     written from a DTensor, which stopped every FSDP2 step on a GPU (bf16) and no fp32 CPU run. One gloo rank,
-    CPU bf16 autocast: the sharded model's loss and LoRA gradients are the unsharded model's."""
+    CPU bf16 autocast, with and without recomputed layers: the sharded model's loss and LoRA gradients are the
+    unsharded model's."""
     import fastft
     from fastft.data.batch import PackedBatch
     from fastft.training.distributed import Distributed, full_tensor, shard_model
@@ -307,7 +309,7 @@ def test_fsdp2_sharded_adapters_train_under_16_bit_autocast_in_one_process(tmp_p
     def lora_model():
         torch.manual_seed(0)
         model, _ = fastft.load_model("tiny-llama")
-        model = fastft.add_lora(model, r=4, alpha=8, gradient_checkpointing=False, seed=0)
+        model = fastft.add_lora(model, r=4, alpha=8, gradient_checkpointing=checkpointing, seed=0)
         model.train()
         return model
 
