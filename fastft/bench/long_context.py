@@ -64,8 +64,10 @@ def _site(frames: list[dict]) -> str:
             return (
                 f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.get('line')} {frame.get('name')}"
             )
-    if frames:
-        frame = frames[0]
+    # elsewhere (Unsloth, PEFT, transformers, TRL): the innermost frame outside torch
+    outside = [f for f in frames if "/torch/" not in f.get("filename", "")] or frames
+    if outside:
+        frame = outside[0]
         return f"{frame.get('filename', '?').rsplit('/', 1)[-1]}:{frame.get('line')} {frame.get('name')}"
     return "?"
 

@@ -106,18 +106,57 @@ def _model(args, device):
     return _unsloth_model(args.folder, precision, seq)
 
 
+class _StepSnapshot:
+    """The allocator's history over one step, between `start` and `stop`, reduced to the tensors alive at its
+    peak, grouped by the line that allocated them (`fastft.bench.long_context.live_at_peak`): ``live``.
+    Only what the step allocates counts (weights, and states made before it, are outside)."""
+
+    def __init__(self, device):
+        self.device, self.live = device, None
+
+    def start(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python", context="alloc")
+
+    def stop(self) -> None:
+        import torch
+
+        from fastft.bench.long_context import live_at_peak
+
+        torch.cuda.synchronize(self.device)
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        traces = snapshot.get("device_traces") or [[]]
+        self.live = live_at_peak(traces[self.device.index or 0])
+
+
 def _run_fastft(model, rows, args, device):
     import torch
 
     from fastft.training.trainer import TrainConfig, Trainer
 
+    snapshot = _StepSnapshot(device) if args.snapshot else None
     trainer = Trainer(
         model,
         None,
         _packed(rows, args.max_seq_length),
-        config=TrainConfig(max_steps=args.warmup + args.steps, warmup=0, learning_rate=1e-5),
+        config=TrainConfig(
+            max_steps=args.warmup + args.steps,
+            warmup=0,
+            learning_rate=1e-5,
+            # a replay allocates in the graph's pool, outside the recorded history: the snapshot's run is eager
+            cuda_graph=snapshot is None,
+        ),
     )
-    trainer.train(steps=args.warmup)
+    if snapshot is None:
+        trainer.train(steps=args.warmup)
+    else:  # the last warm-up step, recorded
+        trainer.train(steps=args.warmup - 1)
+        snapshot.start()
+        trainer.train(steps=1)
+        snapshot.stop()
     torch.cuda.synchronize(device) if device.type == "cuda" else None
     # when each step's event reaches the host (on a GPU during the next step, once its CUDA events completed):
     # the intervals are the steps as the wall clock sees them, host stalls included, without a sync per step
@@ -142,6 +181,7 @@ def _run_fastft(model, rows, args, device):
         # every step's, the warm-up's included (each `train` call restarts the allocator's peak; a replay's
         # activations live in the graph's pool, which the trainer's events count from the capture)
         peak_bytes=max(e.peak_memory_bytes for e in result.steps),
+        **({"live_at_peak": snapshot.live} if snapshot else {}),
     )
 
 
@@ -193,6 +233,19 @@ def _run_trl(model, rows, args, device):
         return batch
 
     trainer.data_collator = counting
+    snapshot = _StepSnapshot(device) if args.snapshot else None
+
+    class Snapshot(TrainerCallback):  # the last warm-up step, recorded (before the clock marks its end)
+        def on_step_begin(self, train_args, state, control, **kwargs):
+            if state.global_step == args.warmup - 1:
+                snapshot.start()
+
+        def on_step_end(self, train_args, state, control, **kwargs):
+            if state.global_step == args.warmup:
+                snapshot.stop()
+
+    if snapshot is not None:
+        trainer.add_callback(Snapshot())
     clock = Clock()
     trainer.add_callback(clock)
     trainer.train()
@@ -205,6 +258,7 @@ def _run_trl(model, rows, args, device):
         trained=sum(trained for _, trained in timed),
         padding=0,
         step_seconds=[b - a for a, b in zip(marks[first:last], marks[first + 1 : last + 1], strict=True)],
+        **({"live_at_peak": snapshot.live} if snapshot else {}),
     )
 
 
@@ -318,6 +372,7 @@ def _write(path: str, args, results: list[dict]) -> str:
         "baseline_cudnn_attention",
         "trl_gradient_checkpointing",
         "mlp_tile_rows",
+        "snapshot",
     )
     settings = {key: getattr(args, key) for key in keys}
     output = {"benchmark": "sft", "settings": settings, "environment": environment(), "results": results}
@@ -399,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         help="experiment: fastft's fused MLP in tiles of this many rows at every length (0: its own rule, "
         "tiles only from 1 GiB per [rows, intermediate] tensor; fastft.kernels.tiling)",
     )
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="record the allocator over the last warm-up step of each system and report the tensors alive at "
+        "its peak (CUDA; fastft's trainer then runs eagerly; the timed steps are unaffected)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/sft.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -419,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if any(w not in ("bf16", "nf4") for w in workloads):
         parser.error(f"--workloads {args.workloads}: bf16 and/or nf4")
+    if args.snapshot and (args.device != "cuda" or args.warmup < 2):
+        parser.error("--snapshot records a CUDA allocator: --device cuda and --warmup 2 or more")
     folder = _ensure_checkpoint(args)
     results = []
     for workload in workloads:
@@ -433,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mlp_tile_rows",
             ):
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+            argv_worker += ["--snapshot"] if args.snapshot else []
             started = time.perf_counter()
             result = _run_in_process(
                 argv_worker, _worker_env(system, args.unsloth_path), args.timeout, module="fastft.bench.sft"
@@ -447,6 +511,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"median, {result['peak_gib'] or 0:.1f} GiB"
             )
             print(f"{workload:>5} {system:>10}: {summary}", file=sys.stderr, flush=True)
+            for site in result.get("live_at_peak", {}).get("sites", [])[:10]:
+                print(
+                    f"      {site['bytes'] / 2**20:9.1f} MiB  {site['tensors']:4d}  {site['site']}",
+                    file=sys.stderr,
+                )
     print(_write(args.out, args, results))
     return 0
 

@@ -311,6 +311,39 @@ def test_sft_bench_can_tile_every_mlp_in_its_fastft_workers(monkeypatch):
     assert tiling.mlp_tile_rows(1000, 14336, 2) == 1024  # one tile, rounded up to 64 rows
 
 
+def test_live_at_peak_replays_an_allocator_trace_and_groups_the_peak_by_allocating_line():
+    """The snapshot's reduction (`bench long-context --snapshot`, `bench sft --snapshot`): the allocations alive
+    when the traced bytes peaked, grouped by the first fastft frame, else the innermost frame outside torch."""
+    from fastft.bench.long_context import live_at_peak
+
+    fastft_frame = {"filename": "/x/fastft/kernels/lora.py", "line": 7, "name": "forward"}
+    torch_frame = {"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"}
+    unsloth_frame = {"filename": "/x/unsloth/models/llama.py", "line": 9, "name": "mlp"}
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": [fastft_frame]},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": [torch_frame, unsloth_frame]},
+        {"action": "alloc", "addr": 3, "size": 30, "frames": [torch_frame, fastft_frame]},  # 180
+        {"action": "free_requested", "addr": 1, "size": 100},  # 80
+        {"action": "alloc", "addr": 4, "size": 120, "frames": [torch_frame]},  # 200: the peak
+        {"action": "free_requested", "addr": 4, "size": 120},
+        {"action": "alloc", "addr": 5, "size": 10, "frames": [fastft_frame]},  # 90: after the peak
+    ]
+    live = live_at_peak(trace)
+    assert live["peak_bytes"] == 200
+    assert [(row["site"], row["bytes"], row["tensors"]) for row in live["sites"]] == [
+        ("functional.py:1 linear", 120, 1),  # only torch frames: the innermost
+        ("llama.py:9 mlp", 50, 1),  # the innermost frame outside torch
+        ("kernels/lora.py:7 forward", 30, 1),  # the first fastft frame
+    ]
+
+
+def test_sft_bench_snapshot_needs_a_cuda_device():
+    from fastft.bench import sft
+
+    with pytest.raises(SystemExit):
+        sft.main(["--device", "cpu", "--snapshot"])
+
+
 def test_dpo_bench_pairs_share_their_prompt_and_train_the_answers_only():
     from fastft.bench.dpo import packed_pairs, pair_rows
 
