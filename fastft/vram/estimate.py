@@ -251,18 +251,39 @@ def _host_budget(host_memory: int | str | None) -> int | None:
 def _within_host_memory(
     arguments: dict, estimate: VramEstimate, stored: _Stored, budget: int
 ) -> VramEstimate:
-    """The estimate of the run the offloader really makes when what it would pin is over `budget`: plain
-    recompute when the layer inputs alone do not fit (the offloader turns itself off), else the larger of
-    keeping and not keeping (layers whose kept outputs do not fit recompute them)."""
+    """The estimate of the run the offloader really makes when what it would pin is over `budget`
+    (`fastft.runtime.offload.ActivationOffloader`): when the layer inputs alone do not fit, the first layers'
+    inputs fill the budget and keep nothing beside them, and the later layers keep theirs on the device
+    (plain recompute; all of them when not one input fits); else the larger of keeping and not keeping
+    (layers whose kept outputs do not fit recompute them)."""
+    layers = len(stored.per_layer)
     if stored.host_input_bytes > budget:
-        need, changed = stored.host_input_bytes, {"checkpointing": "recompute"}
-        what = "its layer inputs do not fit, so the offloader turns itself off: plain recompute"
+        per_input = stored.host_input_bytes // max(1, layers)
+        held = min(layers, budget // per_input) if per_input else 0
+        need = stored.host_input_bytes
+        if held:
+            chosen = estimate_vram(**{**arguments, "keep_attention": False, "host_memory": None})
+            on_device = (layers - held) * per_input
+            components = tuple(
+                replace(c, bytes=c.bytes + on_device, own_bytes=c.own_bytes + on_device)
+                if c.key == "activations"
+                else c
+                for c in chosen.components
+            )
+            chosen = replace(chosen, components=components)
+            what = (
+                f"the inputs of the first {held} of {layers} layers fit there; the other {layers - held} stay "
+                f"on the GPU ({on_device / GiB:.2f} GiB, plain recompute)"
+            )
+        else:
+            chosen = estimate_vram(**{**arguments, "checkpointing": "recompute", "host_memory": None})
+            what = "not one layer's input fits, so every layer keeps its input on the GPU: plain recompute"
     else:
-        need, changed = stored.host_bytes, {"keep_attention": False}
+        need = stored.host_bytes
         what = "only some layers' kept attention outputs fit: the larger of keeping and recomputing them"
-    chosen = estimate_vram(**{**arguments, **changed, "host_memory": None})
-    if "keep_attention" in changed and estimate.total_bytes > chosen.total_bytes:
-        chosen = estimate
+        chosen = estimate_vram(**{**arguments, "keep_attention": False, "host_memory": None})
+        if estimate.total_bytes > chosen.total_bytes:
+            chosen = estimate
     note = (
         f"host memory: offloading would pin {need / GiB:.2f} GiB but this host may pin {budget / GiB:.2f} GiB "
         f"(host_memory): {what}. Free host memory, or shorten the sequences, to offload"

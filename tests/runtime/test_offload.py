@@ -297,9 +297,30 @@ def test_pinned_budget_too_small_warns_once_and_falls_back_to_recompute():
         _, grads = _step(model, _batch())
         _step(model, _batch())
     assert len(caught) == 1
-    assert "4 layers" in str(caught[0].message) and "plain recompute" in str(caught[0].message)
+    assert "first 0 of 4 layers" in str(caught[0].message) and "plain recompute" in str(caught[0].message)
     stats = offloader.stats()
-    assert stats.disabled and stats.layers_offloaded == 0 and stats.fallback_calls == 8
+    assert not stats.disabled and stats.layers_offloaded == 0 and stats.fallback_calls == 8
+    assert _max_relative_error(grads, _reference("tiny-llama")[1]) <= 1e-6
+
+
+@pytest.mark.parametrize("held", [1, 3])
+def test_a_budget_for_some_layers_offloads_those_and_recomputes_the_rest(held):
+    """Pinned memory for `held` of 4 layers' inputs: the first `held` layers offload theirs, the others keep
+    theirs on the device (plain recompute), every step, with one warning; the gradients are the same."""
+    model = _model(mode="offload")
+    probe = offload.enable_offload(model, copies=SyncCopies(), keep_attention=False)
+    _step(model, _batch())
+    per_layer = probe.stats().bytes_offloaded // 4
+    offload.disable_offload(model)
+    offloader = offload.enable_offload(
+        model, host_budget_bytes=held * per_layer + per_layer // 2, copies=SyncCopies(), keep_attention=False
+    )
+    with pytest.warns(offload.OffloadBudgetWarning, match=f"first {held} of 4 layers") as caught:
+        _, grads = _step(model, _batch())
+        _step(model, _batch())
+    assert len(caught) == 1
+    stats = offloader.stats()
+    assert not stats.disabled and stats.layers_offloaded == 2 * held and stats.fallback_calls == 2 * (4 - held)
     assert _max_relative_error(grads, _reference("tiny-llama")[1]) <= 1e-6
 
 

@@ -1,6 +1,7 @@
 """The estimator checks offloading against the host memory it may pin (issue 24: `max_context` promised
 693,248 tokens under an 80 GiB cap, whose layer inputs need 169 GiB of pinned host memory; the offloader
-would have turned itself off and the run would have run out of GPU memory)."""
+would have turned itself off and the run would have run out of GPU memory). Since 2026-12-06 the offloader
+fills its budget with the first layers' inputs and leaves the rest on the GPU, and the estimate counts that."""
 
 from __future__ import annotations
 
@@ -18,17 +19,23 @@ def _host_bytes(length: int) -> int:
     return 32 * 4096 * 2 * length
 
 
-def test_an_offload_the_host_cannot_hold_is_estimated_as_the_recompute_it_becomes():
+def test_an_offload_the_host_holds_in_part_keeps_the_other_layers_inputs_on_the_gpu():
+    """300,000 tokens: 32 inputs of 2.29 GiB; 64 GiB hold 27 of them, the other 5 stay on the GPU and nothing is
+    kept beside them. With no room for a single input it is the plain recompute the offloader then runs."""
     gpu = capped_gpu(80 * GiB)
     unchecked = estimate_vram(MODEL, 300_000, gpu=gpu, host_memory=None, **QLORA)
     roomy = estimate_vram(MODEL, 300_000, gpu=gpu, host_memory=_host_bytes(300_000) + GiB, **QLORA)
     small = estimate_vram(MODEL, 300_000, gpu=gpu, host_memory=64 * GiB, **QLORA)
+    none = estimate_vram(MODEL, 300_000, gpu=gpu, host_memory=GiB, **QLORA)
+    inputs_only = estimate_vram(MODEL, 300_000, gpu=gpu, host_memory=None, keep_attention=False, **QLORA)
     recompute = estimate_vram(MODEL, 300_000, gpu=gpu, **{**QLORA, "checkpointing": "recompute"})
     assert unchecked.settings.checkpointing == roomy.settings.checkpointing == "offload"
     assert roomy.total_bytes == unchecked.total_bytes and unchecked.fits
-    assert small.settings.checkpointing == "recompute" and small.total_bytes == recompute.total_bytes
-    assert not small.fits
-    assert any("may pin 64.00 GiB" in note and "recompute" in note for note in small.notes)
+    assert small.settings.checkpointing == "offload"
+    assert small.total_bytes == inputs_only.total_bytes + 5 * _host_bytes(300_000) // 32
+    assert small.fits and not recompute.fits  # partly offloaded, 300k tokens still train under 80 GiB
+    assert any("may pin 64.00 GiB" in note and "first 27 of 32 layers" in note for note in small.notes)
+    assert none.settings.checkpointing == "recompute" and none.total_bytes == recompute.total_bytes
 
 
 @pytest.mark.parametrize("host_gib", [24, 64, 96])
@@ -39,8 +46,10 @@ def test_max_context_never_needs_more_host_memory_than_it_has(host_gib):
     assert 0 < longest < unchecked
     at = estimate_vram(MODEL, longest, gpu=gpu, host_memory=host_gib * GiB, **QLORA)
     assert at.fits
-    if at.settings.checkpointing == "offload":  # offloaded: its layer inputs fit the host
-        assert _host_bytes(longest) <= host_gib * GiB
+    # the inputs the host cannot hold are counted on the GPU
+    unlimited = estimate_vram(MODEL, longest, gpu=gpu, host_memory=None, keep_attention=False, **QLORA)
+    on_gpu = max(0, _host_bytes(longest) - host_gib * GiB)
+    assert at.total_bytes >= unlimited.total_bytes + on_gpu
     beyond = estimate_vram(MODEL, longest + 128, gpu=gpu, host_memory=host_gib * GiB, **QLORA)
     assert not beyond.fits
 
@@ -63,7 +72,9 @@ def test_ranks_of_one_host_share_its_memory():
     one = estimate_vram(MODEL, 200_000, gpu=capped_gpu(80 * GiB), host_memory=64 * GiB, **QLORA)
     two = estimate_vram(MODEL, 200_000, gpu=capped_gpu(80 * GiB), host_memory=64 * GiB, world_size=2, **QLORA)
     assert one.settings.checkpointing == "offload"  # 48.8 GiB of inputs fit 64 GiB
-    assert two.settings.checkpointing == "recompute"  # not 32 GiB each
+    assert not any("layers fit there" in note for note in one.notes)  # every input fits
+    assert any("first 20 of 32 layers" in note for note in two.notes)  # 32 GiB each hold 20 of 1.53 GiB
+    assert two.total_bytes > one.total_bytes
 
 
 def test_auto_is_this_hosts_budget_and_a_bad_value_is_named(monkeypatch):
@@ -71,7 +82,7 @@ def test_auto_is_this_hosts_budget_and_a_bad_value_is_named(monkeypatch):
 
     monkeypatch.setattr(host_budget, "host_memory_available", lambda: 32 * GiB)  # may pin 24 GiB
     auto = estimate_vram(MODEL, 100_000, gpu=capped_gpu(80 * GiB), **QLORA)  # 24.4 GiB of inputs
-    assert auto.settings.checkpointing == "recompute"
+    assert any("may pin 24.00 GiB" in note and "first 31 of 32 layers" in note for note in auto.notes)
     monkeypatch.setattr(host_budget, "host_memory_available", lambda: None)  # a host that does not say
     assert (
         estimate_vram(MODEL, 100_000, gpu=capped_gpu(80 * GiB), **QLORA).settings.checkpointing == "offload"
