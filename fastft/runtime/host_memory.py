@@ -1,21 +1,20 @@
 """Host memory for offloaded layer inputs: pinned slabs cut into slots, and how much may be pinned.
 
-Pinned-memory budget: before the first layer of each forward the whole forward's need (layers × bytes of
-one layer input) is compared with what may be pinned (`pinnable_bytes`): pinned memory already held plus
-75 % of the host's available memory (``psutil.virtual_memory().available``, else ``MemAvailable`` in
-/proc/meminfo; no limit when neither exists), or ``host_budget_bytes``. If it does not fit, or pinning
-fails (WSL caps pinned memory), the offloader (`fastft.runtime.offload`) warns once
-(`OffloadBudgetWarning`) and every layer uses plain recompute from then on.
+Pinned-memory budget: before the first layer of each forward the whole forward's need (what the slabs
+for every layer's input pin, `pinned_bytes`: PyTorch rounds each pinned allocation up to a power of two) is
+compared with what may be pinned (`pinnable_bytes`): pinned memory already held plus 75 % of the host's
+available memory (``psutil.virtual_memory().available``, else ``MemAvailable`` in /proc/meminfo; no limit
+when neither exists), or ``host_budget_bytes``. If it does not fit, the offloader (`fastft.runtime.offload`)
+offloads the first layers' inputs that do (`layers_that_fit`) and the others recompute from the device; if
+pinning fails (WSL caps pinned memory), it warns once (`OffloadBudgetWarning`) and every layer uses plain
+recompute from then on.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastft.runtime.host_budget import HOST_BUDGET_FRACTION, host_memory_available, pinnable_bytes
-
-_HOST_GRANULE = 2 * 2**20  # host slots are rounded up to 2 MiB so nearby sizes reuse them
-_SLAB_BYTES = 2 * 2**30  # largest pinned slab cut into slots (unless one slot is larger)
+from fastft.runtime.host_budget import HOST_BUDGET_FRACTION, host_memory_available, pinnable_bytes, slab_plan
 
 
 class HostSlabs:
@@ -51,8 +50,7 @@ class HostSlabs:
         self._free.append(slot)
 
     def _allocate(self, nbytes: int, count: int) -> tuple[int, torch.Tensor]:
-        slot_bytes = -(-nbytes // _HOST_GRANULE) * _HOST_GRANULE
-        size = 1 << (max(slot_bytes, min(count * slot_bytes, _SLAB_BYTES)) - 1).bit_length()
+        slot_bytes, size = slab_plan(nbytes, count)
         slab = _allocate_host(size, self.pin)
         self._ids += 1
         self._slabs[self._ids], self._busy[self._ids] = slab, 0

@@ -26,7 +26,8 @@ Extra device memory is the two buffers, whatever the number of layers. When the 
 (`fastft.runtime.host_budget`) cannot hold every layer's input, each forward offloads the first layers'
 inputs that fit and runs the later layers as plain recompute, their inputs on the device (one
 `OffloadBudgetWarning` per length), rather than none: `max_context` under an 80 GiB cap with 96 GiB to
-pin rose from 393,216 to 483,456 tokens on Llama-3.1-8B QLoRA r=32 (the estimator counts the same split).
+pin answers 465,920 tokens on Llama-3.1-8B QLoRA r=32 (the estimator counts the same split and the same
+power-of-two slabs, `fastft.runtime.host_budget.pinned_bytes`).
 
 The pieces, one module each: the copy stream and its events (`fastft.runtime.copies`; ``copies=`` takes
 another engine), the pinned host slabs and the budget (`fastft.runtime.host_memory`), one layer call's
@@ -59,6 +60,7 @@ from fastft.runtime import keep_fit
 from fastft.runtime.checkpointing import KEEP_QUANTISED_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, ROUTING, attach_layer_contexts, keep_names, layer_context
 from fastft.runtime.copies import CudaCopies
+from fastft.runtime.host_budget import layers_that_fit, pinned_bytes
 from fastft.runtime.host_memory import HOST_BUDGET_FRACTION, HostSlabs, host_memory_available, pinnable_bytes
 from fastft.runtime.offload_layer import (
     Call,
@@ -310,13 +312,13 @@ class ActivationOffloader:
                 tokens = hidden.numel() // max(1, hidden.shape[-1])
                 self.forward_keeps = self.policy.names_for(tokens, hidden.device) & self.keeps
                 layers = max(1, self.layers)
-                need, budget = layers * nbytes, self._budget()
+                need, budget = pinned_bytes(nbytes, layers), self._budget()
                 # what `_keep` may add this forward: layers whose keeps do not fit recompute as before
                 self._keep_room = None if budget is None else budget - need
                 self._forward_limit = None
                 if budget is not None and need > budget:
                     # the first layers' inputs fill the budget; the later layers keep theirs on the device
-                    self._forward_limit = budget // nbytes
+                    self._forward_limit = layers_that_fit(nbytes, layers, budget)
                     self._keep_room = 0
                     self._tell_limit(hidden, need, budget, layers)
             if self._forward_limit is not None and self._live >= self._forward_limit:

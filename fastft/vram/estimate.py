@@ -227,7 +227,7 @@ def estimate_vram(
     budget = _host_budget(host_memory)
     if budget is not None and world_size > 1:
         budget //= world_size  # the ranks of one host pin from the same memory
-    if run.mode == "offload" and budget is not None and stored.host_bytes > budget:
+    if run.mode == "offload" and budget is not None and _pinned(stored) > budget:
         return _within_host_memory(arguments, estimate, stored, budget)
     return estimate
 
@@ -248,6 +248,16 @@ def _host_budget(host_memory: int | str | None) -> int | None:
     return host_memory
 
 
+def _pinned(stored: _Stored) -> int:
+    """Host bytes offloading pins: the layer inputs' slabs as `fastft.runtime.host_budget.pinned_bytes` counts
+    them (PyTorch pins powers of two), and what layers keep beside them."""
+    from fastft.runtime.host_budget import pinned_bytes
+
+    layers = len(stored.per_layer)
+    inputs = stored.host_input_bytes
+    return pinned_bytes(inputs // max(1, layers), layers) + stored.host_bytes - inputs
+
+
 def _within_host_memory(
     arguments: dict, estimate: VramEstimate, stored: _Stored, budget: int
 ) -> VramEstimate:
@@ -256,11 +266,13 @@ def _within_host_memory(
     inputs fill the budget and keep nothing beside them, and the later layers keep theirs on the device
     (plain recompute; all of them when not one input fits); else the larger of keeping and not keeping
     (layers whose kept outputs do not fit recompute them)."""
+    from fastft.runtime.host_budget import layers_that_fit, pinned_bytes
+
     layers = len(stored.per_layer)
-    if stored.host_input_bytes > budget:
-        per_input = stored.host_input_bytes // max(1, layers)
-        held = min(layers, budget // per_input) if per_input else 0
-        need = stored.host_input_bytes
+    per_input = stored.host_input_bytes // max(1, layers)
+    if pinned_bytes(per_input, layers) > budget:
+        held = layers_that_fit(per_input, layers, budget)
+        need = pinned_bytes(per_input, layers)
         if held:
             chosen = estimate_vram(**{**arguments, "keep_attention": False, "host_memory": None})
             on_device = (layers - held) * per_input
@@ -279,7 +291,7 @@ def _within_host_memory(
             chosen = estimate_vram(**{**arguments, "checkpointing": "recompute", "host_memory": None})
             what = "not one layer's input fits, so every layer keeps its input on the GPU: plain recompute"
     else:
-        need = stored.host_bytes
+        need = _pinned(stored)
         what = "only some layers' kept attention outputs fit: the larger of keeping and recomputing them"
         chosen = estimate_vram(**{**arguments, "keep_attention": False, "host_memory": None})
         if estimate.total_bytes > chosen.total_bytes:

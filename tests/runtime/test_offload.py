@@ -303,24 +303,31 @@ def test_pinned_budget_too_small_warns_once_and_falls_back_to_recompute():
     assert _max_relative_error(grads, _reference("tiny-llama")[1]) <= 1e-6
 
 
-@pytest.mark.parametrize("held", [1, 3])
+@pytest.mark.parametrize("held", [1, 2])
 def test_a_budget_for_some_layers_offloads_those_and_recomputes_the_rest(held):
-    """Pinned memory for `held` of 4 layers' inputs: the first `held` layers offload theirs, the others keep
-    theirs on the device (plain recompute), every step, with one warning; the gradients are the same."""
+    """Pinned memory for `held` of 4 layers' inputs (as their slabs pin it: 2 MiB slots, power-of-two slabs):
+    the first `held` layers offload theirs, the others keep theirs on the device (plain recompute), every
+    step, with one warning; the gradients are the same."""
+    from fastft.runtime.host_budget import pinned_bytes
+
     model = _model(mode="offload")
     probe = offload.enable_offload(model, copies=SyncCopies(), keep_attention=False)
     _step(model, _batch())
     per_layer = probe.stats().bytes_offloaded // 4
     offload.disable_offload(model)
+    budget = pinned_bytes(per_layer, held) + 2**20
+    assert pinned_bytes(per_layer, held + 1) > budget
     offloader = offload.enable_offload(
-        model, host_budget_bytes=held * per_layer + per_layer // 2, copies=SyncCopies(), keep_attention=False
+        model, host_budget_bytes=budget, copies=SyncCopies(), keep_attention=False
     )
     with pytest.warns(offload.OffloadBudgetWarning, match=f"first {held} of 4 layers") as caught:
         _, grads = _step(model, _batch())
         _step(model, _batch())
     assert len(caught) == 1
     stats = offloader.stats()
-    assert not stats.disabled and stats.layers_offloaded == 2 * held and stats.fallback_calls == 2 * (4 - held)
+    assert (
+        not stats.disabled and stats.layers_offloaded == 2 * held and stats.fallback_calls == 2 * (4 - held)
+    )
     assert _max_relative_error(grads, _reference("tiny-llama")[1]) <= 1e-6
 
 
@@ -349,6 +356,26 @@ def test_host_slots_come_from_few_slabs_without_power_of_two_waste():
         slabs.give(slot)
     bigger = slabs.take(8 * 2**20, count=2)  # nothing fits: the idle slab goes, a new one comes
     assert slabs.bytes == 16 * 2**20 and bigger[1].numel() == 8 * 2**20
+
+
+def test_large_layer_inputs_share_power_of_two_slabs_instead_of_one_each():
+    """PyTorch pins powers of two: a 1.25 GiB input (Llama-3.1-8B at 163,840 tokens) alone in a 2 GiB slab
+    wastes 0.75 GiB; 4 GiB slabs of three hold 32 of them in 44 GiB instead of 64. The plan never pins less
+    than the slots need, more slots never pin less, and `layers_that_fit` is the most within a budget."""
+    from fastft.runtime.host_budget import layers_that_fit, pinned_bytes, slab_plan
+
+    GiB = 2**30
+    layer_input = 163_840 * 4096 * 2
+    assert slab_plan(layer_input, 32) == (layer_input, 4 * GiB)
+    assert pinned_bytes(layer_input, 32) == 44 * GiB
+    for nbytes in (36_864, 6 * 2**20, 300_000 * 8192, layer_input):
+        pinned = [pinned_bytes(nbytes, k) for k in range(40)]
+        assert all(p >= k * nbytes for k, p in enumerate(pinned))
+        assert all(a <= b for a, b in zip(pinned, pinned[1:], strict=False))
+    for budget in (0, 3 * GiB, 20 * GiB, 44 * GiB, 100 * GiB):
+        held = layers_that_fit(layer_input, 32, budget)
+        assert pinned_bytes(layer_input, held) <= budget
+        assert held == 32 or pinned_bytes(layer_input, held + 1) > budget
 
 
 def test_host_memory_is_read_from_proc_meminfo_without_psutil(monkeypatch):
@@ -473,7 +500,10 @@ def test_a_short_host_budget_keeps_what_fits_and_stays_exact(layers_kept, keep_s
     left, and the layers past it recompute their attention."""
     _, (loss, reference) = _keep_step("tiny-llama", "offload", "sync", keep=False, fused=True)
     attention = 72 * 4 * 32 * 2 + 4 * 72 * 4  # output + lse
-    inputs, per_layer = 4 * 72 * 128 * 4, attention + 72 * 128 * 4  # 4 layers' inputs; + o_proj's output
+    from fastft.runtime.host_budget import pinned_bytes
+
+    # 4 layers' inputs as their slabs pin them; what a layer keeps with o_proj's output
+    inputs, per_layer = pinned_bytes(72 * 128 * 4, 4), attention + 72 * 128 * 4
     budget = inputs + layers_kept * per_layer + attention // 2
     model, (kept_loss, grads) = _keep_step(
         "tiny-llama", "offload", "sync", keep=True, budget=budget, fused=True
