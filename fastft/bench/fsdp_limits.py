@@ -38,7 +38,6 @@ def _error(stage: str, error: BaseException) -> dict:
 
 
 def _relative(a, b) -> float:
-
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 

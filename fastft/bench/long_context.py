@@ -57,6 +57,25 @@ def live_at_peak(trace: list[dict], top: int = 20) -> dict:
     return {"peak_bytes": peak, "sites": rows[:top], "other_bytes": sum(r["bytes"] for r in rows[top:])}
 
 
+class StepRecording:
+    """The CUDA allocator's history between `start` and `stop`, reduced to the tensors alive at its peak
+    (`live_at_peak`): ``live``. Only what is allocated while recording counts."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.live = device, None
+
+    def start(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python", context="alloc")
+
+    def stop(self) -> None:
+        torch.cuda.synchronize(self.device)
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        traces = snapshot.get("device_traces") or [[]]
+        self.live = live_at_peak(traces[self.device.index or 0])
+
+
 def _site(frames: list[dict]) -> str:
     for frame in frames:
         name = frame.get("filename", "")
@@ -115,10 +134,9 @@ def run(
         for index in range(steps):
             gc.collect()
             torch.cuda.empty_cache()
-            if record and index == 0:
-                torch.cuda.memory._record_memory_history(
-                    max_entries=400_000, stacks="python", context="alloc"
-                )
+            recording = StepRecording(probe.device) if record and index == 0 else None
+            if recording is not None:
+                recording.start()
             try:
                 memory = probe.step(length)
             except RuntimeError as error:
@@ -127,12 +145,9 @@ def run(
                 row.update(trained=False, failed_step=index + 1)
                 break
             finally:
-                if record and index == 0:
-                    snap = torch.cuda.memory._snapshot()
-                    torch.cuda.memory._record_memory_history(enabled=None)
-                    traces = snap.get("device_traces") or [[]]
-                    row["live_at_peak"] = live_at_peak(traces[probe.device.index or 0])
-                    del snap, traces
+                if recording is not None:
+                    recording.stop()
+                    row["live_at_peak"] = recording.live
             row["steps"].append(
                 {
                     "seconds": memory.seconds,

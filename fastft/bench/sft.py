@@ -106,38 +106,13 @@ def _model(args, device):
     return _unsloth_model(args.folder, precision, seq)
 
 
-class _StepSnapshot:
-    """The allocator's history over one step, between `start` and `stop`, reduced to the tensors alive at its
-    peak, grouped by the line that allocated them (`fastft.bench.long_context.live_at_peak`): ``live``.
-    Only what the step allocates counts (weights, and states made before it, are outside)."""
-
-    def __init__(self, device):
-        self.device, self.live = device, None
-
-    def start(self) -> None:
-        import torch
-
-        torch.cuda.synchronize(self.device)
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python", context="alloc")
-
-    def stop(self) -> None:
-        import torch
-
-        from fastft.bench.long_context import live_at_peak
-
-        torch.cuda.synchronize(self.device)
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        traces = snapshot.get("device_traces") or [[]]
-        self.live = live_at_peak(traces[self.device.index or 0])
-
-
 def _run_fastft(model, rows, args, device):
     import torch
 
+    from fastft.bench.long_context import StepRecording
     from fastft.training.trainer import TrainConfig, Trainer
 
-    snapshot = _StepSnapshot(device) if args.snapshot else None
+    snapshot = StepRecording(device) if args.snapshot else None
     trainer = Trainer(
         model,
         None,
@@ -233,7 +208,9 @@ def _run_trl(model, rows, args, device):
         return batch
 
     trainer.data_collator = counting
-    snapshot = _StepSnapshot(device) if args.snapshot else None
+    from fastft.bench.long_context import StepRecording
+
+    snapshot = StepRecording(device) if args.snapshot else None
 
     class Snapshot(TrainerCallback):  # the last warm-up step, recorded (before the clock marks its end)
         def on_step_begin(self, train_args, state, control, **kwargs):

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.host_budget import layers_that_fit, pinnable_bytes, pinned_bytes
 from fastft.vram import activations as act
 from fastft.vram.activations import Profile
 from fastft.vram.gpus import DEFAULT_CONTEXT_BYTES, GiB, GpuSpec, MiB
@@ -237,8 +238,6 @@ def _host_budget(host_memory: int | str | None) -> int | None:
     if host_memory is None:
         return None
     if host_memory == "auto":
-        from fastft.runtime.host_budget import pinnable_bytes
-
         return pinnable_bytes(0, None)
     if isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory < 0:
         raise VramEstimateError(
@@ -251,8 +250,6 @@ def _host_budget(host_memory: int | str | None) -> int | None:
 def _pinned(stored: _Stored) -> int:
     """Host bytes offloading pins: the layer inputs' slabs as `fastft.runtime.host_budget.pinned_bytes` counts
     them (PyTorch pins powers of two), and what layers keep beside them."""
-    from fastft.runtime.host_budget import pinned_bytes
-
     layers = len(stored.per_layer)
     inputs = stored.host_input_bytes
     return pinned_bytes(inputs // max(1, layers), layers) + stored.host_bytes - inputs
@@ -266,8 +263,6 @@ def _within_host_memory(
     inputs fill the budget and keep nothing beside them, and the later layers keep theirs on the device
     (plain recompute; all of them when not one input fits); else the larger of keeping and not keeping
     (layers whose kept outputs do not fit recompute them)."""
-    from fastft.runtime.host_budget import layers_that_fit, pinned_bytes
-
     layers = len(stored.per_layer)
     per_input = stored.host_input_bytes // max(1, layers)
     if pinned_bytes(per_input, layers) > budget:
