@@ -33,10 +33,12 @@ GiB = 2**30
 def live_at_peak(trace: list[dict], top: int = 20) -> dict:
     """Replays one device's allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``): the
     allocations alive when the traced bytes peaked, grouped by the first frame in fastft (else the first
-    frame), largest first. Only what was allocated while recording counts (weights and optimizer states made
+    frame), largest first. A trace that ran out of memory is read up to that request, which counts as
+    alive (``out_of_memory`` gives its size). Only what was allocated while recording counts (weights and optimizer states made
     before are outside)."""
     live: dict[int, tuple[int, str]] = {}
     total = peak = 0
+    oom = None
     at_peak: dict[int, tuple[int, str]] = {}
     for event in trace:
         action, addr, size = event.get("action"), event.get("addr"), int(event.get("size", 0))
@@ -47,6 +49,12 @@ def live_at_peak(trace: list[dict], top: int = 20) -> dict:
                 peak, at_peak = total, dict(live)
         elif action == "free_requested" and addr in live:
             total -= live.pop(addr)[0]
+        elif action == "oom":
+            # the request that ran out counts as alive: the picture is the one at the failure
+            oom = {"request_bytes": size, "device_free_bytes": int(event.get("device_free", 0))}
+            live[-1] = (size, "(the request that ran out of memory) " + _site(event.get("frames") or []))
+            peak, at_peak = total + size, dict(live)
+            break
     groups: dict[str, list[int]] = defaultdict(list)
     for size, site in at_peak.values():
         groups[site].append(size)
@@ -54,7 +62,10 @@ def live_at_peak(trace: list[dict], top: int = 20) -> dict:
         ({"site": site, "bytes": sum(sizes), "tensors": len(sizes)} for site, sizes in groups.items()),
         key=lambda row: -row["bytes"],
     )
-    return {"peak_bytes": peak, "sites": rows[:top], "other_bytes": sum(r["bytes"] for r in rows[top:])}
+    result = {"peak_bytes": peak, "sites": rows[:top], "other_bytes": sum(r["bytes"] for r in rows[top:])}
+    if oom is not None:
+        result["out_of_memory"] = oom
+    return result
 
 
 class StepRecording:

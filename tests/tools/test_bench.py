@@ -337,6 +337,26 @@ def test_live_at_peak_replays_an_allocator_trace_and_groups_the_peak_by_allocati
     ]
 
 
+def test_live_at_peak_of_a_trace_that_ran_out_of_memory_shows_the_failure():
+    """A snapshot at a length that runs out of memory: the picture is the one at the failed request, which
+    counts as alive, even when an earlier moment held more."""
+    from fastft.bench.long_context import live_at_peak
+
+    frame = {"filename": "/x/fastft/kernels/lora.py", "line": 7, "name": "forward"}
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 300, "frames": [frame]},
+        {"action": "free_requested", "addr": 1, "size": 300},
+        {"action": "alloc", "addr": 2, "size": 40, "frames": [frame]},
+        {"action": "oom", "size": 200, "device_free": 64, "frames": [frame]},
+        {"action": "alloc", "addr": 3, "size": 999, "frames": [frame]},  # never reached
+    ]
+    live = live_at_peak(trace)
+    assert live["peak_bytes"] == 240
+    assert live["out_of_memory"] == {"request_bytes": 200, "device_free_bytes": 64}
+    assert sorted(row["bytes"] for row in live["sites"]) == [40, 200]
+    assert any(row["site"].startswith("(the request that ran out of memory)") for row in live["sites"])
+
+
 def test_sft_bench_snapshot_needs_a_cuda_device():
     from fastft.bench import sft
 
