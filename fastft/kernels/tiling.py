@@ -12,15 +12,21 @@ outputs in backward, which under activation checkpointing is no extra work (the 
 computed them is skipped; see its docstring).
 
 Short sequences are untouched: a call tiles only when one ``[N, I]`` tensor would exceed
-``TILE_FROM_BYTES`` (1 GiB: Llama-3.1-8B from 37,450 tokens on; 2 x 2,048 tokens are 117 MB). A tile's
+``TILE_FROM_BYTES`` (256 MiB: Llama-3.1-8B from 9,363 tokens on; 2 x 2,048 tokens are 117 MB). A tile's
 ``[rows, I]`` tensors take at most ``TILE_BYTES`` (256 MiB) each, balanced over the tiles (same-sized tiles
 reuse the same allocator blocks) and a multiple of 64 rows.
+
+Tiling starts where a tile would be as large as the untiled tensor: larger ``[N, I]`` blocks are what PyTorch's
+default caching allocator could not place in step 1 of a fresh process. Under a cap it held free memory
+as fragments smaller than the MLP's next ``[N, I]`` request: Llama-3.2-1B at 50,176 tokens under 8 GiB failed
+a 0.77 GiB request with about as much free; with expandable segments it trained (H100, 2026-12-06,
+`benchmarks/long_context_heldout_2026-12-06.json`). The threshold was 1 GiB before.
 """
 
 from __future__ import annotations
 
-TILE_FROM_BYTES = 1 << 30
 TILE_BYTES = 256 << 20
+TILE_FROM_BYTES = TILE_BYTES
 TILE_ROW_MULTIPLE = 64
 
 

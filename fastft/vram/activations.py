@@ -250,6 +250,16 @@ def mlp_tile_workspace(layer: LayerInfo, profile: Profile, tokens: int) -> int:
     return mlp_tile_bytes(tokens, _width(layer, "gate_proj", 0), profile.compute)
 
 
+def mlp_block_bytes(layer: LayerInfo, profile: Profile, tokens: int) -> int:
+    """Bytes of one ``[rows, I]`` tensor of a dense gated MLP over `tokens` rows: a tile's rows when it tiles
+    (`mlp_tiled`), every row otherwise; 0 for an MoE layer (its experts' blocks are per routed pair)."""
+    if layer.moe or not tokens:
+        return 0
+    width = _width(layer, "gate_proj", 0)
+    rows = (mlp_tile_rows(tokens, width, profile.compute) if profile.fused_mlp else None) or tokens
+    return rows * width * profile.compute
+
+
 def _mlp_terms(
     layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int, tokens: int = 0
 ) -> dict[str, int]:

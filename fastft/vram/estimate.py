@@ -20,6 +20,7 @@ context and the caching allocator's slack, and is what must fit the GPU.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -49,6 +50,11 @@ CUBLAS_WORKSPACE_BYTES = 2 * 32 * MiB
 # during the step, plus a floor. To be calibrated from `fastft bench vram` (its "reserved" column).
 SLACK_FRACTION = 0.05
 SLACK_FLOOR_BYTES = 64 * MiB
+# ... and at least the step's largest transient block under PyTorch's default caching allocator, which in
+# step 1 of a fresh process can hold that much free only as smaller fragments (H100, 2026-12-06: Llama-3.2-1B
+# bf16 at 50,176 tokens under 8 GiB failed a 0.77 GiB MLP request with the allocated estimate 0.33 GiB
+# under the cap; with expandable segments, which map blocks into one address range, the same length
+# trained). `allocator_fragments` says which allocator the process runs.
 
 
 # -- the estimate --------------------------------------------------------------------------------------------
@@ -691,6 +697,24 @@ def _backward_phase(run: ResolvedRun, stored: _Stored, adapters: _Adapters) -> _
     return _Backward(recompute, backward_ws, workspace_note, dequant, dequant_note, gradients, gradients_note)
 
 
+def allocator_fragments() -> bool:
+    """Whether this process's CUDA caching allocator is PyTorch's default one, whose free memory can be
+    split into blocks too small for a large request (False under ``expandable_segments:True`` in
+    ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``)."""
+    settings = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return "expandable_segments:true" not in settings.replace(" ", "").lower()
+
+
+def _largest_transient_block(run: ResolvedRun, stored: _Stored) -> int:
+    """The largest single tensor a step allocates and frees: a dense MLP's ``[rows, I]`` block (a tile's
+    rows when it tiles), a layer's input or, offloaded, one device buffer of an offloaded input and what
+    it keeps."""
+    layers, tokens = run.inventory.layers, run.tokens
+    mlp = max((act.mlp_block_bytes(layer, run.profile, tokens) for layer in layers), default=0)
+    buffer = stored.bytes // 2 if run.mode == "offload" else 0
+    return max(mlp, buffer, run.layer_input * tokens)
+
+
 def _dequant_bytes(inventory: ModelInventory, profile: Profile) -> int:
     if profile.quantized is None or not inventory.linears:
         return 0
@@ -750,6 +774,14 @@ def _assemble(
     allocated = persistent + max(loss_phase, backward_phase, reference or 0, rollout or 0)
     transient = allocated - weights - constants
     slack = int(SLACK_FRACTION * transient) + SLACK_FLOOR_BYTES
+    largest = _largest_transient_block(run, stored)
+    if allocator_fragments() and largest > slack:
+        slack = largest
+        notes.append(
+            f"allocator slack: one {largest / GiB:.2f} GiB block, the step's largest, which PyTorch's default "
+            "caching allocator may hold free only as smaller fragments; "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts) avoids that"
+        )
     context = gpu_spec.context_bytes if gpu_spec else DEFAULT_CONTEXT_BYTES
 
     def at_peak(value: int, phase: str) -> int:
