@@ -85,6 +85,49 @@ class StepRecording:
         torch.cuda.memory._record_memory_history(enabled=None)
         traces = snapshot.get("device_traces") or [[]]
         self.live = live_at_peak(traces[self.device.index or 0])
+        self.live["segments"] = segment_summary(snapshot.get("segments") or [], self.device.index or 0)
+
+
+def segment_summary(segments: list[dict], device: int = 0, top: int = 8) -> dict:
+    """The caching allocator's segments when the recording stopped (``torch.cuda.memory._snapshot()
+    ["segments"]``): what is reserved, what of it is free, the largest free block, and the segments holding
+    the most free bytes, each as its blocks in address order (MiB, ``+`` allocated, ``-`` free). After a
+    step that ran out of memory this is the fragmentation it ran into: free bytes that no block could
+    serve."""
+    mine = [seg for seg in segments if seg.get("device", device) == device]
+    free_blocks = [
+        int(block["size"])
+        for seg in mine
+        for block in seg.get("blocks", [])
+        if block.get("state") == "inactive"
+    ]
+
+    def layout(seg: dict) -> str:
+        return " ".join(
+            ("-" if block.get("state") == "inactive" else "+") + f"{int(block['size']) / 2**20:.0f}"
+            for block in seg.get("blocks", [])
+        )
+
+    def free_of(seg: dict) -> int:
+        return sum(int(b["size"]) for b in seg.get("blocks", []) if b.get("state") == "inactive")
+
+    most_free = sorted(mine, key=free_of, reverse=True)[:top]
+    return {
+        "reserved_bytes": sum(int(seg.get("total_size", 0)) for seg in mine),
+        "allocated_bytes": sum(int(seg.get("allocated_size", 0)) for seg in mine),
+        "free_bytes": sum(free_blocks),
+        "largest_free_block_bytes": max(free_blocks, default=0),
+        "segments": len(mine),
+        "most_free": [
+            {
+                "stream": seg.get("stream"),
+                "size_mib": int(seg.get("total_size", 0)) / 2**20,
+                "blocks": layout(seg),
+            }
+            for seg in most_free
+            if free_of(seg)
+        ],
+    }
 
 
 def _site(frames: list[dict]) -> str:
@@ -213,6 +256,13 @@ def report(result: dict) -> str:
             )
             for site in live["sites"][:12]:
                 lines.append(f"|  {site['site']} | {site['tensors']} | | {site['bytes'] / GiB:.2f} | |")
+            segments = live.get("segments")
+            if segments:
+                lines.append(
+                    f"|  allocator when it stopped: {segments['reserved_bytes'] / GiB:.2f} GiB reserved in "
+                    f"{segments['segments']} segments, {segments['free_bytes'] / GiB:.2f} GiB of it free, "
+                    f"the largest free block {segments['largest_free_block_bytes'] / GiB:.2f} GiB | | | | |"
+                )
     return "\n".join(lines)
 
 

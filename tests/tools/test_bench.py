@@ -357,6 +357,44 @@ def test_live_at_peak_of_a_trace_that_ran_out_of_memory_shows_the_failure():
     assert any(row["site"].startswith("(the request that ran out of memory)") for row in live["sites"])
 
 
+def test_segment_summary_shows_free_bytes_no_block_can_serve():
+    from fastft.bench.long_context import segment_summary
+
+    MiB = 2**20
+    segments = [
+        {
+            "device": 0,
+            "stream": 0,
+            "total_size": 600 * MiB,
+            "allocated_size": 340 * MiB,
+            "blocks": [
+                {"size": 300 * MiB, "state": "active_allocated"},
+                {"size": 220 * MiB, "state": "inactive"},
+                {"size": 40 * MiB, "state": "active_allocated"},
+                {"size": 40 * MiB, "state": "inactive"},
+            ],
+        },
+        {
+            "device": 0,
+            "stream": 7,
+            "total_size": 20 * MiB,
+            "allocated_size": 20 * MiB,
+            "blocks": [{"size": 20 * MiB, "state": "active_allocated"}],
+        },
+        {
+            "device": 1,
+            "total_size": 999 * MiB,
+            "allocated_size": 0,
+            "blocks": [{"size": 999 * MiB, "state": "inactive"}],
+        },
+    ]
+    summary = segment_summary(segments, device=0)
+    assert summary["reserved_bytes"] == 620 * MiB and summary["allocated_bytes"] == 360 * MiB
+    assert summary["free_bytes"] == 260 * MiB and summary["largest_free_block_bytes"] == 220 * MiB
+    assert summary["segments"] == 2
+    assert summary["most_free"] == [{"stream": 0, "size_mib": 600.0, "blocks": "+300 -220 +40 -40"}]
+
+
 def test_sft_bench_snapshot_needs_a_cuda_device():
     from fastft.bench import sft
 
