@@ -372,12 +372,15 @@ def test_tiled_mlp_on_an_nf4_base():
 
 
 def test_tile_rule_leaves_short_sequences_untiled():
-    """Llama-3.1-8B's MLP (I = 14,336, bf16): 2 x 2,048 and 16,384 tokens run untiled (the code path of the
-    recorded short-sequence benchmarks); long ones tile in balanced tiles of at most 256 MiB per tensor."""
+    """Llama-3.1-8B's MLP (I = 14,336, bf16): 2 x 2,048, 4,096 and 8,192 tokens run untiled (the code path of
+    the recorded short-sequence and packed-chat benchmarks); from 9,363 tokens on (256 MiB per [rows, I]
+    tensor) they tile in balanced tiles of at most 256 MiB per tensor."""
     assert mlp_tile_rows(4096, 14336, 2) is None
-    assert mlp_tile_rows(16384, 14336, 2) is None
-    assert mlp_tile_bytes(16384, 14336, 2) == 0
-    for rows in (37_450, 88_064, 163_840, 524_288):
+    assert mlp_tile_rows(8192, 14336, 2) is None
+    assert mlp_tile_rows(9362, 14336, 2) is None and mlp_tile_rows(9363, 14336, 2) is not None
+    assert mlp_tile_bytes(8192, 14336, 2) == 0
+    assert mlp_tile_rows(16384, 14336, 2) == 8192  # two tiles
+    for rows in (9_363, 16_384, 37_450, 88_064, 163_840, 524_288):
         tile = mlp_tile_rows(rows, 14336, 2)
         assert tile % 64 == 0 and tile * 14336 * 2 <= TILE_BYTES + 64 * 14336 * 2
         tiles = -(-rows // tile)
