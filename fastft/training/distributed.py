@@ -59,7 +59,11 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 FSDP_LIMITS = {
     "cuda_graph": "FSDP2 all-gathers each layer's weights in its forward pre-hook and frees them after, from "
     "Python hooks with allocations of their own that a captured graph would not repeat, so the step runs "
-    "eagerly (graphs are turned off for the run)",
+    "eagerly (graphs are turned off for the run). Measured with one NCCL rank on an H100 (2026-12-06, "
+    "`fastft bench fsdp-limits`, graphs forced on): the capture stops at the graph's own setup, "
+    "'aten._foreach_zero_.default: got mixed torch.Tensor and DTensor' -- the sharded adapters' gradients are "
+    "DTensors that a captured step's static buffers are not -- and the run continues eagerly with the same "
+    "losses",
     "quantised base": "fully_shard splits plain tensors into DTensors; a bitsandbytes Params4bit/Int8Params "
     "holds packed integer data with its quantisation state beside it, which the split does not carry: on a GPU "
     "fully_shard stops with 'only Tensors of floating point dtype can require gradients', so QLoRA runs under "
