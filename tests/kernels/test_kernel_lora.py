@@ -225,6 +225,10 @@ def test_checkpointed_mlp_skips_the_down_projection_only_when_its_output_is_disc
         lora, "_project", lambda x2, base, *rest: calls.append(base is down) or original(x2, base, *rest)
     )
 
+    outputs = []
+    discard = lora._discarded_output
+    monkeypatch.setattr(lora, "_discarded_output", lambda *a: outputs.append(discard(*a)) or outputs[-1])
+
     def mlp(x):
         y = lora_mlp(x, *[p[0] for p in projections], (1.0, 2.0, 0.5), "swiglu", adapters, discarded)
         return y + x if discarded else y * torch.sigmoid(x[:, :1]) + x
@@ -240,6 +244,10 @@ def test_checkpointed_mlp_skips_the_down_projection_only_when_its_output_is_disc
     assert calls == [False, False, True, False, False] + ([] if discarded else [True])
     for a, b in zip(checkpointed, plain, strict=True):
         assert torch.equal(a, b)
+    # a discarded recompute output has the output's shape and holds one element, not [rows, out]
+    assert len(outputs) == int(discarded)
+    for recomputed in outputs:
+        assert recomputed.shape == (7, 16) and recomputed.untyped_storage().nbytes() == 4
 
 
 # ------------------------------------------------------------------------------- the MLP in sequence tiles
@@ -328,6 +336,10 @@ def test_checkpointed_tiled_mlp_computes_nothing_when_re_run(monkeypatch):
         lambda x2, base, *rest, **kw: calls.append(bases.index(base)) or original(x2, base, *rest, **kw),
     )
 
+    outputs = []
+    discard = lora._discarded_output
+    monkeypatch.setattr(lora, "_discarded_output", lambda *a: outputs.append(discard(*a)) or outputs[-1])
+
     def mlp(x):
         return lora_mlp(x, *bases, (1.0, 2.0, 0.5), "swiglu", adapters, True, tile_rows=8) + x
 
@@ -341,6 +353,8 @@ def test_checkpointed_tiled_mlp_computes_nothing_when_re_run(monkeypatch):
     assert calls == [0, 1] * 3  # the re-run computes nothing; backward: gate and up per tile
     for a, b in zip(checkpointed, plain, strict=True):
         assert torch.equal(a, b)
+    (recomputed,) = outputs  # the re-run's output: its shape over one fp32 element
+    assert recomputed.shape == (21, 16) and recomputed.untyped_storage().nbytes() == 4
 
 
 def test_tiled_mlp_on_an_nf4_base():
