@@ -701,7 +701,9 @@ def allocator_fragments() -> bool:
     """Whether this process's CUDA caching allocator is PyTorch's default one, whose free memory can be
     split into blocks too small for a large request (False under ``expandable_segments:True`` in
     ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``)."""
-    settings = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    settings = ",".join(
+        os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
     return "expandable_segments:true" not in settings.replace(" ", "").lower()
 
 

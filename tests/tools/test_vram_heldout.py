@@ -119,7 +119,9 @@ def test_the_rerun_s_failures_were_allocator_fragments_at_the_mlp_s_untiled_bloc
     for run in runs:
         trial = run["trials"][0]
         request = trial["live_at_peak"]["out_of_memory"]["request_bytes"]
-        failing = [row["site"] for row in trial["live_at_peak"]["sites"] if row["site"].startswith("(the request")]
+        failing = [
+            row["site"] for row in trial["live_at_peak"]["sites"] if row["site"].startswith("(the request")
+        ]
         assert not trial["trained"] and trial["failed_step"] == 1
         assert 0.55 * GiB < request < 0.95 * GiB and len(failing) == 1
         assert "lora.py" in failing[0] or "swiglu.py" in failing[0]  # the MLP's backward or its activation
@@ -142,7 +144,10 @@ def test_the_held_out_four_train_at_today_s_answers_which_are_35_to_55_percent_l
 
 def test_the_estimate_is_within_half_a_gib_of_every_measured_peak_in_the_tiled_runs():
     trained = [
-        t for c in TILED["heldout_after_the_change"] + TILED["new_heldout"] for t in c["trials"] if t["trained"]
+        t
+        for c in TILED["heldout_after_the_change"] + TILED["new_heldout"]
+        for t in c["trials"]
+        if t["trained"]
     ]
     assert len(trained) == 7
     for trial in trained:
