@@ -73,10 +73,16 @@ class StepRecording:
     (`live_at_peak`): ``live``. Only what is allocated while recording counts."""
 
     def __init__(self, device: torch.device):
-        self.device, self.live = device, None
+        self.device, self.live, self.resident = device, None, None
 
-    def start(self) -> None:
+    def start(self, model: torch.nn.Module | None = None, optimizer=None) -> None:
+        """Start recording; with `model` (and its `optimizer`), first itemise what the device holds before the
+        step (``resident``: `fastft.vram.measure.resident_memory`), which the recording does not see."""
         torch.cuda.synchronize(self.device)
+        if model is not None:
+            from fastft.vram.measure import resident_memory
+
+            self.resident = resident_memory(model, optimizer, self.device)
         torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python", context="alloc")
 
     def stop(self) -> None:
@@ -86,6 +92,8 @@ class StepRecording:
         traces = snapshot.get("device_traces") or [[]]
         self.live = live_at_peak(traces[self.device.index or 0])
         self.live["segments"] = segment_summary(snapshot.get("segments") or [], self.device.index or 0)
+        if self.resident is not None:
+            self.live["resident_before"] = self.resident
 
 
 def segment_summary(segments: list[dict], device: int = 0, top: int = 8) -> dict:

@@ -129,7 +129,7 @@ def _run_fastft(model, rows, args, device):
         trainer.train(steps=args.warmup)
     else:  # the last warm-up step, recorded
         trainer.train(steps=args.warmup - 1)
-        snapshot.start()
+        snapshot.start(trainer.model, trainer.optimizer)
         trainer.train(steps=1)
         snapshot.stop()
     torch.cuda.synchronize(device) if device.type == "cuda" else None
@@ -215,7 +215,7 @@ def _run_trl(model, rows, args, device):
     class Snapshot(TrainerCallback):  # the last warm-up step, recorded (before the clock marks its end)
         def on_step_begin(self, train_args, state, control, **kwargs):
             if state.global_step == args.warmup - 1:
-                snapshot.start()
+                snapshot.start(kwargs.get("model"), kwargs.get("optimizer"))
 
         def on_step_end(self, train_args, state, control, **kwargs):
             if state.global_step == args.warmup:
@@ -493,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"      {site['bytes'] / 2**20:9.1f} MiB  {site['tensors']:4d}  {site['site']}",
                     file=sys.stderr,
                 )
+            for owner, nbytes in result.get("live_at_peak", {}).get("resident_before", {}).items():
+                print(f"      {nbytes / 2**20:9.1f} MiB  before the step: {owner}", file=sys.stderr)
     print(_write(args.out, args, results))
     return 0
 

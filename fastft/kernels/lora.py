@@ -128,6 +128,10 @@ class AdapterComputeCopies:
         for weight, copy in zip(weights, copies, strict=True):
             weight._fastft_compute_copy = (copy, weight._version)
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The copies held between steps (what `fastft.vram.measure.resident_memory` counts)."""
+        return [copy for _, copies in self._buffers.values() for copy in copies]
+
     def release(self) -> None:
         """Forget every copy (the weights cast where they are used again)."""
         for sources, _ in self._buffers.values():

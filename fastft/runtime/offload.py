@@ -227,6 +227,11 @@ class ActivationOffloader:
     def mode(self) -> str:
         return "offload" if self.double_buffer else "offload-single"
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The device buffers the layer inputs (and what they keep) are copied back into, held between steps
+        once made (what `fastft.vram.measure.resident_memory` counts)."""
+        return [buffer for buffer in self._buffers if buffer is not None]
+
     @property
     def keep(self) -> bool:
         """Whether layer calls keep anything beside their inputs (`keeps` says what)."""

@@ -22,6 +22,72 @@ if TYPE_CHECKING:  # torch and numpy are imported where a step runs: `import fas
     import torch
 
 
+def resident_memory(
+    model: torch.nn.Module, optimizer=None, device: torch.device | None = None
+) -> dict[str, int]:
+    """The device bytes a training run holds between steps, by owner: what a step's peak stands on.
+
+    Frozen weights (with bitsandbytes' quantisation state), the adapters, their gradients, the optimizer's
+    states, the modules' buffers (RoPE tables), fastft's adapter compute copies
+    (`fastft.kernels.lora.AdapterComputeCopies`) and offload device buffers
+    (`fastft.runtime.offload.ActivationOffloader`), and on CUDA what else the allocator has out ("not
+    itemised": CUDA-graph pools' outputs, cuBLAS workspaces, a trainer's batch buffers, another model). Each
+    storage counts once, under the first owner that holds it. Works on any model, fastft's or not (Unsloth's,
+    for a side-by-side), and on any device; `device` defaults to the first parameter's."""
+    import torch
+
+    from fastft.runtime.state import base_model, model_state
+
+    parameters = list(model.parameters())
+    if device is None:
+        device = parameters[0].device if parameters else torch.device("cpu")
+    device = torch.device(device)
+    seen: set[int] = set()
+
+    def nbytes(tensors) -> int:
+        total = 0
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.device != device:
+                continue
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key == 0 or key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        return total
+
+    def quant_state_tensors(parameter) -> list:
+        state = getattr(parameter, "quant_state", None)
+        found = []
+        for value in vars(state).values() if state is not None and hasattr(state, "__dict__") else ():
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif hasattr(value, "__dict__"):  # the nested state of double quantisation
+                found.extend(v for v in vars(value).values() if isinstance(v, torch.Tensor))
+        return found
+
+    frozen = [p for p in parameters if not p.requires_grad]
+    trainable = [p for p in parameters if p.requires_grad]
+    state = model_state(base_model(model))
+    kernels = state.kernels
+    copies = getattr(kernels, "copies", None)
+    owners = {
+        "frozen weights": nbytes(frozen) + nbytes(t for p in frozen for t in quant_state_tensors(p)),
+        "adapters": nbytes(trainable),
+        "adapter gradients": nbytes(p.grad for p in trainable),
+        "optimizer states": 0
+        if optimizer is None
+        else nbytes(value for group in optimizer.state.values() for value in group.values()),
+        "module buffers": nbytes(model.buffers()),
+        "adapter compute copies": 0 if copies is None else nbytes(copies.device_tensors()),
+        "offload device buffers": 0 if state.offload is None else nbytes(state.offload.device_tensors()),
+    }
+    if device.type == "cuda":
+        owners["not itemised"] = max(0, torch.cuda.memory_allocated(device) - sum(owners.values()))
+    return owners
+
+
 @dataclass(frozen=True)
 class StepMemory:
     """Peak bytes allocated during each phase of one training step (and reserved over the step), counted

@@ -476,3 +476,50 @@ def test_ddp_bench_runs_one_and_two_gloo_ranks_and_says_what_ran_under_them(tmp_
         assert run["timed_graph_replays"] == 0 and run["timed_micro_batches"] >= 2
         assert run["offload"] is None and run["attention"]
     assert report["speedup"] > 0
+
+
+def test_resident_memory_itemises_what_a_run_holds_between_steps(monkeypatch):
+    """`bench sft --snapshot`'s "before the step" list: frozen weights, adapters, gradients, optimizer states,
+    module buffers, fastft's compute copies and offload buffers, each storage counted once."""
+    import fastft
+    from fastft.kernels.lora import AdapterComputeCopies
+    from fastft.runtime.state import base_model, model_state
+    from fastft.vram.measure import resident_memory
+
+    model, _ = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(model, r=4, target_modules="all-linear")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
+    optimizer.step()
+
+    def storages(tensors):
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    owners = resident_memory(model, optimizer)
+    adapter_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    assert owners["frozen weights"] == storages(frozen) > 0  # tied weights once
+    assert owners["adapters"] == adapter_bytes
+    assert owners["adapter gradients"] == adapter_bytes
+    assert owners["optimizer states"] >= 2 * adapter_bytes  # m and v (and each step count)
+    assert owners["adapter compute copies"] == owners["offload device buffers"] == 0
+    assert "not itemised" not in owners  # only a CUDA allocator has a total to compare with
+
+    optimizer.zero_grad(set_to_none=True)
+    state = model_state(base_model(model))
+    copies = AdapterComputeCopies()
+    copies.refresh(trainable, torch.bfloat16)
+    buffer = torch.empty(1000, dtype=torch.uint8)
+
+    class Offloader:
+        def device_tensors(self):
+            return [buffer, buffer]  # the same storage twice counts once
+
+    monkeypatch.setattr(state, "kernels", type("Kernels", (), {"copies": copies})())
+    monkeypatch.setattr(state, "offload", Offloader())
+    owners = resident_memory(model, optimizer)
+    assert owners["adapter gradients"] == 0
+    assert owners["adapter compute copies"] == adapter_bytes // 2  # fp32 adapters, bf16 copies
+    assert owners["offload device buffers"] == 1000
+    copies.release()
