@@ -34,8 +34,8 @@ def live_at_peak(trace: list[dict], top: int = 20) -> dict:
     """Replays one device's allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``): the
     allocations alive when the traced bytes peaked, grouped by the first frame in fastft (else the first
     frame), largest first. A trace that ran out of memory is read up to that request, which counts as
-    alive (``out_of_memory`` gives its size). Only what was allocated while recording counts (weights and optimizer states made
-    before are outside)."""
+    alive (``out_of_memory`` gives its size). Only what was allocated while recording counts (weights and
+    optimizer states made before are outside)."""
     live: dict[int, tuple[int, str]] = {}
     total = peak = 0
     oom = None

@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="experiment: fastft's fused MLP in tiles of this many rows at every length (0: its own rule, "
-        "tiles only from 1 GiB per [rows, intermediate] tensor; fastft.kernels.tiling)",
+        "fastft.kernels.tiling: tiles from 256 MiB per [rows, intermediate] tensor)",
     )
     parser.add_argument(
         "--snapshot",

@@ -20,7 +20,7 @@ Tiling starts where a tile would be as large as the untiled tensor: larger ``[N,
 default caching allocator could not place in step 1 of a fresh process. Under a cap it held free memory
 as fragments smaller than the MLP's next ``[N, I]`` request: Llama-3.2-1B at 50,176 tokens under 8 GiB failed
 a 0.77 GiB request with about as much free; with expandable segments it trained (H100, 2026-12-06,
-`benchmarks/long_context_heldout_2026-12-06.json`). The threshold was 1 GiB before.
+`benchmarks/long_context_tiled_2026-12-06.json`). The threshold was 1 GiB before.
 """
 
 from __future__ import annotations

@@ -54,13 +54,13 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 # What does not run under FSDP2, and why (checked when the trainer starts; each refusal names its fix).
 # `python -m fastft.bench.fsdp_limits` forces each past the refusal under torchrun. The quantised base was
 # measured there (one NCCL rank on an H100, 2026-12-06, benchmarks/fsdp_limits_1rank_h100_2026-12-06.json):
-# `fully_shard` itself raises. The graph's reason is the mechanism's: that probe's runs stopped on a bug since
-# fixed (16-bit adapter copies of sharded weights), before any capture.
+# `fully_shard` itself raises; the graph's capture, once 16-bit FSDP2 trained, in the session after
+# (benchmarks/fsdp_limits_1rank_h100_2026-12-06b.json).
 FSDP_LIMITS = {
     "cuda_graph": "FSDP2 all-gathers each layer's weights in its forward pre-hook and frees them after, from "
     "Python hooks with allocations of their own that a captured graph would not repeat, so the step runs "
     "eagerly (graphs are turned off for the run). Measured with one NCCL rank on an H100 (2026-12-06, "
-    "`fastft bench fsdp-limits`, graphs forced on): the capture stops at the graph's own setup, "
+    "`python -m fastft.bench.fsdp_limits`, graphs forced on): the capture stops at the graph's own setup, "
     "'aten._foreach_zero_.default: got mixed torch.Tensor and DTensor' -- the sharded adapters' gradients are "
     "DTensors that a captured step's static buffers are not -- and the run continues eagerly with the same "
     "losses",
