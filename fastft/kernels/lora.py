@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .swiglu import gated_activation_backward, gated_activation_forward, gated_activation_reference
-from .tiling import mlp_tile_rows
+from .tiling import dh_slice_rows, mlp_tile_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -371,18 +371,24 @@ class LoraMLPFunction(torch.autograd.Function):
         grads: dict[str, torch.Tensor | None] = {}
         with torch.autocast(x2.device.type, enabled=False):
             dy = _rows(grad).to(dtype)
-            dh = None
+            dha = None
             if a_d is not None:
                 dha = _scaled(torch.mm(dy, cb_d), s_d, True)
                 grads["b_d"] = _scaled(_mm_in(dy.t(), ha, b_d.dtype), s_d, True)
-                dh = torch.mm(dha, ca_d)
-            dh = _accumulate(dh, dy, down.dense(dtype))
-            del dy
-            # h, dg, du over dh, g, u (private buffers): no new [N, I] tensor
-            h, dg, du = _activate_backward(dh, g, u, ctx.kind)
-            if a_d is not None:
-                grads["a_d"] = _mm_in(dha.t(), h, a_d.dtype)
-            del h
+            # dh in row slices (`fastft.kernels.tiling.DH_SLICE_BYTES`), each turned at once into h, dg, du
+            # over itself and the saved g, u rows: two [N, I] tensors held, not three
+            down_weight = down.dense(dtype)
+            step = dh_slice_rows(dy.shape[0], g.shape[1], g.element_size())
+            for rows in _tiles(dy.shape[0], step):
+                dh = None if dha is None else torch.mm(dha[rows], ca_d)
+                dh = _accumulate(dh, dy[rows], down_weight)
+                h, _, _ = _activate_backward(dh, g[rows], u[rows], ctx.kind)
+                if dha is not None:
+                    part = _mm_in(dha[rows].t(), h, a_d.dtype)
+                    grads["a_d"] = part if "a_d" not in grads else grads["a_d"].add_(part)
+                del h, dh
+            del dy, down_weight
+            dg, du = g, u
             dx = None
             dxa_parts, a_parts = [], []
             for name, d, a_weight, b_weight, compute_a, compute_b, scale, sl in (

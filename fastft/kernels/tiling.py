@@ -28,6 +28,11 @@ from __future__ import annotations
 TILE_BYTES = 256 << 20
 TILE_FROM_BYTES = TILE_BYTES
 TILE_ROW_MULTIPLE = 64
+# The untiled MLP's backward makes its ``dh`` (``[N, I]``, the gradient at the activation's output) in row
+# slices of at most this many bytes: each slice is consumed at once by the activation's backward, which
+# writes ``dg``/``du`` over the saved ``g``/``u``. The untiled backward then holds two ``[N, I]`` tensors
+# where it held three (Llama-3.1-8B at 4,096 tokens: 84 MiB less at the step's peak).
+DH_SLICE_BYTES = 32 << 20
 
 
 def mlp_tile_rows(rows: int, intermediate: int, element_size: int) -> int | None:
@@ -41,6 +46,17 @@ def mlp_tile_rows(rows: int, intermediate: int, element_size: int) -> int | None
     return -(-per_tile // TILE_ROW_MULTIPLE) * TILE_ROW_MULTIPLE
 
 
+def dh_slice_rows(rows: int, intermediate: int, element_size: int) -> int:
+    """Rows per slice of the untiled backward's ``dh`` (`DH_SLICE_BYTES`, balanced, a multiple of 64 rows;
+    all `rows` when one slice holds them)."""
+    most = max(TILE_ROW_MULTIPLE, DH_SLICE_BYTES // (intermediate * element_size))
+    if rows <= most:
+        return rows
+    slices = -(-rows // most)
+    per_slice = -(-rows // slices)
+    return -(-per_slice // TILE_ROW_MULTIPLE) * TILE_ROW_MULTIPLE
+
+
 def mlp_tile_bytes(rows: int, intermediate: int, element_size: int) -> int:
     """Bytes of the ``[tile, I]`` working set a tiled MLP holds at once (three tensors: gate and up outputs,
     and ``dh`` in backward or ``act(g) * u`` in the forward); 0 when untiled."""
@@ -48,4 +64,4 @@ def mlp_tile_bytes(rows: int, intermediate: int, element_size: int) -> int:
     return 0 if tile is None else 3 * tile * intermediate * element_size
 
 
-__all__ = ["TILE_BYTES", "TILE_FROM_BYTES", "mlp_tile_bytes", "mlp_tile_rows"]
+__all__ = ["DH_SLICE_BYTES", "TILE_BYTES", "TILE_FROM_BYTES", "dh_slice_rows", "mlp_tile_bytes", "mlp_tile_rows"]

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastft.kernels.tiling import mlp_tile_bytes, mlp_tile_rows
+from fastft.kernels.tiling import dh_slice_rows, mlp_tile_bytes, mlp_tile_rows
 from fastft.models.fusion import FusionPlan, plan
 from fastft.vram.inventory import LayerInfo, LinearInfo, ModelInventory
 
@@ -429,20 +429,11 @@ def int8_forward_transient_bytes(
     return largest
 
 
-def backward_workspace_bytes(
+def _backward_moments(
     layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int, tokens: int = 0
-) -> int:
-    """Gradient buffers beyond the saved tensors while one layer runs backward, per token: the larger of
-    two moments (the MLP's backward runs first, the attention's after it).
-
-    MLP: the gradient arriving at the layer and the MLP's own buffers: fused, ``dh [N, I]`` and the MLP's
-    ``dx`` (the other ``[N, I]`` gradients are written over the saved ``g`` and ``u``); transformers, the
-    gradient leaving the layer and the gradients of the gate, up and activation outputs. Attention: the
-    gradients into and out of the layer, FlashAttention's fp32 dq accumulator, dq/dk/dv and d(out) in
-    16-bit, one fp32 per head and row -- by then the MLP's saved tensors and its norm's are freed
-    (`mlp_side_bytes`), so they count against it. A tiled MLP (`mlp_tiled`) has no ``[N, I]`` gradient: its
-    tile's working set is a fixed size (`backward_workspace`).
-    """
+) -> tuple[int, int]:
+    """``(mlp, attention)``: per token, the gradient buffers beyond the saved tensors at the two moments of
+    one layer's backward (the MLP's runs first, the attention's after it). See `backward_workspace_bytes`."""
     h = model.hidden_size
     q, kv = _attention_widths(layer, model)
     attention = 2 * h * profile.residual + 4 * q + 2 * (q + 2 * kv) + 2 * q + 4 * model.num_heads
@@ -453,30 +444,52 @@ def backward_workspace_bytes(
             + k * (3 * inter + h) * profile.expert
             + 3 * layer.shared_expert_intermediate * profile.act
         )
-    elif mlp_tiled(layer, profile, tokens):  # the incoming gradient and dx; the tiles are counted apart
+    elif profile.fused_mlp:  # the incoming gradient and dx; dh's slice or the tiles are counted apart
         mlp = h * profile.residual + profile.compute * h
-    elif profile.fused_mlp:
-        mlp = h * profile.residual + profile.compute * (_width(layer, "gate_proj", 0) + h)
     else:
         mlp = (
             2 * h * profile.residual
             + 3 * (_width(layer, "gate_proj", 0) or _width(layer, "up_proj", 0)) * profile.act
         )
-    return max(mlp, attention - mlp_side_bytes(layer, model, profile, targets, r, tokens))
+    return mlp, attention - mlp_side_bytes(layer, model, profile, targets, r, tokens)
+
+
+def backward_workspace_bytes(
+    layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int, tokens: int = 0
+) -> int:
+    """Gradient buffers beyond the saved tensors while one layer runs backward, per token: the larger of
+    two moments (the MLP's backward runs first, the attention's after it).
+
+    MLP: the gradient arriving at the layer and the MLP's own buffers: fused, the MLP's ``dx`` (``dh`` is
+    made in row slices of a fixed size, `fastft.kernels.tiling.dh_slice_rows`, and the other ``[N, I]``
+    gradients are written over the saved ``g`` and ``u``; a tiled MLP's tiles are a fixed size too: both
+    are added by `backward_workspace`); transformers, the gradient leaving the layer and the gradients of
+    the gate, up and activation outputs. Attention: the gradients into and out of the layer,
+    FlashAttention's fp32 dq accumulator, dq/dk/dv and d(out) in 16-bit, one fp32 per head and row -- by
+    then the MLP's saved tensors and its norm's are freed (`mlp_side_bytes`), so they count against it.
+    """
+    return max(_backward_moments(layer, model, profile, targets, r, tokens))
+
+
+def mlp_backward_fixed_bytes(layer: LayerInfo, profile: Profile, tokens: int) -> int:
+    """The fused MLP's backward working set that does not grow with the tokens: a tiled MLP's three
+    ``[tile, I]`` tensors (`mlp_tile_workspace`), or the untiled one's ``dh`` slice (``[slice, I]``)."""
+    if layer.moe or not profile.fused_mlp or not tokens:
+        return 0
+    tile = mlp_tile_workspace(layer, profile, tokens)
+    if tile:
+        return tile
+    width = _width(layer, "gate_proj", 0)
+    return dh_slice_rows(tokens, width, profile.compute) * width * profile.compute
 
 
 def backward_workspace(
     layer: LayerInfo, model: ModelInventory, profile: Profile, targets: set[str], r: int, tokens: int
 ) -> int:
-    """`backward_workspace_bytes` for `tokens` rows, in bytes, with a tiled MLP's fixed working set added to
-    the MLP's moment."""
-    h = model.hidden_size
-    per_token = backward_workspace_bytes(layer, model, profile, targets, r, tokens)
-    tile = mlp_tile_workspace(layer, profile, tokens)
-    if not tile:
-        return per_token * tokens
-    mlp = (h * profile.residual + profile.compute * h) * tokens + tile
-    return max(per_token * tokens, mlp)
+    """`backward_workspace_bytes` for `tokens` rows, in bytes, with the fused MLP's fixed working set
+    (`mlp_backward_fixed_bytes`) added to the MLP's moment."""
+    mlp, attention = _backward_moments(layer, model, profile, targets, r, tokens)
+    return max(mlp * tokens + mlp_backward_fixed_bytes(layer, profile, tokens), attention * tokens)
 
 
 def layer_lora_params(layer: LayerInfo, model: ModelInventory, targets: set[str], r: int) -> int:

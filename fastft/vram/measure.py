@@ -41,13 +41,13 @@ def resident_memory(
     parameters = list(model.parameters())
     if device is None:
         device = parameters[0].device if parameters else torch.device("cpu")
-    device = torch.device(device)
+    device = _indexed(torch.device(device))
     seen: set[int] = set()
 
     def nbytes(tensors) -> int:
         total = 0
         for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor) or tensor.device != device:
+            if not isinstance(tensor, torch.Tensor) or _indexed(tensor.device) != device:
                 continue
             storage = tensor.untyped_storage()
             key = storage.data_ptr()
@@ -86,6 +86,16 @@ def resident_memory(
     if device.type == "cuda":
         owners["not itemised"] = max(0, torch.cuda.memory_allocated(device) - sum(owners.values()))
     return owners
+
+
+def _indexed(device):
+    """`device` with its index: ``torch.device("cuda")`` names the current CUDA device, but a tensor on it
+    says ``cuda:0``, and the two compare unequal (the bench passes the former; every owner then read 0)."""
+    import torch
+
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @dataclass(frozen=True)

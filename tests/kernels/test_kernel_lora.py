@@ -300,6 +300,73 @@ def test_tiled_mlp_matches_the_untiled_mlp_and_the_reference(dtype, kind, ranks)
         assert _rel(got, same) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ranks", [(4, 4, 4), (0, 0, 6), (4, 0, 0)])
+def test_untiled_backward_makes_dh_in_row_slices_with_the_same_gradients(dtype, ranks, monkeypatch):
+    """The untiled function's backward builds ``dh`` 64 rows at a time when a slice is capped (301 rows: five
+    slices, the last 45 rows): every gradient equals one whole ``dh``'s and PEFT's formula, and no
+    ``[N, I]`` tensor beyond the saved gate and up outputs is made."""
+    from fastft.kernels import tiling
+
+    generator = torch.Generator().manual_seed(7 + sum(ranks))
+    hidden, intermediate, tokens = 67, 173, 301
+    projections = [
+        _projection(intermediate, hidden, ranks[0], dtype, generator, adapter_dtype=torch.float32),
+        _projection(intermediate, hidden, ranks[1], dtype, generator, adapter_dtype=torch.float32),
+        _projection(hidden, intermediate, ranks[2], dtype, generator, adapter_dtype=torch.float32),
+    ]
+    bases, adapters, scales = [p[0] for p in projections], [(p[1], p[2]) for p in projections], (2.0, 0.5, 1.5)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE, dtype).requires_grad_()
+    weight = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+    leaves = _leaves(x, projections)
+
+    import fastft.kernels.lora as lora_module
+
+    slices = []
+    activate_backward = lora_module._activate_backward
+
+    def counting(dh, g, u, kind):
+        slices.append(dh.shape)
+        return activate_backward(dh, g, u, kind)
+
+    monkeypatch.setattr(lora_module, "_activate_backward", counting)
+
+    def gradients(slice_bytes):
+        monkeypatch.setattr(tiling, "DH_SLICE_BYTES", slice_bytes)
+        slices.clear()
+        y = lora_mlp(x, *bases, scales, "swiglu", adapters)
+        assert y.grad_fn.__class__.__name__ == LoraMLPFunction.__name__ + "Backward"
+        return torch.autograd.grad((y.float() * weight).sum(), leaves)
+
+    assert tiling.dh_slice_rows(tokens, intermediate, x.element_size()) == tokens
+    whole = gradients(tiling.DH_SLICE_BYTES)
+    assert slices == [(tokens, intermediate)]
+    sliced = gradients(1)
+    assert slices == [(64, intermediate)] * 4 + [(45, intermediate)]
+
+    reference = [_fp32(p) for p in projections]
+    x32 = x.detach().float().requires_grad_()
+    flat = [t for p in reference for t in p[1:]]
+    want = lora_mlp_reference(x32, *[p[0] for p in reference], scales, "swiglu", *flat)
+    expected = torch.autograd.grad((want * weight).sum(), _leaves(x32, reference))
+    for got, same, ref in zip(sliced, whole, expected, strict=True):
+        assert got.dtype == same.dtype
+        assert _rel(got, ref) <= TOLERANCE[dtype]
+        assert _rel(got, same) <= (1e-6 if dtype == torch.float32 else TOLERANCE[dtype])
+
+
+def test_dh_slices_are_balanced_multiples_of_64_rows():
+    from fastft.kernels.tiling import DH_SLICE_BYTES, dh_slice_rows
+
+    assert DH_SLICE_BYTES == 32 << 20
+    assert dh_slice_rows(4096, 14336, 2) == 1024  # Llama-3.1-8B: four slices of 28 MiB
+    assert dh_slice_rows(1000, 14336, 2) == 1000  # one slice holds them
+    for rows in (1171, 4097, 9362):
+        step = dh_slice_rows(rows, 14336, 2)
+        assert step % 64 == 0 and step * 14336 * 2 <= DH_SLICE_BYTES + 64 * 14336 * 2
+        assert -(-rows // step) == -(-rows // (DH_SLICE_BYTES // (14336 * 2)))
+
+
 def test_tiled_mlp_saves_only_its_input():
     """No [N, I] tensor is saved (the untiled function saves gate and up): only the input and adapters."""
     projections, x, _ = _mlp_case(torch.float32, (2, 2, 2), seed=5, hidden=16, intermediate=64, tokens=33)

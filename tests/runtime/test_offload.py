@@ -124,6 +124,44 @@ def test_double_buffering_prefetches_all_but_the_first_backward_and_holds_two_bu
     assert stats.device_buffer_bytes == layer_bytes
 
 
+def test_the_recompute_frees_its_output_before_the_layer_backward(monkeypatch):
+    """The layer output a recompute makes (the residual add's ``[tokens, hidden]``) is the root of the layer's
+    gradients and nothing reads its values: it is freed before the backward runs, and every gradient stays
+    what it was (the tests above)."""
+    seen = []
+    grad = torch.autograd.grad
+
+    def watching(outputs, *args, **kwargs):
+        seen.extend((o.shape, o.untyped_storage().nbytes()) for o in outputs)
+        return grad(outputs, *args, **kwargs)
+
+    monkeypatch.setattr(offload_layer.torch.autograd, "grad", watching)
+    model = _model(mode="offload", force="sync")
+    batch = _batch()
+    loss, grads = _step(model, batch)
+    hidden = model.config.hidden_size
+    assert len(seen) == model.config.num_hidden_layers
+    assert all(shape[-1] == hidden and nbytes == 0 for shape, nbytes in seen)
+    reference_loss, reference = _reference("tiny-llama")
+    assert loss == pytest.approx(reference_loss, rel=1e-6)
+    assert _max_relative_error(grads, reference) <= 1e-6
+
+
+def test_an_output_the_backward_reads_keeps_its_memory():
+    """An output some op saved for backward (here ``exp``, which saves its result) is not freed."""
+    saved: set[int] = set()
+    x = torch.randn(8, 4, requires_grad=True)
+    with offload_layer._recording_saved(saved):
+        kept = x.exp()
+        freed = x * 2.0
+    offload_layer._free_unread_outputs([kept, freed, x[:2]], saved)
+    assert kept.untyped_storage().nbytes() == kept.numel() * 4
+    assert freed.untyped_storage().nbytes() == 0
+    assert x.untyped_storage().nbytes() == x.numel() * 4  # a view into a larger storage stays
+    (g,) = torch.autograd.grad([kept, freed], [x], [torch.ones_like(kept), torch.ones_like(freed)])
+    torch.testing.assert_close(g, x.detach().exp() + 2.0)
+
+
 def test_device_buffers_stay_constant_as_depth_grows():
     def run(layers: int):
         preset = PRESETS["tiny-llama"]

@@ -523,3 +523,14 @@ def test_resident_memory_itemises_what_a_run_holds_between_steps(monkeypatch):
     assert owners["adapter compute copies"] == adapter_bytes // 2  # fp32 adapters, bf16 copies
     assert owners["offload device buffers"] == 1000
     copies.release()
+
+
+def test_resident_memory_matches_a_bare_cuda_device_to_its_tensors(monkeypatch):
+    """``torch.device("cuda")`` (what the bench passes) and a tensor's ``cuda:0`` compare unequal; the 2026-12-06
+    device call itemised nothing because of it. Owners compare devices with the index filled in."""
+    from fastft.vram.measure import _indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert _indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert _indexed(torch.device("cpu")) == torch.device("cpu")
