@@ -55,6 +55,7 @@ class PackedBatch:
     sequence_lengths: tuple[int, ...]
     padding: int = 0
     static: bool = False
+    attended: int = 0  # a static batch's `attended_length`: its shape's (`BatchShape.attended`)
     _artifacts: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -121,6 +122,22 @@ class PackedBatch:
         )
 
     @property
+    def attended_length(self) -> int:
+        """The token-weighted mean length of this batch's sequences (``sum(l**2) / sum(l)`` over the real ones;
+        host numbers): the length of one sequence, of each of equal-length ones, and far less than
+        `max_seqlen` for a bin of short chats with one long one.
+
+        Causal attention costs ``sum(l**2)`` where the projections cost ``sum(l)``, so this is what decides
+        whether keeping the attention output for the recompute pays (`fastft.runtime.attention._kept_attention`).
+        A static batch gives its shape's (`BatchShape.attended`), so every replay of one CUDA graph decides
+        alike, or, where the shape does not know it (a stream's bins), its own token count."""
+        if self.static:
+            return self.attended or self.num_tokens
+        real = self.sequence_lengths
+        tokens = sum(real)
+        return sum(length * length for length in real) // tokens if tokens else 0
+
+    @property
     def real_tokens(self) -> int:
         """Tokens of the batch's sequences, without the padding of a static batch."""
         return self.num_tokens - self.padding
@@ -166,6 +183,7 @@ class PackedBatch:
             sequence_lengths=self.sequence_lengths + ((pad,) if pad else ()),
             padding=pad,
             static=True,
+            attended=shape.attended,
             _artifacts={},
         )
 
@@ -214,20 +232,25 @@ class BatchShape:
 
     `covering` takes the largest micro-batch the run can draw, rounded up (tokens and targets to 64,
     segments to 8), so one shape serves the whole run; `grown_to` widens it for a batch that does not fit
-    (a stream's bins are not known ahead), which costs one new graph capture."""
+    (a stream's bins are not known ahead), which costs one new graph capture. `attended`: the largest
+    `PackedBatch.attended_length` of the run's micro-batches, which every padded batch reports in place of
+    its own so that all replays of one graph decide alike what to keep for the recompute (0: not known, a
+    stream's; the padded batches then report their token count, as a single sequence would)."""
 
     tokens: int
     segments: int
     targets: int
+    attended: int = 0
 
     @classmethod
-    def covering(cls, tokens: int, sequences: int, targets: int) -> BatchShape:
-        """A shape for micro-batches of at most these many tokens, sequences and trained targets."""
+    def covering(cls, tokens: int, sequences: int, targets: int, attended: int = 0) -> BatchShape:
+        """A shape for micro-batches of at most these many tokens, sequences and trained targets (and
+        `attended`, their largest `PackedBatch.attended_length`, where known)."""
         tokens = _round_up(max(tokens, 1), 64)
         # one more boundary for the pad tail, and at least two segments: a static batch never looks like
         # a bin of equal-length sequences to the attention (`fastft.runtime.attention._uniform_length`)
         segments = _round_up(max(sequences + 1, 2), 8)
-        return cls(tokens, segments, min(_round_up(max(targets, 1), 64), tokens))
+        return cls(tokens, segments, min(_round_up(max(targets, 1), 64), tokens), min(attended, tokens))
 
     def holds(self, batch: PackedBatch) -> bool:
         pad_segment = 1 if batch.num_tokens < self.tokens else 0

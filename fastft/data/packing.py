@@ -159,6 +159,18 @@ class PackedDataset:
         largest = -np.sort(-sizes, axis=0)[:bins_per_batch].sum(axis=0)
         return tuple(int(value) for value in largest)
 
+    def attended_length(self) -> int:
+        """The largest `PackedBatch.attended_length` of one of these bins; a batch of several bins has at most
+        that (its value is a token-weighted mean of its bins')."""
+        lengths = self.data.lengths
+        best = 0
+        for members in self.bins:
+            sizes = lengths[members].astype(np.int64)
+            total = int(sizes.sum())
+            if total:
+                best = max(best, int((sizes * sizes).sum()) // total)
+        return best
+
     def batch(self, bin_indices: Iterable[int]) -> PackedBatch:
         """The sequences of the given bins, in bin order, as one CPU `PackedBatch`."""
         members = [row for b in bin_indices for row in self.bins[b]]

@@ -64,4 +64,11 @@ def mlp_tile_bytes(rows: int, intermediate: int, element_size: int) -> int:
     return 0 if tile is None else 3 * tile * intermediate * element_size
 
 
-__all__ = ["DH_SLICE_BYTES", "TILE_BYTES", "TILE_FROM_BYTES", "dh_slice_rows", "mlp_tile_bytes", "mlp_tile_rows"]
+__all__ = [
+    "DH_SLICE_BYTES",
+    "TILE_BYTES",
+    "TILE_FROM_BYTES",
+    "dh_slice_rows",
+    "mlp_tile_bytes",
+    "mlp_tile_rows",
+]

@@ -356,7 +356,11 @@ def _kept_attention(q, k, v, scale, choose, longest: int, kept: KeptTensors | No
     """Causal attention through a kept output (see above), or None where the caller computes it as usual:
     outside an offloaded layer (`kept` None), attention not kept, sequences shorter than
     `KEEP_FROM_LENGTH` (or the offloader's longer `KeptTensors.from_length`), a kernel fastft does not
-    call, or where the forward kept nothing."""
+    call, or where the forward kept nothing. `longest`: the sequences' length, for a packed bin its
+    `PackedBatch.attended_length` (what the attention's cost grows with), not its longest sequence: a 4,096-token
+    bin of short chats with one 2,100-token answer has little attention to save, and keeping it cost
+    fastft's CUDA-graph runs two device buffers of 64 MiB more than its eager ones on Llama-3.1-8B (the graphed
+    batches reported their padded length)."""
     if kept is None:
         return None
     if not kept.recording:
@@ -389,7 +393,7 @@ def _varlen(query, key, value, batch, scaling, dropout, window, kept=None):
         return _sdpa_uniform(q, k, v, length, scaling, kept).to(query.dtype)
     q, k, v = (_token_major(t, dtype) for t in (query, key, value))
     choose = _varlen_kernel(batch.cu_seqlens, batch.max_seqlen, window)
-    out = _kept_attention(q, k, v, scaling, choose, batch.max_seqlen, kept)
+    out = _kept_attention(q, k, v, scaling, choose, batch.attended_length, kept)
     if out is not None:
         return out.unsqueeze(0).to(query.dtype)
     extra = {"enable_gqa": True} if _varlen_takes_enable_gqa() else {}

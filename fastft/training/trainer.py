@@ -683,7 +683,9 @@ class Trainer:
         stream's bins are bounded by `max_seq_length` (sequences and targets grow as they come)."""
         size = self.config.micro_batch_bins
         if isinstance(self.train_data, PackedDataset):
-            return BatchShape.covering(*self.train_data.largest_batch(size))
+            return BatchShape.covering(
+                *self.train_data.largest_batch(size), attended=self.train_data.attended_length()
+            )
         tokens = size * self.train_data.max_seq_length
         return BatchShape.covering(tokens, 8, tokens // 2)
 

@@ -315,7 +315,11 @@ def test_untiled_backward_makes_dh_in_row_slices_with_the_same_gradients(dtype, 
         _projection(intermediate, hidden, ranks[1], dtype, generator, adapter_dtype=torch.float32),
         _projection(hidden, intermediate, ranks[2], dtype, generator, adapter_dtype=torch.float32),
     ]
-    bases, adapters, scales = [p[0] for p in projections], [(p[1], p[2]) for p in projections], (2.0, 0.5, 1.5)
+    bases, adapters, scales = (
+        [p[0] for p in projections],
+        [(p[1], p[2]) for p in projections],
+        (2.0, 0.5, 1.5),
+    )
     x = torch.randn(tokens, hidden, generator=generator).to(DEVICE, dtype).requires_grad_()
     weight = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
     leaves = _leaves(x, projections)

@@ -315,6 +315,26 @@ def test_adapter_compute_copies_replace_per_use_casts_and_are_never_read_stale()
     copies.release()
 
 
+def test_without_adapter_copies_the_fused_functions_cast_where_they_use_a_weight(monkeypatch):
+    """``ADAPTER_COMPUTE_COPIES = False`` (`fastft bench sft --adapter-copies off`): `patch` hooks no copies, and
+    the forward and the recompute cast each adapter where they use it."""
+    from fastft.models import patch as patch_module
+
+    monkeypatch.setattr(patch_module, "ADAPTER_COMPUTE_COPIES", False)
+    model, _ = _lora_model("tiny-llama")
+    fastft.models.lora.set_gradient_checkpointing(model, True)
+    model.train()
+    state = model_state(model).kernels
+    assert state.copies is None and state.hook is None
+    lora = [p for _, p in model.named_parameters() if p.requires_grad]
+    counter = _AdapterCastCounter({tuple(p.shape) for p in lora})
+    with counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        causal_lm_loss_sum(model, _batch()).backward()
+    assert counter.count == 2 * len(lora)
+    assert not any("_fastft_compute_copy" in vars(p) for p in lora)
+    unpatch(model)
+
+
 def test_unpatch_removes_the_adapter_copies_and_their_hook():
     model, _ = _lora_model("tiny-qwen3")
     model.train()

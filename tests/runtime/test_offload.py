@@ -714,6 +714,25 @@ def test_sequences_shorter_than_the_threshold_keep_nothing():
     assert offload.offload_stats(model).bytes_kept == 0
 
 
+def test_a_packed_bin_keeps_attention_by_its_attended_length_not_its_longest_sequence(monkeypatch):
+    """The varlen backend hands `_kept_attention` the bin's `attended_length`: a bin of short chats with one
+    long answer (longest 2,100, attended 1,269) keeps nothing, as its attention is cheap to recompute."""
+    from fastft.runtime import attention
+
+    asked = []
+
+    def kept_attention(q, k, v, scale, choose, longest, kept):
+        asked.append(longest)
+        return torch.zeros(q.shape, dtype=q.dtype)
+
+    monkeypatch.setattr(attention, "_kept_attention", kept_attention)
+    batch = _batch((2100, 300, 300, 300, 300, 300, 300))
+    q = torch.zeros(1, 2, batch.num_tokens, 4)
+    attention._varlen(q, q[:, :1], q[:, :1], batch, 0.5, 0.0, None)
+    assert asked == [batch.attended_length] == [1269]
+    assert batch.max_seqlen == 2100 >= attention.KEEP_FROM_LENGTH > 1269
+
+
 @pytest.mark.parametrize("kernel", ["cudnn", "flash", "varlen", "varlen-window"])
 def test_the_cuda_kernels_ops_bind_their_arguments(kernel):
     """The CUDA kernels' ATen ops (private: their signatures move between torch releases) called on meta

@@ -289,7 +289,9 @@ def test_sft_bench_runs_fastft_and_its_trl_switch_on_a_preset(tmp_path):
         ]
     )  # fmt: skip
     assert code == 0
-    results = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    record = json.loads(out.read_text())
+    assert record["settings"]["optimizer"] == sft.OPTIMIZER  # one optimizer for every system, recorded
+    results = {r["system"]: r for r in record["results"]}
     assert len(results["fastft"]["device_step_seconds"]) == 4  # beside the wall-clock steps of the ratio
     assert set(results) == {"fastft", "fastft-trl"} and not any("error" in r for r in results.values())
     for result in results.values():

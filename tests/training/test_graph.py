@@ -54,6 +54,34 @@ def test_batches_padded_to_one_shape_share_one_signature_whatever_their_sequence
     assert len({batch_signature(batch) for batch in ragged}) == len(ragged)  # unpadded, each its own
 
 
+def test_attended_length_is_the_token_weighted_mean_length_and_a_static_batch_reports_its_shapes():
+    """What the kept-attention decision reads: one sequence's length, equal-length sequences' length, and for a
+    bin of short chats with one long answer far less than its longest; a padded batch reports its shape's, or
+    where the shape does not know it, its token count (the keeping decision then is the one before)."""
+    assert _batch([4096]).attended_length == 4096
+    assert _batch([2048, 2048]).attended_length == 2048
+    chats = _batch([2100] + [300] * 6)  # 3,900 tokens
+    assert chats.max_seqlen == 2100
+    assert chats.attended_length == (2100**2 + 6 * 300**2) // 3900 == 1269
+    shape = BatchShape.covering(tokens=4096, sequences=8, targets=4000, attended=1269)
+    assert chats.padded(shape).attended_length == 1269 and chats.padded(shape).max_seqlen == 4096
+    unknown = BatchShape.covering(tokens=4096, sequences=8, targets=4000)
+    assert chats.padded(unknown).attended_length == 4096
+
+
+def test_a_run_shape_knows_the_largest_attended_length_of_its_bins():
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(model, r=4)
+    rng = np.random.default_rng(0)
+    lengths = [40, 8, 8, 8, 30, 30, 12]
+    ids = [rng.integers(3, 100, n).astype(np.int32) for n in lengths]
+    data = TokenizedData(input_ids=ids, labels=[row.copy() for row in ids], source_rows=list(range(len(ids))))
+    packed = PackedDataset(data, [[0, 1, 2, 3], [4, 5], [6]], max_seq_length=64)
+    assert packed.attended_length() == max((40**2 + 3 * 8**2) // 64, (2 * 30**2) // 60, 12) == 30
+    trainer = Trainer(model, tokenizer, packed, config=TrainConfig(max_steps=1, warmup=0))
+    assert trainer._covering_shape().attended == 30
+
+
 def test_policy_captures_after_warmup_at_a_step_start_and_replays_the_same_shape():
     policy = GraphPolicy(warmup=2)
     assert [policy.decide("s", True) for _ in range(2)] == [EAGER, EAGER]
