@@ -270,10 +270,10 @@ def run_worker(args) -> dict:
     baseline = args.system in ("unsloth", "hf")
     if baseline and args.baseline_cudnn_attention == "off":
         torch.backends.cuda.enable_cudnn_sdp(False)
-    if args.adapter_copies == "off" and not baseline:
-        from fastft.models import patch
+    if args.adapter_copies and not baseline:
+        from fastft.kernels import tiling
 
-        patch.ADAPTER_COMPUTE_COPIES = False  # this worker's models only (read when each is patched)
+        tiling.ADAPTER_COMPUTE_COPIES = args.adapter_copies == "on"  # this worker's models (read at patch)
     model = _model(args, device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if args.mlp_tile_rows and not baseline:
@@ -444,9 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--adapter-copies",
         choices=("on", "off"),
-        default="on",
-        help="fastft's 16-bit adapter compute copies (fastft.models.patch.ADAPTER_COMPUTE_COPIES; the A/B of "
-        "their 2 bytes per adapter parameter against per-use casts)",
+        default=None,
+        help="fastft's 16-bit adapter compute copies (fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES, off by "
+        "default; the A/B of their 2 bytes per adapter parameter against per-use casts)",
     )
     parser.add_argument(
         "--mlp-tile-rows",
@@ -495,9 +495,9 @@ def main(argv: list[str] | None = None) -> int:
                 "baseline_cudnn_attention",
                 "trl_gradient_checkpointing",
                 "mlp_tile_rows",
-                "adapter_copies",
             ):
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+            argv_worker += ["--adapter-copies", args.adapter_copies] if args.adapter_copies else []
             argv_worker += ["--snapshot"] if args.snapshot else []
             started = time.perf_counter()
             result = _run_in_process(

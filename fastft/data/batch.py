@@ -232,10 +232,11 @@ class BatchShape:
 
     `covering` takes the largest micro-batch the run can draw, rounded up (tokens and targets to 64,
     segments to 8), so one shape serves the whole run; `grown_to` widens it for a batch that does not fit
-    (a stream's bins are not known ahead), which costs one new graph capture. `attended`: the largest
-    `PackedBatch.attended_length` of the run's micro-batches, which every padded batch reports in place of
-    its own so that all replays of one graph decide alike what to keep for the recompute (0: not known, a
-    stream's; the padded batches then report their token count, as a single sequence would)."""
+    (a stream's bins are not known ahead), which costs one new graph capture. `attended`: the run's
+    `PackedBatch.attended_length` (`fastft.data.packing.PackedDataset.attended_length`), which every padded
+    batch reports in place of its own, so that all replays of one graph decide alike what to keep for the
+    recompute (0: not known, a stream's; the padded batches then report their token count, as a single
+    sequence would)."""
 
     tokens: int
     segments: int
@@ -245,7 +246,7 @@ class BatchShape:
     @classmethod
     def covering(cls, tokens: int, sequences: int, targets: int, attended: int = 0) -> BatchShape:
         """A shape for micro-batches of at most these many tokens, sequences and trained targets (and
-        `attended`, their largest `PackedBatch.attended_length`, where known)."""
+        `attended`, the run's `PackedBatch.attended_length`, where known)."""
         tokens = _round_up(max(tokens, 1), 64)
         # one more boundary for the pad tail, and at least two segments: a static batch never looks like
         # a bin of equal-length sequences to the attention (`fastft.runtime.attention._uniform_length`)

@@ -1,4 +1,5 @@
-"""When the fused gated MLP runs over the sequence in tiles, and how many rows a tile holds.
+"""When the fused gated MLP runs over the sequence in tiles, how many rows a tile holds, and the fused
+kernels' other memory switches (the untiled backward's ``dh`` slices, the adapters' compute copies).
 
 Plain arithmetic, no torch: `fastft.kernels.lora` decides with it at each call, and the VRAM estimator
 (`fastft.vram`) counts the same tiles, on machines without torch's CUDA build too.
@@ -25,6 +26,14 @@ a 0.77 GiB request with about as much free; with expandable segments it trained 
 
 from __future__ import annotations
 
+# Whether `fastft.patch` keeps 16-bit compute copies of the adapters (`fastft.kernels.lora.AdapterComputeCopies`,
+# read when a model is patched): one multi-tensor cast of every adapter per step instead of about 28 small
+# casts per decoder layer, for 2 bytes per adapter parameter held through the step (Llama-3.1-8B r=16:
+# 80 MiB). Off since 2026-12-06: on `fastft bench sft` (H100, bf16, 4,096-token chat bins) the copies
+# cost 0.07-0.08 GiB of peak for 0.6 % of tokens/s under a CUDA graph and nothing measurable under TRL
+# (`fastft bench sft --adapter-copies on|off`). Here, not in `fastft.models.patch`, so that the VRAM
+# estimator reads it without torch.
+ADAPTER_COMPUTE_COPIES = False
 TILE_BYTES = 256 << 20
 TILE_FROM_BYTES = TILE_BYTES
 TILE_ROW_MULTIPLE = 64

@@ -20,9 +20,10 @@ output (`FusedLossOutput`) does not have; asking for them raises `LogitsNotCompu
 
 Only instances change: each patched submodule gets an instance attribute ``forward`` (the class is never
 touched, so a patched and an unpatched model live side by side), and the original is kept for `unpatch`.
-The decoder gets a forward pre-hook that, before each training forward, writes the 16-bit compute copies
-of every active adapter in one multi-tensor copy (`fastft.kernels.lora.AdapterComputeCopies`). It is
-per instance too, and `unpatch` removes it and the copies.
+Where `fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES` is on (off by default, for memory), the decoder gets a
+forward pre-hook that, before each training forward, writes the 16-bit compute copies of every active
+adapter in one multi-tensor copy (`fastft.kernels.lora.AdapterComputeCopies`). It is per instance too, and
+`unpatch` removes it and the copies.
 Patching twice is a no-op. The decoder layers themselves are left alone, so transformers' gradient
 checkpointing and fastft's offloaded checkpointing wrap them as before.
 
@@ -63,6 +64,7 @@ import torch
 from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from fastft.kernels import tiling
 from fastft.models import fusion
 from fastft.models.moe import moe_block_forward, moe_block_info
 from fastft.runtime.context import ATTENTION, OUTPUT_PROJECTION, attach_layer_contexts, layer_context
@@ -364,12 +366,6 @@ def _causal_lm_forward(
     )
 
 
-# Whether `patch` keeps `AdapterComputeCopies` (read when a model is patched): one multi-tensor cast of every
-# adapter per step instead of about 28 small casts per decoder layer, for 2 bytes per adapter parameter held
-# through the step (Llama-3.1-8B r=16: 80 MiB). `fastft bench sft --adapter-copies off` measures the trade.
-ADAPTER_COMPUTE_COPIES = True
-
-
 def _hook_adapter_copies(state: _PatchState, decoder: torch.nn.Module) -> None:
     """Before each training forward of the decoder: every active adapter's weights in the compute dtype, in one
     multi-tensor copy (`fastft.kernels.lora.AdapterComputeCopies`), for the fused forwards, their recompute and
@@ -524,7 +520,7 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
     if type(base.get_output_embeddings()) is torch.nn.Linear and hasattr(base, "get_decoder"):
         _install(base, _causal_lm_forward, state)  # model(..., labels=...) the Hugging Face way
     state.projections = _lora_projections(state.modules)
-    if ADAPTER_COMPUTE_COPIES:
+    if tiling.ADAPTER_COMPUTE_COPIES:  # off by default: the trade is measured there
         _hook_adapter_copies(state, decoder)
     _hook_kernel_layers(state, decoder)
     attach_layer_contexts(base)  # the fused forwards reach their layer's kept tensors and router collector

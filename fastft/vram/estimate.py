@@ -24,6 +24,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from fastft.kernels import tiling
 from fastft.runtime.checkpointing import Checkpointing
 from fastft.runtime.host_budget import layers_that_fit, pinnable_bytes, pinned_bytes
 from fastft.vram import activations as act
@@ -489,10 +490,10 @@ def _adapters(run: ResolvedRun) -> _Adapters:
     # autocast's cast cache of every adapter on the transformers path; on the fused path
     # fastft.kernels.lora.AdapterComputeCopies of the fused projections' adapters (experts cast on use)
     copied = lora_params
-    if profile.fused_projections:
+    if profile.fused_projections:  # copies only where fastft keeps them (off by default: cast where used)
         fused_names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
         fused_lora = sum(r * (m.in_features + m.out_features) for m in lora_modules if m.short in fused_names)
-        copied = min(lora_params, fused_lora)
+        copied = min(lora_params, fused_lora) if tiling.ADAPTER_COMPUTE_COPIES else 0
     autocast_copies = bool(profile.lora_copy) and copied > 0
     return _Adapters(
         params=lora_params,

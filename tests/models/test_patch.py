@@ -270,7 +270,15 @@ class _AdapterCastCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_adapter_compute_copies_replace_per_use_casts_and_are_never_read_stale():
+@pytest.fixture
+def adapter_copies(monkeypatch):
+    """fastft's adapter compute copies on (off by default: `fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES`)."""
+    from fastft.kernels import tiling
+
+    monkeypatch.setattr(tiling, "ADAPTER_COMPUTE_COPIES", True)
+
+
+def test_adapter_compute_copies_replace_per_use_casts_and_are_never_read_stale(adapter_copies):
     """Under bf16 autocast the fused functions read each fp32 adapter's bf16 copy, written for the whole model
     in one multi-tensor copy when the decoder's training forward starts: no per-use cast in the forward, the
     recompute or the backward, and the same loss and gradients bit for bit as casting where used (then the
@@ -315,12 +323,12 @@ def test_adapter_compute_copies_replace_per_use_casts_and_are_never_read_stale()
     copies.release()
 
 
-def test_without_adapter_copies_the_fused_functions_cast_where_they_use_a_weight(monkeypatch):
-    """``ADAPTER_COMPUTE_COPIES = False`` (`fastft bench sft --adapter-copies off`): `patch` hooks no copies, and
-    the forward and the recompute cast each adapter where they use it."""
-    from fastft.models import patch as patch_module
+def test_without_adapter_copies_the_fused_functions_cast_where_they_use_a_weight():
+    """By default (`fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES` off; `fastft bench sft --adapter-copies` is the
+    A/B) `patch` hooks no copies, and the forward and the recompute cast each adapter where they use it."""
+    from fastft.kernels import tiling
 
-    monkeypatch.setattr(patch_module, "ADAPTER_COMPUTE_COPIES", False)
+    assert tiling.ADAPTER_COMPUTE_COPIES is False
     model, _ = _lora_model("tiny-llama")
     fastft.models.lora.set_gradient_checkpointing(model, True)
     model.train()
@@ -335,7 +343,7 @@ def test_without_adapter_copies_the_fused_functions_cast_where_they_use_a_weight
     unpatch(model)
 
 
-def test_unpatch_removes_the_adapter_copies_and_their_hook():
+def test_unpatch_removes_the_adapter_copies_and_their_hook(adapter_copies):
     model, _ = _lora_model("tiny-qwen3")
     model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):

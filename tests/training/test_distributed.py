@@ -285,7 +285,9 @@ def test_the_ddp_bench_runs_one_rank_and_two_on_the_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_fsdp2_sharded_adapters_train_under_16_bit_autocast_in_one_process(tmp_path, checkpointing):
+def test_fsdp2_sharded_adapters_train_under_16_bit_autocast_in_one_process(
+    tmp_path, checkpointing, monkeypatch
+):
     """Under 16-bit autocast the fused forwards want the adapters in 16 bits, and fastft keeps 16-bit copies of
     them (`AdapterComputeCopies`). FSDP2's sharded adapters (DTensors) get none: the copy was a plain tensor
     written from a DTensor, which stopped every FSDP2 step on a GPU (bf16) and no fp32 CPU run. One gloo rank,
@@ -293,8 +295,13 @@ def test_fsdp2_sharded_adapters_train_under_16_bit_autocast_in_one_process(tmp_p
     unsharded model's."""
     import fastft
     from fastft.data.batch import PackedBatch
+    from fastft.kernels import tiling
     from fastft.training.distributed import Distributed, full_tensor, shard_model
     from fastft.training.loss import causal_lm_loss_sum
+
+    monkeypatch.setattr(
+        tiling, "ADAPTER_COMPUTE_COPIES", True
+    )  # off by default; this checks them under FSDP2
 
     def loss_and_grads(model):
         generator = torch.Generator().manual_seed(0)
