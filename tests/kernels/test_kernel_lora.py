@@ -476,7 +476,8 @@ def test_tile_rule_leaves_short_sequences_untiled():
 @pytest.mark.gpu
 def test_gpu_tiled_mlp_bf16_long_rows_peak_memory():
     """40,960 rows of Llama-3.1-8B's MLP in bf16: the tiled function (chosen by the rule) matches the untiled
-    one to 2e-2 and its backward allocates at most a third of the untiled one's [N, I] working set."""
+    one to 2e-2, and its backward allocates less than the untiled one by the two [N, I] tensors that one
+    saves, less its own three [tile, I]."""
     generator = torch.Generator().manual_seed(8)
     hidden, intermediate, tokens = 4096, 14336, 40960
     projections = [
@@ -502,5 +503,8 @@ def test_gpu_tiled_mlp_bf16_long_rows_peak_memory():
     assert _rel(y_tiled, y_plain) <= 2e-2
     for a, b in zip(g_tiled, g_plain, strict=True):
         assert _rel(a, b) <= 2e-2
-    working_set = 3 * tokens * intermediate * 2
-    assert peaks[0] <= peaks[1] - 2 * working_set // 3
+    # the untiled backward holds g and u ([N, I] each) and a 32 MiB slice of dh; the tiled one three
+    # [tile, I] tensors at most (H100, 2026-12-06: 1.95 GB tiled against 3.87 GB untiled)
+    rows = mlp_tile_rows(tokens, intermediate, 2)
+    saved = 2 * tokens * intermediate * 2 - 3 * rows * intermediate * 2
+    assert peaks[0] <= peaks[1] - saved
