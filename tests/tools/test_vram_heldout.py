@@ -187,9 +187,9 @@ def test_the_8b_qlora_trains_two_full_steps_at_163840_tokens_under_24_gib():
     "under PyTorch's default caching allocator at max_context's answer (105,472 tokens) and at 98,304, 90,112 "
     "and 81,920 (H100, 2026-12-06), also with the recompute's skipped MLP output and its layer output freed. "
     "Under expandable segments the answer trains at 5.57 GiB allocated, under the estimate's 5.68: the "
-    "allocation is estimated right; the default allocator is the failure. At the out-of-memory the snapshot "
-    "held 2.63 GiB of 5.97 GiB reserved free, four [N, hidden] segments of 310 MiB free whole, against a "
-    "225 MiB request (benchmarks/long_context_heldout_2026-12-06c.json).",
+    "allocation is estimated right; the default allocator is the failure. The snapshot failed on a 225 MiB "
+    "request; read after the error unwound the step, 5.97 GiB were reserved in 206 segments "
+    "(benchmarks/long_context_heldout_2026-12-06c.json).",
 )
 def test_max_context_never_promises_a_new_held_out_length_that_ran_out_of_memory():
     over = {}
@@ -230,10 +230,9 @@ def test_qwen25_fails_only_under_the_default_allocator_at_an_estimate_above_its_
     assert max(step["peak_gib"] for step in trial["steps"]) < trial["estimated_gib"]
     default = [LATER[key]["trials"] for key in ("qwen25_answer", "qwen25_90112", "qwen25_81920")]
     assert all(not t["trained"] and t["failed_step"] == 1 for trials in default for t in trials)
-    segments = LATER["qwen25_snapshot"]["trials"][0]["live_at_peak"]["segments"]
-    request = LATER["qwen25_snapshot"]["trials"][0]["live_at_peak"]["out_of_memory"]["request_bytes"]
-    whole = [m for m in segments["most_free"] if m["blocks"] == f"-{m['size_mib']:.0f}"]
-    assert len(whole) >= 4 and all(m["size_mib"] * 2**20 > request for m in whole)
+    snapshot = LATER["qwen25_snapshot"]["trials"][0]["live_at_peak"]
+    assert snapshot["out_of_memory"]["request_bytes"] < 2**28  # an MLP tile, not a whole [N, I] block
+    assert snapshot["segments"]["segments"] > 200 and snapshot["segments"]["reserved_bytes"] < 6 * GiB
 
 
 def test_max_context_no_longer_promises_the_re_run_s_failed_lengths_on_the_held_out_four():
