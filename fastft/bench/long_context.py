@@ -68,12 +68,28 @@ def live_at_peak(trace: list[dict], top: int = 20) -> dict:
     return result
 
 
+_RECORDING: StepRecording | None = None  # the recording whose step is running (`_on_out_of_memory`)
+_OBSERVING = False  # whether `_on_out_of_memory` is attached (once per process: observers cannot be removed)
+
+
+def _on_out_of_memory(device: int, requested: int, device_allocated: int, device_free: int) -> None:
+    """The allocator's out-of-memory observer: the running recording's segments as they are at the failure,
+    before the error unwinds the step and frees its tensors (what `StepRecording.stop` would read)."""
+    recording = _RECORDING
+    if recording is not None and recording.at_out_of_memory is None:
+        segments = torch.cuda.memory._snapshot().get("segments") or []
+        recording.at_out_of_memory = segment_summary(segments, device)
+
+
 class StepRecording:
     """The CUDA allocator's history between `start` and `stop`, reduced to the tensors alive at its peak
-    (`live_at_peak`): ``live``. Only what is allocated while recording counts."""
+    (`live_at_peak`): ``live``. Only what is allocated while recording counts. If the step runs out of memory,
+    ``live["segments_at_out_of_memory"]`` holds the allocator's segments at that moment (`segment_summary`);
+    ``live["segments"]`` are read at `stop`, after the error unwound the step."""
 
     def __init__(self, device: torch.device):
         self.device, self.live, self.resident = device, None, None
+        self.at_out_of_memory: dict | None = None
 
     def start(self, model: torch.nn.Module | None = None, optimizer=None) -> None:
         """Start recording; with `model` (and its `optimizer`), first itemise what the device holds before the
@@ -83,25 +99,36 @@ class StepRecording:
             from fastft.vram.measure import resident_memory
 
             self.resident = resident_memory(model, optimizer, self.device)
+        global _RECORDING, _OBSERVING
+        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        if not _OBSERVING and attach is not None:
+            attach(_on_out_of_memory)
+            _OBSERVING = True
+        self.at_out_of_memory = None
+        _RECORDING = self
         torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python", context="alloc")
 
     def stop(self) -> None:
+        global _RECORDING
+        _RECORDING = None
         torch.cuda.synchronize(self.device)
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         traces = snapshot.get("device_traces") or [[]]
         self.live = live_at_peak(traces[self.device.index or 0])
         self.live["segments"] = segment_summary(snapshot.get("segments") or [], self.device.index or 0)
+        if self.at_out_of_memory is not None:
+            self.live["segments_at_out_of_memory"] = self.at_out_of_memory
         if self.resident is not None:
             self.live["resident_before"] = self.resident
 
 
 def segment_summary(segments: list[dict], device: int = 0, top: int = 8) -> dict:
-    """The caching allocator's segments when the recording stopped (``torch.cuda.memory._snapshot()
-    ["segments"]``): what is reserved, what of it is free, the largest free block, and the segments holding
-    the most free bytes, each as its blocks in address order (MiB, ``+`` allocated, ``-`` free). After a
-    step that ran out of memory this is the fragmentation it ran into: free bytes that no block could
-    serve."""
+    """The caching allocator's segments (``torch.cuda.memory._snapshot()["segments"]``): what is reserved,
+    what of it is free, the largest free block, and the segments holding the most free bytes, each as its
+    blocks in address order (MiB, ``+`` allocated, ``-`` free). Read by the out-of-memory observer, it is the
+    fragmentation a failed request ran into; read when a recording stops after a failure, the step's tensors
+    the error unwound are free already (2026-12-06: Qwen2.5-1.5B's "free" 310 MiB segments)."""
     mine = [seg for seg in segments if seg.get("device", device) == device]
     free_blocks = [
         int(block["size"])
@@ -264,13 +291,17 @@ def report(result: dict) -> str:
             )
             for site in live["sites"][:12]:
                 lines.append(f"|  {site['site']} | {site['tensors']} | | {site['bytes'] / GiB:.2f} | |")
-            segments = live.get("segments")
-            if segments:
-                lines.append(
-                    f"|  allocator when it stopped: {segments['reserved_bytes'] / GiB:.2f} GiB reserved in "
-                    f"{segments['segments']} segments, {segments['free_bytes'] / GiB:.2f} GiB of it free, "
-                    f"the largest free block {segments['largest_free_block_bytes'] / GiB:.2f} GiB | | | | |"
-                )
+            for key, when in (
+                ("segments_at_out_of_memory", "at the out-of-memory"),
+                ("segments", "when it stopped"),
+            ):
+                segments = live.get(key)
+                if segments:
+                    lines.append(
+                        f"|  allocator {when}: {segments['reserved_bytes'] / GiB:.2f} GiB reserved in "
+                        f"{segments['segments']} segments, {segments['free_bytes'] / GiB:.2f} GiB of it free, "
+                        f"the largest free block {segments['largest_free_block_bytes'] / GiB:.2f} GiB | | | | |"
+                    )
     return "\n".join(lines)
 
 

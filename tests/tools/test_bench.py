@@ -397,6 +397,28 @@ def test_segment_summary_shows_free_bytes_no_block_can_serve():
     assert summary["most_free"] == [{"stream": 0, "size_mib": 600.0, "blocks": "+300 -220 +40 -40"}]
 
 
+def test_a_recording_keeps_the_segments_at_the_out_of_memory_not_only_after_the_unwinding(monkeypatch):
+    """The allocator's out-of-memory observer reads the running recording's segments at the failure, once; with
+    no recording running it does nothing (it stays attached for the process)."""
+    from fastft.bench import long_context
+
+    MiB = 2**20
+    at_failure = [{"device": 0, "stream": 0, "total_size": 600 * MiB, "allocated_size": 580 * MiB,
+                   "blocks": [{"size": 580 * MiB, "state": "active_allocated"},
+                              {"size": 20 * MiB, "state": "inactive"}]}]  # fmt: skip
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": at_failure})
+    recording = long_context.StepRecording(torch.device("cuda", 0))
+    monkeypatch.setattr(long_context, "_RECORDING", None)
+    long_context._on_out_of_memory(0, 300 * MiB, 0, 0)
+    assert recording.at_out_of_memory is None
+    monkeypatch.setattr(long_context, "_RECORDING", recording)
+    long_context._on_out_of_memory(0, 300 * MiB, 0, 0)
+    assert recording.at_out_of_memory["free_bytes"] == 20 * MiB
+    at_failure[0]["blocks"][1]["size"] = 999 * MiB  # a second report in the same step keeps the first
+    long_context._on_out_of_memory(0, 300 * MiB, 0, 0)
+    assert recording.at_out_of_memory["largest_free_block_bytes"] == 20 * MiB
+
+
 def test_sft_bench_snapshot_needs_a_cuda_device():
     from fastft.bench import sft
 
