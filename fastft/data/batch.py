@@ -273,4 +273,5 @@ class BatchShape:
             tokens,
             grow(self.segments - 1, batch.num_sequences),
             grow(self.targets, batch.num_trained_tokens),
+            self.attended,
         )

@@ -67,6 +67,7 @@ def test_attended_length_is_the_token_weighted_mean_length_and_a_static_batch_re
     assert chats.padded(shape).attended_length == 1269 and chats.padded(shape).max_seqlen == 4096
     unknown = BatchShape.covering(tokens=4096, sequences=8, targets=4000)
     assert chats.padded(unknown).attended_length == 4096
+    assert shape.grown_to(_batch([5000])).attended == 1269  # a widened shape keeps the run's value
 
 
 def test_a_run_shape_knows_the_attended_length_of_all_its_sequences():
