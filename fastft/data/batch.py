@@ -133,9 +133,11 @@ class PackedBatch:
         alike, or, where the shape does not know it (a stream's bins), its own token count."""
         if self.static:
             return self.attended or self.num_tokens
-        real = self.sequence_lengths
-        tokens = sum(real)
-        return sum(length * length for length in real) // tokens if tokens else 0
+        return self.artifact("attended_length", self._attended_length)  # read by every layer, made once
+
+    def _attended_length(self) -> int:
+        tokens = sum(self.sequence_lengths)
+        return sum(length * length for length in self.sequence_lengths) // tokens if tokens else 0
 
     @property
     def real_tokens(self) -> int:
