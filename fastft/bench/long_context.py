@@ -212,6 +212,7 @@ def run(
         "trials": [],
     }
     probe = TrainingProbe(model, precision, lora_r, "all-linear", "auto")
+    result["free_in_pinned_segments_after_setup_gib"] = probe.setup_pinned_free / GiB
     total = torch.cuda.get_device_properties(probe.device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), probe.device)
 

@@ -165,6 +165,13 @@ def build_random_model(name: str, precision: str = "bf16", device: torch.device 
     bitsandbytes for) and "int8", every `nn.Linear` but the output head is replaced by its bitsandbytes
     layer, quantised from the random weights; the model is then marked as loaded in 4/8-bit, so `add_lora`
     prepares it exactly as it prepares a quantised hub model.
+
+    The quantised weights are made as loading makes them: each from a host copy, one at a time, after
+    every 16-bit projection has left the device. Quantised where the whole 16-bit model lay, each small
+    persistent NF4 tensor took the tail of a freed 16-bit weight's segment (best fit), and those segments
+    could never be released: on Qwen2.5-1.5B, 1.2 GiB of a 6 GiB cap sat free in pieces of 26 MiB when a
+    long-context step asked for 225 MiB (2026-12-06, the out-of-memory observer of `fastft bench
+    long-context --snapshot`), something a loaded hub model does not have.
     """
     import torch
 
@@ -191,9 +198,18 @@ def _quantize_in_place(
     except ImportError as error:
         raise RuntimeError(f"{precision} needs bitsandbytes: pip install 'fastft[gpu]'.") from error
     output = model.get_output_embeddings()
-    for full, module in list(model.named_modules()):
-        if type(module) is not torch.nn.Linear or module is output:
-            continue
+    targets = [
+        (full, module)
+        for full, module in model.named_modules()
+        if type(module) is torch.nn.Linear and module is not output
+    ]
+    with torch.no_grad():  # every 16-bit projection to the host first, so its device segments are released
+        for _, module in targets:
+            module.weight.data = module.weight.data.cpu()
+    gc.collect()
+    torch.cuda.empty_cache()
+    for index, (full, module) in enumerate(targets):
+        targets[index] = None  # its host copy goes with the module
         bias = module.bias is not None
         if precision == "nf4":
             layer = bnb.nn.Linear4bit(
@@ -224,7 +240,7 @@ def _quantize_in_place(
                 device="meta",
             )
             weight = bnb.nn.Int8Params(module.weight.data, requires_grad=False, has_fp16_weights=False)
-            layer.weight = weight._quantize(device)  # .to() only quantises weights coming from the CPU
+            layer.weight = weight._quantize(device)
         if bias:
             layer.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
         model.set_submodule(full, layer)
@@ -325,6 +341,11 @@ class TrainingProbe:
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         self.setup_allocated = torch.cuda.memory_allocated(self.device) - self.baseline_allocated
+        # reserved but not allocated once the cache is emptied: free pieces of segments that a persistent
+        # tensor pins (what the steps' large requests cannot use)
+        self.setup_pinned_free = (
+            torch.cuda.memory_reserved(self.device) - self.baseline_reserved - self.setup_allocated
+        )
 
     def step(self, tokens: int, seq_len: int | None = None, trained_fraction: float = 1.0) -> StepMemory:
         """One optimizer step on `tokens` random tokens; raises torch.OutOfMemoryError when it does not fit."""

@@ -17,6 +17,11 @@ allocator slack grew to the step's largest block, and two configurations new to 
 
 - Qwen3-1.7B bf16 under 8 GiB;
 - Qwen2.5-1.5B NF4 under 6 GiB.
+
+`benchmarks/long_context_heldout_2026-12-06c.json` and `-06d.json` hold the later runs: the held-out answers
+with the adapter copies off, Qwen2.5's failures under the default allocator, and what caused them (the bench
+quantised its random model where the 16-bit weights had lain on the device; fixed in
+`fastft.vram.measure.build_random_model`).
 """
 
 from __future__ import annotations
@@ -181,24 +186,17 @@ def test_the_8b_qlora_trains_two_full_steps_at_163840_tokens_under_24_gib():
     assert max(step["peak_gib"] for step in trial["steps"]) < 24
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 24, open: Qwen2.5-1.5B NF4 under 6 GiB, new to the estimator, runs out of memory in step 1 "
-    "under PyTorch's default caching allocator at max_context's answer (105,472 tokens) and at 98,304, 90,112 "
-    "and 81,920 (H100, 2026-12-06), also with the recompute's skipped MLP output and its layer output freed. "
-    "Under expandable segments the answer trains at 5.57 GiB allocated, under the estimate's 5.68: the "
-    "allocation is estimated right; the default allocator is the failure. The snapshot failed on a 225 MiB "
-    "request; read after the error unwound the step, 5.97 GiB were reserved in 206 segments "
-    "(benchmarks/long_context_heldout_2026-12-06c.json).",
-)
-def test_max_context_never_promises_a_new_held_out_length_that_ran_out_of_memory():
-    over = {}
-    for config in TILED["new_heldout"]:
-        failed = shortest_failure(config["trials"])
-        predicted = answer(config)
-        if failed is not None and predicted >= failed:
-            over[config["model"]] = (predicted, failed)
-    assert not over, over
+def test_max_context_never_promises_a_new_held_out_length_that_ran_out_of_memory(monkeypatch):
+    """Qwen3-1.7B as `TILED` measured it (adapter copies on); Qwen2.5-1.5B as `FIXED_BUILD` did (copies off,
+    the model quantised as loading does). Qwen2.5's earlier failures, at lengths down to 81,920, were the
+    bench's model build: see `test_qwen25_s_failures_were_the_bench_quantising_where_its_16_bit_model_lay`."""
+    from fastft.kernels import tiling
+
+    qwen3 = next(c for c in TILED["new_heldout"] if c["model"] == "Qwen/Qwen3-1.7B")
+    assert shortest_failure(qwen3["trials"]) is None or answer(qwen3) < shortest_failure(qwen3["trials"])
+    monkeypatch.setattr(tiling, "ADAPTER_COMPUTE_COPIES", False)
+    qwen25 = FIXED_BUILD["qwen25_after_build_fix"]
+    assert answer(qwen25) < shortest_failure(FIXED_BUILD["qwen25_above"]["trials"])
 
 
 LATER = json.loads(
@@ -224,6 +222,7 @@ def test_without_the_adapter_copies_the_answers_grow_and_train(monkeypatch):
 
 
 def test_qwen25_fails_only_under_the_default_allocator_at_an_estimate_above_its_peak():
+    """That record's model was quantised where its 16-bit weights had lain on the device (see below)."""
     expandable = LATER["qwen25_expandable"]
     (trial,) = expandable["trials"]
     assert trial["trained"] and trial["length"] == LATER["qwen25_answer"]["predicted"] == 105472
@@ -233,6 +232,48 @@ def test_qwen25_fails_only_under_the_default_allocator_at_an_estimate_above_its_
     snapshot = LATER["qwen25_snapshot"]["trials"][0]["live_at_peak"]
     assert snapshot["out_of_memory"]["request_bytes"] < 2**28  # an MLP tile, not a whole [N, I] block
     assert snapshot["segments"]["segments"] > 200 and snapshot["segments"]["reserved_bytes"] < 6 * GiB
+
+
+FIXED_BUILD = json.loads(
+    (Path(__file__).resolve().parents[2] / "benchmarks" / "long_context_heldout_2026-12-06d.json").read_text()
+)
+
+
+def test_qwen25_s_failures_were_the_bench_quantising_where_its_16_bit_model_lay(monkeypatch):
+    """The out-of-memory observer at Qwen2.5's failure (H100, the model built on the device in 16 bits, then
+    quantised in place): 1.16 GiB of the cap free, in no piece above 0.05 GiB, for a 0.22 GiB request; the
+    freest segments were 28 MiB, each a freed 16-bit projection (26.25 MiB) with a persistent tensor in its
+    tail. Built as loading builds (each projection quantised from a host copy), the setup leaves almost
+    nothing reserved and unallocated, the length that failed trains two steps under the default allocator
+    with its estimate above its peak, and 111,616 tokens (the answer + 3.8 %) run out of memory."""
+    from fastft.kernels import tiling
+
+    before = FIXED_BUILD["qwen25_snapshot_device_built"]["trials"][0]
+    at_failure = before["live_at_peak"]["segments_at_out_of_memory"]
+    request = before["live_at_peak"]["out_of_memory"]["request_bytes"]
+    assert not before["trained"] and before["length"] == 105_472
+    assert at_failure["free_bytes"] > GiB and at_failure["largest_free_block_bytes"] < 0.06 * GiB < request
+    assert all(seg["size_mib"] == 28 for seg in at_failure["most_free"][1:])
+    fixed = FIXED_BUILD["qwen25_after_build_fix"]
+    (trial,) = fixed["trials"]
+    assert fixed["free_in_pinned_segments_after_setup_gib"] < 0.05
+    assert trial["length"] == 105_472 and trial["trained"] and len(trial["steps"]) == 2
+    assert max(step["peak_gib"] for step in trial["steps"]) < trial["estimated_gib"]
+    (above,) = FIXED_BUILD["qwen25_above"]["trials"]
+    assert above["length"] == 111_616 and not above["trained"]
+    monkeypatch.setattr(tiling, "ADAPTER_COMPUTE_COPIES", False)  # today's default, as measured
+    # today's answer (107,520, not run) lies between the two: within 5 % of the longest length that trains
+    assert trial["length"] < answer(fixed) == fixed["predicted"] < above["length"] <= 1.05 * answer(fixed)
+
+
+def test_llama32_3b_trains_at_today_s_answer_with_its_estimate_above_its_peak(monkeypatch):
+    from fastft.kernels import tiling
+
+    monkeypatch.setattr(tiling, "ADAPTER_COMPUTE_COPIES", False)
+    config = FIXED_BUILD["llama32_3b_answer"]
+    (trial,) = config["trials"]
+    assert trial["length"] == answer(config) == 84_992 and trial["trained"] and len(trial["steps"]) == 2
+    assert max(step["peak_gib"] for step in trial["steps"]) < trial["estimated_gib"] < config["cap_gib"]
 
 
 def test_max_context_no_longer_promises_the_re_run_s_failed_lengths_on_the_held_out_four():
