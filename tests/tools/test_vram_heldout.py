@@ -48,6 +48,11 @@ def copies_as_measured(monkeypatch):
     monkeypatch.setattr(tiling, "ADAPTER_COMPUTE_COPIES", True)
 
 
+# what the device machines (128 GiB of RAM) let offloading pin; "auto" would read the machine running the
+# tests, and a CI machine with 23 GiB answers the 8B with 92,160 tokens (its layer inputs cannot all be pinned)
+DEVICE_HOST_PIN_BYTES = 96 * GiB
+
+
 def answer(config: dict, multiple_of: int = 1024) -> int:
     return max_context(
         config["model"],
@@ -56,6 +61,7 @@ def answer(config: dict, multiple_of: int = 1024) -> int:
         lora_r=config["lora_r"],
         checkpointing="auto",
         multiple_of=multiple_of,
+        host_memory=DEVICE_HOST_PIN_BYTES,
     )
 
 
@@ -87,7 +93,7 @@ def test_the_tuned_on_8b_trains_at_max_contexts_answer_under_the_default_allocat
     trials = tuned["default_allocator"]
     predicted = answer(tuned, multiple_of=2048)
     assert tuned["predicted"] == 159_744
-    assert predicted <= longest_success(trials)  # today's answer is lower: the slack is one MLP tile larger
+    assert predicted <= longest_success(trials) == 159_744  # today's answer: the same length
 
 
 AFTER_FIXES = json.loads(
