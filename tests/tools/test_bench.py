@@ -617,3 +617,52 @@ def test_resident_memory_matches_a_bare_cuda_device_to_its_tensors(monkeypatch):
     assert _indexed(torch.device("cuda")) == torch.device("cuda", 3)
     assert _indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert _indexed(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_kernel_totals_profiles_the_step_worker_of_the_current_directory_and_diffs_two_runs(
+    tmp_path, monkeypatch, capsys
+):
+    """`benchmarks/kernel_totals.py` (the tool for a percent between two commits' steps) on the CPU: it runs
+    the step bench's worker under the profiler, lists operators by their own time with launch counts, and
+    `--compare` lines two runs up by name (the HF + PEFT worker: the tool, not the kernels, is under test)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("kernel_totals", root / "benchmarks" / "kernel_totals.py")
+    kernel_totals = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_totals)
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    monkeypatch.chdir(root)
+    common = [
+        "--folder",
+        str(tmp_path / "ckpt"),
+        "--system",
+        "hf",
+        "--workload",
+        "bf16:2x48",
+        "--device",
+        "cpu",
+    ]
+    outs = []
+    for steps in (1, 2):
+        out = tmp_path / f"k{steps}.json"
+        assert kernel_totals.main([*common, "--warmup", "1", "--steps", str(steps), "--out", str(out)]) == 0
+        outs.append(json.loads(out.read_text()))
+    first, second = outs
+    assert first["fastft"] == str(root / "fastft") and first["step"]["tokens_per_s"] > 0
+    mm = {row["name"]: row for row in first["kernels"]}["aten::mm"]
+    assert mm["count"] > 0 and mm["total_ms"] > 0
+    assert [row["total_ms"] for row in first["kernels"]] == sorted(
+        (row["total_ms"] for row in first["kernels"]), reverse=True
+    )
+    moved = {row["name"]: row for row in kernel_totals.compare(first, second, top=10_000)}
+    assert moved["aten::mm"]["count_after"] > moved["aten::mm"]["count_before"]  # one step more
+    capsys.readouterr()
+    assert (
+        kernel_totals.main(["--compare", str(tmp_path / "k1.json"), str(tmp_path / "k2.json"), "--top", "3"])
+        == 0
+    )
+    assert capsys.readouterr().out.count("\n") == 5  # header, rule, three rows
