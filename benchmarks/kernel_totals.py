@@ -98,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sys.path.insert(0, os.getcwd())  # the fastft of the current directory (an archived commit, say)
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from fastft.bench.step import run_worker
@@ -120,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device.startswith("cuda")
     with profile(activities=[ProfilerActivity.CUDA] if device else [ProfilerActivity.CPU]) as recorded:
         result = run_worker(worker)
-    if device:
-        torch.cuda.synchronize()
     kernels = kernel_rows(recorded, device)
     import fastft
 

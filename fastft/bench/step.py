@@ -24,7 +24,6 @@ Unsloth's process needs its own site folder first on ``PYTHONPATH``: pass ``--un
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -206,12 +205,11 @@ def run_worker(args) -> dict:
     load_seconds = time.perf_counter() - load_start
     pinned_free = None
     if device.type == "cuda":
-        # reserved but unallocated once the cache is emptied: free pieces of segments a persistent tensor
-        # pins, which no large request can use (the long-context bench's own model build once left 1.2 GiB
-        # of a 6 GiB cap so; this is the same reading after each system's real loader)
-        gc.collect()
-        torch.cuda.empty_cache()
-        pinned_free = (torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)) / 2**30
+        # the long-context bench's own model build once left 1.2 GiB of a 6 GiB cap so; this is the same
+        # reading after each system's real loader
+        from fastft.vram.measure import free_in_pinned_segments
+
+        pinned_free = free_in_pinned_segments(device) / 2**30
     kept = None
     if args.system == "fastft":
         from fastft.runtime.offload import offloader_of

@@ -272,6 +272,16 @@ def synthetic_batch(tokens: int, seq_len: int, vocab: int, trained_fraction: flo
     return PackedBatch.from_sequences(ids, labels)
 
 
+def free_in_pinned_segments(device: torch.device | str) -> int:
+    """Bytes the CUDA caching allocator holds reserved but not allocated once its cache is emptied: free
+    pieces of segments that a persistent tensor pins, which no request larger than its piece can use."""
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` means the device ran out of memory (allocator or a library's own allocation)."""
     import torch
@@ -341,10 +351,8 @@ class TrainingProbe:
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         self.setup_allocated = torch.cuda.memory_allocated(self.device) - self.baseline_allocated
-        # reserved but not allocated once the cache is emptied: free pieces of segments that a persistent
-        # tensor pins (what the steps' large requests cannot use)
-        self.setup_pinned_free = (
-            torch.cuda.memory_reserved(self.device) - self.baseline_reserved - self.setup_allocated
+        self.setup_pinned_free = free_in_pinned_segments(self.device) - (
+            self.baseline_reserved - self.baseline_allocated
         )
 
     def step(self, tokens: int, seq_len: int | None = None, trained_fraction: float = 1.0) -> StepMemory:
