@@ -14,7 +14,9 @@ fastft is imported from the current directory, so the same script profiles an ar
     (cd old && python ../benchmarks/kernel_totals.py --workload nf4:2x2048 --cuda-graph off --out /tmp/nf4_old.json)
     python benchmarks/kernel_totals.py --compare /tmp/nf4_old.json /tmp/nf4_new.json
 
-The checkpoint folder must exist (`fastft bench step` saves it on its first run). Kernels inside a replayed
+The checkpoint folder must exist (`fastft bench step` saves it on its first run). `--adapter-copies` and
+`--dh-slice-mib` set fastft's two speed-for-memory switches as `fastft bench step`'s do (a commit older than
+them ignores both). Kernels inside a replayed
 CUDA graph may not reach the profiler: compare ``--cuda-graph off`` runs, the same device work launched
 eagerly.
 """
@@ -81,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-targets", default="all")
     parser.add_argument("--cuda-graph", default="off", choices=("on", "off"))
     parser.add_argument("--keep-attention", default="auto")
+    parser.add_argument(
+        "--adapter-copies", default=None, choices=("on", "off"), help="as fastft bench step's"
+    )
+    parser.add_argument("--dh-slice-mib", type=int, default=None, help="as fastft bench step's")
     parser.add_argument("--top", type=int, default=30, help="rows printed")
     parser.add_argument("--out", default=None, help="JSON with every kernel")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="two --out files to diff")
@@ -115,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         lora_targets=args.lora_targets,
         cuda_graph=args.cuda_graph,
         keep_attention=args.keep_attention,
+        adapter_copies=args.adapter_copies,  # an older commit's worker ignores the two switches
+        dh_slice_mib=args.dh_slice_mib,
     )
     device = args.device.startswith("cuda")
     with profile(activities=[ProfilerActivity.CUDA] if device else [ProfilerActivity.CPU]) as recorded:

@@ -116,6 +116,24 @@ def count_syncs(function: Callable[[], object]) -> int | None:
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
+def set_memory_trades(adapter_copies: str | None = None, dh_slice_mib: int | None = None) -> dict:
+    """Set this process's two speed-for-memory switches of the fused kernels before a model is built (for
+    A/B runs of the benches): `adapter_copies` "on"/"off" sets `fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES`
+    (read when a model is patched), `dh_slice_mib` sets `DH_SLICE_BYTES` (0: the untiled MLP's backward makes
+    its ``dh`` whole). None keeps fastft's default. Returns both settings as they now stand."""
+    from fastft.kernels import tiling
+
+    if adapter_copies is not None:
+        if adapter_copies not in ("on", "off"):
+            raise ValueError(f"adapter_copies={adapter_copies!r}: give 'on' or 'off'")
+        tiling.ADAPTER_COMPUTE_COPIES = adapter_copies == "on"
+    if dh_slice_mib is not None:
+        if dh_slice_mib < 0:
+            raise ValueError(f"dh_slice_mib={dh_slice_mib}: give 0 (no slices) or a size in MiB")
+        tiling.DH_SLICE_BYTES = dh_slice_mib << 20 if dh_slice_mib else 1 << 62
+    return {"adapter_copies": tiling.ADAPTER_COMPUTE_COPIES, "dh_slice_bytes": tiling.DH_SLICE_BYTES}
+
+
 def environment() -> dict:
     import peft
     import transformers

@@ -270,10 +270,10 @@ def run_worker(args) -> dict:
     baseline = args.system in ("unsloth", "hf")
     if baseline and args.baseline_cudnn_attention == "off":
         torch.backends.cuda.enable_cudnn_sdp(False)
-    if args.adapter_copies and not baseline:
-        from fastft.kernels import tiling
+    if not baseline:  # this worker's models (read when they are patched and at each call)
+        from fastft.bench.common import set_memory_trades
 
-        tiling.ADAPTER_COMPUTE_COPIES = args.adapter_copies == "on"  # this worker's models (read at patch)
+        set_memory_trades(args.adapter_copies, args.dh_slice_mib)
     model = _model(args, device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if args.mlp_tile_rows and not baseline:
@@ -365,6 +365,7 @@ def _write(path: str, args, results: list[dict]) -> str:
         "trl_gradient_checkpointing",
         "mlp_tile_rows",
         "adapter_copies",
+        "dh_slice_mib",
         "snapshot",
     )
     settings = {key: getattr(args, key) for key in keys}
@@ -449,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         "default; the A/B of their 2 bytes per adapter parameter against per-use casts)",
     )
     parser.add_argument(
+        "--dh-slice-mib",
+        type=int,
+        default=None,
+        help="the untiled fused MLP backward makes dh in row slices of at most this many MiB "
+        "(fastft.kernels.tiling.DH_SLICE_BYTES; 0: whole; default: fastft's own)",
+    )
+    parser.add_argument(
         "--mlp-tile-rows",
         type=int,
         default=0,
@@ -498,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
             argv_worker += ["--adapter-copies", args.adapter_copies] if args.adapter_copies else []
+            argv_worker += ["--dh-slice-mib", str(args.dh_slice_mib)] if args.dh_slice_mib is not None else []
             argv_worker += ["--snapshot"] if args.snapshot else []
             started = time.perf_counter()
             result = _run_in_process(

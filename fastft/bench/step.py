@@ -184,7 +184,11 @@ def run_worker(args) -> dict:
     precision, batch, seq = parse_workload(args.workload)
     device = torch.device(args.device)
     load_start = time.perf_counter()
+    trades = None
     if args.system == "fastft":
+        from fastft.bench.common import set_memory_trades
+
+        trades = set_memory_trades(args.adapter_copies, args.dh_slice_mib)
         mode = args.checkpointing
         model = _fastft_model(
             args.folder,
@@ -288,6 +292,7 @@ def run_worker(args) -> dict:
         "losses": [float(x) for x in losses],
         "cuda_graph": graph_stats,
         "keep_attention": kept,
+        "memory_trades": trades,
         "step_ms_all": [t * 1000 for t in times],
     }
 
@@ -479,6 +484,20 @@ def main(argv: list[str] | None = None) -> int:
         choices=("on", "off"),
         help="fastft replays each step's forward and backward from a CUDA graph (its Trainer's default)",
     )
+    parser.add_argument(
+        "--adapter-copies",
+        choices=("on", "off"),
+        default=None,
+        help="fastft's 16-bit adapter compute copies (fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES; default: "
+        "fastft's own, off)",
+    )
+    parser.add_argument(
+        "--dh-slice-mib",
+        type=int,
+        default=None,
+        help="fastft's untiled MLP backward makes dh in row slices of at most this many MiB "
+        "(fastft.kernels.tiling.DH_SLICE_BYTES; 0: whole; default: fastft's own)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per system and workload")
     parser.add_argument("--out", default="benchmarks/step.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -548,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--keep-attention",
                 args.keep_attention,
             ]
+            argv_worker += ["--adapter-copies", args.adapter_copies] if args.adapter_copies else []
+            argv_worker += ["--dh-slice-mib", str(args.dh_slice_mib)] if args.dh_slice_mib is not None else []
             started = time.perf_counter()
             result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)
             result.setdefault("system", system)

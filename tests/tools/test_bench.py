@@ -106,6 +106,8 @@ def test_step_bench_workers_agree_on_the_first_loss(tmp_path, preset, lora_targe
             lora_targets=lora_targets,
             cuda_graph="on",
             keep_attention="auto",
+            adapter_copies=None,
+            dh_slice_mib=None,
         )
         results[system] = run_worker(args)
     assert results["fastft"]["losses"][0] == pytest.approx(results["hf"]["losses"][0], rel=1e-5)
@@ -118,6 +120,60 @@ def test_step_bench_workers_agree_on_the_first_loss(tmp_path, preset, lora_targe
         assert flops_per_token(model.config, 48) > 6 * params * 0.9
     else:  # only the top-k of the experts count
         assert 6 * params * 0.1 < flops_per_token(model.config, 48) < 6 * params * 0.6
+
+
+def test_the_benches_switch_fastft_s_two_memory_trades_for_an_a_b(tmp_path, monkeypatch):
+    """`--adapter-copies` and `--dh-slice-mib` (bench step, bench sft, kernel_totals) set the two switches that
+    trade speed for memory (issue 23's NF4 percent is theirs) in the fastft worker before its model is built,
+    and the worker records what it ran under; the settings are checked, and the default leaves fastft's own."""
+    import argparse
+
+    from fastft.bench import sft
+    from fastft.bench.common import set_memory_trades
+    from fastft.bench.step import run_worker
+    from fastft.kernels import tiling
+
+    monkeypatch.setattr(tiling, "ADAPTER_COMPUTE_COPIES", tiling.ADAPTER_COMPUTE_COPIES)  # restored after
+    monkeypatch.setattr(tiling, "DH_SLICE_BYTES", tiling.DH_SLICE_BYTES)
+    default = {"adapter_copies": tiling.ADAPTER_COMPUTE_COPIES, "dh_slice_bytes": tiling.DH_SLICE_BYTES}
+    assert set_memory_trades() == default
+    assert set_memory_trades(dh_slice_mib=64)["dh_slice_bytes"] == 64 << 20
+    assert tiling.dh_slice_rows(4096, 14336, 2) == 2048  # Llama-3.1-8B at 4,096 tokens: two slices
+    assert set_memory_trades(dh_slice_mib=0)["dh_slice_bytes"] >= 1 << 60
+    assert tiling.dh_slice_rows(100_000, 14336, 2) == 100_000  # whole
+    with pytest.raises(ValueError, match="'on' or 'off'"):
+        set_memory_trades(adapter_copies="yes")
+    with pytest.raises(ValueError, match="no slices"):
+        set_memory_trades(dh_slice_mib=-1)
+
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    common = dict(workload="bf16:2x48", attention="auto", folder=str(tmp_path / "ckpt"), warmup=1, steps=1)
+    common.update(peak_flops=1e12, device="cpu", checkpointing="auto", lora_targets="all", cuda_graph="on")
+    result = run_worker(
+        argparse.Namespace(
+            system="fastft", keep_attention="auto", adapter_copies="on", dh_slice_mib=32, **common
+        )
+    )
+    assert result["memory_trades"] == {"adapter_copies": True, "dh_slice_bytes": 32 << 20}
+    hf = run_worker(
+        argparse.Namespace(system="hf", keep_attention="auto", adapter_copies="off", dh_slice_mib=0, **common)
+    )
+    assert hf["memory_trades"] is None and tiling.DH_SLICE_BYTES == 32 << 20  # the baseline's run leaves them
+
+    out = tmp_path / "sft.json"
+    code = sft.main(
+        [
+            "--model", "tiny-llama", "--systems", "fastft", "--workloads", "bf16", "--device", "cpu",
+            "--chats", "12", "--user-median", "8", "--assistant-median", "12", "--max-seq-length", "128",
+            "--warmup", "1", "--steps", "1", "--folder", str(tmp_path / "checkpoints"), "--out", str(out),
+            "--adapter-copies", "on", "--dh-slice-mib", "0",
+        ]
+    )  # fmt: skip
+    record = json.loads(out.read_text())
+    assert code == 0 and not any("error" in r for r in record["results"])
+    assert record["settings"]["adapter_copies"] == "on" and record["settings"]["dh_slice_mib"] == 0
 
 
 def test_convergence_bench_compares_fused_unfused_and_the_noise_floor(tmp_path):
