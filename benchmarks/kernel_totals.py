@@ -15,10 +15,10 @@ fastft is imported from the current directory, so the same script profiles an ar
     python benchmarks/kernel_totals.py --compare /tmp/nf4_old.json /tmp/nf4_new.json
 
 The checkpoint folder must exist (`fastft bench step` saves it on its first run). `--adapter-copies` and
-`--dh-slice-mib` set fastft's two speed-for-memory switches as `fastft bench step`'s do (a commit older than
-them ignores both). Kernels inside a replayed
-CUDA graph may not reach the profiler: compare ``--cuda-graph off`` runs, the same device work launched
-eagerly.
+`--dh-slice-mib` set fastft's two speed-for-memory switches as `fastft bench step`'s do; a commit older than
+them ignores both, which is also why this script defines its options itself rather than importing fastft's.
+Kernels inside a replayed CUDA graph may not reach the profiler: compare ``--cuda-graph off`` runs, the same
+device work launched eagerly.
 """
 
 from __future__ import annotations

@@ -134,6 +134,30 @@ def set_memory_trades(adapter_copies: str | None = None, dh_slice_mib: int | Non
     return {"adapter_copies": tiling.ADAPTER_COMPUTE_COPIES, "dh_slice_bytes": tiling.DH_SLICE_BYTES}
 
 
+def add_memory_trade_options(parser) -> None:
+    """The benches' `--adapter-copies` and `--dh-slice-mib` (what `set_memory_trades` sets in a fastft worker)."""
+    parser.add_argument(
+        "--adapter-copies",
+        choices=("on", "off"),
+        default=None,
+        help="fastft's 16-bit adapter compute copies (fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES; default: "
+        "fastft's own, off): 2 bytes per adapter parameter held against per-use casts",
+    )
+    parser.add_argument(
+        "--dh-slice-mib",
+        type=int,
+        default=None,
+        help="fastft's untiled MLP backward makes dh in row slices of at most this many MiB "
+        "(fastft.kernels.tiling.DH_SLICE_BYTES; 0: whole; default: fastft's own)",
+    )
+
+
+def memory_trade_argv(args) -> list[str]:
+    """The options of `add_memory_trade_options` that `args` sets, for a worker's command line."""
+    argv = ["--adapter-copies", args.adapter_copies] if args.adapter_copies else []
+    return argv + (["--dh-slice-mib", str(args.dh_slice_mib)] if args.dh_slice_mib is not None else [])
+
+
 def environment() -> dict:
     import peft
     import transformers

@@ -404,6 +404,8 @@ def _ensure_checkpoint(args) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fastft.bench.common import add_memory_trade_options, memory_trade_argv
+
     parser = argparse.ArgumentParser(
         prog="fastft bench sft",
         description=__doc__.split("\n\n")[0],
@@ -442,20 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         default="on",
         help="SFTConfig(gradient_checkpointing=...) for fastft-trl and hf (on: TRL's default)",
     )
-    parser.add_argument(
-        "--adapter-copies",
-        choices=("on", "off"),
-        default=None,
-        help="fastft's 16-bit adapter compute copies (fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES, off by "
-        "default; the A/B of their 2 bytes per adapter parameter against per-use casts)",
-    )
-    parser.add_argument(
-        "--dh-slice-mib",
-        type=int,
-        default=None,
-        help="the untiled fused MLP backward makes dh in row slices of at most this many MiB "
-        "(fastft.kernels.tiling.DH_SLICE_BYTES; 0: whole; default: fastft's own)",
-    )
+    add_memory_trade_options(parser)
     parser.add_argument(
         "--mlp-tile-rows",
         type=int,
@@ -505,8 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mlp_tile_rows",
             ):
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-            argv_worker += ["--adapter-copies", args.adapter_copies] if args.adapter_copies else []
-            argv_worker += ["--dh-slice-mib", str(args.dh_slice_mib)] if args.dh_slice_mib is not None else []
+            argv_worker += memory_trade_argv(args)
             argv_worker += ["--snapshot"] if args.snapshot else []
             started = time.perf_counter()
             result = _run_in_process(

@@ -426,6 +426,8 @@ def _table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fastft.bench.common import add_memory_trade_options, memory_trade_argv
+
     parser = argparse.ArgumentParser(
         prog="fastft bench step",
         description=__doc__.split("\n\n")[0],
@@ -484,20 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("on", "off"),
         help="fastft replays each step's forward and backward from a CUDA graph (its Trainer's default)",
     )
-    parser.add_argument(
-        "--adapter-copies",
-        choices=("on", "off"),
-        default=None,
-        help="fastft's 16-bit adapter compute copies (fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES; default: "
-        "fastft's own, off)",
-    )
-    parser.add_argument(
-        "--dh-slice-mib",
-        type=int,
-        default=None,
-        help="fastft's untiled MLP backward makes dh in row slices of at most this many MiB "
-        "(fastft.kernels.tiling.DH_SLICE_BYTES; 0: whole; default: fastft's own)",
-    )
+    add_memory_trade_options(parser)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per system and workload")
     parser.add_argument("--out", default="benchmarks/step.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -567,8 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--keep-attention",
                 args.keep_attention,
             ]
-            argv_worker += ["--adapter-copies", args.adapter_copies] if args.adapter_copies else []
-            argv_worker += ["--dh-slice-mib", str(args.dh_slice_mib)] if args.dh_slice_mib is not None else []
+            argv_worker += memory_trade_argv(args)
             started = time.perf_counter()
             result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)
             result.setdefault("system", system)
