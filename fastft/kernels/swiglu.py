@@ -366,7 +366,9 @@ def gated_activation_backward(
         raise ValueError(f"dh must have the shape of gate, got {tuple(dh.shape)} and {tuple(gate.shape)}")
     for out in (out_dgate, out_dup, out_h):
         if out is not None and (out.shape != gate.shape or not _rows_view(out)):
-            raise ValueError("out buffers must be shaped like gate, and contiguous or 2-D with unit column stride")
+            raise ValueError(
+                "out buffers must be shaped like gate, and contiguous or 2-D with unit column stride"
+            )
 
     def _buffer(out, needed):
         if not needed:

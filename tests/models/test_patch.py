@@ -273,7 +273,9 @@ class _AdapterCastCounter(TorchDispatchMode):
             cast = [
                 src
                 for dst, src in zip(args[0], args[1], strict=True)
-                if src.dtype == torch.float32 and dst.dtype == torch.bfloat16 and tuple(src.shape) in self.shapes
+                if src.dtype == torch.float32
+                and dst.dtype == torch.bfloat16
+                and tuple(src.shape) in self.shapes
             ]
             self.count += len(cast)
             self.launches += bool(cast)
@@ -317,7 +319,9 @@ def test_adapter_compute_copies_replace_per_use_casts_and_are_never_read_stale(a
     state.copies.release()
     assert not any("_fastft_compute_copy" in vars(p) for p in lora)
     cast_loss, cast_grads, cast_count = step()
-    assert cast_count.count == 2 * len(lora)  # the forward and the recompute cast each; the backward reuses theirs
+    assert cast_count.count == 2 * len(
+        lora
+    )  # the forward and the recompute cast each; the backward reuses theirs
     assert torch.equal(loss, cast_loss)
     for got, want in zip(grads, cast_grads, strict=True):
         assert torch.equal(got, want)
