@@ -147,7 +147,7 @@ def add_memory_trade_options(parser) -> None:
         "--dh-slice-mib",
         type=int,
         default=None,
-        help="fastft's untiled MLP backward makes dh in column slices of at most this many MiB "
+        help="fastft's untiled MLP backward makes dh in row slices of at most this many MiB "
         "(fastft.kernels.tiling.DH_SLICE_BYTES; 0: whole; default: fastft's own)",
     )
 

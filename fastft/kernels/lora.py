@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .swiglu import gated_activation_backward, gated_activation_forward, gated_activation_reference
-from .tiling import dh_slice_columns, mlp_tile_rows
+from .tiling import dh_slice_rows, mlp_tile_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,9 +98,9 @@ class AdapterComputeCopies:
     """Copies of fp32 LoRA weights in the compute dtype, written for a whole model in one multi-tensor copy.
 
     The fused functions need each fp32 adapter in the compute dtype where they use it: in the forward, again
-    in an activation-checkpointing recompute, and in the backward (which reuses its forward's). Cast there,
-    that is one multi-tensor copy per fused call (`_compute_weights`; 6 launches per decoder layer and step,
-    28 when each adapter was cast alone). `refresh` writes every copy at once (``torch._foreach_copy_``) at the start of a
+    in an activation-checkpointing recompute, and in the backward. Cast there, that is about 40 small cast
+    launches per decoder layer and step (110 us of GPU time per Llama-3.1-8B layer on an H200 at 2x2048
+    tokens, 1 % of the step). `refresh` writes every copy at once (``torch._foreach_copy_``) at the start of a
     training forward (`fastft.patch` calls it from a pre-hook on the decoder), and `compute_weight` hands a
     function the copy while the weight is unchanged since -- its version counter has not moved -- or else
     casts as before, so a weight the optimizer (or anything else in place) has changed is never read stale.
@@ -146,37 +146,18 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "full_tensor")
 
 
-def compute_weight(weight: torch.Tensor, dtype: torch.dtype, cast: bool = True) -> torch.Tensor | None:
-    """`weight` in `dtype`: its `AdapterComputeCopies` copy while that is current, else a cast (None with
-    ``cast=False``: the caller casts, see `_compute_weights`)."""
+def compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` in `dtype`: its `AdapterComputeCopies` copy while that is current, else a cast."""
     if weight.dtype == dtype:
         return weight
     kept = weight.__dict__.get("_fastft_compute_copy")
     if kept is not None and kept[0].dtype == dtype and kept[1] == weight._version:
         return kept[0]
-    return weight.to(dtype) if cast or _is_sharded(weight) else None  # a DTensor casts as itself
+    return weight.to(dtype)
 
 
 def _compute_weights(tensors, dtype: torch.dtype) -> tuple:
-    """Each of `tensors` (None passes through) in `dtype`, as `compute_weight` gives it; those that need a
-    cast are cast together, in one multi-tensor copy (``torch._foreach_copy_``) rather than one launch each.
-
-    A decoder layer's fused functions take 14 adapters (7 projections) and run twice per step under
-    activation checkpointing: 28 cast launches a layer, about 900 a Llama-3.1-8B step, cut to 6 a layer.
-    The copies live as long as the call's ``ctx`` (one layer's backward), not through the step as
-    `AdapterComputeCopies` keeps them.
-    """
-    out = [None if t is None else compute_weight(t, dtype, cast=False) for t in tensors]
-    pending = [i for i, (t, c) in enumerate(zip(tensors, out, strict=True)) if t is not None and c is None]
-    if len(pending) == 1:
-        out[pending[0]] = tensors[pending[0]].to(dtype)
-    elif pending:
-        copies = [torch.empty(tensors[i].shape, dtype=dtype, device=tensors[i].device) for i in pending]
-        with torch.no_grad():
-            torch._foreach_copy_(copies, [tensors[i] for i in pending])
-        for i, copy in zip(pending, copies, strict=True):
-            out[i] = copy
-    return tuple(out)
+    return tuple(None if t is None else compute_weight(t, dtype) for t in tensors)
 
 
 def _mm_in(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -394,21 +375,19 @@ class LoraMLPFunction(torch.autograd.Function):
             if a_d is not None:
                 dha = _scaled(torch.mm(dy, cb_d), s_d, True)
                 grads["b_d"] = _scaled(_mm_in(dy.t(), ha, b_d.dtype), s_d, True)
-            # dh in column slices (`fastft.kernels.tiling.DH_SLICE_BYTES`), each turned at once into h, dg, du
-            # over itself and the same columns of the saved g, u: two [N, I] tensors held, not three
+            # dh in row slices (`fastft.kernels.tiling.DH_SLICE_BYTES`), each turned at once into h, dg, du
+            # over itself and the saved g, u rows: two [N, I] tensors held, not three
             down_weight = down.dense(dtype)
-            step = dh_slice_columns(dy.shape[0], g.shape[1], g.element_size())
-            a_d_parts = []
-            for cols in _tiles(g.shape[1], step):
-                dh = None if dha is None else torch.mm(dha, ca_d[:, cols])
-                dh = _accumulate(dh, dy, down_weight[:, cols])
-                h, _, _ = _activate_backward(dh, g[:, cols], u[:, cols], ctx.kind)
+            step = dh_slice_rows(dy.shape[0], g.shape[1], g.element_size())
+            for rows in _tiles(dy.shape[0], step):
+                dh = None if dha is None else torch.mm(dha[rows], ca_d)
+                dh = _accumulate(dh, dy[rows], down_weight)
+                h, _, _ = _activate_backward(dh, g[rows], u[rows], ctx.kind)
                 if dha is not None:
-                    a_d_parts.append(_mm_in(dha.t(), h, a_d.dtype))
+                    part = _mm_in(dha[rows].t(), h, a_d.dtype)
+                    grads["a_d"] = part if "a_d" not in grads else grads["a_d"].add_(part)
                 del h, dh
-            if a_d_parts:
-                grads["a_d"] = torch.cat(a_d_parts, 1) if len(a_d_parts) > 1 else a_d_parts[0]
-            del dy, down_weight, a_d_parts
+            del dy, down_weight
             dg, du = g, u
             dx = None
             dxa_parts, a_parts = [], []

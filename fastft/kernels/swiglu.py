@@ -286,11 +286,6 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
-def _rows_view(x: torch.Tensor) -> bool:
-    """Whether `x` can be written through `_as_rows` (a view, not a copy)."""
-    return x.is_contiguous() or (x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1))
-
-
 def _launch_config(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
     block = min(_BLOCK_SIZE_MAX, triton.next_power_of_2(n_cols))
     col_blocks = triton.cdiv(n_cols, block)
@@ -357,18 +352,15 @@ def gated_activation_backward(
     ``gate``; one not asked for (``need_dgate`` / ``need_dup`` false) is ``None`` and is not computed.
     ``out_dgate`` / ``out_dup`` give the buffers to write the gradients into (they may be ``gate`` / ``up``
     themselves); ``out_h`` asks for ``h = act(gate) * up`` as well, written there (it may be ``dh``). Out
-    buffers are shaped like ``gate`` and contiguous, or 2-D with unit column stride (a column slice of a
-    wider tensor: the backward of the fused MLP writes ``dg``/``du`` over column slices of ``g``/``u``).
+    buffers must be contiguous and shaped like ``gate``.
     """
     _check_kind(kind)
     _check_operands(gate, up)
     if dh.shape != gate.shape:
         raise ValueError(f"dh must have the shape of gate, got {tuple(dh.shape)} and {tuple(gate.shape)}")
     for out in (out_dgate, out_dup, out_h):
-        if out is not None and (out.shape != gate.shape or not _rows_view(out)):
-            raise ValueError(
-                "out buffers must be shaped like gate, and contiguous or 2-D with unit column stride"
-            )
+        if out is not None and (out.shape != gate.shape or not out.is_contiguous()):
+            raise ValueError("out buffers must be contiguous tensors shaped like gate")
 
     def _buffer(out, needed):
         if not needed:

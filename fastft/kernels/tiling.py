@@ -27,27 +27,24 @@ a 0.77 GiB request with about as much free; with expandable segments it trained 
 from __future__ import annotations
 
 # Whether `fastft.patch` keeps 16-bit compute copies of the adapters (`fastft.kernels.lora.AdapterComputeCopies`,
-# read when a model is patched): one multi-tensor cast of every adapter per step instead of one per fused
-# call (6 per decoder layer; 28 when each adapter was cast alone), for 2 bytes per adapter parameter held
-# through the step (Llama-3.1-8B r=16: 80 MiB). Off since 2026-12-06: on `fastft bench sft` (H100, bf16,
-# 4,096-token chat bins) the copies cost 0.07-0.08 GiB of peak for 0.6 % of tokens/s under a CUDA graph and
-# nothing measurable under TRL (`fastft bench sft --adapter-copies on|off`; NF4 2 x 2,048 on `fastft bench
-# step`: 0.3 % for 0.076 GiB; both measured against the 28 single casts).
+# read when a model is patched): one multi-tensor cast of every adapter per step instead of about 28 small
+# casts per decoder layer, for 2 bytes per adapter parameter held through the step (Llama-3.1-8B r=16:
+# 80 MiB). Off since 2026-12-06: on `fastft bench sft` (H100, bf16, 4,096-token chat bins) the copies
+# cost 0.07-0.08 GiB of peak for 0.6 % of tokens/s under a CUDA graph and nothing measurable under TRL
+# (`fastft bench sft --adapter-copies on|off`; NF4 2 x 2,048 on `fastft bench step`: 0.3 % for 0.076 GiB).
 # Here, not in `fastft.models.patch`, so that the VRAM estimator reads it without torch.
 ADAPTER_COMPUTE_COPIES = False
 TILE_BYTES = 256 << 20
 TILE_FROM_BYTES = TILE_BYTES
 TILE_ROW_MULTIPLE = 64
-# The untiled MLP's backward makes its ``dh`` (``[N, I]``, the gradient at the activation's output) in column
+# The untiled MLP's backward makes its ``dh`` (``[N, I]``, the gradient at the activation's output) in row
 # slices of at most this many bytes: each slice is consumed at once by the activation's backward, which
-# writes ``dg``/``du`` over the same columns of the saved ``g``/``u``. The untiled backward then holds two
-# ``[N, I]`` tensors where it held three (Llama-3.1-8B at 4,096 tokens: 84 MiB less at the step's peak).
-# Columns, not rows: a slice's down-projection GEMM keeps all N rows, so the slices together run as many
-# GEMM tiles as the whole. Row slices of 1,024 rows cost 1.4 % of an NF4 step on an H100 (2 x 2,048 tokens,
-# graph replays; `benchmarks/step_nf4_causes_h100_2026-12-06.json`): cuBLAS tiles 320 rows, and 1,024 rows
-# fill 80 % of four tiles. `fastft bench step|sft --dh-slice-mib N` (0: whole) is the A/B.
+# writes ``dg``/``du`` over the saved ``g``/``u``. The untiled backward then holds two ``[N, I]`` tensors
+# where it held three (Llama-3.1-8B at 4,096 tokens: 84 MiB less at the step's peak). The price, measured
+# on an H100 (NF4, 2 x 2,048 tokens, graph replays; `benchmarks/step_nf4_causes_h100_2026-12-06.json`): 1.4 %
+# of the step for 0.074 GiB of its peak, from four short down-projection GEMMs and each slice's own kernels.
+# `fastft bench step|sft --dh-slice-mib N` (0: whole) is the A/B.
 DH_SLICE_BYTES = 32 << 20
-DH_SLICE_COLUMN_MULTIPLE = 128
 
 
 def mlp_tile_rows(rows: int, intermediate: int, element_size: int) -> int | None:
@@ -61,15 +58,15 @@ def mlp_tile_rows(rows: int, intermediate: int, element_size: int) -> int | None
     return -(-per_tile // TILE_ROW_MULTIPLE) * TILE_ROW_MULTIPLE
 
 
-def dh_slice_columns(rows: int, intermediate: int, element_size: int) -> int:
-    """Columns per slice of the untiled backward's ``dh`` (`DH_SLICE_BYTES`, balanced, a multiple of 128
-    columns, a GEMM tile's width; all `intermediate` columns when one slice holds them)."""
-    most = max(DH_SLICE_COLUMN_MULTIPLE, DH_SLICE_BYTES // max(1, rows * element_size))
-    if intermediate <= most:
-        return intermediate
-    slices = -(-intermediate // most)
-    per_slice = -(-intermediate // slices)
-    return -(-per_slice // DH_SLICE_COLUMN_MULTIPLE) * DH_SLICE_COLUMN_MULTIPLE
+def dh_slice_rows(rows: int, intermediate: int, element_size: int) -> int:
+    """Rows per slice of the untiled backward's ``dh`` (`DH_SLICE_BYTES`, balanced, a multiple of 64 rows;
+    all `rows` when one slice holds them)."""
+    most = max(TILE_ROW_MULTIPLE, DH_SLICE_BYTES // (intermediate * element_size))
+    if rows <= most:
+        return rows
+    slices = -(-rows // most)
+    per_slice = -(-rows // slices)
+    return -(-per_slice // TILE_ROW_MULTIPLE) * TILE_ROW_MULTIPLE
 
 
 def mlp_tile_bytes(rows: int, intermediate: int, element_size: int) -> int:
@@ -81,10 +78,9 @@ def mlp_tile_bytes(rows: int, intermediate: int, element_size: int) -> int:
 
 __all__ = [
     "DH_SLICE_BYTES",
-    "DH_SLICE_COLUMN_MULTIPLE",
     "TILE_BYTES",
     "TILE_FROM_BYTES",
-    "dh_slice_columns",
+    "dh_slice_rows",
     "mlp_tile_bytes",
     "mlp_tile_rows",
 ]

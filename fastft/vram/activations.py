@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastft.kernels.tiling import dh_slice_columns, mlp_tile_bytes, mlp_tile_rows
+from fastft.kernels.tiling import dh_slice_rows, mlp_tile_bytes, mlp_tile_rows
 from fastft.models.fusion import FusionPlan, plan
 from fastft.vram.inventory import LayerInfo, LinearInfo, ModelInventory
 
@@ -461,7 +461,7 @@ def backward_workspace_bytes(
     two moments (the MLP's backward runs first, the attention's after it).
 
     MLP: the gradient arriving at the layer and the MLP's own buffers: fused, the MLP's ``dx`` (``dh`` is
-    made in column slices of a fixed size, `fastft.kernels.tiling.dh_slice_columns`, and the other ``[N, I]``
+    made in row slices of a fixed size, `fastft.kernels.tiling.dh_slice_rows`, and the other ``[N, I]``
     gradients are written over the saved ``g`` and ``u``; a tiled MLP's tiles are a fixed size too: both
     are added by `backward_workspace`); transformers, the gradient leaving the layer and the gradients of
     the gate, up and activation outputs. Attention: the gradients into and out of the layer,
@@ -473,14 +473,14 @@ def backward_workspace_bytes(
 
 def mlp_backward_fixed_bytes(layer: LayerInfo, profile: Profile, tokens: int) -> int:
     """The fused MLP's backward working set that does not grow with the tokens: a tiled MLP's three
-    ``[tile, I]`` tensors (`mlp_tile_workspace`), or the untiled one's ``dh`` slice (``[N, slice]``)."""
+    ``[tile, I]`` tensors (`mlp_tile_workspace`), or the untiled one's ``dh`` slice (``[slice, I]``)."""
     if layer.moe or not profile.fused_mlp or not tokens:
         return 0
     tile = mlp_tile_workspace(layer, profile, tokens)
     if tile:
         return tile
     width = _width(layer, "gate_proj", 0)
-    return tokens * dh_slice_columns(tokens, width, profile.compute) * profile.compute
+    return dh_slice_rows(tokens, width, profile.compute) * width * profile.compute
 
 
 def backward_workspace(

@@ -131,7 +131,7 @@ def test_fused_mlp_saves_two_intermediate_tensors_not_four():
         _projection(intermediate, hidden, 2, torch.float32, generator),
         _projection(hidden, intermediate, 2, torch.float32, generator),
     ]
-    x = torch.randn(tokens, hidden, generator=generator, device=DEVICE, requires_grad=True)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE).requires_grad_()
     y = lora_mlp(
         x, *[p[0] for p in projections], (1.0, 1.0, 1.0), "swiglu", [(p[1], p[2]) for p in projections]
     )
@@ -167,7 +167,7 @@ def test_nf4_base_is_dequantised_on_use(nested):
 def test_autocast_dtype_is_the_compute_dtype():
     generator = torch.Generator().manual_seed(2)
     projection = _projection(32, 16, 4, torch.float32, generator)
-    x = torch.randn(3, 16, generator=generator, device=DEVICE, requires_grad=True)
+    x = torch.randn(3, 16, generator=generator).to(DEVICE).requires_grad_()
     device_type = "cuda" if DEVICE == "cuda" else "cpu"
     with torch.autocast(device_type, dtype=torch.bfloat16):
         (y,) = lora_linears(x, [projection[0]], [1.0], [(projection[1], projection[2])])
@@ -233,7 +233,7 @@ def test_checkpointed_mlp_skips_the_down_projection_only_when_its_output_is_disc
         y = lora_mlp(x, *[p[0] for p in projections], (1.0, 2.0, 0.5), "swiglu", adapters, discarded)
         return y + x if discarded else y * torch.sigmoid(x[:, :1]) + x
 
-    x = torch.randn(7, 16, generator=generator, device=DEVICE, requires_grad=True)
+    x = torch.randn(7, 16, generator=generator).to(DEVICE).requires_grad_()
     leaves = _leaves(x, projections)
     plain = torch.autograd.grad(mlp(x).square().sum(), leaves)
     calls.clear()
@@ -302,11 +302,10 @@ def test_tiled_mlp_matches_the_untiled_mlp_and_the_reference(dtype, kind, ranks)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ranks", [(4, 4, 4), (0, 0, 6), (4, 0, 0)])
-def test_untiled_backward_makes_dh_in_column_slices_with_the_same_gradients(dtype, ranks, monkeypatch):
-    """The untiled function's backward builds ``dh`` 128 columns at a time when a slice is capped (173
-    columns: two slices, the last 45 columns wide, each written over strided columns of the saved gate and
-    up outputs): every gradient equals one whole ``dh``'s and PEFT's formula, and no ``[N, I]`` tensor beyond
-    the saved gate and up outputs is made."""
+def test_untiled_backward_makes_dh_in_row_slices_with_the_same_gradients(dtype, ranks, monkeypatch):
+    """The untiled function's backward builds ``dh`` 64 rows at a time when a slice is capped (301 rows: five
+    slices, the last 45 rows): every gradient equals one whole ``dh``'s and PEFT's formula, and no
+    ``[N, I]`` tensor beyond the saved gate and up outputs is made."""
     from fastft.kernels import tiling
 
     generator = torch.Generator().manual_seed(7 + sum(ranks))
@@ -343,11 +342,11 @@ def test_untiled_backward_makes_dh_in_column_slices_with_the_same_gradients(dtyp
         assert y.grad_fn.__class__.__name__ == LoraMLPFunction.__name__ + "Backward"
         return torch.autograd.grad((y.float() * weight).sum(), leaves)
 
-    assert tiling.dh_slice_columns(tokens, intermediate, x.element_size()) == intermediate
+    assert tiling.dh_slice_rows(tokens, intermediate, x.element_size()) == tokens
     whole = gradients(tiling.DH_SLICE_BYTES)
     assert slices == [(tokens, intermediate)]
     sliced = gradients(1)
-    assert slices == [(tokens, 128), (tokens, 45)]
+    assert slices == [(64, intermediate)] * 4 + [(45, intermediate)]
 
     reference = [_fp32(p) for p in projections]
     x32 = x.detach().float().requires_grad_()
@@ -360,17 +359,16 @@ def test_untiled_backward_makes_dh_in_column_slices_with_the_same_gradients(dtyp
         assert _rel(got, same) <= (1e-6 if dtype == torch.float32 else TOLERANCE[dtype])
 
 
-def test_dh_slices_are_balanced_multiples_of_128_columns():
-    from fastft.kernels.tiling import DH_SLICE_BYTES, dh_slice_columns
+def test_dh_slices_are_balanced_multiples_of_64_rows():
+    from fastft.kernels.tiling import DH_SLICE_BYTES, dh_slice_rows
 
     assert DH_SLICE_BYTES == 32 << 20
-    assert dh_slice_columns(4096, 14336, 2) == 3584  # Llama-3.1-8B: four slices of 28 MiB
-    assert dh_slice_columns(1000, 14336, 2) == 14336  # one slice holds them
-    assert dh_slice_columns(4096, 18944, 2) == 3840  # Qwen2.5-7B's 18,944: five slices, the last 3,584 wide
+    assert dh_slice_rows(4096, 14336, 2) == 1024  # Llama-3.1-8B: four slices of 28 MiB
+    assert dh_slice_rows(1000, 14336, 2) == 1000  # one slice holds them
     for rows in (1171, 4097, 9362):
-        step = dh_slice_columns(rows, 14336, 2)
-        assert step % 128 == 0 and rows * step * 2 <= DH_SLICE_BYTES + rows * 128 * 2
-        assert -(-14336 // step) == -(-14336 // (DH_SLICE_BYTES // (rows * 2)))
+        step = dh_slice_rows(rows, 14336, 2)
+        assert step % 64 == 0 and step * 14336 * 2 <= DH_SLICE_BYTES + 64 * 14336 * 2
+        assert -(-rows // step) == -(-rows // (DH_SLICE_BYTES // (14336 * 2)))
 
 
 def test_tiled_mlp_saves_only_its_input():

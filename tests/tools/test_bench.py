@@ -138,9 +138,9 @@ def test_the_benches_switch_fastft_s_two_memory_trades_for_an_a_b(tmp_path, monk
     default = {"adapter_copies": tiling.ADAPTER_COMPUTE_COPIES, "dh_slice_bytes": tiling.DH_SLICE_BYTES}
     assert set_memory_trades() == default
     assert set_memory_trades(dh_slice_mib=64)["dh_slice_bytes"] == 64 << 20
-    assert tiling.dh_slice_columns(4096, 14336, 2) == 7168  # Llama-3.1-8B at 4,096 tokens: two slices
+    assert tiling.dh_slice_rows(4096, 14336, 2) == 2048  # Llama-3.1-8B at 4,096 tokens: two slices
     assert set_memory_trades(dh_slice_mib=0)["dh_slice_bytes"] >= 1 << 60
-    assert tiling.dh_slice_columns(100_000, 14336, 2) == 14336  # whole
+    assert tiling.dh_slice_rows(100_000, 14336, 2) == 100_000  # whole
     with pytest.raises(ValueError, match="'on' or 'off'"):
         set_memory_trades(adapter_copies="yes")
     with pytest.raises(ValueError, match="no slices"):
