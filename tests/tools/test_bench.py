@@ -722,3 +722,88 @@ def test_kernel_totals_profiles_the_step_worker_of_the_current_directory_and_dif
         == 0
     )
     assert capsys.readouterr().out.count("\n") == 5  # header, rule, three rows
+
+
+_FAKE_STEP = """
+import argparse, json, os, pathlib, sys
+parser = argparse.ArgumentParser()
+parser.add_argument("--systems"); parser.add_argument("--workloads"); parser.add_argument("--out")
+parser.add_argument("--cuda-graph")
+args = parser.parse_args()
+here = pathlib.Path(__file__).resolve().parents[2]
+log = here.parent / "order.log"
+runs = log.read_text().count(here.name) if log.exists() else 0
+log.write_text((log.read_text() if log.exists() else "") + here.name + " " + str(args.cuda_graph) + "\\n")
+speeds = json.loads((here / "speeds.json").read_text())
+if speeds.get("fail_on_run") == runs:
+    sys.exit("out of memory")
+results = [
+    {"system": "fastft", "workload": w, "tokens_per_s": speeds[w][runs], "peak_gib": 6.5}
+    for w in args.workloads.split(",")
+]
+pathlib.Path(args.out).write_text(json.dumps({"results": results}))
+"""
+
+
+def _fake_tree(root, name, speeds):
+    tree = root / name
+    (tree / "fastft" / "bench").mkdir(parents=True)
+    (tree / "fastft" / "__init__.py").write_text("")
+    (tree / "fastft" / "bench" / "__init__.py").write_text("")
+    (tree / "fastft" / "bench" / "step.py").write_text(_FAKE_STEP)
+    (tree / "speeds.json").write_text(json.dumps(speeds))
+    return tree
+
+
+def test_step_ab_alternates_two_trees_abba_and_reads_the_ratio_against_each_side_s_spread(tmp_path, capsys):
+    """`benchmarks/step_ab.py` (issue 23's "nothing regresses" needs a percent read against noise) runs each
+    tree's `fastft bench step` in turn, ABBA, imports fastft from that tree, forwards what follows ``--``, and
+    calls a ratio slower or faster only outside both sides' own spread; a failed run is reported, not fatal."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("step_ab", root / "benchmarks" / "step_ab.py")
+    step_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_ab)
+    assert step_ab.order(3) == [
+        (0, "before"),
+        (0, "after"),
+        (1, "after"),
+        (1, "before"),
+        (2, "before"),
+        (2, "after"),
+    ]
+
+    # nf4: after is 5 % slower, far outside the 1 % spreads; bf16: 0.5 % apart inside a 2 % spread
+    before = _fake_tree(
+        tmp_path, "old", {"nf4:2x2048": [1000, 1010, 1005], "bf16:2x2048": [2000, 2040, 2020]}
+    )
+    after = _fake_tree(tmp_path, "new", {"nf4:2x2048": [950, 955, 960], "bf16:2x2048": [2010, 2030, 1990]})
+    out = tmp_path / "ab.json"
+    argv = ["--before", str(before), "--after", str(after), "--rounds", "3", "--out", str(out)]
+    assert step_ab.main([*argv, "--", "--cuda-graph", "off"]) == 0
+    assert (tmp_path / "order.log").read_text().split("\n")[:6] == [
+        f"{name} off" for name in ("old", "new", "new", "old", "old", "new")
+    ]
+    result = json.loads(out.read_text())
+    nf4, bf16 = result["summary"]
+    assert nf4["workload"] == "nf4:2x2048" and nf4["tokens_per_s"]["before"] == [1000, 1010, 1005]
+    assert nf4["ratios"] == pytest.approx([0.95, 955 / 1010, 960 / 1005])
+    assert nf4["median_ratio"] == pytest.approx(0.95) and nf4["verdict"] == "slower"
+    assert bf16["spread"]["before"] == pytest.approx(0.02) and bf16["verdict"] == "within noise"
+    table = capsys.readouterr().out
+    assert "| nf4:2x2048 | 1,000, 1,010, 1,005 | 950, 955, 960 |" in table and "| slower |" in table
+
+    # a run that fails (its round drops out of the ratios) is named with its error; a wrong tree is refused
+    (before / "speeds.json").write_text(
+        json.dumps({"nf4:2x2048": [1000, 1010], "bf16:2x2048": [1, 1], "fail_on_run": 0})
+    )
+    (tmp_path / "order.log").unlink()
+    assert step_ab.main([*argv[:-2], "--rounds", "2", "--out", str(out), "--", "--cuda-graph", "on"]) == 0
+    nf4 = json.loads(out.read_text())["summary"][0]
+    assert nf4["errors"] == ["before round 0: rc 1: out of memory"]
+    assert nf4["ratios"] == pytest.approx([955 / 1010])  # round 1: before ran second, after first
+    assert nf4["verdict"].endswith("(one round: no spread to read against)")
+    with pytest.raises(SystemExit):
+        step_ab.main(["--before", str(tmp_path), "--out", str(out)])
