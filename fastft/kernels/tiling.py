@@ -31,7 +31,8 @@ from __future__ import annotations
 # casts per decoder layer, for 2 bytes per adapter parameter held through the step (Llama-3.1-8B r=16:
 # 80 MiB). Off since 2026-12-06: on `fastft bench sft` (H100, bf16, 4,096-token chat bins) the copies
 # cost 0.07-0.08 GiB of peak for 0.6 % of tokens/s under a CUDA graph and nothing measurable under TRL
-# (`fastft bench sft --adapter-copies on|off`; NF4 2 x 2,048 on `fastft bench step`: 0.3 % for 0.076 GiB).
+# (`fastft bench sft --adapter-copies on|off`; NF4 2 x 2,048 on `fastft bench step`: 0.3 % for 0.076 GiB, one
+# pair of runs). Casting each fused call's adapters in one multi-tensor copy instead measured within noise.
 # Here, not in `fastft.models.patch`, so that the VRAM estimator reads it without torch.
 ADAPTER_COMPUTE_COPIES = False
 TILE_BYTES = 256 << 20
@@ -40,10 +41,12 @@ TILE_ROW_MULTIPLE = 64
 # The untiled MLP's backward makes its ``dh`` (``[N, I]``, the gradient at the activation's output) in row
 # slices of at most this many bytes: each slice is consumed at once by the activation's backward, which
 # writes ``dg``/``du`` over the saved ``g``/``u``. The untiled backward then holds two ``[N, I]`` tensors
-# where it held three (Llama-3.1-8B at 4,096 tokens: 84 MiB less at the step's peak). The price, measured
-# on an H100 (NF4, 2 x 2,048 tokens, graph replays; `benchmarks/step_nf4_causes_h100_2026-12-06.json`): 1.4 %
-# of the step for 0.074 GiB of its peak, from four short down-projection GEMMs and each slice's own kernels.
-# `fastft bench step|sft --dh-slice-mib N` (0: whole) is the A/B.
+# where it held three (Llama-3.1-8B at 4,096 tokens: 84 MiB less at the step's peak). The price: one pair of
+# runs on an H100 read 1.4 % of an NF4 2 x 2,048 step for 0.074 GiB of its peak
+# (`benchmarks/step_nf4_causes_h100_2026-12-06.json`), but later runs put sliced and whole within the
+# 0.7 % that one tree moves between processes (`benchmarks/step_variants_h100_2026-12-06.json`; column
+# slices were no better). `fastft bench step|sft --dh-slice-mib N` (0: whole) is the A/B, and
+# `benchmarks/step_ab.py` the way to read a percent.
 DH_SLICE_BYTES = 32 << 20
 
 
