@@ -19,7 +19,9 @@ directory), so a tree can be a `git archive` of any commit:
     python benchmarks/step_ab.py --before filing --after . --workloads nf4:2x2048,bf16:2x2048 --rounds 3
 
 Arguments after ``--`` go to both sides' `fastft bench step` (``-- --cuda-graph off``). Each run is a fresh
-process, so every run loads its model again; the first run saves the random checkpoint both sides reuse.
+process, so every run loads its model again; the first run saves the random checkpoint both sides reuse. The
+record is rewritten after every run, so an A/B cut off by a time limit keeps its complete rounds; a run past
+``--timeout`` is killed with the bench's worker processes and named in the record.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,10 +59,28 @@ def run_side(tree: Path, workloads: str, extra: list[str], timeout: float) -> di
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
         }
-        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0 or not out.exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            return {w: {"error": f"rc {done.returncode}: {' | '.join(tail)}"} for w in workloads.split(",")}
+        # its own session, so that a timeout kills the bench's worker processes too (left running, they
+        # would hold the GPU under the next run)
+        process = subprocess.Popen(
+            command,
+            cwd=tree,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            return {w: {"error": f"timed out after {timeout:g} s"} for w in workloads.split(",")}
+        if process.returncode != 0 or not out.exists():
+            tail = (stderr or stdout).strip().splitlines()[-3:]
+            return {
+                w: {"error": f"rc {process.returncode}: {' | '.join(tail)}"} for w in workloads.split(",")
+            }
         results = json.loads(out.read_text())["results"]
     figures = {}
     for result in results:
@@ -154,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     for side, tree in trees.items():
         if not (tree / "fastft" / "bench" / "step.py").exists():
             parser.error(f"--{side} {tree}: no fastft/bench/step.py there (give a source tree of fastft)")
-    runs = []
+    runs: list[dict] = []
+    workloads = args.workloads.split(",")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for round_, side in order(args.rounds):
         print(f"round {round_ + 1}/{args.rounds}: {side} ({trees[side]})", flush=True)
         figures = run_side(trees[side], args.workloads, extra, args.timeout)
@@ -164,17 +188,15 @@ def main(argv: list[str] | None = None) -> int:
                 figure.get("error") or f"{figure['tokens_per_s']:,.0f} tokens/s, {figure['peak_gib']:.2f} GiB"
             )
             print(f"  {workload}: {shown}", flush=True)
-    rows = summarise(runs, args.workloads.split(","))
-    print(table(rows))
-    output = {
-        "benchmark": "step_ab",
-        "trees": {side: str(tree) for side, tree in trees.items()},
-        "bench_step_args": ["--workloads", args.workloads, *extra],
-        "runs": runs,
-        "summary": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(output, indent=2) + "\n")
+        output = {
+            "benchmark": "step_ab",
+            "trees": {side: str(tree) for side, tree in trees.items()},
+            "bench_step_args": ["--workloads", args.workloads, *extra],
+            "runs": runs,
+            "summary": summarise(runs, workloads),
+        }
+        out.write_text(json.dumps(output, indent=2) + "\n")  # after every run: a cut-off A/B keeps its rounds
+    print(table(output["summary"]))
     return 0
 
 

@@ -737,6 +737,11 @@ log.write_text((log.read_text() if log.exists() else "") + here.name + " " + str
 speeds = json.loads((here / "speeds.json").read_text())
 if speeds.get("fail_on_run") == runs:
     sys.exit("out of memory")
+if speeds.get("hang_on_run") == runs:  # a bench stuck with a worker process of its own
+    import subprocess, time
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (here.parent / "worker.pid").write_text(str(worker.pid))
+    time.sleep(60)
 results = [
     {"system": "fastft", "workload": w, "tokens_per_s": speeds[w][runs], "peak_gib": 6.5}
     for w in args.workloads.split(",")
@@ -760,6 +765,8 @@ def test_step_ab_alternates_two_trees_abba_and_reads_the_ratio_against_each_side
     tree's `fastft bench step` in turn, ABBA, imports fastft from that tree, forwards what follows ``--``, and
     calls a ratio slower or faster only outside both sides' own spread; a failed run is reported, not fatal."""
     import importlib.util
+    import os
+    import time
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
@@ -805,5 +812,26 @@ def test_step_ab_alternates_two_trees_abba_and_reads_the_ratio_against_each_side
     assert nf4["errors"] == ["before round 0: rc 1: out of memory"]
     assert nf4["ratios"] == pytest.approx([955 / 1010])  # round 1: before ran second, after first
     assert nf4["verdict"].endswith("(one round: no spread to read against)")
+    # a run past --timeout is killed and named; the record holds every run so far
+    (before / "speeds.json").write_text(json.dumps({"nf4:2x2048": [1000]}))
+    (after / "speeds.json").write_text(json.dumps({"nf4:2x2048": [950], "hang_on_run": 0}))
+    (tmp_path / "order.log").unlink()
+    argv = ["--before", str(before), "--after", str(after), "--workloads", "nf4:2x2048", "--out", str(out)]
+    started = time.monotonic()
+    assert step_ab.main([*argv, "--rounds", "1", "--timeout", "3"]) == 0
+    assert time.monotonic() - started < 30  # not held until the stuck worker's 60 s are up
+    result = json.loads(out.read_text())
+    assert [run["side"] for run in result["runs"]] == ["before", "after"]
+    assert result["summary"][0]["errors"] == ["after round 0: timed out after 3 s"]
+    assert result["summary"][0]["verdict"] == "no complete round"
+    worker = int((tmp_path / "worker.pid").read_text())
+    for _ in range(50):  # killed with its bench (its own session's process group), then reaped by init
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the timed-out bench's worker {worker} still runs")
     with pytest.raises(SystemExit):
         step_ab.main(["--before", str(tmp_path), "--out", str(out)])
