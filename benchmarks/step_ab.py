@@ -76,6 +76,9 @@ def run_side(tree: Path, workloads: str, extra: list[str], timeout: float) -> di
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
             return {w: {"error": f"timed out after {timeout:g} s"} for w in workloads.split(",")}
+        except BaseException:  # Ctrl-C: its own session does not get the terminal's signal, so end it here
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
         if process.returncode != 0 or not out.exists():
             tail = (stderr or stdout).strip().splitlines()[-3:]
             return {
