@@ -142,22 +142,23 @@ def summarise(runs: list[dict], workloads: list[str]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| workload | before tokens/s | after tokens/s | ratios after/before | median | noise (spread) | verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    """The summary as markdown (`fastft.bench.common.markdown_table`, from this script's own repository)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fastft.bench.common import markdown_table
+
+    cells = []
     for row in rows:
-        if "ratios" not in row:
-            lines.append(f"| {row['workload']} | – | – | – | – | – | {row['verdict']} |")
-            continue
-        before, after = (", ".join(f"{v:,.0f}" for v in row["tokens_per_s"][side]) for side in SIDES)
-        ratios = ", ".join(f"{r:.3f}" for r in row["ratios"])
-        noise = " / ".join(f"{100 * row['spread'][side]:.1f} %" for side in SIDES)
-        lines.append(
-            f"| {row['workload']} | {before} | {after} | {ratios} | {row['median_ratio']:.3f} | {noise} |"
-            f" {row['verdict']} |"
-        )
-    return "\n".join(lines)
+        cell = {"workload": row["workload"], "verdict": row["verdict"]}
+        if "ratios" in row:
+            for side in SIDES:
+                cell[side] = ", ".join(f"{v:,.0f}" for v in row["tokens_per_s"][side])
+            cell["ratios"] = ", ".join(f"{r:.3f}" for r in row["ratios"])
+            cell["median"] = f"{row['median_ratio']:.3f}"
+            cell["noise"] = " / ".join(f"{100 * row['spread'][side]:.1f} %" for side in SIDES)
+        cells.append(cell)
+    columns = [("workload", "workload"), ("before", "before tokens/s"), ("after", "after tokens/s")]
+    columns += [("ratios", "ratios after/before"), ("median", "median"), ("noise", "noise (spread)")]
+    return markdown_table(cells, [*columns, ("verdict", "verdict")])
 
 
 def main(argv: list[str] | None = None) -> int:

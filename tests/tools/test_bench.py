@@ -725,7 +725,7 @@ def test_kernel_totals_profiles_the_step_worker_of_the_current_directory_and_dif
 
 
 _FAKE_STEP = """
-import argparse, json, os, pathlib, sys
+import argparse, json, pathlib, sys
 parser = argparse.ArgumentParser()
 parser.add_argument("--systems"); parser.add_argument("--workloads"); parser.add_argument("--out")
 parser.add_argument("--cuda-graph")
@@ -802,7 +802,7 @@ def test_step_ab_alternates_two_trees_abba_and_reads_the_ratio_against_each_side
     table = capsys.readouterr().out
     assert "| nf4:2x2048 | 1,000, 1,010, 1,005 | 950, 955, 960 |" in table and "| slower |" in table
 
-    # a run that fails (its round drops out of the ratios) is named with its error; a wrong tree is refused
+    # a run that fails (its round drops out of the ratios) is named with its error
     (before / "speeds.json").write_text(
         json.dumps({"nf4:2x2048": [1000, 1010], "bf16:2x2048": [1, 1], "fail_on_run": 0})
     )
@@ -833,5 +833,6 @@ def test_step_ab_alternates_two_trees_abba_and_reads_the_ratio_against_each_side
         time.sleep(0.1)
     else:
         pytest.fail(f"the timed-out bench's worker {worker} still runs")
+    # a folder without fastft's bench is refused
     with pytest.raises(SystemExit):
         step_ab.main(["--before", str(tmp_path), "--out", str(out)])
