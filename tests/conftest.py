@@ -73,6 +73,17 @@ def _interpreter_for_kernel_tests_only(request, monkeypatch):
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_tests_load_on_the_cpu(request, monkeypatch):
+    """On a GPU host the CPU tests still run on the CPU: `load_model`'s default device (None: the GPU when
+    there is one) would put the model on CUDA while the test builds its batches on the CPU. Only the
+    tests marked ``gpu`` get the GPU by default."""
+    if torch.cuda.is_available() and "gpu" not in request.keywords:
+        import fastft.models.loading as loading
+
+        monkeypatch.setattr(loading, "default_device", lambda: torch.device("cpu"))
+
+
 TEST_HOST_MEMORY = 128 * 2**30  # the host every CPU test's estimate assumes: the H200 machines' 128 GiB
 
 
