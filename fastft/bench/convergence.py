@@ -62,6 +62,7 @@ def summary(values: list[float]) -> dict:
     ordered = sorted(values)
     return {
         "median": ordered[len(ordered) // 2],
+        "p90": ordered[len(ordered) * 9 // 10],
         "worst": max(values),
         "worst_step": values.index(max(values)),
     }
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("fused_vs_unfused", "floor_vs_unfused"):
         s = result[key]
         print(
-            f"{key:>17}: median {100 * s['median']:.2f} %, worst {100 * s['worst']:.2f} % at step {s['worst_step']}"
+            f"{key:>17}: median {100 * s['median']:.2f} %, 90th percentile {100 * s['p90']:.2f} %, "
+            f"worst {100 * s['worst']:.2f} % at step {s['worst_step']}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -187,7 +187,8 @@ def test_convergence_bench_compares_fused_unfused_and_the_noise_floor(tmp_path):
     # the first loss comes before any update: the three runs differ only by rounding
     first = [curve[0] for curve in result["curves"].values()]
     assert max(first) - min(first) <= 1e-3 * max(first)
-    assert result["fused_vs_unfused"]["worst"] >= result["fused_vs_unfused"]["median"] >= 0
+    summary = result["fused_vs_unfused"]
+    assert summary["worst"] >= summary["p90"] >= summary["median"] >= 0
 
 
 def test_moe_bench_times_the_block_three_ways_that_agree(tmp_path):
