@@ -84,6 +84,27 @@ def _cpu_tests_load_on_the_cpu(request, monkeypatch):
         monkeypatch.setattr(loading, "default_device", lambda: torch.device("cpu"))
 
 
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Fused kernels on CPU tensors through the Triton interpreter (without it a CPU takes their PyTorch
+    references). Triton picks interpreter or compiler when a kernel is defined: on a GPU host the kernels
+    were compiled for CUDA at import, and setting the variable now would hand CPU tensors to them, so
+    there the test is skipped (its CUDA twin, where one exists, is marked ``gpu``); on a CPU host it fails."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import fastft.kernels.rms_norm as any_kernel_module
+
+    if not isinstance(any_kernel_module._rms_norm_forward_kernel, InterpretedFunction):
+        if not torch.cuda.is_available():  # a CPU host must run these: never let them skip quietly in CI
+            pytest.fail(
+                "fastft's kernels were not defined under TRITON_INTERPRET=1: set it before pytest starts"
+            )
+        pytest.skip(
+            "fastft's kernels were compiled for the GPU at import: CPU interpreter tests run on CPU hosts"
+        )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 TEST_HOST_MEMORY = 128 * 2**30  # the host every CPU test's estimate assumes: the H200 machines' 128 GiB
 
 

@@ -20,12 +20,6 @@ from fastft.models.patch import LogitsNotComputedError, UnfusedWarning
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
-    """The fused kernels through the Triton interpreter (without it a CPU takes their PyTorch references)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
 def boundary_reads(monkeypatch) -> list:
     """One entry per `PackedBatch.from_position_ids` call: each padding-free batch the packed attention read."""
     reads = []

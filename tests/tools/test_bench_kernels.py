@@ -138,7 +138,7 @@ def test_without_cuda_main_refuses_with_a_clear_message(monkeypatch, tmp_path):
     assert not out.exists()
 
 
-def test_a_tiny_cpu_run_times_fastft_beside_eager(monkeypatch):
+def test_a_tiny_cpu_run_times_fastft_beside_eager(monkeypatch, request):
     """The measuring path itself, interpreted on the CPU at toy sizes (speed is meaningless here)."""
     monkeypatch.setattr(bench, "environment", lambda: {"device": "cpu", "date": "today", "torch": "x"})
     sizes = timing.Sizes(tokens=6, hidden=32, intermediate=48, copy_bytes=2**12)
@@ -155,7 +155,7 @@ def test_a_tiny_cpu_run_times_fastft_beside_eager(monkeypatch):
     assert result["copy"]["bytes_moved"] == 2**13
     assert all(row["fastft_kernel_ms"] is None for row in result["rows"])  # no Triton here: nothing to time
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted, the launchers run alone too
+    request.getfixturevalue("interpreted")  # interpreted, the launchers run alone too
     result = bench.run(["rms_norm", "swiglu", "rope"], timing.Timing(0, 1, 0, 1), sizes, torch.device("cpu"))
     assert all(row["fastft_kernel_ms"] > 0 for row in result["rows"]), result["notes"]
     text = tables.report(result)
