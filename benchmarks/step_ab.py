@@ -15,7 +15,8 @@ temperature falls on both sides, and reports for every workload:
 fastft is imported from each tree (``python -m fastft.bench.step`` runs with the tree as its working
 directory), so a tree can be a `git archive` of any commit:
 
-    mkdir filing && git archive e9acf47^ fastft | tar -x -C filing
+    mkdir filing && git archive e9acf47^ | tar -x -C filing
+    cp -r filing/kernels filing/fastft/kernels   # trees from before the re-layering kept kernels/ at the top
     python benchmarks/step_ab.py --before filing --after . --workloads nf4:2x2048,bf16:2x2048 --rounds 3
 
 Arguments after ``--`` go to both sides' `fastft bench step` (``-- --cuda-graph off``). Each run is a fresh
@@ -34,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SIDES = ("before", "after")
@@ -48,6 +50,31 @@ def order(rounds: int) -> list[tuple[int, str]]:
     return runs
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment a run of `tree` gets: its fastft first on ``PYTHONPATH``."""
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def import_error(tree: Path) -> str | None:
+    """Why `tree`'s fastft cannot run its step bench (its last error line), or None when it imports: checked
+    before the first run, so that a tree missing a package fails in seconds, not after the other side's runs."""
+    check = (
+        "import importlib.util, fastft, fastft.kernels; "
+        "print(fastft.__file__, fastft.kernels.__file__, importlib.util.find_spec('fastft.bench.step').origin)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=tree, env=tree_env(tree), capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        return (done.stderr.strip().splitlines() or [f"rc {done.returncode}"])[-1]
+    # an editable install elsewhere can lend a package the tree lacks (``fastft.kernels`` before the re-layering)
+    for file in done.stdout.split():
+        if not Path(file).resolve().is_relative_to(tree):
+            return f"{file} comes from outside the tree"
+    return None
+
+
 def run_side(tree: Path, workloads: str, extra: list[str], timeout: float) -> dict[str, dict]:
     """One `fastft bench step` run of fastft in `tree`: ``{workload: {tokens_per_s, peak_gib}}`` (a failed
     workload carries ``error``)."""
@@ -55,16 +82,12 @@ def run_side(tree: Path, workloads: str, extra: list[str], timeout: float) -> di
         out = Path(folder) / "step.json"
         command = [sys.executable, "-m", "fastft.bench.step", "--systems", "fastft", "--workloads", workloads]
         command += [*extra, "--out", str(out)]
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
-        }
         # its own session, so that a timeout kills the bench's worker processes too (left running, they
         # would hold the GPU under the next run)
         process = subprocess.Popen(
             command,
             cwd=tree,
-            env=env,
+            env=tree_env(tree),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -179,19 +202,25 @@ def main(argv: list[str] | None = None) -> int:
     for side, tree in trees.items():
         if not (tree / "fastft" / "bench" / "step.py").exists():
             parser.error(f"--{side} {tree}: no fastft/bench/step.py there (give a source tree of fastft)")
+        problem = import_error(tree)
+        if problem:
+            parser.error(f"--{side} {tree}: its fastft does not import ({problem}); fix the tree first")
     runs: list[dict] = []
     workloads = args.workloads.split(",")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for round_, side in order(args.rounds):
         print(f"round {round_ + 1}/{args.rounds}: {side} ({trees[side]})", flush=True)
+        started = time.monotonic()
         figures = run_side(trees[side], args.workloads, extra, args.timeout)
-        runs.append({"round": round_, "side": side, "figures": figures})
+        seconds = round(time.monotonic() - started, 1)  # what a run costs, to size the next device call
+        runs.append({"round": round_, "side": side, "seconds": seconds, "figures": figures})
         for workload, figure in figures.items():
             shown = (
                 figure.get("error") or f"{figure['tokens_per_s']:,.0f} tokens/s, {figure['peak_gib']:.2f} GiB"
             )
             print(f"  {workload}: {shown}", flush=True)
+        print(f"  ({seconds:.0f} s)", flush=True)
         output = {
             "benchmark": "step_ab",
             "trees": {side: str(tree) for side, tree in trees.items()},

@@ -756,6 +756,8 @@ def _fake_tree(root, name, speeds):
     (tree / "fastft" / "bench").mkdir(parents=True)
     (tree / "fastft" / "__init__.py").write_text("")
     (tree / "fastft" / "bench" / "__init__.py").write_text("")
+    (tree / "fastft" / "kernels").mkdir()
+    (tree / "fastft" / "kernels" / "__init__.py").write_text("")
     (tree / "fastft" / "bench" / "step.py").write_text(_FAKE_STEP)
     (tree / "speeds.json").write_text(json.dumps(speeds))
     return tree
@@ -837,3 +839,13 @@ def test_step_ab_alternates_two_trees_abba_and_reads_the_ratio_against_each_side
     # a folder without fastft's bench is refused
     with pytest.raises(SystemExit):
         step_ab.main(["--before", str(tmp_path), "--out", str(out)])
+    # so is a tree whose fastft cannot import its kernels (a `git archive` from before the re-layering kept
+    # them in a top-level kernels/), before any run: whether the import fails or an installed fastft lends them
+    (before / "fastft" / "kernels" / "__init__.py").unlink()
+    (before / "fastft" / "kernels").rmdir()
+    (tmp_path / "order.log").unlink()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        step_ab.main([*argv, "--rounds", "1"])
+    assert f"--before {before}: its fastft does not import" in capsys.readouterr().err
+    assert not (tmp_path / "order.log").exists()
