@@ -89,6 +89,16 @@ export default {
 """
 
 
+def _figure_widget(figure):
+    """A plotly ``FigureWidget`` showing `figure`, or None where it cannot be made (it needs anywidget)."""
+    import plotly.graph_objects as go
+
+    try:
+        return go.FigureWidget(figure)
+    except Exception:  # noqa: BLE001 - FigureWidget needs anywidget (plotly >= 6): the caller falls back
+        return None
+
+
 def render_probe():
     """A zero-size custom widget whose ``rendered`` trait turns True once a browser has drawn it (None
     where anywidget is missing: then custom widgets are taken not to render)."""
@@ -252,9 +262,8 @@ class LiveFigure:
         self.mode = "text" if requested == "text" else ("display" if requested == "display" else "widget")
         self._figure_widget = None
         if self.mode == "widget":
-            try:
-                self._figure_widget = go.FigureWidget(figure)
-            except Exception:  # noqa: BLE001 - FigureWidget needs anywidget (plotly >= 6); fall back
+            self._figure_widget = _figure_widget(figure)
+            if self._figure_widget is None:
                 self.mode = "display"
         if self.mode == "text":
             self.figure = go.Figure(figure)
@@ -286,13 +295,11 @@ class LiveFigure:
             return
         with self._lock:
             self.rendered = True
-            if self.mode == "display":  # the probe was late: back to the widget, with the latest data
-                widget = self._figure_widget
-                with widget.batch_update():
-                    widget.data = ()
-                    widget.add_traces(list(self.figure.data))
-                    widget.layout = self.figure.layout
-                self.figure, self.mode = widget, "widget"
+            if self.mode == "display":  # the probe was late: back to a widget, with the latest data
+                widget = _figure_widget(self.figure)
+                if widget is None:
+                    return
+                self._figure_widget, self.figure, self.mode = widget, widget, "widget"
                 _fill_width(widget)
                 self._shown = None
                 self.widget.children = [widget, self.probe]
@@ -333,6 +340,13 @@ class LiveFigure:
         self.mode = "display"
         self.fell_back_at = time.monotonic()
         self._show_output()  # the probe stays, invisible, in case the browser draws it after all
+        # A FigureWidget whose view was taken down is never shown again: plotly's front end leaves that view's
+        # listeners on the model (they are added through anywidget's `initialize` hook, not the view), and on
+        # the next update the first of them throws on the purged plot, so a new view's listeners never run
+        # (updates lost, "gd.data must be an array" in the console). A late probe gets a new FigureWidget.
+        if self._figure_widget is not None:
+            self._figure_widget.close()
+            self._figure_widget = None
 
     def _show_output(self) -> None:
         import ipywidgets as widgets

@@ -677,6 +677,22 @@ def _drive(page, lab: Lab, shot: Path) -> None:
 
 NOTEBOOK7_CHECK_SOURCE = """plot = studio.data.length_plot
 print("histogram", plot.mode, plot.rendered)"""
+# A probe that reports late (a busy page, a slow machine): the figure, drawn, falls back when the probe's clock
+# runs out (forced here: a probe that has not reported yet, as the kernel sees it), its FigureWidget's view is
+# taken down, the probe's report comes, and the figure is a live widget again whose updates draw.
+LATE_PROBE_SOURCE = """from fastft.report.figures import sequence_length_figure
+from fastft.studio.live import LiveFigure
+
+late = LiveFigure(sequence_length_figure([3, 5, 9, 12, 12, 14], 16), "auto", probe_timeout=600)
+late.widget"""
+LATE_FALL_SOURCE = """late.probe.rendered = late.rendered = False  # not reported yet: the clock runs out
+late._on_timeout()
+print("late", late.mode)"""
+# Run again until it says "widget": the kernel reads the probe's report only between cells.
+LATE_MODE_SOURCE = """print("late", late.mode, late.fell_back_at is not None)"""
+LATE_GROW_SOURCE = (
+    """late.replace(sequence_length_figure([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], 16))"""
+)
 
 
 def _kernel_idle(server: Lab, timeout: float = STARTUP_TIMEOUT) -> None:
@@ -694,7 +710,8 @@ def _kernel_idle(server: Lab, timeout: float = STARTUP_TIMEOUT) -> None:
 def test_studio_in_notebook7_draws_its_live_plots_as_widgets(notebook7, tmp_path):
     """Notebook 7 (the classic notebook's successor) renders the studio, its custom widgets and live plots:
     a model loads, packed data draws its histogram, and the histogram's render probe reported from the
-    browser, so the plot stayed a live widget rather than falling back."""
+    browser, so the plot is a live widget; a figure whose probe reports only after it fell back is a live
+    widget again, and draws its updates."""
     import nbformat
     from playwright.sync_api import expect, sync_playwright
 
@@ -703,6 +720,10 @@ def test_studio_in_notebook7_draws_its_live_plots_as_widgets(notebook7, tmp_path
     notebook.cells += [
         nbformat.v4.new_code_cell(NOTEBOOK_SOURCE),
         nbformat.v4.new_code_cell(NOTEBOOK7_CHECK_SOURCE),
+        nbformat.v4.new_code_cell(LATE_PROBE_SOURCE),
+        nbformat.v4.new_code_cell(LATE_FALL_SOURCE),
+        nbformat.v4.new_code_cell(LATE_MODE_SOURCE),
+        nbformat.v4.new_code_cell(LATE_GROW_SOURCE),
     ]
     nbformat.write(notebook, notebook7.root / "studio.ipynb")
     with sync_playwright() as playwright:
@@ -737,6 +758,37 @@ def test_studio_in_notebook7_draws_its_live_plots_as_widgets(notebook7, tmp_path
                 check.locator(".cm-content").click()
                 page.keyboard.press("Shift+Enter")
                 expect(check.locator(".jp-Cell-outputArea").first).to_contain_text("histogram widget True")
+                # the late probe: fallen back and returned, a new FigureWidget draws the new figure's bars
+                late = page.locator(".jp-Notebook .jp-CodeCell").nth(2)
+                late.locator(".cm-content").click()
+                page.keyboard.press("Shift+Enter")
+                assert _until_bars(late) >= 5  # drawn by its first FigureWidget
+                fall = page.locator(".jp-Notebook .jp-CodeCell").nth(3)
+                fall.locator(".cm-content").click()
+                page.keyboard.press("Shift+Enter")
+                expect(fall.locator(".jp-Cell-outputArea").first).to_contain_text("late display")
+                mode = page.locator(".jp-Notebook .jp-CodeCell").nth(4)
+                deadline = time.monotonic() + ACTION_TIMEOUT / 1000
+                while True:
+                    mode.locator(".cm-content").click()
+                    page.keyboard.press("Shift+Enter")
+                    expect(mode.locator(".jp-Cell-outputArea").first).to_contain_text(
+                        re.compile(r"late \w+ ")
+                    )
+                    printed = mode.locator(".jp-Cell-outputArea").first.inner_text()
+                    if "late widget" in printed:
+                        break
+                    assert time.monotonic() < deadline, (
+                        f"the late probe never returned it to a widget: {printed}"
+                    )
+                    page.wait_for_timeout(1_000)
+                assert "late widget True" in printed  # it had fallen back
+                grow = page.locator(".jp-Notebook .jp-CodeCell").nth(5)
+                grow.locator(".cm-content").click()
+                page.keyboard.press("Shift+Enter")
+                while (bars := late.evaluate(_BARS_JS)) < 10:
+                    assert time.monotonic() < deadline, f"the late probe's figure drew {bars} bars, not 15"
+                    time.sleep(0.25)
             except BaseException:
                 with contextlib.suppress(Exception):
                     page.screenshot(path=str(tmp_path / "failure.png"))

@@ -281,8 +281,10 @@ def test_a_live_figure_falls_back_when_no_probe_reports_and_returns_when_one_doe
 
     live = LiveFigure(run_dashboard_figure(), "auto", probe_timeout=0.2)
     assert live.mode == "widget" and live.probe is not None
+    first = live.figure
     time.sleep(0.5)
     assert live.mode == "display" and live.fell_back_at is not None
+    assert first.comm is None  # its view was taken down: the FigureWidget is closed, never shown again
     live.set_data({0: ([1, 2], [3.0, 2.0])})
     live.flush()
     (output,) = live._output.outputs
@@ -294,7 +296,12 @@ def test_a_live_figure_falls_back_when_no_probe_reports_and_returns_when_one_doe
 
     live.probe.rendered = True  # the browser drew the probe after all
     assert live.mode == "widget" and list(live.figure.data[0].y) == [3.0, 2.0]
-    assert live.widget.children[0] is live.figure
+    # a new FigureWidget (a new model in the browser): plotly's front end cannot show one whose view was taken
+    # down (the old view's listeners stay on the model and throw on every update)
+    assert live.figure is not first and live.figure.comm is not None
+    assert live.widget.children == (live.figure, live.probe)
+    live.set_data({0: ([1, 2, 3], [3.0, 2.0, 1.0])})
+    assert list(live.figure.data[0].y) == [3.0, 2.0, 1.0]
 
 
 def test_a_live_figure_whose_probe_reports_stays_a_widget():
