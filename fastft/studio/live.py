@@ -89,7 +89,7 @@ export default {
 """
 
 
-def _figure_widget(figure):
+def _new_figure_widget(figure):
     """A plotly ``FigureWidget`` showing `figure`, or None where it cannot be made (it needs anywidget)."""
     import plotly.graph_objects as go
 
@@ -260,11 +260,9 @@ class LiveFigure:
         self.rendered = False  # a probe reported: custom widgets render here
         self.fell_back_at: float | None = None
         self.mode = "text" if requested == "text" else ("display" if requested == "display" else "widget")
-        self._figure_widget = None
-        if self.mode == "widget":
-            self._figure_widget = _figure_widget(figure)
-            if self._figure_widget is None:
-                self.mode = "display"
+        shown = _new_figure_widget(figure) if self.mode == "widget" else None
+        if shown is None and self.mode == "widget":
+            self.mode = "display"
         if self.mode == "text":
             self.figure = go.Figure(figure)
             self.widget = widgets.HTML("")
@@ -275,7 +273,7 @@ class LiveFigure:
             layout=widgets.Layout(width="100%", min_width="0", overflow="hidden", flex_flow="column")
         )
         if self.mode == "widget":
-            self.figure = self._figure_widget
+            self.figure = shown
             _fill_width(self.figure)
             self.probe = render_probe()  # in every widget mode: it keeps the plot at its box's width
             if requested == "auto":
@@ -296,10 +294,10 @@ class LiveFigure:
         with self._lock:
             self.rendered = True
             if self.mode == "display":  # the probe was late: back to a widget, with the latest data
-                widget = _figure_widget(self.figure)
+                widget = _new_figure_widget(self.figure)
                 if widget is None:
                     return
-                self._figure_widget, self.figure, self.mode = widget, widget, "widget"
+                self.figure, self.mode = widget, "widget"
                 _fill_width(widget)
                 self._shown = None
                 self.widget.children = [widget, self.probe]
@@ -333,10 +331,11 @@ class LiveFigure:
                 self._fall_back()
 
     def _fall_back(self) -> None:
-        """Custom widgets do not render here: show the figure in a core `Output` instead."""
+        """Custom widgets do not render here: show the figure (a FigureWidget until now) in a core `Output`."""
         import plotly.graph_objects as go
 
-        self.figure = go.Figure(self.figure)
+        widget = self.figure
+        self.figure = go.Figure(widget)
         self.mode = "display"
         self.fell_back_at = time.monotonic()
         self._show_output()  # the probe stays, invisible, in case the browser draws it after all
@@ -344,9 +343,7 @@ class LiveFigure:
         # listeners on the model (they are added through anywidget's `initialize` hook, not the view), and on
         # the next update the first of them throws on the purged plot, so a new view's listeners never run
         # (updates lost, "gd.data must be an array" in the console). A late probe gets a new FigureWidget.
-        if self._figure_widget is not None:
-            self._figure_widget.close()
-            self._figure_widget = None
+        widget.close()
 
     def _show_output(self) -> None:
         import ipywidgets as widgets
