@@ -98,11 +98,19 @@ def test_unknown_model_names_presets_and_close_matches():
     assert "tiny-llama" in str(error.value) and "Did you mean" in str(error.value)
 
 
-def test_four_bit_on_cpu_says_it_needs_a_gpu():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    with pytest.raises(QuantizationError, match="needs a CUDA GPU"):
-        load_model("tiny-llama", load_in_4bit=True)
+def test_four_bit_on_cpu_loads_through_bitsandbytes_and_says_it_is_slow():
+    import bitsandbytes as bnb
+
+    with pytest.warns(UserWarning, match="CPU backend, which is slow"):
+        model, _ = load_model("tiny-llama", load_in_4bit=True, device="cpu")
+    layer = model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, bnb.nn.Linear4bit) and layer.weight.quant_type == "nf4"
+    assert model.fastft_info.quantization == "nf4"
+    reference, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.no_grad():  # the NF4 copy answers close to the 32-bit one (4-bit rounding, not another model)
+        quantised, exact = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert torch.equal(quantised.argmax(-1), exact.argmax(-1)) or (quantised - exact).abs().max() < 0.5
     with pytest.raises(QuantizationError, match="not both"):
         load_model("tiny-llama", load_in_4bit=True, load_in_8bit=True)
 
