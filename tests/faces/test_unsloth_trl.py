@@ -22,7 +22,6 @@ from fastft.unsloth import (
     UnslothTrainingArguments,
     is_bfloat16_supported,
 )
-from fastft.unsloth.trl_compat import is_adapted
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ALPACA = "### Instruction:\n{}\n\n### Response:\n{}"
@@ -146,7 +145,8 @@ def test_alpaca_sft_with_the_old_top_level_arguments(tmp_path):
     dataset = Dataset.from_dict(rows).map(
         lambda ex: {
             "text": [
-                ALPACA.format(i, o) + tokenizer.eos_token for i, o in zip(ex["instruction"], ex["output"])
+                ALPACA.format(i, o) + tokenizer.eos_token
+                for i, o in zip(ex["instruction"], ex["output"], strict=True)
             ]
         },
         batched=True,
@@ -300,7 +300,9 @@ def test_grpo_notebook_from_vllm_arguments_to_fast_generate(tmp_path, monkeypatc
         return [len(c[0]["content"]) / 10 for c in completions]
 
     def check_answer(prompts, completions, answer, **kwargs):
-        return [2.0 if c[0]["content"].strip() == a else -1.0 for c, a in zip(completions, answer)]
+        return [
+            2.0 if c[0]["content"].strip() == a else -1.0 for c, a in zip(completions, answer, strict=True)
+        ]
 
     params = SamplingParams(min_p=0.1, top_p=1.0, top_k=-1, seed=3407, stop=[tokenizer.eos_token])
     with pytest.warns(UserWarning, match="max_prompt_length"):
