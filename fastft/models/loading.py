@@ -342,7 +342,19 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
             f"Could not load the weights of '{name}': {error}\nFix: fastft loads safetensors weights only "
             "(never pickled .bin files); convert the checkpoint with save_pretrained(safe_serialization=True)."
         ) from error
+    if quantization is not None and device.type == "cpu":
+        _keep_nf4_layout(model)
     return model
+
+
+def _keep_nf4_layout(model) -> None:
+    """Turn off bitsandbytes' AVX512-BF16 inference path on the CPU: at a layer's first eval-mode call it repacks
+    the NF4 weight in place into a CPU layout (and fails outright unless the layer's output width is a multiple
+    of 32), which fastft's NF4 kernels and the exporters then read as plain NF4. Its dequantise-and-matmul
+    fallback keeps the weight as loaded."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
 
 
 def _raw_config(source, token) -> dict:
