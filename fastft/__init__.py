@@ -92,9 +92,9 @@ _EXPORTS = {
     "PRESETS": "fastft.models.presets",
     "CATALOG": "fastft.models.catalog",
     "find_model": "fastft.models.catalog",
-    "FastLanguageModel": "fastft.facade",
-    "FastModel": "fastft.facade",
-    "is_bfloat16_supported": "fastft.facade",
+    "FastLanguageModel": "fastft.unsloth.models",
+    "FastModel": "fastft.unsloth.models",
+    "is_bfloat16_supported": "fastft.unsloth.models",
     "Checkpointing": "fastft.runtime.checkpointing",
     # data
     "load_dataset": "fastft.data.loading",

@@ -32,8 +32,7 @@ LAYERS = {
     "fastft.studio": 6,
     "fastft.cli": 6,
     "fastft.launch": 6,
-    "fastft.facade": 6,
-    "fastft.facade_export": 6,
+    "fastft.unsloth": 6,
     "fastft.demo": 6,
     "fastft.__main__": 6,
     "fastft": 6,  # the public API (fastft/__init__.py) is a face: nothing below imports it

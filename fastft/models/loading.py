@@ -2,7 +2,8 @@
 
 Presets are built from their config with seeded weights. Folders and hub ids go through the
 real ``from_pretrained`` path (safetensors only, no remote code unless asked). 4-bit loading is
-NF4 with double quantisation through bitsandbytes and needs CUDA; a preset asked for in 4/8-bit
+NF4 with double quantisation through bitsandbytes; without CUDA its CPU backend quantises and
+dequantises (slowly, with a one-line notice), so a notebook runs anywhere. A preset asked for in 4/8-bit
 is saved to a temporary folder and loaded back through that same path, so there is one
 quantisation code path.
 """
@@ -108,17 +109,14 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: torch.dtype):
+def _quantization_config(
+    load_in_4bit: bool, load_in_8bit: bool, compute_dtype: torch.dtype, device: torch.device
+):
     if not (load_in_4bit or load_in_8bit):
         return None
     if load_in_4bit and load_in_8bit:
         raise QuantizationError("Choose one of load_in_4bit=True or load_in_8bit=True, not both.")
     bits = "4-bit (NF4)" if load_in_4bit else "8-bit"
-    if not torch.cuda.is_available():
-        raise QuantizationError(
-            f"{bits} loading needs a CUDA GPU (bitsandbytes); none was found. On the CPU load the model "
-            "in 16/32-bit: load_model(..., load_in_4bit=False, load_in_8bit=False)."
-        )
     from fastft.data.hub import hub_offline_while_unreachable
 
     try:
@@ -130,6 +128,12 @@ def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: 
         ) from error
     from transformers import BitsAndBytesConfig
 
+    if device.type == "cpu":
+        warnings.warn(
+            f"{bits} on the CPU runs through bitsandbytes' CPU backend, which is slow (every layer's weight is "
+            "dequantised at each use); load_in_4bit=False is faster here, a CUDA GPU much faster.",
+            stacklevel=3,
+        )
     if load_in_4bit:
         return BitsAndBytesConfig(
             load_in_4bit=True,
@@ -169,7 +173,7 @@ def load_model(
     whole_number("max_seq_length", max_seq_length, minimum=2, fix="It is a token count, e.g. 2048.")
     device = resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
-    quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype)
+    quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype, device)
     name = os.fspath(name_or_path)
 
     if name in PRESETS:
@@ -338,7 +342,19 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
             f"Could not load the weights of '{name}': {error}\nFix: fastft loads safetensors weights only "
             "(never pickled .bin files); convert the checkpoint with save_pretrained(safe_serialization=True)."
         ) from error
+    if quantization is not None and device.type == "cpu":
+        _keep_nf4_layout(model)
     return model
+
+
+def _keep_nf4_layout(model) -> None:
+    """Turn off bitsandbytes' AVX512-BF16 inference path on the CPU: at a layer's first eval-mode call it repacks
+    the NF4 weight in place into a CPU layout (and fails outright unless the layer's output width is a multiple
+    of 32), which fastft's NF4 kernels and the exporters then read as plain NF4. Its dequantise-and-matmul
+    fallback keeps the weight as loaded."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
 
 
 def _raw_config(source, token) -> dict:

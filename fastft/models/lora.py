@@ -99,6 +99,35 @@ def _is_router(full_name: str, model: torch.nn.Module) -> bool:
     return hasattr(parent, "experts")
 
 
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def mlp_targets_as_experts(model: torch.nn.Module, target_modules):
+    """`target_modules` with the MLP projections (``gate_proj``, ``up_proj``, ``down_proj``, as Unsloth's
+    notebooks list them) read as ``experts`` on a model whose MLPs are fused experts and have no linear layers
+    of those names (as PEFT and Unsloth target the experts for them). Those three adapt the experts'
+    ``gate_up_proj`` and ``down_proj`` together, so a list naming only some of them is refused."""
+    if isinstance(target_modules, str) or not expert_module_names(model):
+        return target_modules
+    linear = set(linear_layer_names(model))
+    asked = [name for name in target_modules if name in _MLP_NAMES and name not in linear]
+    if not asked:
+        return target_modules
+    experts = expert_module_names(model)
+    if set(asked) != set(_MLP_NAMES):
+        raise LoraTargetError(
+            f"LoRA target(s) {asked}: this model's MLPs are fused experts, whose gate/up and down weights are "
+            f"adapted together. List all of {list(_MLP_NAMES)} (or {experts[0]!r}) to adapt the experts, or none."
+        )
+    warnings.warn(
+        f"target_modules {list(_MLP_NAMES)}: this model's MLPs are fused experts, so the adapters go on the "
+        f"experts' gate_up_proj and down_proj weights (target {experts[0]!r}, rank r per expert).",
+        stacklevel=3,
+    )
+    kept = [name for name in target_modules if name not in asked]
+    return kept + [name for name in experts if name not in kept]
+
+
 def resolve_targets(model: torch.nn.Module, target_modules: str | list[str] | tuple[str, ...]) -> list[str]:
     """`target_modules` checked against the model's `linear_layer_names` (`check_targets`)."""
     return check_targets(target_modules, linear_layer_names(model))
@@ -157,6 +186,7 @@ def add_lora(
     check_lora_arguments(model, r, alpha, dropout, target_modules, bias, seed)
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
+    target_modules = mlp_targets_as_experts(base, target_modules)
     targets = resolve_targets(base, target_modules)
     warn_rank_above_width(base, targets, r)
     experts = [name for name in targets if name in expert_module_names(base)]

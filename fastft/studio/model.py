@@ -460,8 +460,8 @@ class ModelPanel(Panel):
         notes = []
         if self.precision.value != "16-bit" and not _cuda():
             notes.append(
-                f"{self.precision.value} loading needs a CUDA GPU with bitsandbytes; none was found. "
-                "On the CPU load in 16-bit."
+                f"No CUDA GPU: {self.precision.value} runs through bitsandbytes' CPU backend, which is slow "
+                "(16-bit is faster here)."
             )
         lora = getattr(state_of(self.state.model), "lora", None)
         if lora is not None and self._lora_differs(lora):

@@ -14,7 +14,7 @@ import fastft
 from fastft import FastLanguageModel
 from fastft.cli import main
 from fastft.export.reference import read_metadata
-from fastft.facade_export import HubUploadError
+from fastft.unsloth.saving import HubUploadError
 
 
 def _trained_enough(model):

@@ -47,7 +47,7 @@ def _packed_state(seq: int = 128, rows: int = 48) -> StudioState:
 
 @pytest.mark.parametrize(
     "name, precision, shown",
-    [("nobody/no-such-model", "16-bit", "offline"), ("tiny-llama", "4-bit", "QuantizationError")],
+    [("nobody/no-such-model", "16-bit", "offline"), ("tiny-lama", "16-bit", "UnknownModelError")],
 )
 def test_a_failed_load_keeps_the_loaded_model(name, precision, shown):
     panel = _loaded(ModelPanel())

@@ -13,9 +13,9 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 import fastft
-from fastft import FastLanguageModel, FastModel, is_bfloat16_supported
 from fastft.chat_templates import FORMATS, get_chat_template, train_on_responses_only
 from fastft.runtime.state import model_state
+from fastft.unsloth import FastLanguageModel, FastModel, is_bfloat16_supported
 
 CONVERSATIONS = [
     [
@@ -195,6 +195,11 @@ def test_train_on_responses_only(tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
     with pytest.raises(ValueError, match="response_part"):
         train_on_responses_only(trainer, instruction_part="<|im_start|>user\n", response_part="### Reply:")
+
+
+def test_the_drop_in_names_are_also_fastfts():
+    assert fastft.FastLanguageModel is FastLanguageModel and fastft.FastModel is FastModel
+    assert fastft.is_bfloat16_supported is is_bfloat16_supported
 
 
 def test_is_bfloat16_supported(monkeypatch):

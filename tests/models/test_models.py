@@ -98,11 +98,21 @@ def test_unknown_model_names_presets_and_close_matches():
     assert "tiny-llama" in str(error.value) and "Did you mean" in str(error.value)
 
 
-def test_four_bit_on_cpu_says_it_needs_a_gpu():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    with pytest.raises(QuantizationError, match="needs a CUDA GPU"):
-        load_model("tiny-llama", load_in_4bit=True)
+def test_four_bit_on_cpu_loads_through_bitsandbytes_and_says_it_is_slow():
+    import bitsandbytes as bnb
+
+    with pytest.warns(UserWarning, match="CPU backend, which is slow"):
+        model, _ = load_model("tiny-llama", load_in_4bit=True, device="cpu")
+    layer = model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, bnb.nn.Linear4bit) and layer.weight.quant_type == "nf4"
+    assert model.fastft_info.quantization == "nf4"
+    packed = layer.weight.data.clone()
+    with torch.no_grad():  # an inference call (eval mode, no grad) leaves the NF4 weight as loaded
+        model.eval()(input_ids=torch.tensor([[5, 17, 42, 99, 7]]))
+        x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+        expected = x @ bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state).T
+        assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.weight.data, packed) and layer.weight.quant_state.shape == (128, 128)
     with pytest.raises(QuantizationError, match="not both"):
         load_model("tiny-llama", load_in_4bit=True, load_in_8bit=True)
 

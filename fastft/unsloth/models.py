@@ -1,29 +1,40 @@
 """`FastLanguageModel`, `FastModel`, `is_bfloat16_supported`: Unsloth's calling convention on top of fastft,
-so switching is changing the imports (`fastft.chat_templates` holds ``get_chat_template`` and
-``train_on_responses_only``, as ``unsloth.chat_templates`` does).
+so switching is changing the imports (`fastft.unsloth`'s docstring lists them).
 
-from fastft import FastLanguageModel            # instead of: from unsloth import FastLanguageModel
+from fastft.unsloth import FastLanguageModel     # instead of: from unsloth import FastLanguageModel
 model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=2048)
 model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing="unsloth")
 
 An Unsloth argument that does not apply here is accepted with a warning saying so; one that changes what is
 trained is carried out (``modules_to_save``, ``use_dora``) or refused with the alternative
-(``layers_to_transform``, ``full_finetuning=True``), never dropped.
+(``layers_to_transform``, ``full_finetuning=True``, ``loftq_config``), never dropped. vLLM's arguments
+(``fast_inference``, ``gpu_memory_utilization``, ``max_lora_rank``) are accepted with one notice: fastft has no
+vLLM, and ``model.fast_generate`` samples with fastft's own decoder (`fastft.unsloth.generation`).
 
 Each model returned carries Unsloth's saving methods (``save_pretrained_merged``, ``save_pretrained_gguf``,
-``push_to_hub_merged``, ``push_to_hub_gguf``: `fastft.facade_export`).
+``push_to_hub_merged``, ``push_to_hub_gguf``: `fastft.unsloth.saving`) and its vLLM methods
+(``fast_generate``, ``save_lora``, ``load_lora``), bound to that instance (no class is patched).
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 
-from fastft.facade_export import bind
 from fastft.models.loading import load_model
 from fastft.models.lora import add_lora
+from fastft.unsloth import generation, saving
 
 # Unsloth arguments that fastft accepts and ignores because they do not apply here.
-_IGNORED_LOAD = {"device_map", "fix_tokenizer", "use_exact_model_name", "fast_inference"}
+_IGNORED_LOAD = {"device_map", "fix_tokenizer", "use_exact_model_name"}
+# vLLM's arguments (Unsloth's fast_inference): accepted, with one notice
+_VLLM_LOAD = (
+    "fast_inference",
+    "gpu_memory_utilization",
+    "max_lora_rank",
+    "float8_kv_cache",
+    "disable_log_stats",
+)
 _IGNORED_PEFT = {"max_seq_length"}
 # Unsloth arguments that would change which layers train: refused when set, never dropped.
 _UNSUPPORTED_PEFT = {"layers_to_transform": "target_modules", "layers_pattern": "target_modules"}
@@ -55,6 +66,7 @@ class FastLanguageModel:
                 "modules_to_save=['embed_tokens', 'lm_head'] there."
             )
         _drop_ignored(kwargs, _IGNORED_LOAD, "from_pretrained")
+        _vllm_notice(kwargs)
         model, tokenizer = load_model(
             model_name,
             max_seq_length=max_seq_length,
@@ -65,7 +77,7 @@ class FastLanguageModel:
             trust_remote_code=trust_remote_code,
             **kwargs,
         )
-        return bind(model), tokenizer
+        return bind(model, tokenizer), tokenizer
 
     @staticmethod
     def get_peft_model(
@@ -88,7 +100,10 @@ class FastLanguageModel:
         ``embed_tokens`` / ``lm_head`` in `target_modules` (as Unsloth's continued-pretraining notebooks
         write them) are trained whole, as `modules_to_save`, the way Unsloth treats them."""
         if loftq_config:
-            raise ValueError("loftq_config is not supported by fastft; leave it None.")
+            raise ValueError(
+                "loftq_config: fastft does not initialise adapters with LoftQ; leave loftq_config=None (adapters "
+                "start at zero, as with Unsloth's default)."
+            )
         _drop_ignored(kwargs, _IGNORED_PEFT, "get_peft_model")
         for name, instead in _UNSUPPORTED_PEFT.items():
             if kwargs.pop(name, None) is not None:
@@ -98,6 +113,7 @@ class FastLanguageModel:
                 )
         if kwargs:
             raise TypeError(f"get_peft_model got unexpected arguments: {sorted(kwargs)}")
+        tokenizer = getattr(model, "fastft_tokenizer", None)
         whole = list(modules_to_save or [])
         if not isinstance(target_modules, str):
             whole += [name for name in target_modules if name in _WHOLE_MODULES and name not in whole]
@@ -115,7 +131,8 @@ class FastLanguageModel:
                 seed=random_state,
                 modules_to_save=whole or None,
                 use_dora=use_dora,
-            )
+            ),
+            tokenizer,
         )
 
     @staticmethod
@@ -126,8 +143,10 @@ class FastLanguageModel:
         return model
 
     @staticmethod
-    def for_training(model):
+    def for_training(model, use_gradient_checkpointing: bool = True):
+        """Training mode (dropout on, no KV cache), as after `get_peft_model`."""
         model.train()
+        model.config.use_cache = False
         return model
 
 
@@ -185,6 +204,28 @@ def _language_targets(model, attention: bool, mlp: bool) -> list[str]:
         )
     names = linear_layer_names(model)
     return [name for name in names if (name in _ATTENTION and attention) or (name not in _ATTENTION and mlp)]
+
+
+def bind(model, tokenizer=None):
+    """Give `model` (one instance) Unsloth's saving and vLLM methods, and remember its tokenizer (which
+    ``fast_generate`` tokenises with); returns it."""
+    saving.bind(model)
+    if tokenizer is not None:
+        object.__setattr__(model, "fastft_tokenizer", tokenizer)
+    for function in (generation.fast_generate, generation.save_lora, generation.load_lora):
+        object.__setattr__(model, function.__name__, types.MethodType(function, model))
+    return model
+
+
+def _vllm_notice(kwargs: dict) -> None:
+    given = {name: kwargs.pop(name) for name in _VLLM_LOAD if name in kwargs}
+    if given.get("fast_inference") or len(given) > ("fast_inference" in given):
+        warnings.warn(
+            f"FastLanguageModel.from_pretrained: {', '.join(sorted(given))} are vLLM's; fastft has no vLLM. "
+            "model.fast_generate samples with fastft's own decoder and TRL's GRPOTrainer with transformers' "
+            "generate; the adapter rank is get_peft_model's r, and memory is not reserved up front.",
+            stacklevel=3,
+        )
 
 
 def _drop_ignored(kwargs: dict, ignored: set[str], where: str) -> None:

@@ -61,6 +61,11 @@ def save_pretrained_merged(
     if save_method == "merged_16bit":
         dtype = torch.float16 if getattr(model, "dtype", None) == torch.float16 else torch.bfloat16
         return save_merged(model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite)
+    if save_method == "mxfp4":
+        raise ValueError(
+            "save_method='mxfp4': fastft does not write MXFP4 checkpoints. Use save_method='merged_16bit' (the "
+            "merged model in 16-bit, which vLLM and transformers load), or save_method='lora' for the adapter."
+        )
     if save_method in ("merged_4bit", "merged_4bit_forced"):
         raise ValueError(
             f"save_method={save_method!r}: fastft does not write merged 4-bit models (merging into 4-bit weights "
@@ -76,10 +81,15 @@ def save_pretrained_gguf(
     """Unsloth's ``save_pretrained_gguf``: a folder with ``model.<QUANT>.gguf`` per quantisation and an Ollama
     ``Modelfile`` (`fastft.save_ollama`), each file checked after it is written. `quantization_method` is
     one name or a list (Unsloth's "not_quantized" = bf16, "fast_quantized" = q8_0, "quantized" = q4_k_m).
-    Returns the `GGUFExport` (a list of them for a list of methods)."""
+    Saving into a folder that already holds an export adds the new ``model.<QUANT>.gguf`` beside the others
+    (the Modelfile then names the newest); nothing else there is touched. llama.cpp's K-quants (q4_k_m, …)
+    need its ``llama-quantize`` on PATH: without it the call fails before writing, naming the fix and the
+    nearest type fastft writes itself. Returns the `GGUFExport` (a list of them for a list of methods)."""
     from pathlib import Path
 
+    from fastft.atomic import written_by_fastft
     from fastft.export import save_gguf, save_ollama
+    from fastft.export.writer import K_QUANTS, GGUFExportError, llama_quantize_path
 
     if tokenizer is None:
         raise ValueError(
@@ -94,12 +104,33 @@ def save_pretrained_gguf(
     if unknown:
         raise ValueError(f"quantization_method {unknown[0]!r}: choose one of {', '.join(GGUF_METHODS)}.")
     names = [GGUF_METHODS[str(m).lower()] for m in methods]
-    first = save_ollama(model, save_directory, tokenizer, names[0], check=check, overwrite=overwrite)
-    results = [first]
-    for name in names[1:]:
-        target = Path(first.path).parent / f"model.{name.upper()}.gguf"
-        results.append(save_gguf(model, target, tokenizer, name, check=check))
+    k_quants = [name for name in names if name in K_QUANTS]
+    if k_quants and llama_quantize_path() is None:
+        nearest = "q4_0" if k_quants[0].startswith(("q2", "q3", "q4")) else "q8_0"
+        raise GGUFExportError(
+            f"quantization_method={k_quants[0]!r} is a llama.cpp K-quant, made by its llama-quantize tool, which "
+            "is not on PATH. Fix: install llama.cpp (a release from github.com/ggml-org/llama.cpp, `brew install "
+            "llama.cpp`, or build it: llama-quantize lands in build/bin) and put llama-quantize on PATH; or pass "
+            f"quantization_method={nearest!r}, the nearest type fastft writes itself."
+        )
+    folder = Path(save_directory).expanduser()
+    ours = folder.is_dir() and written_by_fastft(folder)  # an earlier save (GGUF, merged, adapter) is kept
+    results = []
+    for name in names:
+        if not results and not ours:
+            results.append(save_ollama(model, folder, tokenizer, name, check=check, overwrite=overwrite))
+            continue
+        target = folder / f"model.{name.upper()}.gguf"
+        results.append(save_gguf(model, target, tokenizer, name, check=check, overwrite=overwrite))
+        _point_modelfile(model, tokenizer, folder, target.name)
     return results[0] if isinstance(quantization_method, str) else results
+
+
+def _point_modelfile(model, tokenizer, folder, gguf_name: str) -> None:
+    """Rewrite the folder's Modelfile (fastft's) to import `gguf_name`."""
+    from fastft.export.ollama import modelfile
+
+    (folder / "Modelfile").write_text(modelfile(model, tokenizer, f"./{gguf_name}"), encoding="utf-8")
 
 
 def push_to_hub_merged(model, repo_id=None, tokenizer=None, save_method="merged_16bit", token=None, **kwargs):

@@ -1,0 +1,248 @@
+"""TRL under the argument names Unsloth's notebooks write, applied when `fastft.unsloth` is imported.
+
+Unsloth patches TRL so that the calls of older TRL and transformers releases keep working; its notebooks rely
+on that. fastft does the same, only on ``import fastft.unsloth`` (never on a plain ``import fastft``), once,
+in place (so ``from trl import SFTTrainer`` afterwards gets the adapted class, as with Unsloth), and only the
+signatures: what a trainer does with an argument is TRL's.
+
+Trainers (`SFTTrainer`, `DPOTrainer`, `ORPOTrainer`, `KTOTrainer`, `GRPOTrainer`):
+
+- ``tokenizer=`` is ``processing_class=``;
+- an argument that moved into the trainer's config (``dataset_text_field``, ``max_seq_length``, ``packing``,
+  ``dataset_num_proc``, ``beta``, ``max_length``, ``max_prompt_length``, …) is set on ``args``; a
+  `transformers.TrainingArguments` given as ``args`` becomes the trainer's config class with the same values
+  (what TRL did itself when it took these arguments).
+
+Configs (`transformers.TrainingArguments` and TRL's ``*Config``):
+
+- ``warmup_ratio=r`` (removed in transformers 5) is ``warmup_steps=r``, which transformers 5 reads as a share of
+  the steps when below 1 (a ``warmup_steps`` given as well wins, as it did);
+- ``max_seq_length`` is ``max_length``;
+- ``max_prompt_length`` / DPO's ``max_completion_length``, gone from TRL 1.x (whose trainers truncate whole
+  sequences to ``max_length``), are accepted with a warning saying so;
+- `GRPOConfig`'s ``vllm_sampling_params`` (Unsloth's) sets ``top_p``, ``top_k``, ``min_p``,
+  ``repetition_penalty`` and ``temperature`` from a `fastft.unsloth.SamplingParams`, and ``use_vllm=True``
+  becomes False with a warning (fastft has no vLLM; TRL generates through transformers).
+
+``from trl import ORPOConfig, ORPOTrainer`` works again (they live in ``trl.experimental.orpo`` in TRL 1.x).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import warnings
+
+_MARK = "_fastft_unsloth_original"
+# trainer class name → its config class name (both in trl)
+_TRAINERS = {
+    "SFTTrainer": "SFTConfig",
+    "DPOTrainer": "DPOConfig",
+    "KTOTrainer": "KTOConfig",
+    "GRPOTrainer": "GRPOConfig",
+    "ORPOTrainer": "ORPOConfig",
+}
+# TRL 1.x names of arguments that older TRL took under another name
+_RENAMED = {"max_seq_length": "max_length"}
+# arguments TRL 1.x no longer has, accepted with a warning saying what happens instead
+_REMOVED = {
+    "max_prompt_length": (
+        "TRL 1.x no longer truncates prompts on their own: each sequence is truncated to max_length "
+        "(keep max_length above your longest prompt + completion, or filter long prompts out)"
+    ),
+    "max_completion_length": "TRL 1.x truncates each sequence to max_length instead",
+}
+# vLLM SamplingParams fields that GRPOConfig has under the same name (TRL samples with them)
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_NOTICE = (
+    "fastft.unsloth: TRL's trainers and configs now also take Unsloth's argument names (tokenizer=, "
+    "dataset_text_field=, max_seq_length=, packing=, beta=, warmup_ratio=, …; `from trl import ORPOTrainer`); "
+    "only the signatures are adapted: training is TRL's."
+)
+_adapted: list[str] = []
+
+
+def adapt_trl() -> list[str]:
+    """Adapt TRL's trainers and configs (and `transformers.TrainingArguments`) in place to Unsloth's argument
+    names; idempotent. Returns the names of the classes adapted. Prints a one-line notice the first time."""
+    if _adapted:
+        return list(_adapted)
+    import transformers
+    import trl
+
+    try:
+        with (
+            warnings.catch_warnings()
+        ):  # "trl.experimental is unstable": the user asked for `trl.ORPOTrainer`
+            warnings.simplefilter("ignore")
+            from trl.experimental import orpo
+
+        for name in ("ORPOConfig", "ORPOTrainer"):
+            if not hasattr(trl, name) or getattr(trl, name) is getattr(orpo, name):
+                setattr(trl, name, getattr(orpo, name))
+    except ImportError:  # an older TRL that still has them at the top level, or none at all
+        pass
+    configs = [transformers.TrainingArguments]
+    for trainer_name, config_name in _TRAINERS.items():
+        trainer, config = getattr(trl, trainer_name, None), getattr(trl, config_name, None)
+        if trainer is None or config is None:
+            continue
+        configs.append(config)
+        if _adapt_init(trainer, functools.partial(_trainer_kwargs, config)):
+            _adapted.append(trainer_name)
+    for config in configs:
+        if _adapt_init(config, functools.partial(_config_kwargs, config)):
+            _adapted.append(config.__name__)
+    print(_NOTICE)
+    return list(_adapted)
+
+
+def is_adapted(cls) -> bool:
+    """Whether `cls.__init__` is the adapted one (set by `adapt_trl`)."""
+    return hasattr(cls.__dict__.get("__init__"), _MARK)
+
+
+def _adapt_init(cls, adapt) -> bool:
+    """Wrap `cls.__init__` (its own, not an inherited one) so `adapt(signature, args, kwargs)` rewrites the
+    arguments first; a class already wrapped is left as it is."""
+    original = cls.__dict__.get("__init__")
+    if original is None or hasattr(original, _MARK):
+        return False
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        args, kwargs = adapt(signature, args, kwargs)
+        original(self, *args, **kwargs)
+
+    setattr(__init__, _MARK, original)
+    cls.__init__ = __init__
+    return True
+
+
+def _config_kwargs(config_cls, signature, args, kwargs):
+    return args, config_arguments(config_cls, kwargs, where=config_cls.__name__)
+
+
+def config_arguments(config_cls, kwargs: dict, where: str) -> dict:
+    """`kwargs` for `config_cls` with Unsloth's / older TRL's names turned into the ones `config_cls` has."""
+    fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
+    kwargs = dict(kwargs)
+    if "warmup_ratio" in kwargs and "warmup_ratio" not in fields:
+        ratio = kwargs.pop("warmup_ratio")
+        if ratio is not None:
+            if not 0 <= ratio < 1:
+                raise ValueError(
+                    f"{where}(warmup_ratio={ratio}): a ratio is a share of the steps in [0, 1); for a number of "
+                    "steps pass warmup_steps instead."
+                )
+            if not kwargs.get("warmup_steps"):
+                kwargs["warmup_steps"] = ratio
+    for old, new in _RENAMED.items():
+        if old in kwargs and old not in fields and new in fields:
+            value = kwargs.pop(old)
+            if new in kwargs and kwargs[new] != value:
+                raise TypeError(f"{where}: got both {old}={value} and {new}={kwargs[new]}; pass only {new}.")
+            kwargs[new] = value
+    for name, instead in _REMOVED.items():
+        if name in kwargs and name not in fields:
+            value = kwargs.pop(name)
+            if value is not None:
+                warnings.warn(f"{where}: {name}={value} is not applied: {instead}.", stacklevel=4)
+    if "bf16" in fields and "bf16" not in kwargs and not kwargs.get("fp16") and not _bf16_device():
+        # TRL's configs default to bf16, which transformers refuses without a bf16 GPU; Unsloth picks the
+        # precision from the hardware (is_bfloat16_supported()), so without one: fp32, as fastft trains there
+        kwargs["bf16"] = False
+    if "vllm_sampling_params" in kwargs and "vllm_sampling_params" not in fields:
+        _sampling_into(kwargs, kwargs.pop("vllm_sampling_params"), fields, where)
+    if kwargs.get("use_vllm") and "use_vllm" in fields:
+        kwargs["use_vllm"] = False
+        warnings.warn(
+            f"{where}(use_vllm=True): fastft has no vLLM; TRL samples the completions through transformers' "
+            "generate (use_vllm=False).",
+            stacklevel=4,
+        )
+    return kwargs
+
+
+def _bf16_device() -> bool:
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    return is_torch_bf16_gpu_available()
+
+
+def _sampling_into(kwargs: dict, params, fields: set[str], where: str) -> None:
+    """Unsloth's ``vllm_sampling_params``: the fields a `SamplingParams` was given, as the config's own."""
+    if params is None:
+        return
+    given = getattr(params, "given", None)
+    if given is None:
+        raise TypeError(
+            f"{where}(vllm_sampling_params=...): fastft reads a fastft.unsloth.SamplingParams (vLLM's cannot be "
+            "imported here): replace `from vllm import SamplingParams` by `from fastft.unsloth import "
+            "SamplingParams`."
+        )
+    ignored = []
+    for name, value in given.items():
+        if name in _SAMPLING_FIELDS and name in fields:
+            if name == "top_k" and value == -1:  # vLLM's "no top-k" is TRL's 0
+                value = 0
+            kwargs.setdefault(name, value)  # the config's own argument wins
+        elif name == "max_tokens" and "max_completion_length" in fields:
+            kwargs.setdefault("max_completion_length", value)
+        elif name not in ("seed", "include_stop_str_in_output") and not (
+            name == "stop" and not value  # an empty stop list asks for nothing
+        ):
+            ignored.append(name)
+    if ignored:
+        warnings.warn(
+            f"{where}(vllm_sampling_params=...): {', '.join(sorted(ignored))} not applied (TRL's generation "
+            "stops at the EOS token and samples with temperature, top_p, top_k, min_p and repetition_penalty).",
+            stacklevel=5,
+        )
+
+
+def _trainer_kwargs(config_cls, signature, args, kwargs):
+    """A trainer's arguments: ``tokenizer`` as ``processing_class``, and the arguments that moved into the
+    config set on ``args`` (a `TrainingArguments` becoming `config_cls` first)."""
+    params = signature.parameters
+    kwargs = dict(kwargs)
+    where = config_cls.__name__.replace("Config", "Trainer")
+    if "tokenizer" in kwargs and "tokenizer" not in params and "processing_class" in params:
+        tokenizer = kwargs.pop("tokenizer")
+        if kwargs.get("processing_class") not in (None, tokenizer):
+            raise TypeError(
+                f"{where}: got both tokenizer= and processing_class=; pass processing_class only."
+            )
+        kwargs["processing_class"] = tokenizer
+    fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
+    movable = fields | set(_RENAMED) | set(_REMOVED) | {"warmup_ratio"}
+    moved = {name: kwargs.pop(name) for name in list(kwargs) if name not in params and name in movable}
+    bound = signature.bind_partial(
+        None, *args, **kwargs
+    )  # a wrong argument raises TypeError here, as TRL would
+    arguments = dict(list(bound.arguments.items())[1:])  # without self
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
+            arguments.update(arguments.pop(name))
+    config = arguments.get("args")
+    if not moved and (config is None or isinstance(config, config_cls)):
+        return args, kwargs
+    arguments["args"] = _with_fields(config_cls, config, config_arguments(config_cls, moved, where=where))
+    return (), arguments
+
+
+def _with_fields(config_cls, config, values: dict):
+    """`config` (None, a `TrainingArguments` or a `config_cls`) as a `config_cls` with `values` set."""
+    if config is None:
+        return config_cls(**values)
+    if not isinstance(config, config_cls):
+        fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
+        settings = config.to_dict()
+        settings["hub_token"] = getattr(config, "hub_token", None)  # to_dict masks it
+        settings = {name: value for name, value in settings.items() if name in fields}
+        return config_cls(**{**settings, **values})
+    for name, value in values.items():
+        setattr(config, name, value)
+    return config

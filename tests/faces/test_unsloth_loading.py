@@ -1,0 +1,147 @@
+"""Loading and saving as Unsloth's notebooks write them, through ``fastft.unsloth``: 4-bit without CUDA, every
+``from_pretrained`` / ``get_peft_model`` argument they pass (carried out, refused with the fix, or noticed),
+gpt-oss / MoE notebooks' MLP targets on fused experts, and ``save_pretrained_gguf`` called twice."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fastft
+from fastft.runtime.state import model_state
+from fastft.unsloth import FastLanguageModel, FastModel
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CHATS = [
+    {"messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Spell cat backwards."},
+            {"role": "assistant", "content": "tac"},
+        ]
+    },
+] * 2
+
+
+def _peft(model, **overrides):
+    settings = dict(
+        r=8,
+        target_modules=TARGETS,
+        lora_alpha=16,
+        lora_dropout=0,
+        bias="none",
+        use_gradient_checkpointing="unsloth",
+        random_state=3407,
+        use_rslora=False,
+        loftq_config=None,
+    )
+    return FastLanguageModel.get_peft_model(model, **{**settings, **overrides})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="4-bit without CUDA")
+def test_load_in_4bit_without_cuda_trains_with_a_notice():
+    import bitsandbytes as bnb
+
+    with pytest.warns(UserWarning, match="4-bit \\(NF4\\) on the CPU .* slow"):
+        model, tokenizer = FastLanguageModel.from_pretrained(
+            model_name="tiny-llama", max_seq_length=64, dtype=None, load_in_4bit=True
+        )
+    assert isinstance(model.model.layers[0].mlp.down_proj, bnb.nn.Linear4bit)
+    model = _peft(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    result = fastft.train(model, tokenizer, CHATS, max_steps=2, progress=False)
+    assert all(torch.isfinite(torch.tensor(e.loss)) for e in result.steps)
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if n in before)
+
+
+def test_every_from_pretrained_argument_the_notebooks_pass():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, tokenizer = FastModel.from_pretrained(
+            model_name="tiny-qwen3",
+            max_seq_length=64,
+            dtype=None,
+            load_in_4bit=False,
+            load_in_8bit=False,
+            full_finetuning=False,
+            token=None,
+        )
+    assert not [w for w in caught if "does not apply" in str(w.message) or "vLLM" in str(w.message)]
+    assert tokenizer.model_max_length == 64 and model.fastft_tokenizer is tokenizer
+    with pytest.warns(UserWarning, match="vLLM's; fastft has no vLLM"):
+        FastLanguageModel.from_pretrained("tiny-llama", gpu_memory_utilization=0.6, max_lora_rank=16)
+    with pytest.raises(ValueError, match="full_finetuning=False"):
+        FastLanguageModel.from_pretrained("tiny-llama", full_finetuning=True)
+    with pytest.raises(TypeError, match="not_an_argument"):
+        FastLanguageModel.from_pretrained("tiny-llama", not_an_argument=1)
+
+
+def test_every_get_peft_model_argument_the_notebooks_pass():
+    model = _peft(FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=64)[0], use_rslora=True)
+    lora = model_state(model).lora
+    assert lora.use_rslora and lora.r == 8 and lora.alpha == 16 and set(lora.target_modules) == set(TARGETS)
+    again = _peft(FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=64)[0], use_rslora=True)
+    for (name, a), (_, b) in zip(model.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(a, b), name  # random_state seeds the adapters' initialisation
+    with pytest.raises(ValueError, match="loftq_config=None"):
+        _peft(FastLanguageModel.from_pretrained("tiny-llama")[0], loftq_config={"loftq_bits": 4})
+    FastLanguageModel.for_inference(model)
+    assert not model.training and model.config.use_cache
+    FastLanguageModel.for_training(model)
+    assert model.training and not model.config.use_cache
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-gpt-oss"])
+def test_moe_notebook_targets_put_adapters_on_the_experts(name):
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=name, max_seq_length=64, load_in_4bit=False
+    )
+    with pytest.warns(UserWarning, match="fused experts"):
+        model = _peft(model)
+    assert set(model_state(model).lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "experts"}
+    experts = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n and "lora_" in n}
+    assert experts and all(p.requires_grad for n, p in model.named_parameters() if n in experts)
+    # gpt-oss's attention sinks run transformers' attention (fastft's packed kernel has none yet)
+    attention = {"attention": None} if name == "tiny-gpt-oss" else {}
+    fastft.train(model, tokenizer, CHATS, max_steps=2, learning_rate=1e-2, progress=False, **attention)
+    assert any(not torch.equal(experts[n], p) for n, p in model.named_parameters() if n in experts)
+    with pytest.raises(fastft.LoraTargetError, match="gate/up and down weights are adapted together"):
+        _peft(FastLanguageModel.from_pretrained(name)[0], target_modules=["q_proj", "down_proj"])
+
+
+def _trained(model):
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.01, generator=torch.Generator().manual_seed(3))
+    return model.eval()
+
+
+def test_save_pretrained_gguf_twice_keeps_both_files_and_a_merged_model_beside(tmp_path, monkeypatch):
+    from fastft.export.reference import read_metadata
+    from fastft.export.writer import GGUFExportError
+
+    model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=64)
+    model = _trained(_peft(model))
+    folder = tmp_path / "model"
+    merged = model.save_pretrained_merged(folder, tokenizer, save_method="merged_16bit")
+    weights = (merged / "model.safetensors").read_bytes()
+    # check=False: the files' check is the export's own tests' (tests/export); here, what lands where
+    first = model.save_pretrained_gguf(folder, tokenizer, quantization_method="q8_0", check=False)
+    second = model.save_pretrained_gguf(folder, tokenizer, quantization_method="f16", check=False)
+    assert first.path.name == "model.Q8_0.gguf" and second.path.name == "model.F16.gguf"
+    assert first.path.is_file() and second.path.is_file()
+    assert read_metadata(first.path)["general.file_type"] != read_metadata(second.path)["general.file_type"]
+    assert (folder / "model.safetensors").read_bytes() == weights  # the merged model saved first is kept
+    assert "./model.F16.gguf" in (folder / "Modelfile").read_text()
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))  # no llama-quantize
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(GGUFExportError, match="quantization_method='q4_0', the nearest type fastft writes"):
+        model.save_pretrained_gguf(folder, tokenizer, quantization_method="q4_k_m")
+    with pytest.raises(GGUFExportError, match="llama-quantize"):
+        model.save_pretrained_gguf(tmp_path / "new", tokenizer, quantization_method="quantized")
+    assert sorted(p.name for p in folder.iterdir()) == before and not (tmp_path / "new").exists()
+    with pytest.raises(ValueError, match="merged_16bit"):
+        model.save_pretrained_merged(tmp_path / "mx", tokenizer, save_method="mxfp4")
