@@ -147,10 +147,11 @@ _EXPORTS = {
     "run_demo": "fastft.demo",
 }
 # Modules exported as themselves: ``fastft.studio()``, ``fastft.studio.ModelPanel()``,
-# ``fastft.chat_templates.get_chat_template`` (Unsloth's ``unsloth.chat_templates``) and ``fastft.rewards``.
+# ``fastft.chat_templates.get_chat_template`` (Unsloth's ``unsloth.chat_templates``, kept in
+# ``fastft.unsloth.chat_templates``) and ``fastft.rewards``.
 _MODULES = {
     "studio": "fastft.studio",
-    "chat_templates": "fastft.chat_templates",
+    "chat_templates": "fastft.unsloth.chat_templates",
     "rewards": "fastft.data.rewards",  # GRPO's reward functions: fastft.rewards.exact_match, …
 }
 

@@ -177,8 +177,8 @@ def load_model(
     name = os.fspath(name_or_path)
 
     if name in PRESETS:
-        tokenizer = load_preset_tokenizer()
-        model = build_preset_model(PRESETS[name], len(tokenizer), dtype)
+        tokenizer = load_preset_tokenizer(name)
+        model = build_preset_model(PRESETS[name], len(tokenizer), dtype, eos_token_id=tokenizer.eos_token_id)
         source = "preset"
         if quantization is not None:
             with tempfile.TemporaryDirectory(prefix="fastft-preset-") as folder:

@@ -2,8 +2,11 @@
 
 Each preset is a config of a real architecture (Llama, Qwen3, Mistral, Qwen3-MoE, Mixtral, gpt-oss)
 shrunk until it trains on two CPU cores, plus a byte-level BPE tokenizer trained on the bundled
-data (``assets/tokenizer.json``) with a ChatML chat template. Weights are initialised from a
-fixed seed, so ``load_model("tiny-llama")`` gives the same model in every process.
+data (``assets/tokenizer.json``) with a ChatML chat template. A preset of a family whose chat format
+fastft carries (`FAMILY_CHATS`: tiny-qwen3 has Qwen3's template with its thinking turns) adds that
+family's special tokens after the shared vocabulary and takes its template and EOS, so templates render
+and tokenize as with the real models. Weights are initialised from a fixed seed, so
+``load_model("tiny-llama")`` gives the same model in every process.
 
 ``python -m fastft.models.presets`` retrains the tokenizer from the bundled data.
 """
@@ -41,13 +44,31 @@ CHATML_TEMPLATE = (
 
 
 @dataclass(frozen=True)
+class FamilyChat:
+    """A model family's chat format on the preset tokenizer: the tokens it adds (`special`: never split nor
+    skipped; `plain`: added, decoded like text, as Qwen3's ``<think>``), its EOS and its chat template."""
+
+    template: str  # a name of fastft.data.chat_templates.TEMPLATES
+    eos: str
+    special: tuple[str, ...] = ()
+    plain: tuple[str, ...] = ()
+
+
+FAMILY_CHATS = {
+    "qwen3": FamilyChat("qwen3", eos="<|im_end|>", plain=("<think>", "</think>")),
+}
+
+
+@dataclass(frozen=True)
 class Preset:
-    """An embedded model: a `transformers` model type and the config fields that shrink it."""
+    """An embedded model: a `transformers` model type and the config fields that shrink it; `chat` names its
+    family's chat format (`FAMILY_CHATS`), ChatML when None."""
 
     name: str
     model_type: str
     description: str
     config: dict = field(default_factory=dict)
+    chat: str | None = None
 
     def make_config(self, vocab_size: int) -> PretrainedConfig:
         from transformers import AutoConfig
@@ -78,6 +99,7 @@ PRESETS: dict[str, Preset] = {
                 num_hidden_layers=3,
                 tie_word_embeddings=True,
             ),
+            chat="qwen3",
         ),
         Preset(
             "tiny-mistral",
@@ -142,8 +164,9 @@ PRESETS: dict[str, Preset] = {
 DEFAULT_PRESET = "tiny-llama"
 
 
-def load_preset_tokenizer() -> PreTrainedTokenizerFast:
-    """The byte-level BPE tokenizer shared by every preset, with its ChatML template."""
+def load_preset_tokenizer(name: str | None = None) -> PreTrainedTokenizerFast:
+    """The byte-level BPE tokenizer shared by every preset, with its ChatML template; for preset `name` of a
+    family in `FAMILY_CHATS`, with that family's tokens, EOS and chat template."""
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
@@ -154,20 +177,32 @@ def load_preset_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="right",
     )
     tokenizer.chat_template = CHATML_TEMPLATE
+    family = PRESETS[name].chat if name in PRESETS else None
+    if family is not None:
+        from fastft.data.chat_templates import TEMPLATES
+
+        chat = FAMILY_CHATS[family]
+        if chat.special:
+            tokenizer.add_special_tokens({"additional_special_tokens": list(chat.special)})
+        if chat.plain:
+            tokenizer.add_tokens(list(chat.plain))
+        tokenizer.eos_token = chat.eos
+        tokenizer.chat_template = TEMPLATES[chat.template].text()
     return tokenizer
 
 
 def build_preset_model(
-    preset: Preset, vocab_size: int, dtype: torch.dtype, warm_start: bool = True
+    preset: Preset, vocab_size: int, dtype: torch.dtype, warm_start: bool = True, eos_token_id: int = 2
 ) -> torch.nn.Module:
     """The preset's architecture with weights drawn from a fixed seed (global RNG left untouched),
-    replaced by its shipped warm-start weights where it has them (see `fastft.training.warmstart`)."""
+    replaced by its shipped warm-start weights where it has them (see `fastft.training.warmstart`).
+    `eos_token_id`: its tokenizer's EOS (`load_preset_tokenizer(name).eos_token_id`)."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = preset.make_config(vocab_size)
-    config.pad_token_id, config.eos_token_id = 0, 2
+    config.pad_token_id, config.eos_token_id = 0, eos_token_id
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(PRESET_SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -175,7 +210,7 @@ def build_preset_model(
     if warm_start and weights.exists():
         model.load_state_dict(load_file(weights), strict=not config.tie_word_embeddings)
         model.to(dtype)
-    model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=2, do_sample=False)
+    model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=eos_token_id, do_sample=False)
     return model
 
 

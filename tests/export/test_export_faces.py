@@ -123,9 +123,9 @@ def test_export_rss_bench_streams_a_small_llama_3_1_shape(tmp_path):
 
 @pytest.mark.parametrize("name", ["chatml", "llama-3.1", "qwen-2.5", "phi-3"])
 def test_chat_templates_translate_to_ollama_and_render_the_same(name):
-    from fastft.chat_templates import get_chat_template
     from fastft.export.ollama import render_pieces, translate
     from fastft.models.presets import load_preset_tokenizer
+    from fastft.unsloth.chat_templates import get_chat_template
 
     tokenizer = get_chat_template(load_preset_tokenizer(), chat_template=name)
     template, pieces = translate(tokenizer)
@@ -142,9 +142,9 @@ def test_chat_templates_translate_to_ollama_and_render_the_same(name):
 
 
 def test_a_template_that_merges_the_system_prompt_into_the_user_turn_is_refused():
-    from fastft.chat_templates import get_chat_template
     from fastft.export.ollama import TemplateTranslationError, translate
     from fastft.models.presets import load_preset_tokenizer
+    from fastft.unsloth.chat_templates import get_chat_template
 
     with pytest.raises(TemplateTranslationError, match="system message changes how the user message"):
         translate(get_chat_template(load_preset_tokenizer(), chat_template="mistral"))

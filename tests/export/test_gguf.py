@@ -134,6 +134,15 @@ def test_tensors_whose_rows_do_not_fill_a_block_stay_f16(tmp_path):
 
 def test_ollama_folder_has_a_verified_template_stop_tokens_and_parameters(trained, prompts, tmp_path):
     name, model, tokenizer = trained
+    if (
+        name == "tiny-qwen3"
+    ):  # Qwen3's template shows the last reply's reasoning only: no faithful translation yet
+        from fastft.export.ollama import TemplateTranslationError
+
+        with pytest.raises(TemplateTranslationError, match="a later user message changes how the earlier"):
+            save_ollama(model, tmp_path / "ollama", tokenizer, "q8_0", prompts=prompts[:2])
+        assert not (tmp_path / "ollama").exists()
+        return
     result = save_ollama(model, tmp_path / "ollama", tokenizer, "q8_0", prompts=prompts[:2])
     text = result.modelfile.read_text()
     assert text.startswith("FROM ./model.Q8_0.gguf\n")

@@ -13,9 +13,9 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 import fastft
-from fastft.chat_templates import FORMATS, get_chat_template, train_on_responses_only
 from fastft.runtime.state import model_state
 from fastft.unsloth import FastLanguageModel, FastModel, is_bfloat16_supported
+from fastft.unsloth.chat_templates import get_chat_template, train_on_responses_only
 
 CONVERSATIONS = [
     [
@@ -67,80 +67,6 @@ def _unsloth_model(name="tiny-llama", **peft):
         random_state=3407,
     )
     return FastLanguageModel.get_peft_model(model, **{**settings, **peft}), tokenizer
-
-
-@pytest.mark.parametrize("name", [*FORMATS, "llama-3.2", "qwen2.5", "gemma-3", "phi-3.5"])
-def test_get_chat_template_marks_exactly_the_replies(name):
-    from trl.chat_template_utils import has_generation_markers, is_chat_template_stop_token_trained
-
-    tokenizer = fastft.load_model("tiny-llama")[1]
-    tokenizer = get_chat_template(tokenizer, chat_template=name)
-    assert has_generation_markers(tokenizer.chat_template)
-    assert is_chat_template_stop_token_trained(tokenizer)  # TRL's check that the model learns to stop
-    for conversation, replies in zip(CONVERSATIONS[:2], REPLIES[:2], strict=True):
-        out = tokenizer.apply_chat_template(
-            conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        trained = [i for i, keep in zip(out["input_ids"], out["assistant_masks"], strict=True) if keep]
-        # this tokenizer lacks the family's end-of-turn token: map_eos_token writes its own eos instead
-        assert tokenizer.decode(trained) == "".join(reply + tokenizer.eos_token for reply in replies)
-    prompt = tokenizer.apply_chat_template(CONVERSATIONS[1][:1], tokenize=False, add_generation_prompt=True)
-    assert prompt.endswith(FORMATS[fastft.data.chat_templates.resolve_format(name).name].generation_prompt)
-
-
-def test_get_chat_template_maps_sharegpt_keys_and_keeps_a_token_the_tokenizer_has():
-    tokenizer = fastft.load_model("tiny-llama")[1]
-    tokenizer = get_chat_template(
-        tokenizer,
-        chat_template="chatml",
-        mapping={"role": "from", "content": "value", "user": "human", "assistant": "gpt"},
-    )
-    sharegpt = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
-    text = tokenizer.apply_chat_template(sharegpt, tokenize=False)
-    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
-    assert tokenizer.eos_token == "<|im_end|>"  # the preset tokenizer has ChatML's marker as a token
-    with pytest.raises(ValueError, match="chatml"):
-        get_chat_template(tokenizer, chat_template="not-a-template")
-
-
-def test_get_chat_template_stops_at_the_familys_marker_when_the_tokenizer_has_it():
-    tokenizer = fastft.load_model("tiny-llama")[1]
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
-    tokenizer = get_chat_template(tokenizer, chat_template="llama-3.1")
-    assert tokenizer.eos_token == "<|eot_id|>"  # generation stops at the end of the assistant's turn
-    text = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
-    assert text.count("<|eot_id|>") == 3 and "<|im_end|>" not in text  # system, user and assistant turns
-    kept = get_chat_template(fastft.load_model("tiny-llama")[1], chat_template="llama-3", map_eos_token=False)
-    assert kept.eos_token == "<|im_end|>" and "<|eot_id|>" in kept.apply_chat_template(
-        CONVERSATIONS[1], tokenize=False
-    )
-
-
-def test_standardize_sharegpt():
-    from fastft.chat_templates import standardize_sharegpt
-
-    dataset = Dataset.from_dict(
-        {
-            "conversations": [
-                [
-                    {"from": "system", "value": "Be kind."},
-                    {"from": "human", "value": "hi"},
-                    {"from": "gpt", "value": "hello"},
-                ]
-            ]
-        }  # fmt: skip
-    )
-    dataset = standardize_sharegpt(dataset)
-    assert dataset[0]["conversations"] == [
-        {"role": "system", "content": "Be kind."},
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"},
-    ]
-    assert (
-        fastft.chat_templates.get_chat_template is get_chat_template
-    )  # `fastft.chat_templates` as Unsloth's
-    with pytest.raises(ValueError, match="narrator"):
-        standardize_sharegpt(Dataset.from_dict({"conversations": [[{"from": "narrator", "value": "x"}]]}))
 
 
 def test_preset_template_renders_as_before_and_trl_trains_only_the_assistant(tmp_path):

@@ -1,0 +1,792 @@
+"""Unsloth's ``unsloth.chat_templates`` under the same names and arguments, so a notebook switches with one
+import::
+
+    from fastft.unsloth.chat_templates import get_chat_template, train_on_responses_only
+
+- `get_chat_template(tokenizer, chat_template="llama-3.1", mapping=…, map_eos_token=…, system_message=…)`
+  gives the tokenizer one of the family templates of `fastft.data.chat_templates` (Unsloth's names), and
+  makes the template's end-of-turn marker the EOS where Unsloth does (ChatML and the Gemma templates).
+- `train_on_responses_only(trainer)` masks the labels of the trainer's tokenized datasets so only the
+  assistant's replies train. Without ``instruction_part`` / ``response_part`` the two markers are read off
+  the tokenizer's chat template (`response_parts`), as Unsloth does.
+- `standardize_sharegpt` / `standardize_data_formats` turn ShareGPT rows (``from`` / ``value``) into role /
+  content messages; `to_sharegpt` merges columns into one-turn conversations; `apply_chat_template` builds a
+  chat template from a two-example prompt (the Ollama notebooks' ``{SYSTEM}`` / ``{INPUT}`` / ``{OUTPUT}``).
+
+Where fastft's result differs from Unsloth's, the docstring says so (and a warning says it once at run time).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass
+
+from fastft.data.chat_templates import (
+    DEFAULT_MAPPING,
+    TEMPLATES,
+    ChatTemplateError,
+    mapped,
+    resolve_template,
+    template_names,
+)
+
+IGNORE_INDEX = -100  # the label PyTorch's cross-entropy and every HF trainer skip
+
+
+# ---------------------------------------------------------------------------------------------- templates
+
+
+def get_chat_template(
+    tokenizer,
+    chat_template: str | tuple[str, str] = "chatml",
+    mapping: dict | None = None,
+    map_eos_token: bool = True,
+    system_message: str | None = None,
+    patch_saving: bool = True,
+    use_zoo_tokenizer_patch: bool = False,
+):
+    """Give `tokenizer` the chat template `chat_template` and return it, as Unsloth's function does.
+
+    `chat_template`: a name of `fastft.data.chat_templates.TEMPLATES` or `ALIASES` ("llama-3.1", "qwen3",
+    "qwen3-instruct", "gemma-3", "phi-4", "mistral", "chatml", "alpaca", "gpt-oss", …), or a
+    ``(jinja, end_of_turn)`` pair of one's own (``"eos_token"`` as the end: the tokenizer's EOS).
+    `mapping`: which message keys hold the role and the content and which role values mean user and
+    assistant (ShareGPT: ``{"role": "from", "content": "value", "user": "human", "assistant": "gpt"}``);
+    messages already in role / content form still render. `system_message` replaces the default system
+    message of the templates that have one (alpaca, vicuna, unsloth, llama-3.1, qwen-2.5).
+
+    EOS, as Unsloth: for a named template `map_eos_token` is the template's own choice (True for ChatML and
+    the Gemma templates, False for the others, whatever is passed); for a pair it is the argument. When it
+    holds, the end-of-turn marker becomes the tokenizer's ``eos_token``: a tokenizer without that token has
+    its EOS token renamed to it (same id, so the model's embeddings and ``eos_token_id`` stay). One
+    difference: where the tokenizer already has the marker as a token, fastft makes that token the EOS,
+    while Unsloth swaps the two tokens' names so the EOS keeps its id. A template whose end-of-turn marker is
+    not a token of the tokenizer writes it as plain text (as Unsloth does): a warning says so, since the
+    model then never learns a single token that stops generation. `patch_saving` and
+    `use_zoo_tokenizer_patch` are accepted for Unsloth's signature; they change nothing here.
+    """
+    if not isinstance(map_eos_token, bool):
+        raise TypeError(f"get_chat_template: map_eos_token must be True or False, got {map_eos_token!r}.")
+    is_gemma = type(tokenizer).__name__.startswith("Gemma")
+    renames: tuple[tuple[str, str], ...] = ()
+    if isinstance(chat_template, (tuple, list)):
+        if len(chat_template) != 2 or not all(isinstance(part, str) for part in chat_template):
+            raise TypeError(
+                "get_chat_template: a custom chat_template is a (jinja_template, end_of_turn) pair."
+            )
+        jinja, stop = chat_template
+        end = None if stop == "eos_token" else stop
+        map_eos = map_eos_token and end is not None
+    elif isinstance(chat_template, str):
+        name = "gemma_chatml" if is_gemma and chat_template.strip().lower() == "chatml" else chat_template
+        template = resolve_template(name)
+        if system_message is not None and template.default_system is None:
+            warnings.warn(
+                f"get_chat_template: the {template.name} template has no default system message, so "
+                "system_message is ignored: put the system message in your data.",
+                stacklevel=2,
+            )
+        jinja, end, map_eos, renames = (
+            template.text(system_message),
+            template.end,
+            template.map_eos_token,
+            template.renames,
+        )
+    else:
+        raise TypeError(
+            "get_chat_template: chat_template is a template name or a (jinja_template, end_of_turn) pair; "
+            f"the names are {', '.join(template_names())}."
+        )
+    if is_gemma and not jinja.lstrip().startswith(("{{ bos_token }}", "{{- bos_token", "{{bos_token}}")):
+        jinja = "{{- bos_token -}}" + jinja  # Gemma needs its BOS, or the loss starts far too high
+    for old, new in renames:
+        _rename_token(tokenizer, old, new)
+    if map_eos and end is not None:
+        _make_eos(tokenizer, end)
+    tokenizer.chat_template = mapped(jinja, mapping)
+    if end is not None and end not in tokenizer.get_vocab():
+        warnings.warn(
+            f"get_chat_template: this tokenizer has no {end!r} token, so the template writes that end-of-turn "
+            "marker as plain text (as Unsloth does) and the model never learns one token to stop at. Use the "
+            "template of the model's family, or 'chatml' (which makes the EOS its marker).",
+            stacklevel=2,
+        )
+    tokenizer._system_message = system_message
+    return tokenizer
+
+
+def _make_eos(tokenizer, marker: str) -> None:
+    """Make `marker` the tokenizer's EOS: the existing token of that name, or the EOS token renamed."""
+    old = tokenizer.eos_token
+    if old == marker:
+        return
+    if marker in tokenizer.get_vocab() or old is None:
+        if marker not in tokenizer.get_vocab():
+            tokenizer.add_special_tokens({"eos_token": marker})
+        tokenizer.eos_token = marker
+        return
+    _rename_token(tokenizer, old, marker)
+
+
+def _rename_token(tokenizer, old: str, new: str) -> None:
+    """Rename token `old` to `new` in a fast tokenizer, keeping its id (Unsloth's way of giving a model a
+    new end-of-turn token without new embeddings). Special-token attributes naming `old` follow."""
+    vocab = tokenizer.get_vocab()
+    if new in vocab:
+        return
+    if old not in vocab:
+        raise ChatTemplateError(
+            f"get_chat_template: {old!r} is not a token of this tokenizer, so it cannot become {new!r}."
+        )
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ChatTemplateError(
+            f"get_chat_template: renaming {old!r} to {new!r} needs a fast tokenizer (load it with use_fast=True)."
+        )
+    from tokenizers import Tokenizer
+
+    data = json.loads(backend.to_str())
+    for token in data.get("added_tokens", []):
+        if token["content"] == old:
+            token["content"] = new
+    model_vocab = data["model"].get("vocab")
+    if isinstance(model_vocab, dict) and old in model_vocab:
+        model_vocab[new] = model_vocab.pop(old)
+    elif isinstance(model_vocab, list):  # Unigram: [piece, score] pairs
+        data["model"]["vocab"] = [
+            [new, score] if piece == old else [piece, score] for piece, score in model_vocab
+        ]
+    data["post_processor"] = _replaced(data.get("post_processor"), old, new)
+    tokenizer._tokenizer = Tokenizer.from_str(json.dumps(data))
+    for attribute in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        if getattr(tokenizer, attribute, None) == old:
+            setattr(tokenizer, attribute, new)
+
+
+def _replaced(value, old: str, new: str):
+    if isinstance(value, dict):
+        return {(new if k == old else k): _replaced(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replaced(v, old, new) for v in value]
+    return new if value == old else value
+
+
+# ---------------------------------------------------------------------------------- responses-only training
+
+
+@dataclass(frozen=True)
+class ResponseParts:
+    """The markers that open a user turn (`instruction_part`) and an assistant turn (`response_part`), as
+    text and as the token ids they have inside a rendered conversation."""
+
+    instruction_part: str
+    response_part: str
+    instruction_ids: list[int]
+    response_ids: list[int]
+
+
+_PROBES = ("fastftprobeuserone", "fastftprobereplyone", "fastftprobeusertwo", "fastftprobereplytwo")
+
+
+def response_parts(tokenizer) -> ResponseParts:
+    """Read the user and assistant turn markers off `tokenizer`'s chat template.
+
+    A probe conversation (user, assistant, user, assistant) is rendered; the text between a reply's end and
+    the next user message, less the reply's own end-of-turn text, opens a user turn (``"<|im_start|>user\\n"``);
+    the text between a user message's end and the reply, less the user turn's own end, opens an assistant
+    turn (``"<|im_start|>assistant\\n"``; for a template where the user turn's end opens the reply, as
+    Mistral's ``[/INST]``, that end). Reasoning scaffolding a template adds to the last reply only (Qwen3's
+    empty ``<think></think>``) is not part of the marker, so it trains with the reply. The token ids are
+    those the markers have inside the rendered text, so whitespace merged into a neighbouring token never
+    makes a marker unmatchable.
+    """
+    u1, a1, u2, a2 = _PROBES
+    turns = [("user", u1), ("assistant", a1), ("user", u2), ("assistant", a2)]
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": r, "content": c} for r, c in turns], tokenize=False, add_generation_prompt=False
+        )
+        alone = tokenizer.apply_chat_template(
+            [{"role": "user", "content": u1}], tokenize=False, add_generation_prompt=False
+        )
+    except Exception as error:  # noqa: BLE001 - any template failure means: the markers must be given
+        raise ValueError(
+            f"train_on_responses_only: the tokenizer's chat template cannot render a user/assistant probe ({error}), "
+            "so the markers cannot be read off it: pass instruction_part=... and response_part=... (the text that "
+            "opens a user turn and an assistant turn)."
+        ) from None
+    spans, cursor = {}, 0
+    for _, probe in turns:
+        start = text.find(probe, cursor)
+        if start < 0 or text.count(probe) != 1:
+            raise ValueError(
+                "train_on_responses_only: the chat template does not render each message once, so the markers "
+                "cannot be read off it: pass instruction_part=... and response_part=...."
+            )
+        spans[probe] = (start, start + len(probe))
+        cursor = start + len(probe)
+    user_end = alone[alone.index(u1) + len(u1) :] if u1 in alone else ""
+    reply_end = text[spans[a2][1] :]
+    # the user marker: between the first reply and the second user message, less the reply's end
+    between = text[spans[a1][1] : spans[u2][0]]
+    if user_end.strip() and between.lstrip().startswith(user_end.strip()):  # a reply ends as a user turn does
+        instruction = between.lstrip()[len(user_end.strip()) :]
+    else:
+        instruction = between[len(_common_prefix(between, reply_end)) :]
+    instruction = instruction.lstrip()
+    instruction_start = spans[u2][0] - len(instruction)
+    # the assistant marker: between each user message and its reply, less the user turn's end
+    gaps = [(spans[u][1], text[spans[u][1] : spans[a][0]]) for u, a in ((u1, a1), (u2, a2))]
+    cut = len(_common_prefix(gaps[0][1], user_end))
+    response = _common_prefix(gaps[0][1][cut:], gaps[1][1][len(_common_prefix(gaps[1][1], user_end)) :])
+    if not response.strip():  # nothing of its own opens a reply: the user turn's end does ("[/INST]")
+        cut, response = 0, gaps[0][1]
+    stripped = response.lstrip()
+    response_start = gaps[0][0] + cut + len(response) - len(stripped)
+    if not instruction.strip() or not stripped.strip():
+        raise ValueError(
+            "train_on_responses_only: the chat template writes nothing between turns to tell user and assistant "
+            "apart: pass instruction_part=... and response_part=...."
+        )
+    instruction_ids, instruction = _ids_inside(
+        tokenizer, text, instruction_start, instruction_start + len(instruction)
+    )
+    response_ids, response = _ids_inside(tokenizer, text, response_start, response_start + len(stripped))
+    return ResponseParts(instruction, response, instruction_ids, response_ids)
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def _ids_inside(tokenizer, text: str, start: int, end: int) -> tuple[list[int], str]:
+    """The ids of the tokens of `text` lying wholly inside characters [start, end), and their text."""
+    if not getattr(tokenizer, "is_fast", False):
+        part = text[start:end]
+        return _ids(tokenizer, part, "marker"), part
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    inside = [
+        (token, s, e)
+        for token, (s, e) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
+        if start <= s and e <= end and e > s
+    ]
+    if not inside:
+        raise ValueError(
+            f"train_on_responses_only: the marker {text[start:end]!r} merges with the text around it into other "
+            "tokens: pass instruction_part=... and response_part=... explicitly."
+        )
+    return [token for token, _, _ in inside], text[inside[0][1] : inside[-1][2]]
+
+
+def train_on_responses_only(
+    trainer,
+    instruction_part: str | None = None,
+    response_part: str | None = None,
+    force_match: bool = True,
+    tokenizer=None,
+    return_function: bool = False,
+    num_proc: int | None = None,
+):
+    """Mask every token but the assistant's replies in `trainer`'s datasets (labels -100) and return the trainer.
+
+    A reply is what follows `response_part` (e.g. ``"<|im_start|>assistant\\n"``) up to the next
+    `instruction_part` (``"<|im_start|>user\\n"``) or the end, its end-of-turn marker included. Without the
+    two markers they are read off the tokenizer's chat template (`response_parts`), or taken from
+    `apply_chat_template`'s custom template; given, they are written as the template renders them and
+    matched as token sequences. Works on a `trl.SFTTrainer` and a `transformers.Trainer` whose datasets hold
+    ``input_ids``; rows left with nothing to train are dropped (with a count), as Unsloth does; a
+    language-modelling collator that would rebuild the labels from the inputs is replaced by one that pads
+    the labels given. `return_function=True` returns the batched masking function instead (for a collator
+    or a list). `force_match` is accepted for Unsloth's signature (markers always match whole tokens here).
+    """
+    if tokenizer is None:
+        tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a multimodal processor: its text tokenizer
+    parts = _parts(tokenizer, instruction_part, response_part)
+    mask = _masking_function(parts.instruction_ids, parts.response_ids)
+    if return_function:
+        return mask
+    for attribute in ("train_dataset", "eval_dataset"):
+        dataset = getattr(trainer, attribute, None)
+        if dataset is None:
+            continue
+        if isinstance(dataset, dict):
+            setattr(
+                trainer,
+                attribute,
+                {k: _masked(d, mask, num_proc, parts, f"{attribute}[{k!r}]") for k, d in dataset.items()},
+            )
+        else:
+            setattr(trainer, attribute, _masked(dataset, mask, num_proc, parts, attribute))
+    _keep_labels_in_collator(trainer, tokenizer)
+    return trainer
+
+
+def _parts(tokenizer, instruction_part: str | None, response_part: str | None) -> ResponseParts:
+    if instruction_part is None and response_part is None:
+        instruction_part = getattr(tokenizer, "_unsloth_input_part", None)
+        response_part = getattr(tokenizer, "_unsloth_output_part", None)
+    if instruction_part is None or response_part is None:
+        inferred = response_parts(tokenizer)
+        if instruction_part is None and response_part is None:
+            return inferred
+        if instruction_part is None:
+            return ResponseParts(inferred.instruction_part, response_part, inferred.instruction_ids,
+                                 _ids(tokenizer, response_part, "response_part"))  # fmt: skip
+        return ResponseParts(instruction_part, inferred.response_part,
+                             _ids(tokenizer, instruction_part, "instruction_part"), inferred.response_ids)  # fmt: skip
+    return ResponseParts(
+        instruction_part,
+        response_part,
+        _ids(tokenizer, instruction_part, "instruction_part"),
+        _ids(tokenizer, response_part, "response_part"),
+    )
+
+
+def response_labels(input_ids: list[int], instruction_ids: list[int], response_ids: list[int]) -> list[int]:
+    """`input_ids` with every token outside a reply set to -100 (a reply: after each `response_ids` run,
+    up to the next `instruction_ids` run)."""
+    labels = [IGNORE_INDEX] * len(input_ids)
+    position, inside = 0, False
+    while position < len(input_ids):
+        if _starts_with(input_ids, position, response_ids):
+            position += len(response_ids)
+            inside = True
+            continue
+        if _starts_with(input_ids, position, instruction_ids):
+            inside = False
+        if inside:
+            labels[position] = input_ids[position]
+        position += 1
+    return labels
+
+
+def _masking_function(instruction_ids: list[int], response_ids: list[int]):
+    def mask(examples):
+        """Batched: ``{"labels": [...]}`` for ``examples["input_ids"]`` (lists or a tensor); labels already
+        present stay -100 where they were."""
+        rows = examples["input_ids"]
+        tensor = hasattr(rows, "tolist") and not isinstance(rows, list)
+        rows = rows.tolist() if tensor else rows
+        old = examples.get("labels")
+        old = old.tolist() if hasattr(old, "tolist") and not isinstance(old, list) else old
+        out = []
+        for i, ids in enumerate(rows):
+            labels = response_labels(list(ids), instruction_ids, response_ids)
+            if old is not None:
+                labels = [
+                    IGNORE_INDEX if before == IGNORE_INDEX else label
+                    for label, before in zip(labels, old[i], strict=True)
+                ]
+            out.append(labels)
+        if tensor:
+            import torch
+
+            return {"labels": torch.tensor(out, dtype=torch.int64)}
+        return {"labels": out}
+
+    return mask
+
+
+def _ids(tokenizer, text: str, what: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"train_on_responses_only: {what}={text!r} is empty once tokenized.")
+    return list(ids)
+
+
+def _starts_with(sequence: list[int], position: int, part: list[int]) -> bool:
+    return sequence[position : position + len(part)] == part
+
+
+def _masked(dataset, mask, num_proc, parts: ResponseParts, name: str):
+    if not hasattr(dataset, "map"):
+        raise TypeError(
+            f"train_on_responses_only: the trainer's {name} is a {type(dataset).__name__}; it needs a datasets.Dataset."
+        )
+    if "input_ids" not in (dataset.column_names or []):
+        raise ValueError(
+            "train_on_responses_only needs tokenized datasets (an 'input_ids' column): call it after building "
+            f"the trainer, which tokenizes them. Columns of its {name}: {dataset.column_names}."
+        )
+    kwargs = (
+        {}
+        if not hasattr(dataset, "__len__")
+        else {"num_proc": num_proc, "desc": "Masking everything but the responses"}
+    )
+    dataset = dataset.map(mask, batched=True, **kwargs)
+    if not hasattr(dataset, "__len__"):  # an IterableDataset: masked lazily, nothing to count
+        return dataset
+    before = len(dataset)
+    kept = dataset.filter(
+        lambda labels: any(label != IGNORE_INDEX for label in labels),
+        input_columns="labels",
+        num_proc=num_proc,
+    )
+    if before and not len(kept):
+        raise ValueError(
+            f"train_on_responses_only: response_part {parts.response_part!r} was not found in any row of the "
+            f"trainer's {name}, so nothing would be trained. Write it exactly as the chat template renders an "
+            "assistant turn's opening (e.g. '<|im_start|>assistant\\n' for ChatML), or leave both markers out to "
+            "read them off the tokenizer's chat template."
+        )
+    if len(kept) < before:
+        warnings.warn(
+            f"train_on_responses_only: dropped {before - len(kept)} of {before} rows of {name} with no reply left to "
+            "train (cut off by max_length, or no assistant turn), as Unsloth does.",
+            stacklevel=3,
+        )
+    return kept
+
+
+def _keep_labels_in_collator(trainer, tokenizer) -> None:
+    """transformers' `DataCollatorForLanguageModeling` rebuilds labels from the inputs: swap in one that pads
+    the given labels. TRL's collator of that name already uses a ``labels`` column as is."""
+    from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq
+
+    if type(getattr(trainer, "data_collator", None)) is DataCollatorForLanguageModeling:
+        trainer.data_collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX)
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+
+_SYSTEM_ALIASES = ("system",)
+_USER_ALIASES = ("user", "human", "input")
+_ASSISTANT_ALIASES = ("gpt", "assistant", "output")
+
+
+def standardize_data_formats(
+    dataset,
+    tokenizer=None,
+    aliases_for_system=_SYSTEM_ALIASES,
+    aliases_for_user=_USER_ALIASES,
+    aliases_for_assistant=_ASSISTANT_ALIASES,
+    batch_size: int = 1000,
+    num_proc: int | None = None,
+):
+    """ShareGPT-style conversations as role / content messages, in the same column (Unsloth's function).
+
+    The column is ``conversations`` (or, where there is none, ``messages``: Unsloth leaves a dataset without
+    ``conversations`` untouched, fastft also standardizes ``messages``). Each message's role key and content
+    key are found from the first rows (``role`` / ``content``, ``from`` / ``value``, or, with just two keys,
+    the one with fewer distinct values is the role); speakers map to system / user / assistant through the
+    aliases; other keys (``thinking``, ``weight``) are kept. A dataset already in role / content form with
+    those roles comes back unchanged. For a multimodal `tokenizer` (a processor), contents become
+    ``[{"type": "text", "text": …}]``.
+    """
+    column = next((c for c in ("conversations", "messages") if c in (dataset.column_names or [])), None)
+    if column is None:
+        return dataset
+    head = list(dataset.select(range(min(10, len(dataset))))) if hasattr(dataset, "select") else []
+    messages = [m for row in head for m in (row[column] or [])]
+    role_key, content_key = _message_keys(messages, column)
+    roles = {name: "system" for name in aliases_for_system}
+    roles |= {name: "user" for name in aliases_for_user} | {
+        name: "assistant" for name in aliases_for_assistant
+    }
+    unknown = sorted({m[role_key] for m in messages} - set(roles), key=str)
+    if unknown:
+        raise ValueError(
+            f"standardize_data_formats: speakers {unknown} of column {column!r} are in no alias list: add them to "
+            "aliases_for_system, aliases_for_user or aliases_for_assistant."
+        )
+    multimodal = tokenizer is not None and (
+        hasattr(tokenizer, "image_processor") or hasattr(tokenizer, "tokenizer")
+    )
+    standard = (role_key, content_key) == ("role", "content") and all(
+        m["role"] in ("system", "user", "assistant") for m in messages
+    )
+    if standard and not multimodal:
+        return dataset
+
+    def convert(examples):
+        conversations = []
+        for conversation in examples[column]:
+            out = []
+            for message in conversation or []:
+                speaker = message[role_key]
+                if speaker not in roles:
+                    raise ValueError(
+                        f"standardize_data_formats: speaker {speaker!r} is in no alias list: add it to "
+                        "aliases_for_system, aliases_for_user or aliases_for_assistant."
+                    )
+                content = message[content_key]
+                extra = {
+                    k: v for k, v in message.items() if k not in (role_key, content_key, "role", "content")
+                }
+                out.append(
+                    {
+                        "role": roles[speaker],
+                        "content": [{"type": "text", "text": content}] if multimodal else content,
+                        **extra,
+                    }
+                )
+            conversations.append(out)
+        return {column: conversations}
+
+    kwargs = {"batched": True, "batch_size": batch_size}
+    if hasattr(dataset, "__len__"):
+        kwargs |= {"num_proc": num_proc, "desc": "Standardizing formats"}
+    return dataset.map(convert, **kwargs)
+
+
+standardize_sharegpt = standardize_data_formats  # Unsloth made the two one function
+
+
+def _message_keys(messages: list[dict], column: str) -> tuple[str, str]:
+    keys = {k for m in messages for k, v in m.items() if v is not None}
+    for pair in (("role", "content"), ("from", "value")):
+        if set(pair) <= keys:
+            return pair
+    if len(keys) == 2:
+        first, second = sorted(keys)
+        distinct = {k: len({str(m.get(k)) for m in messages}) for k in keys}
+        return (first, second) if distinct[first] <= distinct[second] else (second, first)
+    raise ValueError(
+        f"standardize_data_formats: the messages of column {column!r} have keys {sorted(keys)}; expected role / "
+        "content or from / value."
+    )
+
+
+def to_sharegpt(
+    dataset,
+    merged_prompt: str = "",
+    merged_column_name: str = "instruction",
+    output_column_name: str = "output",
+    remove_unused_columns: bool = True,
+    conversation_extension: int = 1,
+    random_state: int = 3407,
+):
+    """Columns merged into one-turn ShareGPT conversations (``conversations`` of human / gpt messages), as
+    Unsloth's function does.
+
+    `merged_prompt` writes the user message from the columns: ``{column}`` is the column's value, and a part
+    in ``[[…]]`` is left out where its first column is empty, e.g. ``"{instruction}[[\\nInput:\\n{input}]]"``.
+    `output_column_name` is the reply. `conversation_extension` > 1 joins that many randomly drawn rows
+    (seed `random_state`) into each multi-turn conversation.
+    """
+    if (
+        "conversations" in dataset.column_names
+        and len(dataset)
+        and isinstance(dataset[0]["conversations"], list)
+    ):
+        raise TypeError("to_sharegpt: the dataset already has ShareGPT conversations.")
+    pieces = _prompt_pieces(merged_prompt, dataset.column_names)
+    if output_column_name not in dataset.column_names:
+        raise KeyError(
+            f"to_sharegpt: output_column_name={output_column_name!r} is not a column: {dataset.column_names}."
+        )
+
+    def convert(examples):
+        n = len(examples[output_column_name])
+        conversations = []
+        for i in range(n):
+            prompt = "".join(_filled(piece, examples, i) for piece in pieces)
+            conversations.append(
+                [
+                    {"from": "human", "value": prompt},
+                    {"from": "gpt", "value": str(examples[output_column_name][i])},
+                ]
+            )
+        return {"conversations": conversations}
+
+    remove = dataset.column_names if remove_unused_columns else None
+    dataset = dataset.map(convert, batched=True, remove_columns=remove, desc="Converting to ShareGPT")
+    extra = max(conversation_extension - 1, 0)
+    if not extra:
+        return dataset
+    from datasets import concatenate_datasets
+
+    columns = [dataset.rename_column("conversations", "conversations0")]
+    for j in range(1, extra + 1):
+        shuffled = dataset.shuffle(seed=random_state + j).flatten_indices()
+        columns.append(
+            shuffled.select_columns(["conversations"]).rename_column("conversations", f"conversations{j}")
+        )
+    joined = concatenate_datasets(columns, axis=1)
+    names = [f"conversations{j}" for j in range(extra + 1)]
+
+    def combine(examples):
+        return {
+            "conversations": [sum(turns, []) for turns in zip(*(examples[n] for n in names), strict=True)]
+        }
+
+    return joined.map(combine, batched=True, remove_columns=joined.column_names if remove_unused_columns else names,
+                      desc="Extending conversations")  # fmt: skip
+
+
+def _prompt_pieces(merged_prompt: str, columns: list[str]) -> list[tuple[bool, str, list[str]]]:
+    """`merged_prompt` as (optional, text, its columns) pieces; every ``{column}`` must be a column."""
+    named = re.findall(r"\{(.+?)\}", merged_prompt)
+    missing = [c for c in named if c not in columns]
+    if missing:
+        raise KeyError(f"to_sharegpt: merged_prompt names {missing}, which are not columns: {columns}.")
+    pieces = []
+    for part in re.split(r"(\[\[.+?\]\])", merged_prompt, flags=re.DOTALL):
+        if not part:
+            continue
+        optional = part.startswith("[[") and part.endswith("]]")
+        text = part[2:-2] if optional else part
+        needed = re.findall(r"\{(.+?)\}", text)
+        if optional and not needed:
+            raise ValueError(f"to_sharegpt: the optional part {part!r} names no {{column}}.")
+        pieces.append((optional, text, needed))
+    return pieces
+
+
+def _filled(piece: tuple[bool, str, list[str]], examples, i: int) -> str:
+    optional, text, needed = piece
+    if optional and examples[needed[0]][i] in (None, ""):
+        return ""
+    out = text
+    for column in needed:
+        out = out.replace("{" + column + "}", str(examples[column][i]))
+    return out
+
+
+def apply_chat_template(
+    dataset,
+    tokenizer=None,
+    chat_template: str = (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{SYSTEM}<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\n{INPUT}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{OUTPUT}<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\n{INPUT}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{OUTPUT}<|eot_id|>"
+    ),
+    default_system_message: str | None = (
+        "Below are some instructions that describe some tasks. Write responses that appropriately complete "
+        "each request."
+    ),
+    extra_eos_tokens: list[str] | str | None = None,
+):
+    """Give `tokenizer` the chat template written by example in `chat_template`, and add a ``text`` column of
+    each row's ``conversations`` rendered with it (Unsloth's function of this name, from its Ollama notebooks).
+
+    `chat_template` shows two exchanges: ``{INPUT}`` / ``{OUTPUT}`` twice each, ``{SYSTEM}`` optionally once
+    before them (filled with `default_system_message` when a conversation has no system message). The
+    tokenizer's EOS is added after ``{OUTPUT}`` when the example ends a reply with no EOS (or
+    `extra_eos_tokens`) of its own. The user and reply markers are kept on the tokenizer, so a later
+    ``train_on_responses_only(trainer)`` uses them. fastft writes no Ollama Modelfile here:
+    ``save_ollama`` / ``save_pretrained_gguf`` translate the chat template themselves.
+    """
+    if tokenizer is None:
+        raise ValueError("apply_chat_template: pass the tokenizer (tokenizer=tokenizer).")
+    system_part, input_part, output_part = _split_example(chat_template.lstrip(), tokenizer, extra_eos_tokens)
+    jinja = _example_template(tokenizer, system_part, input_part, output_part, default_system_message)
+    tokenizer.chat_template = jinja
+    tokenizer._unsloth_input_part = input_part[: input_part.index("{INPUT}")]
+    tokenizer._unsloth_output_part = output_part[: output_part.index("{OUTPUT}")]
+
+    def render(examples):
+        return {
+            "text": [
+                tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=False)
+                for c in examples["conversations"]
+            ]
+        }
+
+    return dataset.map(render, batched=True)
+
+
+def _split_example(template: str, tokenizer, extra_eos_tokens) -> tuple[str, str, str]:
+    """(system part, user part ending after ``{INPUT}`` and its end marker, reply part) of a two-example
+    template."""
+    if template.count("{INPUT}") != 2 or template.count("{OUTPUT}") != 2:
+        raise ValueError(
+            "apply_chat_template: the chat_template must show two exchanges, {INPUT} and {OUTPUT} twice each, "
+            "e.g. '### Input:\\n{INPUT}\\n\\n### Response:\\n{OUTPUT}\\n### Input:\\n{INPUT}\\n\\n### Response:\\n{OUTPUT}\\n'."
+        )
+    # the second exchange is the template's tail that also ends just before it: find the longest such tail
+    first_output_end = template.index("{OUTPUT}") + len("{OUTPUT}")
+    second_input = template.index("{INPUT}", first_output_end)
+    for start in range(first_output_end, second_input + 1):
+        unit = template[start:]
+        if template[:start].endswith(unit):
+            break
+    else:
+        raise ValueError(
+            "apply_chat_template: the two exchanges in chat_template differ; write the second exactly as the first."
+        )
+    system_part = template[: start - len(unit)]
+    eos_tokens = [t for t in [tokenizer.eos_token, *(_as_list(extra_eos_tokens))] if t]
+    input_end = (
+        re.search(r"\{INPUT\}\s*(?:" + "|".join(re.escape(t) for t in eos_tokens) + r")?", unit).end()
+        if eos_tokens
+        else unit.index("{INPUT}") + 7
+    )
+    input_part, output_part = unit[:input_end], unit[input_end:]
+    if (
+        not any(output_part[output_part.index("{OUTPUT}") + 8 :].startswith(t) for t in eos_tokens)
+        and eos_tokens
+    ):
+        output_part = output_part.replace("{OUTPUT}", "{OUTPUT}" + eos_tokens[0], 1)
+    return system_part, input_part, output_part
+
+
+def _as_list(value) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def _example_template(tokenizer, system_part: str, input_part: str, output_part: str, default_system) -> str:
+    def literal(text: str) -> str:
+        return json.dumps(text)
+
+    def around(part: str, slot: str, expression: str) -> str:
+        before, after = part.split(slot, 1)
+        return " + ".join(
+            x for x in (literal(before) if before else "", expression, literal(after) if after else "") if x
+        )
+
+    bos = getattr(tokenizer, "bos_token", None)
+    head = ""
+    if bos and system_part.startswith(bos):
+        system_part, head = system_part[len(bos) :], "{{- bos_token -}}"
+    parts = [head, "{%- set loop_messages = messages -%}"]
+    if system_part:
+        if "{SYSTEM}" in system_part:
+            default = literal(default_system or "")
+            parts += [
+                "{%- if messages and messages[0]['role'] == 'system' -%}",
+                "{{- " + around(system_part, "{SYSTEM}", "messages[0]['content']") + " -}}",
+                "{%- set loop_messages = messages[1:] -%}",
+                "{%- else -%}{{- " + around(system_part, "{SYSTEM}", default) + " -}}{%- endif -%}",
+            ]
+        else:
+            parts.append("{{- " + literal(system_part) + " -}}")
+    reply_open, reply_rest = output_part.split("{OUTPUT}", 1)
+    parts += [
+        "{%- for message in loop_messages -%}",
+        "{%- if message['role'] == 'user' -%}{{- "
+        + around(input_part, "{INPUT}", "message['content']")
+        + " -}}",
+        "{%- elif message['role'] == 'assistant' -%}{{- " + literal(reply_open) + " -}}",
+        "{%- generation -%}{{- message['content']"
+        + (" + " + literal(reply_rest) if reply_rest else "")
+        + " -}}{%- endgeneration -%}",
+        "{%- else -%}{{- raise_exception('This template has user and assistant turns only') -}}{%- endif -%}",
+        "{%- endfor -%}",
+        "{%- if add_generation_prompt -%}{{- " + literal(reply_open) + " -}}{%- endif -%}",
+    ]
+    return "".join(parts)
+
+
+__all__ = [
+    "DEFAULT_MAPPING",
+    "TEMPLATES",
+    "ChatTemplateError",
+    "ResponseParts",
+    "apply_chat_template",
+    "get_chat_template",
+    "response_labels",
+    "response_parts",
+    "standardize_data_formats",
+    "standardize_sharegpt",
+    "to_sharegpt",
+    "train_on_responses_only",
+]
