@@ -145,9 +145,11 @@ def _launch_parser(sub) -> None:
     parser = sub.add_parser(
         "launch",
         help="run a training script on several GPUs (or CPU processes) through torchrun",
-        description="A thin wrapper over `python -m torch.distributed.run --standalone --nproc_per_node=N`: "
-        "fastft.train inside the script trains one run across the processes (DDP, or FSDP2 with "
-        "distributed='fsdp'); NCCL on GPUs, gloo on the CPU.",
+        description="A thin wrapper over torchrun on one machine (`--nnodes=1 --nproc_per_node=N`), where "
+        "nothing listens beyond 127.0.0.1 (its rendezvous store, gloo and NCCL on the loopback): fastft.train "
+        "inside the script trains one run across the processes (DDP, or FSDP2 with distributed='fsdp'); NCCL "
+        "on GPUs, gloo on the CPU. Several machines: use torchrun --nnodes itself, which opens ports to the "
+        "network.",
         formatter_class=_DefaultsOnceFormatter,
     )
     parser.add_argument(
