@@ -67,7 +67,7 @@ def _demo_parser(sub) -> None:
         "again, save the adapter and write runs/<name>/report.html. Offline; about 40 s of training on a quiet 2-core CPU (the README has the measured times).",
         formatter_class=_DefaultsOnceFormatter,
     )
-    defaults = DemoConfig(name="demo-<date>-<time>")
+    defaults = DemoConfig()
     kinds = typing.get_type_hints(DemoConfig)
     for f in fields(DemoConfig):
         flag = "--" + f.name.replace("_", "-")
