@@ -121,10 +121,10 @@ def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: 
             f"{bits} loading needs a CUDA GPU (bitsandbytes); none was found. On the CPU load the model "
             "in 16/32-bit: load_model(..., load_in_4bit=False, load_in_8bit=False)."
         )
-    from fastft.data.hub import hub_offline_while_unreachable
+    from fastft.data.hub import hub_offline_while_importing
 
     try:
-        with hub_offline_while_unreachable():  # its CPU backend asks the hub for a kernel at import
+        with hub_offline_while_importing():  # its CPU backend asks the hub for a kernel at import
             import bitsandbytes  # noqa: F401
     except ImportError as error:
         raise QuantizationError(
