@@ -109,3 +109,24 @@ def test_a_preset_run_and_its_saves_open_no_connection(tmp_path):
     report = json.loads(completed.stdout.strip().splitlines()[-1])
     assert report["attempts"] == [], json.dumps(report, indent=1)[-6000:]
     assert set(report["steps"].values()) == {0}
+
+
+def test_save_pretrained_keeps_a_resized_vocabulary_without_asking_the_hub(tmp_path):
+    """PEFT's "auto" looked the base up on the hub to see whether the vocabulary was resized; fastft answers it
+    from the preset, folder or local cache: a resized vocabulary saves the embeddings, an unchanged one does
+    not (HF_HUB_OFFLINE is set here, where PEFT's look-up gave up and dropped resized embeddings)."""
+    from safetensors import safe_open
+
+    import fastft
+
+    def saved_keys(model, folder):
+        model.save_pretrained(folder)
+        with safe_open(str(folder / "adapter_model.safetensors"), "pt") as file:
+            return list(file.keys())
+
+    model, _ = fastft.load_model("tiny-llama", max_seq_length=64)
+    model = fastft.add_lora(model, r=4)
+    assert not any("embed_tokens" in key for key in saved_keys(model, tmp_path / "same"))
+    model.get_base_model().resize_token_embeddings(model.config.vocab_size + 8)
+    keys = saved_keys(model, tmp_path / "resized")
+    assert any("embed_tokens" in key for key in keys) and any("lm_head" in key for key in keys), keys
