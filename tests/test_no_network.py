@@ -1,6 +1,6 @@
 """Offline by design: nothing opens a socket unless the user asked for something remote. With the network
 black-holed (every connection or name lookup that is not loopback is recorded and refused) and
-``HF_HUB_OFFLINE`` unset, ``import fastft``, a preset, LoRA, two training steps and saving the adapter (fastft's
+``HF_HUB_OFFLINE`` unset, ``import fastft``, a preset, the bundled data, LoRA, two training steps and saving the adapter (fastft's
 `save_adapter`, and ``model.save_pretrained(dir)`` of the Unsloth layer, PEFT's own method) make no attempt.
 They made three: a reachability probe of the hub when peft (so bitsandbytes) was imported, and two hub look-ups
 by PEFT's ``save_pretrained`` for the base "tiny-llama"."""
@@ -72,8 +72,7 @@ RUN = textwrap.dedent(
     steps["import fastft"] = len(ATTEMPTS)
     model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=64)
     model = fastft.add_lora(model, r=4, alpha=8)
-    rows = [{"messages": [{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]}
-            for i in range(16)]
+    rows = fastft.load_dataset("bundled:skills").select(range(16))
     fastft.train(model, tokenizer, fastft.pack(rows, tokenizer, 64), max_steps=2, progress=False)
     steps["preset, LoRA, two steps"] = len(ATTEMPTS)
     fastft.save_adapter(model, out / "adapter", tokenizer)
