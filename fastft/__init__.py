@@ -43,7 +43,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BitsandbytesCpuKer
 class _OfflineKernelTrustNotice(logging.Filter):
     """Drops the `kernels` package's "Skipping publisher trust check for 'kernels-community/quantization-
     bitsandbytes' because Hugging Face Hub is in offline mode" warning: the same bitsandbytes CPU kernel look-up
-    as above, made offline (HF_HUB_OFFLINE, or `fastft.data.hub.hub_offline_while_unreachable`). Only messages
+    as above, made offline (HF_HUB_OFFLINE, or `fastft.data.hub.hub_offline_while_importing`). Only messages
     about that repository are dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import re
 
 
 class SettingError(ValueError):
@@ -61,3 +63,35 @@ def _example(value, minimum: int | None) -> int:
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
         return max(int(round(value)), minimum or 0)
     return max(1, minimum or 0)
+
+
+_RUN_NAME = re.compile(r"[\w.-]+")
+
+
+def run_name(setting: str, value) -> str:
+    """`value` as the name of a run: a plain folder name (letters, digits, '-', '_', '.'), never a path. A name
+    is joined to an output folder, so '../x', 'a/b' or an absolute path would put the run somewhere else."""
+    if not isinstance(value, str):
+        raise SettingError(
+            f"{setting} must be a text, got {value!r} ({type(value).__name__}). Pass e.g. 'my-run'."
+        )
+    if _RUN_NAME.fullmatch(value) and value not in (".", "..") and len(value.encode()) <= 200:
+        return value
+    suggestion = re.sub(r"[^\w.-]+", "-", value).strip("-.")[:100] or "my-run"
+    raise SettingError(
+        f"{setting}={value!r} is not a run name: it {_why_not_a_name(value)}. A run name is a plain folder name, "
+        "created inside the output folder (choose that folder with the output-dir setting). "
+        f"Fix: e.g. {setting}={suggestion!r}."
+    )
+
+
+def _why_not_a_name(value: str) -> str:
+    if not value.strip():
+        return "is empty"
+    if "/" in value or "\\" in value or os.path.isabs(value):
+        return "is a path (it holds a separator, or is absolute)"
+    if value in (".", ".."):
+        return "names a folder that is not a new one"
+    if len(value.encode()) > 200:
+        return "is longer than 200 bytes"
+    return "holds characters other than letters, digits, '-', '_' and '.'"

@@ -67,7 +67,7 @@ def _demo_parser(sub) -> None:
         "again, save the adapter and write runs/<name>/report.html. Offline; about 40 s of training on a quiet 2-core CPU (the README has the measured times).",
         formatter_class=_DefaultsOnceFormatter,
     )
-    defaults = DemoConfig(name="demo-<date>-<time>")
+    defaults = DemoConfig()
     kinds = typing.get_type_hints(DemoConfig)
     for f in fields(DemoConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -145,9 +145,11 @@ def _launch_parser(sub) -> None:
     parser = sub.add_parser(
         "launch",
         help="run a training script on several GPUs (or CPU processes) through torchrun",
-        description="A thin wrapper over `python -m torch.distributed.run --standalone --nproc_per_node=N`: "
-        "fastft.train inside the script trains one run across the processes (DDP, or FSDP2 with "
-        "distributed='fsdp'); NCCL on GPUs, gloo on the CPU.",
+        description="A thin wrapper over torchrun on one machine (`--nnodes=1 --nproc_per_node=N`), where "
+        "nothing listens beyond 127.0.0.1 (its rendezvous store, gloo and NCCL on the loopback): fastft.train "
+        "inside the script trains one run across the processes (DDP, or FSDP2 with distributed='fsdp'); NCCL "
+        "on GPUs, gloo on the CPU. Several machines: use torchrun --nnodes itself, which opens ports to the "
+        "network.",
         formatter_class=_DefaultsOnceFormatter,
     )
     parser.add_argument(
@@ -223,6 +225,12 @@ def _estimate_parser(sub) -> None:
         choices=["ddp", "fsdp"],
         help="with --world-size: ddp (the whole model on each GPU) or fsdp (FSDP2 splits the 16-bit base)",
     )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the Python code a folder or hub id ships (auto_map in its config.json) to read its config; "
+        "only for code you have read and trust (without it such a model is refused, never asked about)",
+    )
     parser.add_argument("--max-context", action="store_true", help="also print the longest seq-len that fits")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON instead of a table")
 
@@ -245,6 +253,7 @@ def _run_estimate(args) -> int:
 
     from fastft.models.errors import ModelLoadError
     from fastft.vram import GPUS, VramEstimateError, estimate_vram, fits, max_context
+    from fastft.vram.inventory import inventory_of
 
     settings = dict(
         batch_tokens=args.batch_tokens,
@@ -259,14 +268,13 @@ def _run_estimate(args) -> int:
         sharding=args.sharding,
     )
     try:
-        estimate = estimate_vram(args.model, args.seq_len, gpu=args.gpu, **settings)
+        model = inventory_of(args.model, trust_remote_code=args.trust_remote_code)
+        estimate = estimate_vram(model, args.seq_len, gpu=args.gpu, **settings)
         gpu = estimate.gpu
-        verdict = fits(args.model, args.seq_len, gpu=gpu, **settings) if gpu is not None else None
+        verdict = fits(model, args.seq_len, gpu=gpu, **settings) if gpu is not None else None
         longest = None
         if args.max_context and gpu is not None:
-            longest = max_context(
-                args.model, gpu, **{k: v for k, v in settings.items() if k != "batch_tokens"}
-            )
+            longest = max_context(model, gpu, **{k: v for k, v in settings.items() if k != "batch_tokens"})
     except (ModelLoadError, VramEstimateError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -128,6 +128,7 @@ def _run_trl(args, rows, device):
     from trl import DPOConfig, DPOTrainer
 
     from fastft.bench.step import _hf_model
+    from fastft.models.remote_code import from_pretrained
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -148,7 +149,7 @@ def _run_trl(args, rows, device):
     model = _hf_model(args.folder, args.workload, False, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    tokenizer = AutoTokenizer.from_pretrained(args.folder)
+    tokenizer = from_pretrained(AutoTokenizer, args.folder)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     dataset = Dataset.from_dict(
@@ -194,9 +195,11 @@ def run_worker(args) -> dict:
     import torch
     from transformers import AutoConfig
 
+    from fastft.models.remote_code import from_pretrained
+
     torch.manual_seed(0)
     device = torch.device(args.device)
-    vocab = AutoConfig.from_pretrained(args.folder).vocab_size
+    vocab = from_pretrained(AutoConfig, args.folder).vocab_size
     rows = pair_rows(
         args.warmup + args.steps, vocab, args.prompt_length, args.side_length, args.seed, args.ragged
     )

@@ -73,11 +73,12 @@ def _run_fastft(args, device) -> dict:
     from transformers import AutoTokenizer
 
     from fastft.bench.step import _fastft_model
+    from fastft.models.remote_code import from_pretrained
     from fastft.training.grpo import GRPOConfig, GRPOTrainer
 
     seq = args.prompt_tokens + args.completion_tokens
     model = _fastft_model(args.folder, args.workload, seq, "auto", device)
-    tokenizer = AutoTokenizer.from_pretrained(args.folder)
+    tokenizer = from_pretrained(AutoTokenizer, args.folder)
     vocab = _vocab(model, tokenizer)
     rows = [{"prompt_ids": ids} for ids in prompt_ids(args.prompts, args.prompt_tokens, vocab, args.seed)]
     config = GRPOConfig(
@@ -116,11 +117,12 @@ def _run_generate(args, device) -> dict:
     from transformers import AutoTokenizer
 
     from fastft.bench.step import _hf_model
+    from fastft.models.remote_code import from_pretrained
 
     model = _hf_model(args.folder, args.workload, False, device)
     model.config.use_cache = True
     model.eval()
-    vocab = _vocab(model, AutoTokenizer.from_pretrained(args.folder))
+    vocab = _vocab(model, from_pretrained(AutoTokenizer, args.folder))
     ids = torch.tensor(prompt_ids(args.prompts, args.prompt_tokens, vocab, args.seed), device=device)
     kwargs = dict(
         do_sample=True,
@@ -150,9 +152,10 @@ def _run_trl(args, device) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from fastft.bench.step import _hf_model
+    from fastft.models.remote_code import from_pretrained
 
     model = _hf_model(args.folder, args.workload, False, device)
-    tokenizer = AutoTokenizer.from_pretrained(args.folder)
+    tokenizer = from_pretrained(AutoTokenizer, args.folder)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     vocab = _vocab(model, tokenizer)

@@ -88,6 +88,8 @@ def _hf_model(folder: str, precision: str, liger: bool, device, lora_targets: st
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from fastft.models.remote_code import from_pretrained
+
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -100,7 +102,8 @@ def _hf_model(folder: str, precision: str, liger: bool, device, lora_targets: st
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16,
         )
-    model = AutoModelForCausalLM.from_pretrained(
+    model = from_pretrained(
+        AutoModelForCausalLM,
         folder,
         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
         device_map=device.type,

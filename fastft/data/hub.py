@@ -5,6 +5,10 @@ Without this, a hub id on an offline machine went through huggingface_hub's retr
 connection to the endpoint (to the proxy, where ``HTTPS_PROXY`` sends requests through one), and the loaders then read only the local cache (``local_files_only=True``), so
 an offline hub id fails at once with `offline_fix`'s advice, and one already downloaded still loads.
 
+It is asked only where a hub id is being resolved (a model, a config or a dataset the user named): ``import
+fastft``, the presets, a local folder and saving open no socket (bitsandbytes' import is kept offline by
+`hub_offline_while_importing`, without a check first).
+
 Plain Python, no torch or transformers: the CLI's ``estimate`` calls it before importing either. The data
 layer holds it because `fastft.data.loading` reads hub datasets too (an offline hub dataset loads from its
 cached snapshot, or fails at once).
@@ -72,19 +76,18 @@ def offline_reason() -> str | None:
 
 
 @contextlib.contextmanager
-def hub_offline_while_unreachable():
-    """Around the first import of bitsandbytes (peft imports it): huggingface_hub in offline mode while the hub
-    cannot be reached. bitsandbytes' CPU backend asks the hub for a kernel (the `kernels` package) when it is
-    imported; where connections to the hub hang (a firewall that drops packets) ``import peft`` then hung for
-    a minute and more, and the studio's Load model with it. The switch is huggingface_hub's own, set only for
-    the import and put back after; with the hub reachable, or bitsandbytes already imported, nothing changes
-    (the reachability check is `offline_reason`'s: once per process)."""
+def hub_offline_while_importing():
+    """Around the first import of bitsandbytes (peft imports it): huggingface_hub in offline mode. bitsandbytes'
+    CPU backend asks the hub for a kernel (the `kernels` package) when it is imported, a kernel fastft never
+    calls (NF4 is dequantised by its own kernels): a connection nobody asked for, at ``import peft``, and where
+    connections to the hub hang (a firewall that drops packets) a wait of a minute and more. The switch is
+    huggingface_hub's own, set only for the import and put back after; nothing is tried first, so no socket is
+    opened (with bitsandbytes already imported, or `kernels` absent, nothing changes)."""
     if (
         "bitsandbytes" in sys.modules
         or importlib.util.find_spec("bitsandbytes") is None
         or importlib.util.find_spec("kernels") is None
         or _env_offline()
-        or offline_reason() is None
     ):
         yield
         return
@@ -127,7 +130,7 @@ def cached_dataset_snapshot(repo_id: str) -> str | None:
 __all__ = [
     "cached_dataset_snapshot",
     "declared_offline",
-    "hub_offline_while_unreachable",
+    "hub_offline_while_importing",
     "offline_fix",
     "offline_reason",
 ]

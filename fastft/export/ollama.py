@@ -13,7 +13,11 @@ and ``save_ollama(..., parameters=...)`` still works after the user writes the T
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from fastft.checks import SettingError, real_number, whole_number
 
 _S, _U, _A, _U2, _A2 = (
     "⟦fastft-system⟧",
@@ -206,22 +210,113 @@ def default_parameters(model) -> dict[str, object]:
     return parameters
 
 
+# Ollama's Modelfile PARAMETERs (its docs' "Valid Parameters and Values", and the runner options of its API),
+# each with the kind of value it takes and the range Ollama gives it (None: open). mirostat* are left out:
+# Ollama deprecates them and ignores them with a warning.
+PARAMETERS: dict[str, tuple[type, float | None, float | None]] = {
+    "num_ctx": (int, 1, None),
+    "num_predict": (int, -2, None),  # -1: no limit, -2: until the context is full
+    "num_keep": (int, -1, None),
+    "num_batch": (int, 1, None),
+    "num_gpu": (int, -1, None),
+    "num_thread": (int, 0, None),
+    "repeat_last_n": (int, -1, None),  # -1: the whole context
+    "repeat_penalty": (float, 0, None),
+    "presence_penalty": (float, None, None),
+    "frequency_penalty": (float, None, None),
+    "temperature": (float, 0, None),
+    "top_k": (int, 0, None),
+    "top_p": (float, 0, 1),
+    "min_p": (float, 0, 1),
+    "typical_p": (float, 0, 1),
+    "seed": (int, None, None),
+    "stop": (str, None, None),  # a text, or a list of texts: one PARAMETER stop line each
+}
+
+
+def parameter_lines(parameters: Mapping | None) -> list[str]:
+    """``PARAMETER name value`` lines for `parameters`, each name known to Ollama and each value of its kind
+    and range; `SettingError` naming the parameter and the fix otherwise. Texts are quoted so that no value
+    can end its line early (`modelfile_text`)."""
+    if parameters is None:
+        return []
+    if not isinstance(parameters, Mapping):
+        raise SettingError(
+            f"parameters must be a dict of Ollama parameters, got {type(parameters).__name__}: "
+            "e.g. parameters={'temperature': 0.7, 'num_ctx': 4096}."
+        )
+    lines = []
+    for name, value in parameters.items():
+        if name not in PARAMETERS:
+            close = difflib.get_close_matches(str(name), PARAMETERS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise SettingError(
+                f"parameters[{name!r}] is not an Ollama Modelfile parameter.{hint} Valid ones: "
+                f"{', '.join(sorted(PARAMETERS))}."
+            )
+        kind, low, high = PARAMETERS[name]
+        setting = f"parameters[{name!r}]"
+        if kind is str:
+            texts = [value] if isinstance(value, str) else value
+            if not isinstance(texts, (list, tuple)) or not texts:
+                raise SettingError(f"{setting} must be a text or a list of texts, got {value!r}.")
+            lines += [f"PARAMETER {name} {modelfile_text(text, setting)}" for text in texts]
+        elif kind is int:
+            number = whole_number(setting, value, minimum=low, fix=f"Ollama's {name} is a whole number.")
+            if high is not None and number > high:
+                raise SettingError(f"{setting} must be at most {high}, got {number}.")
+            lines.append(f"PARAMETER {name} {number}")
+        else:
+            number = real_number(setting, value, low=low, high=high, fix=f"Ollama's {name} is a number.")
+            lines.append(f"PARAMETER {name} {number!r}")
+    return lines
+
+
+def modelfile_text(value, what: str, multiline: bool = False) -> str:
+    """`value` quoted for a Modelfile so that Ollama reads back exactly `value` and nothing after it.
+
+    Ollama's parser has no escape character: a value ends at a line break where its quotes are closed, and
+    characters that are not printable are dropped. So a one-line value (a PARAMETER) holds no line break and
+    is put in three double quotes where it holds a quote (in one pair otherwise); a multi-line one (SYSTEM,
+    TEMPLATE) is put in three double quotes and may not hold three in a row; neither may hold a control or
+    other unprintable character, which Ollama would drop without a word. `what` names the value in errors."""
+    if not isinstance(value, str):
+        raise SettingError(f"{what} must be a text, got {value!r} ({type(value).__name__}).")
+    allowed = "\t\n\r" if multiline else "\t"
+    bad = next((c for c in value if not c.isprintable() and c not in allowed), None)
+    if bad is not None:
+        kind = "a line break" if bad in "\n\r" else f"the unprintable character {bad!r} (U+{ord(bad):04X})"
+        where = " (a PARAMETER value is one line)" if bad in "\n\r" else ""
+        raise SettingError(
+            f"{what} holds {kind}{where}, which an Ollama Modelfile cannot hold: {value!r}. Fix: remove it."
+        )
+    if multiline:
+        if '"""' in value:
+            raise SettingError(f'{what} holds """, which would end its block in the Modelfile: {value!r}.')
+        return f'"""{value}"""'
+    return f'"""{value}"""' if '"' in value else f'"{value}"'
+
+
 def modelfile(
     model, tokenizer, gguf_name: str, parameters: dict | None = None, system: str | None = None
 ) -> str:
-    """The Modelfile text: FROM the GGUF file, TEMPLATE, a PARAMETER stop per stop token, the parameters."""
+    """The Modelfile text: FROM the GGUF file, TEMPLATE, a PARAMETER stop per stop token, the parameters.
+
+    `parameters` are Ollama's (`PARAMETERS`: each value of its kind and range; a ``stop`` adds to the
+    tokenizer's), replacing the defaults of the same name; `system` a default system prompt. No value can add a
+    line of its own (`modelfile_text`)."""
+    user_lines = parameter_lines(parameters)
+    system_text = None if system is None else modelfile_text(system, "system", multiline=True)
     template, _ = translate(tokenizer)
-    lines = [f"FROM {gguf_name}", f'TEMPLATE """{template}"""']
+    lines = [
+        f"FROM {gguf_name}",
+        f"TEMPLATE {modelfile_text(template, 'the translated chat template', True)}",
+    ]
     if system:
-        if '"""' in system:
-            raise ValueError('the system prompt may not contain """')
-        lines.append(f'SYSTEM """{system}"""')
+        lines.append(f"SYSTEM {system_text}")
     for token in stop_tokens(model, tokenizer):
-        lines.append(f"PARAMETER stop {_quote(token)}")
-    for key, value in {**default_parameters(model), **(parameters or {})}.items():
-        lines.append(f"PARAMETER {key} {value}")
+        lines.append(f"PARAMETER stop {modelfile_text(token, f'the stop token {token!r}')}")
+    given = {name for name in (parameters or {}) if name != "stop"}
+    defaults = {name: value for name, value in default_parameters(model).items() if name not in given}
+    lines += parameter_lines(defaults) + user_lines
     return "\n".join(lines) + "\n"
-
-
-def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -20,4 +20,15 @@ class QuantizationError(ModelLoadError):
     pass
 
 
-__all__ = ["ModelLoadError", "QuantizationError", "UnknownModelError", "UnsupportedArchitectureError"]
+class RemoteCodeError(UnsupportedArchitectureError):
+    """The model needs its own Python code (``auto_map``) and the user did not pass ``trust_remote_code=True``
+    (`fastft.models.remote_code`)."""
+
+
+__all__ = [
+    "ModelLoadError",
+    "QuantizationError",
+    "RemoteCodeError",
+    "UnknownModelError",
+    "UnsupportedArchitectureError",
+]

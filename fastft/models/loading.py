@@ -26,10 +26,12 @@ from fastft.data.hub import offline_fix, offline_reason
 from fastft.models.errors import (  # noqa: F401  (re-exported: `fastft.ModelLoadError` is read from here)
     ModelLoadError,
     QuantizationError,
+    RemoteCodeError,
     UnknownModelError,
     UnsupportedArchitectureError,
 )
 from fastft.models.presets import PRESETS, build_preset_model, load_preset_tokenizer
+from fastft.models.remote_code import consent, from_pretrained
 
 
 @dataclass(frozen=True)
@@ -117,10 +119,10 @@ def _quantization_config(
     if load_in_4bit and load_in_8bit:
         raise QuantizationError("Choose one of load_in_4bit=True or load_in_8bit=True, not both.")
     bits = "4-bit (NF4)" if load_in_4bit else "8-bit"
-    from fastft.data.hub import hub_offline_while_unreachable
+    from fastft.data.hub import hub_offline_while_importing
 
     try:
-        with hub_offline_while_unreachable():  # its CPU backend asks the hub for a kernel at import
+        with hub_offline_while_importing():  # its CPU backend asks the hub for a kernel at import
             import bitsandbytes  # noqa: F401
     except ImportError as error:
         raise QuantizationError(
@@ -171,6 +173,7 @@ def load_model(
     Returns ``(model, tokenizer)``; ``model.fastft_info`` records how it was loaded.
     """
     whole_number("max_seq_length", max_seq_length, minimum=2, fix="It is a token count, e.g. 2048.")
+    consent(trust_remote_code)
     device = resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
     quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype, device)
@@ -293,16 +296,13 @@ def _unknown_model_message(name: str) -> str:
 
 def _from_pretrained(source, name, dtype, quantization, device, trust_remote_code, token, offline=False):
     try:
-        config = AutoConfig.from_pretrained(
-            source, trust_remote_code=trust_remote_code, token=token, local_files_only=offline
+        config = from_pretrained(
+            AutoConfig, source, name, trust_remote_code, token=token, local_files_only=offline
         )
+    except RemoteCodeError:
+        raise
     except ValueError as error:
         raw = _raw_config(source, token)
-        if raw.get("auto_map") and not trust_remote_code:
-            raise UnsupportedArchitectureError(
-                f"'{name}' needs its own modelling code (model_type '{raw.get('model_type')}'). Pass "
-                "trust_remote_code=True only if you trust its author; fastft never runs remote code by default."
-            ) from error
         if "model_type" in raw:
             raise UnsupportedArchitectureError(
                 f"'{name}' has model_type '{raw['model_type']}', which transformers {_transformers_version()} "
@@ -322,7 +322,6 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
     target = torch.cuda.current_device() if device.type == "cuda" and device.index is None else str(device)
     kwargs = dict(
         dtype=dtype,
-        trust_remote_code=trust_remote_code,
         token=token,
         use_safetensors=True,
         device_map={"": target},
@@ -336,7 +335,7 @@ def _from_pretrained(source, name, dtype, quantization, device, trust_remote_cod
     if quantization is not None:
         kwargs.update(quantization_config=quantization)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = from_pretrained(AutoModelForCausalLM, source, name, trust_remote_code, **kwargs)
     except OSError as error:
         raise ModelLoadError(
             f"Could not load the weights of '{name}': {error}\nFix: fastft loads safetensors weights only "
@@ -368,9 +367,11 @@ def _raw_config(source, token) -> dict:
 
 def _load_tokenizer(source, name, trust_remote_code, token, offline=False):
     try:
-        return AutoTokenizer.from_pretrained(
-            source, trust_remote_code=trust_remote_code, token=token, local_files_only=offline
+        return from_pretrained(
+            AutoTokenizer, source, name, trust_remote_code, token=token, local_files_only=offline
         )
+    except RemoteCodeError:
+        raise
     except (OSError, ValueError) as error:
         raise ModelLoadError(
             f"Could not load a tokenizer for '{name}': {error}\nFix: save the tokenizer beside the weights "

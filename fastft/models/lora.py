@@ -13,22 +13,27 @@ fastft's fused MoE forward (`fastft.models.moe`) runs those adapters as grouped 
 
 from __future__ import annotations
 
+import inspect
+import json
+import re
 import types
 import warnings
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from fastft.checks import real_number, whole_number
-from fastft.data.hub import hub_offline_while_unreachable
+from fastft.data.hub import hub_offline_while_importing
 from fastft.runtime.checkpointing import Checkpointing
 from fastft.runtime.offload import disable_offload, enable_offload
 from fastft.runtime.state import is_quantised, model_state
 
-with hub_offline_while_unreachable():  # bitsandbytes, which peft imports, asks the hub for a kernel
+with hub_offline_while_importing():  # bitsandbytes, which peft imports, asks the hub for a kernel
     from peft import LoraConfig, PeftModel, get_peft_model
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the stacked expert parameters an ``experts`` target adapts
+EMBEDDINGS = ("embed_tokens", "lm_head")  # PEFT's embedding layer names (its EMBEDDING_LAYER_NAMES)
 
 
 class LoraTargetError(ValueError):
@@ -278,7 +283,84 @@ def add_lora(
         if report.fused.get("attention") and not is_patched(peft_model):
             patch_packed_attention(peft_model, "auto")
     model_state(peft_model).lora = settings
+    _save_without_the_hub(peft_model)
     return peft_model
+
+
+def _save_without_the_hub(peft_model: PeftModel) -> None:
+    """Give this model a ``save_pretrained`` that never reaches the network (on this instance only).
+
+    PEFT's own, asked to decide whether to save the embeddings (``save_embedding_layers="auto"``, its default
+    and what HF Trainer, TRL and the Unsloth layer's ``model.save_pretrained(dir)`` use), looks the recorded
+    base up on the hub whenever it is not a local folder (a preset such as "tiny-llama", or a hub id), to
+    compare vocabulary sizes: a connection, and two warnings offline. The same answer is made here from what
+    is on this machine (`save_embedding_layers`); an explicit True or False goes to PEFT unchanged."""
+    if "save_pretrained" not in peft_model.__dict__:
+        object.__setattr__(peft_model, "save_pretrained", types.MethodType(_save_pretrained, peft_model))
+
+
+def _save_pretrained(self, *args, **kwargs):
+    """PEFT's ``save_pretrained`` (same arguments), its ``save_embedding_layers="auto"`` answered here."""
+    original = type(self).save_pretrained
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    if bound.arguments.get("save_embedding_layers", "auto") == "auto":
+        bound.arguments["save_embedding_layers"] = save_embedding_layers(self)
+    return original(*bound.args, **bound.kwargs)
+
+
+def save_embedding_layers(model: PeftModel) -> bool:
+    """PEFT's ``save_embedding_layers="auto"`` decided without the network: True where the embedding layers
+    are LoRA targets (and not as trainable tokens), or where the vocabulary was resized from the base's (its
+    config.json read from the recorded folder, the local hub cache or the preset); False otherwise, as PEFT
+    decides where the base's config cannot be found."""
+    config = model.peft_config[model.active_adapter]
+    trainable_tokens = getattr(config, "trainable_token_indices", None) is not None or str(
+        getattr(config, "peft_type", "")
+    ).endswith("TRAINABLE_TOKENS")
+    if _embeddings_targeted(model, config) and not trainable_tokens:
+        return True
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    base_vocab = _base_vocab_size(getattr(config, "base_model_name_or_path", None))
+    return bool(vocab and base_vocab and vocab != base_vocab)
+
+
+def _embeddings_targeted(model: PeftModel, config) -> bool:
+    """PEFT's test of whether the adapters target ``embed_tokens`` / ``lm_head`` (a list, or a regex)."""
+    targets = getattr(config, "target_modules", None)
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return False
+        names = (name for name, _ in model.get_base_model().named_modules())
+        return any(re.fullmatch(targets, name) for name in names if name.rsplit(".", 1)[-1] in EMBEDDINGS)
+    return bool(targets) and any(name in targets for name in EMBEDDINGS)
+
+
+def _base_vocab_size(base: str | None) -> int | None:
+    """The vocabulary size in the config.json of `base` (a preset, a folder, or a hub id in the local cache);
+    None where none is on this machine. Never the network."""
+    if not base:
+        return None
+    from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
+
+    if base in PRESETS:
+        return TOKENIZER_VOCAB_SIZE
+    path = Path(base).expanduser() / "config.json"
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(base, "config.json")
+        except Exception:  # noqa: BLE001 - not a hub id either: nothing to compare with
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    vocab = fields.get("vocab_size") or (fields.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) else None
 
 
 def _weight_tying(model: torch.nn.Module, saved_modules: tuple[str, ...]) -> dict:
@@ -512,4 +594,5 @@ def load_adapter(
         modules_to_save=tuple(config.modules_to_save or ()),
         use_dora=bool(config.use_dora),
     )
+    _save_without_the_hub(peft_model)
     return peft_model

@@ -101,7 +101,9 @@ def _facts_from_folder(name: str, path: Path) -> ModelFacts:
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(path)).to_dict()
+        from fastft.models.remote_code import from_pretrained
+
+        config = from_pretrained(AutoConfig, str(path), name).to_dict()  # never the folder's own code
     except Exception as error:  # noqa: BLE001 - shown as a note; Load reports the real error
         facts.description = f"a local folder whose config could not be read ({type(error).__name__})"
         return facts

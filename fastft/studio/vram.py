@@ -66,7 +66,6 @@ class VramPanel(Panel):
         self.lookups = 0  # configs read (a name is read once)
         self._update_lock = threading.RLock()
         self._blank = True  # the chart shows no estimate
-        _warm_offline_check()
 
         self.detected = detect_gpu()
         options = [(str(spec), name) for name, spec in GPUS.items()]
@@ -423,17 +422,10 @@ def _smallest_gpu(model, seq_len: int, settings: dict):
     return None
 
 
-def _warm_offline_check() -> None:
-    """Find out once, on a daemon thread, whether the hub can be reached, so a hub id typed later is answered
-    at once (`fastft.data.hub.offline_reason` keeps its answer for the process)."""
-    from fastft.data.hub import offline_reason
-
-    threading.Thread(target=offline_reason, name="fastft-offline-check", daemon=True).start()
-
-
 def _offline_and_not_cached(name: str) -> None:
     """Offline, a hub id whose config.json is not in the local cache fails here, without importing
-    transformers or trying the network."""
+    transformers or trying the network more than once (`offline_reason`: one connection per process, made
+    only once a hub id is typed; a panel that only sees presets and folders opens no socket)."""
     from fastft.data.hub import offline_fix, offline_reason
 
     parts = name.split("/")

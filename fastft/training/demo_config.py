@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from fastft.checks import SettingError, real_number, whole_number
+from fastft.checks import SettingError, real_number, run_name, whole_number
 
 SFT_STEPS = 150
 # GRPO's demo starts from a short SFT run: from the full one (SFT_STEPS) GRPO of the demo's size left held-out
@@ -82,7 +82,8 @@ class DemoConfig:
         real_number(
             "grpo-temperature", self.grpo_temperature, low=0, low_open=True, fix="1.0 is the default."
         )
-        for name in ("model", "dataset", "eval_dataset", "output_dir", "name"):
+        run_name("name", self.name)  # the run's folder inside output_dir, never a path of its own
+        for name in ("model", "dataset", "eval_dataset", "output_dir"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise SettingError(
                     f"{name.replace('_', '-')} must be a non-empty text, got {getattr(self, name)!r}."
@@ -97,7 +98,8 @@ class DemoConfig:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir).expanduser() / self.name
+        """``output_dir/name``: the name is checked again here, where it becomes a path (the config can change)."""
+        return Path(self.output_dir).expanduser() / run_name("name", self.name)
 
     def check_paths(self) -> None:
         """The run folder can be written and its adapter folder saved, before any model is loaded."""

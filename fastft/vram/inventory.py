@@ -145,12 +145,17 @@ class LoadedModelState:
 # -- resolving the model argument -----------------------------------------------------------------
 
 
-def inventory_of(model) -> ModelInventory:
-    """The inventory of a preset name, catalog hub id, local folder, hub id, config or loaded model."""
+def inventory_of(model, trust_remote_code: bool = False) -> ModelInventory:
+    """The inventory of a preset name, catalog hub id, local folder, hub id, config or loaded model.
+
+    A folder or hub id whose config needs its own Python code (``auto_map``) is refused
+    (`RemoteCodeError`) unless `trust_remote_code` is True (`fastft estimate --trust-remote-code`)."""
     if isinstance(model, ModelInventory):
         return model
     if isinstance(model, (str, os.PathLike)):
-        return _inventory_of_name(os.fspath(model))
+        from fastft.models.remote_code import consent
+
+        return _inventory_of_name(os.fspath(model), consent(trust_remote_code))
     import torch
     from transformers import PretrainedConfig
 
@@ -164,7 +169,7 @@ def inventory_of(model) -> ModelInventory:
 
 
 @functools.lru_cache(maxsize=64)
-def _inventory_of_name(name: str) -> ModelInventory:
+def _inventory_of_name(name: str, trust_remote_code: bool = False) -> ModelInventory:
     from fastft.models.catalog import CATALOG, close_names
     from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
     from fastft.vram.catalog_cache import cached_inventory
@@ -181,7 +186,7 @@ def _inventory_of_name(name: str) -> ModelInventory:
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     path = Path(name).expanduser()
     if path.is_dir() or _looks_like_hub_id(name):
-        return _inventory_of_config(_fetch_config(name, path, hint), name)
+        return _inventory_of_config(_fetch_config(name, path, hint, trust_remote_code), name)
     raise UnknownModelError(
         f"'{name}' is not an embedded preset, a catalog model, a local folder or a hub id of the form "
         f"'org/name'.{hint} Presets: {', '.join(PRESETS)}; `fastft models` lists the catalog."
@@ -193,15 +198,21 @@ def _looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
-def _fetch_config(name: str, path: Path, hint: str = ""):
+def _fetch_config(name: str, path: Path, hint: str = "", trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     from fastft.data.hub import offline_fix, offline_reason
+    from fastft.models.errors import RemoteCodeError
+    from fastft.models.remote_code import from_pretrained
 
     source = str(path) if path.is_dir() else name
     offline = not path.is_dir() and offline_reason() is not None
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=offline)
+        config = from_pretrained(AutoConfig, source, name, trust_remote_code, local_files_only=offline)
+    except RemoteCodeError as error:
+        raise RemoteCodeError(
+            f"{error} In Python: estimate_vram(AutoConfig.from_pretrained({name!r}, trust_remote_code=True), ...)."
+        ) from error
     except (OSError, ValueError) as error:
         if offline:
             raise ModelLoadError(f"{offline_fix(name, 'config.json')}{hint}") from error
@@ -241,10 +252,29 @@ def _inventory_of_config(config, name: str) -> ModelInventory:
             text_config.model_type, json.dumps(fields, sort_keys=True, default=str), name
         )
     except ValueError as error:
+        if type(text_config).__module__.startswith("transformers_modules"):
+            # a config class of the model's own code, which its caller chose to run (trust_remote_code=True):
+            # its model class comes from the same code
+            return _inventory_of_own_code(text_config, name)
         raise UnknownModelError(
             f"'{name}' has model_type '{text_config.model_type}', which is not a causal language model this "
             f"transformers can build ({error}). Fix: upgrade transformers, or estimate a supported architecture."
         ) from error
+
+
+def _inventory_of_own_code(config, name: str) -> ModelInventory:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, dtype=torch.bfloat16)
+    except Exception as error:  # noqa: BLE001 - the model's own code, whatever it raises
+        raise UnknownModelError(
+            f"'{name}': its own modelling code could not build the model ({type(error).__name__}: {error}). "
+            "Fix: check that code with AutoModelForCausalLM.from_config(config, trust_remote_code=True)."
+        ) from error
+    return _walk(model, config, name, loaded=None)
 
 
 def _inventory_of_loaded(model: torch.nn.Module) -> ModelInventory:
