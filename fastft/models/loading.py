@@ -44,10 +44,12 @@ class ModelInfo:
 
 
 def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
-    """bf16 on a GPU that supports it, fp16 on an older GPU, fp32 on the CPU."""
+    """bf16 on a GPU that computes in it (sm80 and newer), fp16 on an older GPU (a T4), fp32 on the CPU."""
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # torch answers True on a T4 by default, where bf16 is only emulated (slowly; and Triton's kernels
+        # do not compile bf16 for sm75)
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return torch.float32
 
 
