@@ -9,9 +9,9 @@ kernel cannot run.
   register file bound the kernel configs: 64 KiB on sm75, 99 KiB on sm86 / sm89, 163 KiB on sm80,
   227 KiB on sm90; 64 Ki registers per block and 255 per thread everywhere.
 - **GEMM configs.** The autotuned grouped GEMMs (`fastft.kernels.autotune`) time the configs of
-  `gemm_configs(table, cc)`: the sm80 / sm90 lists as tuned on an H100 / H200, and for a smaller shared
-  memory the same tiles with their pipeline stages cut until `operand_bytes` fits, tiles that cannot fit
-  dropped. ``tests/kernels/test_kernel_targets.py`` compiles every kernel's every config for sm75, sm80,
+  `gemm_configs(table, cc)`: the lists tuned on an H100 / H200, each tile's pipeline stages cut until its
+  operand tiles (`operand_bytes`) fit the architecture's shared memory, tiles that cannot fit dropped (sm90
+  keeps every tuned config; sm80 cuts one; sm86 / sm89 and sm75 cut more and add shallower tiles). ``tests/kernels/test_kernel_targets.py`` compiles every kernel's every config for sm75, sm80,
   sm86, sm89 and sm90 and checks the compiled shared memory and registers against `ARCHS`.
 - **The other kernels** (RMSNorm, RoPE, QK-norm + RoPE, gated activations, the cross-entropy rows, NF4
   dequantisation) are row-wise: their blocks follow the row width, not the architecture, and the same
@@ -163,17 +163,16 @@ def operand_bytes(table: str, config: tuple, element_size: int = 2) -> int:
 
 
 def _fitted(table: str, rows: dict[str, list[tuple]], shared_bytes: int) -> dict[str, list[tuple]]:
-    """Each config with its stages cut (to 2 at least) until `operand_bytes` fits `shared_bytes` with a
-    quarter to spare (the epilogue's layout conversions share the space); configs that cannot fit dropped."""
+    """Each config with its stages cut (to 2 at least) until `operand_bytes` fits `shared_bytes`; configs
+    that cannot fit dropped, duplicates dropped."""
     fitted: dict[str, list[tuple]] = {}
-    budget = shared_bytes * 3 // 4
     for regime, configs in rows.items():
         kept: list[tuple] = []
         for m, n, k, warps, stages, group in configs:
-            while stages > 2 and operand_bytes(table, (m, n, k, warps, stages, group)) > budget:
+            while stages > 2 and operand_bytes(table, (m, n, k, warps, stages, group)) > shared_bytes:
                 stages -= 1
             config = (m, n, k, warps, stages, group)
-            if operand_bytes(table, config) <= budget and config not in kept:
+            if operand_bytes(table, config) <= shared_bytes and config not in kept:
                 kept.append(config)
         fitted[regime] = kept
     return fitted
@@ -182,14 +181,14 @@ def _fitted(table: str, rows: dict[str, list[tuple]], shared_bytes: int) -> dict
 @functools.cache
 def gemm_config_tuples(table: str, capability: int) -> dict[str, list[tuple]]:
     """The ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M)`` configs of GEMM `table` ("fwd" / "dw") per
-    regime for sm `capability` (module docstring)."""
+    regime for sm `capability` (module docstring): the tuned lists, fitted to its shared memory; the
+    architectures below sm80's 163 KiB also get `_SMALL_SHARED_EXTRA`'s shallower wide tiles."""
     arch = arch_of(capability)
     rows = GEMM_TABLES[table]
-    if arch.shared_bytes >= ARCHS[80].shared_bytes:
-        return {regime: list(configs) for regime, configs in rows.items()}
-    extra = _SMALL_SHARED_EXTRA.get(table, {})
-    merged = {regime: list(configs) + list(extra.get(regime, [])) for regime, configs in rows.items()}
-    return _fitted(table, merged, arch.shared_bytes)
+    if arch.shared_bytes < ARCHS[80].shared_bytes:
+        extra = _SMALL_SHARED_EXTRA.get(table, {})
+        rows = {regime: list(configs) + list(extra.get(regime, [])) for regime, configs in rows.items()}
+    return _fitted(table, rows, arch.shared_bytes)
 
 
 def gemm_configs(table: str, capability: int) -> dict:

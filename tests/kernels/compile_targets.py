@@ -11,7 +11,8 @@ reads the cubin's registers. An autotuned launch compiles every config the capab
 target (`fastft.kernels.capability.gemm_configs`), pruned to the launch's shape as the autotuner prunes.
 
 This process patches torch globally (``is_cuda``, ``torch.cuda.device``): never import it into another.
-Usage: ``python tests/kernels/compile_targets.py 75 80 86 89 90`` prints one JSON line per compiled kernel.
+Usage: ``python tests/kernels/compile_targets.py 75 80 86 89 90 [--only=grouped_mm]`` prints one JSON line per
+compiled kernel.
 """
 
 from __future__ import annotations
@@ -208,8 +209,11 @@ def compile_for(capability_code: int, scratch: Path) -> list[dict]:
 
 def main(argv: list[str]) -> None:
     _pretend_cuda()
-    codes = [int(code) for code in argv] or [75, 80, 86, 89, 90]
+    only = [arg.removeprefix("--only=") for arg in argv if arg.startswith("--only=")]
+    codes = [int(code) for code in argv if not code.startswith("--")] or [75, 80, 86, 89, 90]
     _exercise((torch.float16, torch.bfloat16, torch.float32))
+    if only:  # a subset, by the op's name (e.g. --only=grouped_mm)
+        LAUNCHES[:] = [launch for launch in LAUNCHES if any(part in launch[3] for part in only)]
     print(f"# {len(LAUNCHES)} launches recorded", file=sys.stderr, flush=True)
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"fastft-targets-{os.getpid()}.cubin"
     try:

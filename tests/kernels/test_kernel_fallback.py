@@ -28,6 +28,7 @@ def _losses(preset: str) -> list[float]:
     return [event.loss for event in result.steps]
 
 
+@pytest.mark.slow  # the fused run's kernels are interpreted: about 30 s a preset on 2 idle cores
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
 def test_a_forced_no_triton_run_trains_like_the_fused_run(preset, interpreted, monkeypatch):
     """fp32, the same seed: the fused kernels (interpreted) and their PyTorch references give the same losses
@@ -91,10 +92,10 @@ def test_every_architecture_has_gemm_configs_that_fit_its_shared_memory():
             for configs in rows.values():
                 for config in configs:
                     assert capability.operand_bytes(table, config) <= arch.shared_bytes, (table, code, config)
-    # sm80 / sm90 keep the tuned lists; the 99 KiB and 64 KiB parts cut the deep pipelines
-    assert capability.gemm_config_tuples("fwd", 90)["wide"] == capability.GEMM_TABLES["fwd"]["wide"]
-    assert (128, 256, 64, 8, 4, 8) not in capability.gemm_config_tuples("fwd", 86)["wide"]
-    assert max(c[4] for c in capability.gemm_config_tuples("fwd", 75)["wide"]) <= 3
+    # sm90 keeps the tuned lists; the smaller parts cut the deep pipelines of the widest tiles
+    assert capability.gemm_config_tuples("fwd", 90) == capability.GEMM_TABLES["fwd"]
+    assert (128, 256, 64, 8, 4, 8) not in capability.gemm_config_tuples("fwd", 80)["wide"]
+    assert (128, 256, 64, 8, 2, 8) in capability.gemm_config_tuples("fwd", 86)["wide"]
 
 
 def test_a_capability_between_rows_takes_its_architecture_s_limits():

@@ -208,3 +208,28 @@ def test_an_fp16_resume_through_a_skipped_step_equals_the_uninterrupted_run(fp16
     ]
     assert all(torch.equal(a, b) for a, b in zip(resumed_weights, whole_weights, strict=True))
     assert resumed_scale == whole_scale and whole_scale["scale"] != 2.0**16
+
+
+def test_a_grpo_run_in_fp16_scales_its_loss_and_skips_an_overflowing_update(monkeypatch):
+    """GRPO updates through the same scaler (its own step: `num_iterations` updates per rollout)."""
+    from fastft.data.rewards import content_match
+    from fastft.training.grpo import GRPOConfig, GRPOTrainer
+
+    monkeypatch.setattr(GRPOTrainer, "_autocast_dtype", lambda self: torch.float16)
+    model, tokenizer = fastft.load_model("tiny-llama")
+    model = fastft.add_lora(model, r=4, alpha=8, gradient_checkpointing=False, seed=1)
+    config = GRPOConfig(
+        max_steps=1, prompts_per_step=2, num_generations=2, max_new_tokens=4, warmup=0, seed=11,
+        num_iterations=2, micro_batch_tokens=96,
+    )  # fmt: skip
+    trainer = GRPOTrainer(model, tokenizer, list(generate(8, seed=5)), [content_match], config)
+    assert trainer.loss_scaler is not None and trainer.optimizer.defaults["fused"]
+    _poison(trainer, at_backward=1)
+    lora_b = next(p for name, p in model.named_parameters() if "lora_B" in name)
+    result = trainer.train()
+    assert len(result.steps) == 1 and math.isfinite(result.steps[0].loss)
+    # the step's first update overflowed and was skipped; its second was applied
+    assert (
+        float(trainer.optimizer.state[lora_b]["step"]) == 1.0 and float(trainer.loss_scaler.scale) == 2.0**15
+    )
+    assert all(torch.isfinite(p).all() for p in trainer.parameters)
