@@ -92,10 +92,13 @@ def test_every_architecture_has_gemm_configs_that_fit_its_shared_memory():
             for configs in rows.values():
                 for config in configs:
                     assert capability.operand_bytes(table, config) <= arch.shared_bytes, (table, code, config)
-    # sm90 keeps the tuned lists; the smaller parts cut the deep pipelines of the widest tiles
-    assert capability.gemm_config_tuples("fwd", 90) == capability.GEMM_TABLES["fwd"]
-    assert (128, 256, 64, 8, 4, 8) not in capability.gemm_config_tuples("fwd", 80)["wide"]
-    assert (128, 256, 64, 8, 2, 8) in capability.gemm_config_tuples("fwd", 86)["wide"]
+    # sm90 and sm80 keep the tuned lists; the 99 KiB and 64 KiB parts cut the deep pipelines of the widest tiles
+    for table in ("fwd", "dw"):
+        assert capability.gemm_config_tuples(table, 90) == capability.GEMM_TABLES[table]
+        assert capability.gemm_config_tuples(table, 80) == capability.GEMM_TABLES[table]
+    assert (128, 256, 64, 8, 4, 8) not in capability.gemm_config_tuples("fwd", 86)["wide"]
+    assert (128, 256, 64, 8, 3, 8) in capability.gemm_config_tuples("fwd", 86)["wide"]
+    assert (128, 256, 64, 8, 2, 8) in capability.gemm_config_tuples("fwd", 75)["wide"]
 
 
 def test_a_capability_between_rows_takes_its_architecture_s_limits():
