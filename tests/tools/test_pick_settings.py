@@ -3,6 +3,8 @@ that the estimator says fit, in the dtype the card computes in, and says what it
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 import fastft
@@ -75,7 +77,13 @@ def test_a_gpu_that_only_emulates_bf16_loads_in_fp16(monkeypatch):
     so a T4 loads and trains in fp16, as the estimator and pick_settings assume."""
     import torch
 
+    import fastft.models.loading as loading
     from fastft.models.loading import default_dtype
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert default_dtype("cuda") == torch.float16
+    monkeypatch.setattr(loading, "_SAID_FP16", False)
+    with pytest.warns(UserWarning, match="has no bf16 compute: fastft loads and trains in fp16"):
+        assert default_dtype("cuda") == torch.float16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert default_dtype("cuda") == torch.float16  # said once
