@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from fastft.vram.fit import max_context
 from fastft.vram.gpus import GiB, GpuSpec, detect_gpu, get_gpu
 
-# (model, 4-bit), preferred first: a bigger model in 4-bit before a smaller one in 16-bit. Every one is in
-# fastft's catalog, so the estimate reads its shapes without a download.
+# (model, 4-bit), preferred first: an 8B model in 16-bit where it fits, else in 4-bit (Colab's classic T4
+# recipe; a larger model fits some cards but trains slowly there), then smaller ones, a bigger model in 4-bit
+# before a smaller one in 16-bit. Every one is in fastft's catalog, so the estimate reads its shapes without a
+# download. A notebook passes its own.
 LADDER = (
-    ("Qwen/Qwen3-14B", True),
+    ("Qwen/Qwen3-8B", False),
     ("Qwen/Qwen3-8B", True),
     ("Qwen/Qwen3-4B", True),
     ("Qwen/Qwen3-1.7B", False),
