@@ -26,7 +26,10 @@ from fastft.kernels import capability
 
 def table_for_device(table: str) -> dict[str, list]:
     """GEMM `table`'s configs ("fwd" / "dw") for the current CUDA device's architecture
-    (`fastft.kernels.capability.gemm_configs`: the tiles whose pipeline fits its shared memory)."""
+    (`fastft.kernels.capability.gemm_configs`: the tiles whose pipeline fits its shared memory); the tuned
+    (sm90) lists in a process without a GPU, which never launches them."""
+    if not torch.cuda.is_available():
+        return capability.gemm_configs(table, 90)
     major, minor = capability.device_capability()
     return capability.gemm_configs(table, 10 * major + minor)
 
