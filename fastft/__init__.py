@@ -125,6 +125,8 @@ _EXPORTS = {
     "max_context": "fastft.vram",
     "fits": "fastft.vram",
     "GPUS": "fastft.vram",
+    "pick_settings": "fastft.vram.pick",
+    "kernel_status": "fastft.kernels.capability",
     "StepProfile": "fastft.profile",
     "profile_window": "fastft.profile",
     # faces

@@ -1,4 +1,4 @@
-"""CUDA paths of the foundation: bf16 autocast, fused AdamW, deferred readout, fp16 + GradScaler, NF4.
+"""CUDA paths of the foundation: bf16 autocast, fused AdamW, deferred readout, fp16 + loss scaling, NF4.
 
 Marked `gpu`: skipped without CUDA (CI), run on the device before a GPU-facing change is called done.
 """
@@ -36,7 +36,7 @@ def test_bf16_training_on_cuda_learns_and_reports_gpu_memory():
         fastft.pack(ROWS, tokenizer),
         config=TrainConfig(max_steps=40, learning_rate=2e-3, micro_batch_bins=2),
     )
-    assert trainer.autocast_dtype == torch.bfloat16 and trainer.grad_scaler is None
+    assert trainer.autocast_dtype == torch.bfloat16 and trainer.loss_scaler is None
     assert trainer.optimizer.defaults["fused"]
     result = trainer.train()
     losses = [e.loss for e in result.steps]
@@ -46,12 +46,12 @@ def test_bf16_training_on_cuda_learns_and_reports_gpu_memory():
     assert event.step_seconds > 0 and event.trained_tokens_per_second > 0
 
 
-def test_fp16_training_uses_the_grad_scaler():
+def test_fp16_training_uses_the_loss_scaler():
     model, tokenizer = _model(dtype=torch.float16)
     trainer = Trainer(
         model, tokenizer, fastft.pack(ROWS, tokenizer), config=TrainConfig(max_steps=12, learning_rate=2e-3)
     )
-    assert trainer.autocast_dtype == torch.float16 and trainer.grad_scaler is not None
+    assert trainer.autocast_dtype == torch.float16 and trainer.loss_scaler is not None
     result = trainer.train()
     assert all(torch.isfinite(torch.tensor(e.loss)) for e in result.steps)
 

@@ -8,9 +8,10 @@ positions), ``qk_norm_rope`` (Qwen3's q/k norm fused with it), ``swiglu`` (SwiGL
 recomputes the activation), ``grouped_gemm`` (MoE experts) and ``down_combine`` (the experts' down
 projection and top-k combine on it), ``fused_linear_ce`` (chunked linear cross-entropy), ``nf4`` (NF4
 dequantisation as bitsandbytes does it) and ``lora`` (LoRA-fused projections and MLP); ``autotune`` is the
-GEMM kernels' autotuning harness and ``activations`` the gated activations the kernels support (free of
-Triton, so the fusion plan reads it anywhere). Submodules import triton, except ``activations``; this
-package itself does not.
+GEMM kernels' autotuning harness, ``capability`` the table of which GPUs, dtypes and configs each kernel
+runs on (and the fallback elsewhere), and ``activations`` the gated activations the kernels support (free of
+Triton, so the fusion plan reads it anywhere). Submodules import triton, except ``activations`` and
+``capability``; this package itself does not.
 """
 
 from __future__ import annotations
@@ -22,22 +23,49 @@ if TYPE_CHECKING:  # torch is imported where used: the fusion plan reads `activa
     import torch
 
 
+def triton_importable() -> bool:
+    """Whether the ``triton`` package imports (checked once)."""
+    global _IMPORTABLE
+    if _IMPORTABLE is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _IMPORTABLE = False
+        else:
+            _IMPORTABLE = True
+    return _IMPORTABLE
+
+
+_IMPORTABLE: bool | None = None
+
+
 def triton_available() -> bool:
     """Whether Triton can run here: on a CUDA GPU, or on the CPU under ``TRITON_INTERPRET=1``."""
     import torch
 
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if not triton_importable():
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """Dispatch rule: CUDA tensors take the Triton kernel; CPU tensors take it only when interpreted."""
+    """Dispatch rule: CUDA tensors take the Triton kernel where `fastft.kernels.capability` says it runs
+    (Triton installed, sm75 or newer, the dtype computed there, ``FASTFT_NO_TRITON`` unset; else the op's
+    PyTorch reference, said once); CPU tensors take it only when interpreted."""
+    from fastft.kernels import capability
+
     if tensor.is_cuda:
-        return triton_available()
-    return os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
+        reason = capability.fallback_reason(tensor.device, tensor.dtype, triton_importable())
+        if reason is None:
+            return True
+        capability.say_fallback(reason)
+        return False
+    if os.environ.get("TRITON_INTERPRET") != "1" or not triton_available():
+        return False
+    if capability.forced_off():
+        capability.say_fallback(f"{capability.NO_TRITON_VARIABLE}=1 is set")
+        return False
+    return True
 
 
-__all__ = ["triton_available", "use_triton"]
+__all__ = ["triton_available", "triton_importable", "use_triton"]

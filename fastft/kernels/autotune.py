@@ -3,10 +3,11 @@
 A kernel that computes a tile of an ``N`` x ``K``-shaped problem with ``BLOCK_N`` / ``BLOCK_K`` (and
 ``BLOCK_M``, optionally ``GROUP_M``) meta-parameters gets its autotuner from :func:`autotuned`::
 
-    tuned = autotuned(kernel, FWD_CONFIGS, key=["N", "K", ...])   # built once per kernel
+    tuned = autotuned(kernel, "fwd", key=["N", "K", ...])   # built once per kernel
     tuned[grid](*args, **flags)
 
-A table maps a shape regime (:func:`regime`, from ``N`` and ``K``) to its candidate configs; each call
+A table (`fastft.kernels.capability.GEMM_TABLES`, per architecture) maps a shape regime (:func:`regime`,
+from ``N`` and ``K``) to its candidate configs; each call
 times only its regime's configs, with the column / reduction tiles shrunk to the problem. The key names
 the kernel's arguments the results are kept per (the caller's choice: the grouped GEMM keys on ``N``, ``K``
 and its variant flags, never on ``M``, which changes every step). Configs are timed with CUDA events and
@@ -20,64 +21,17 @@ import inspect
 import torch
 import triton
 
-
-def _config(m, n, k, warps, stages, group_m=None):
-    kw = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
-    if group_m is not None:
-        kw["GROUP_M"] = group_m
-    return triton.Config(kw, num_warps=warps, num_stages=stages)
+from fastft.kernels import capability
 
 
-# Three regimes, picked by shape: the expert GEMMs themselves ("wide"), and the LoRA low-rank GEMMs, where
-# N = r ("skinny_n": x A^T, dy B) or K = r ("small_k": xa B^T, dxa A) and the work is memory-bound --
-# there, deep reduction tiles or wide output tiles amortise each program's fixed cost (the tile schedule,
-# the index loads).
-# FWD_CONFIGS: kernels writing ``[M, N]`` output tiles, reducing over K, row tiles swizzled in groups of
-# GROUP_M (the grouped GEMM's forward and dA); DW_CONFIGS: kernels writing ``[N, K]`` tiles, reducing over
-# the rows M (its weight gradient).
-FWD_CONFIGS = {
-    "wide": [
-        _config(128, 128, 64, 8, 3, 8),
-        _config(128, 128, 64, 4, 4, 8),
-        _config(64, 128, 64, 4, 4, 8),
-        _config(128, 256, 64, 8, 3, 8),
-        _config(128, 256, 64, 8, 4, 8),
-        _config(64, 256, 64, 8, 3, 8),
-    ],
-    "skinny_n": [
-        _config(32, 32, 128, 4, 4, 8),
-        _config(64, 32, 128, 4, 4, 8),
-        _config(64, 32, 256, 4, 3, 8),
-        _config(128, 32, 128, 8, 3, 8),
-    ],
-    "small_k": [
-        _config(64, 128, 32, 4, 2, 8),
-        _config(128, 128, 32, 4, 2, 8),
-        _config(64, 256, 32, 4, 2, 8),
-        _config(128, 256, 32, 8, 2, 8),
-    ],
-}
-DW_CONFIGS = {
-    "wide": [
-        _config(64, 128, 128, 8, 3),
-        _config(128, 128, 128, 8, 3),
-        _config(64, 256, 128, 8, 3),
-        _config(32, 128, 128, 8, 4),
-        _config(64, 128, 64, 4, 4),
-        _config(64, 64, 128, 4, 4),
-    ],
-    "skinny_n": [
-        _config(64, 32, 128, 4, 4),
-        _config(64, 32, 256, 8, 3),
-        _config(128, 32, 128, 8, 3),
-        _config(32, 32, 256, 4, 4),
-    ],
-    "small_k": [
-        _config(64, 128, 32, 4, 4),
-        _config(64, 256, 32, 8, 3),
-        _config(128, 128, 32, 8, 3),
-    ],
-}
+def table_for_device(table: str) -> dict[str, list]:
+    """GEMM `table`'s configs ("fwd" / "dw") for the current CUDA device's architecture
+    (`fastft.kernels.capability.gemm_configs`: the tiles whose pipeline fits its shared memory); the tuned
+    (sm90) lists in a process without a GPU, which never launches them."""
+    if not torch.cuda.is_available():
+        return capability.gemm_configs(table, 90)
+    major, minor = capability.device_capability()
+    return capability.gemm_configs(table, 10 * major + minor)
 
 
 def regime(n: int, k: int) -> str:
@@ -149,20 +103,26 @@ _OWN_TIMING = (
 _tuned: dict[object, object] = {}
 
 
-def autotuned(kernel, table: dict[str, list], key: list[str]):
+def autotuned(kernel, table: str, key: list[str]):
     """The autotuned wrapper of the ``@triton.jit`` ``kernel``, built on first use and kept: every config
-    of ``table`` (``{regime: [triton.Config]}``), each call pruned to its shape's regime, results kept per
-    value of the ``key`` arguments (on disk where Triton can), configs timed by :func:`_time_config`."""
+    of GEMM `table` ("fwd" / "dw") for this GPU's architecture (`table_for_device`), each call pruned to its
+    shape's regime, results kept per value of the ``key`` arguments (on disk where Triton can), configs
+    timed by :func:`_time_config`."""
     if kernel not in _tuned:
-        configs = [config for row in table.values() for config in row]
-        _tuned[kernel] = triton.autotune(
+        rows = table_for_device(table)
+        configs = [config for row in rows.values() for config in row]
+        tuner = triton.autotune(
             configs=configs,
             key=key,
-            prune_configs_by={"early_config_prune": _pruner(table)},
+            prune_configs_by={"early_config_prune": _pruner(rows)},
             **_DISK_CACHE,
             **_OWN_TIMING,
         )(kernel)
+        # what `tests/kernels/compile_targets.py` reads to compile every target's configs of this kernel
+        tuner.fastft_table = table
+        tuner.fastft_prune = lambda rows, named_args: _pruner(rows)(None, named_args)
+        _tuned[kernel] = tuner
     return _tuned[kernel]
 
 
-__all__ = ["DW_CONFIGS", "FWD_CONFIGS", "autotuned", "regime"]
+__all__ = ["autotuned", "regime", "table_for_device"]

@@ -84,7 +84,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from . import use_triton
-from .autotune import DW_CONFIGS, FWD_CONFIGS, autotuned
+from .autotune import autotuned
 from .rounding import round_to
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -357,8 +357,8 @@ def _tuned_kernel(name: str):
     """The autotuned wrapper of a kernel (``"fwd"``: forward and dA; ``"dw"``), built on first GPU use
     (never under the interpreter). The tile tables, their pruning, timing and disk cache: `autotune`."""
     if name == "fwd":
-        return autotuned(_grouped_mm_kernel, FWD_CONFIGS, _FWD_KEY)
-    return autotuned(_grouped_mm_dw_kernel, DW_CONFIGS, _DW_KEY)
+        return autotuned(_grouped_mm_kernel, "fwd", _FWD_KEY)
+    return autotuned(_grouped_mm_dw_kernel, "dw", _DW_KEY)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -47,11 +47,31 @@ class ModelInfo:
 
 
 def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
-    """bf16 on a GPU that supports it, fp16 on an older GPU, fp32 on the CPU."""
+    """bf16 on a GPU that computes in it (sm80 and newer), fp16 on an older GPU (a T4), fp32 on the CPU."""
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # torch answers True on a T4 by default, where bf16 is only emulated (slowly; and Triton's kernels
+        # do not compile bf16 for sm75)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16
+        _say_fp16_once(device)
+        return torch.float16
     return torch.float32
+
+
+_SAID_FP16 = False
+
+
+def _say_fp16_once(device: torch.device) -> None:
+    global _SAID_FP16
+    if not _SAID_FP16:
+        _SAID_FP16 = True
+        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "This GPU"
+        warnings.warn(
+            f"{name} has no bf16 compute: fastft loads and trains in fp16 (loss scaling on the device, CUDA "
+            "graphs kept). Pass dtype=torch.float32 for full precision.",
+            stacklevel=4,
+        )
 
 
 def default_device() -> torch.device:

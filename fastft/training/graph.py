@@ -22,6 +22,8 @@ What a graph needs, and how the step provides it:
   ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens``, targets and divisor into them
   (device-to-device).
   Attention artefacts are built inside the capture, so a replay rebuilds them from the copied tensors.
+- fp16's loss scale (`fastft.training.loss_scale.LossScaler`) is a device tensor changed only in place:
+  backward runs on ``loss * scale`` inside the graph, so a replay reads the scale the step has now.
 - Static gradients. Every trainable parameter gets a ``.grad`` before capture; the captured backward
   accumulates into it, and the trainer zeroes gradients in place (``zero_grad(set_to_none=False)``)
   instead of freeing them. The optimizer step, clipping and the schedule stay eager (a few fused launches).
@@ -151,7 +153,9 @@ class StepGraph:
     be captured or replayed (the profiler times a graph as one phase). With ``enabled=False``, or off CUDA,
     everything runs eagerly. `accumulators` are device tensors the loss function adds into in place (a
     preference step's metric sums), kept by the caller for the run and zeroed by it at each step's start: a
-    capture's discarded warm-up pass is taken out of them as it is out of the gradients.
+    capture's discarded warm-up pass is taken out of them as it is out of the gradients. `loss_scale` (fp16)
+    is a 0-d device tensor backward multiplies the loss by, eager or captured (the caller changes it only
+    in place).
     """
 
     def __init__(
@@ -162,9 +166,11 @@ class StepGraph:
         warmup: int = 2,
         max_captures: int = 3,
         accumulators: Sequence[torch.Tensor] = (),
+        loss_scale: torch.Tensor | None = None,
     ):
         self.parameters = list(parameters)
         self.accumulators = list(accumulators)
+        self.loss_scale = loss_scale
         cuda = bool(self.parameters) and self.parameters[0].is_cuda
         self.policy = GraphPolicy(warmup=warmup, max_captures=max_captures, enabled=enabled and cuda)
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -220,8 +226,11 @@ class StepGraph:
                     stacklevel=2,
                 )
         loss = loss_fn(batch, divisor)
-        loss.backward()
+        self._backward(loss)
         return loss.detach()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss if self.loss_scale is None else loss * self.loss_scale).backward()
 
     def _capture(self, batch: PackedBatch, divisor: torch.Tensor, loss_fn: LossFunction) -> torch.Tensor:
         for parameter in self.parameters:  # the captured backward accumulates into these
@@ -232,7 +241,7 @@ class StepGraph:
         side = _warmup_stream(batch.device)
         side.wait_stream(torch.cuda.current_stream(batch.device))
         with torch.cuda.stream(side):
-            loss_fn(batch, divisor).backward()
+            self._backward(loss_fn(batch, divisor))
         torch.cuda.current_stream(batch.device).wait_stream(side)
         torch._foreach_zero_([parameter.grad for parameter in self.parameters] + self.accumulators)
         static, static_divisor = _static_copy(batch), divisor.clone()
@@ -240,7 +249,7 @@ class StepGraph:
         # thread-local: the studio trains in a background thread while the notebook's thread stays free
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             loss = loss_fn(static, static_divisor)
-            loss.backward()
+            self._backward(loss)
         self._graph, self._static, self._divisor, self._loss = graph, static, static_divisor, loss.detach()
         graph.replay()
         self.peak_bytes = torch.cuda.max_memory_allocated(batch.device)

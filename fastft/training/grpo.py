@@ -47,6 +47,7 @@ from fastft.training.grpo_loss import (
     token_loss_sum,
 )
 from fastft.training.loss import target_losses
+from fastft.training.loss_scale import LossScaler
 from fastft.training.optimizer import adamw
 from fastft.training.preference import adapters_disabled
 from fastft.training.rollout import Sampling, pack_completions, prompt_of, sample, tokenize_prompt
@@ -290,17 +291,17 @@ class GRPOTrainer(Trainer):
         self.updates_per_step = self.config.num_iterations
         warmup = self.config.warmup
         self.warmup_steps = int(warmup * self.max_steps) if isinstance(warmup, float) else int(warmup)
+        self.autocast_dtype = self._autocast_dtype()
+        self.loss_scaler = LossScaler(self.device) if self.autocast_dtype == torch.float16 else None
         self.optimizer = adamw(
             self.parameters,
             lr=self.config.learning_rate,
             betas=self.config.adam_betas,
             eps=self.config.adam_eps,
             weight_decay=self.config.weight_decay,
-            fused=self.device.type == "cuda",
+            fused=self.device.type == "cuda" or self.loss_scaler is not None,
         )
         self.scheduler = self._schedule()
-        self.autocast_dtype = self._autocast_dtype()
-        self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
         self.step_graph = StepGraph(self.parameters, enabled=False)  # rollouts change every shape
         self._batch_shape = False
         self._cursor = None
@@ -471,7 +472,7 @@ class GRPOTrainer(Trainer):
                 )
                 loss = loss / divisor
                 phases.begin("backward")
-                (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+                (self.loss_scaler.scaled(loss) if self.loss_scaler else loss).backward()
                 loss_total += loss.detach()
                 metric_total += metrics
             if self.parallel is not None:
@@ -504,15 +505,15 @@ class GRPOTrainer(Trainer):
 
     def _update(self) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, zero the gradients; the gradient norm (device)."""
-        if self.grad_scaler:
-            self.grad_scaler.unscale_(self.optimizer)
+        if self.loss_scaler:  # before clipping: the norm is the unscaled gradients'
+            self.loss_scaler.unscale_(self.parameters, self._found_inf_reduction())
         if self.config.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.config.max_grad_norm, foreach=True)
         else:
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters]))
-        if self.grad_scaler:
-            self.grad_scaler.step(self.optimizer)
-            self.grad_scaler.update()
+        if self.loss_scaler:  # skipped on the device when a gradient overflowed
+            self.loss_scaler.step(self.optimizer)
+            self.loss_scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -61,6 +61,7 @@ from fastft.training.distributed import full_tensor, set_gradient_sync, start_di
 from fastft.training.events import EvalEvent, Event, StepEvent, Subscriber
 from fastft.training.graph import EAGER, REPLAY, StepGraph
 from fastft.training.loss import causal_lm_loss_sum, router_aux_loss_coefficient
+from fastft.training.loss_scale import LossScaler
 from fastft.training.optimizer import adamw
 from fastft.training.timing import NULL_PROFILE, StepProfile
 from fastft.training.timing_hooks import detach_profile
@@ -434,28 +435,33 @@ class Trainer:
         self.warmup_steps = int(warmup * self.max_steps) if isinstance(warmup, float) else int(warmup)
         if self.config.max_steps is None and self.warmup_steps >= self.max_steps and self.warmup_steps > 0:
             _warn_long_warmup(self.warmup_steps, self.max_steps)
+        self.autocast_dtype = self._autocast_dtype()
+        # fp16: loss scaling on the device (a graph reads the scale tensor at each replay); the fused AdamW
+        # skips an overflowing step on the device
+        self.loss_scaler = LossScaler(self.device) if self.autocast_dtype == torch.float16 else None
         self.optimizer = adamw(
             self.parameters,
             lr=self.config.learning_rate,
             betas=self.config.adam_betas,
             eps=self.config.adam_eps,
             weight_decay=self.config.weight_decay,
-            fused=self.device.type == "cuda",
+            fused=self.device.type == "cuda" or self.loss_scaler is not None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             cosine_with_warmup(self.warmup_steps, self.max_steps, self.config.min_learning_rate_ratio),
         )
-        self.autocast_dtype = self._autocast_dtype()
-        self.grad_scaler = torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
-        # fp16's loss scaling changes between steps outside the graph's view: those runs stay eager
-        graphs = self.config.cuda_graph and self.grad_scaler is None
         # a precomputed reference is a per-step input the graph does not copy in: those DPO runs stay eager
-        graphs = graphs and not self.config.precompute_reference
+        graphs = self.config.cuda_graph and not self.config.precompute_reference
         graphs = graphs and not (self.parallel and self.parallel.sharding == "fsdp")  # FSDP_LIMITS
         # a preference step's metric sums: one tensor for the run (a replay adds into the captured one)
         self._metric_sums = torch.zeros(4, device=self.device)
-        self.step_graph = StepGraph(self.parameters, enabled=graphs, accumulators=[self._metric_sums])
+        self.step_graph = StepGraph(
+            self.parameters,
+            enabled=graphs,
+            accumulators=[self._metric_sums],
+            loss_scale=None if self.loss_scaler is None else self.loss_scaler.scale,
+        )
         self._batch_shape: BatchShape | None | bool = None  # decided on the first step (`_shaped`)
         self.step = 0
         self.result = TrainResult(profile=self.profile)
@@ -735,14 +741,14 @@ class Trainer:
             phases.begin("forward")  # the final norm's hook hands over to "loss"
             loss = self._micro_batch_loss(batch, divisor, references[index])
             phases.begin("backward")
-            (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+            (self.loss_scaler.scaled(loss) if self.loss_scaler else loss).backward()
             loss_total += loss.detach()
         if self.parallel is not None:
             phases.begin("communication")
             loss_total = self.parallel.reduce_step(self.parameters, loss_total, self._metric_sums)
         phases.begin("optimizer")
-        if self.grad_scaler:
-            self.grad_scaler.unscale_(self.optimizer)
+        if self.loss_scaler:  # before clipping: the norm is the unscaled gradients'
+            self.loss_scaler.unscale_(self.parameters, self._found_inf_reduction())
         if self.config.max_grad_norm is not None or self.parallel is not None:  # FSDP: a norm over shards
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.parameters, self.config.max_grad_norm or math.inf, foreach=True
@@ -751,9 +757,9 @@ class Trainer:
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters]))
         learning_rate = self.scheduler.get_last_lr()[0]
-        if self.grad_scaler:
-            self.grad_scaler.step(self.optimizer)
-            self.grad_scaler.update()
+        if self.loss_scaler:  # skipped on the device when a gradient overflowed
+            self.loss_scaler.step(self.optimizer)
+            self.loss_scaler.update()
         else:
             self.optimizer.step()
         # a captured backward accumulates into the gradients' own memory: keep it, zeroed
@@ -777,6 +783,13 @@ class Trainer:
         info.update(padding=padding, replays=replays, micro_batches=len(micro_batches), pairs=pairs)
         info["epoch"] = epoch
         self._pending.append(_PendingReadout(values, info))
+
+    def _found_inf_reduction(self):
+        """How a sharded run agrees on skipping a step: the max of every rank's overflow flag (FSDP2 ranks
+        unscale their own shards; DDP's gradients are already summed, so every rank's flag is the same)."""
+        if self.parallel is None or self.parallel.sharding != "fsdp":
+            return None
+        return lambda flag: torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
 
     def _emit_ready(self, wait: bool = False) -> None:
         while self._pending and (wait or self._pending[0].ready()):
@@ -816,7 +829,7 @@ class Trainer:
             # a non-finite gradient norm has already been applied (clipping scales by it): stop at this
             # step, not at the next one whose loss it ruins. fp16's loss scaler is the exception: it skips
             # that step's update itself and lowers its scale
-            scaled = self.grad_scaler is not None
+            scaled = self.loss_scaler is not None
             if not (math.isfinite(loss) and (math.isfinite(grad_norm) or scaled)):
                 self._pending.clear()
                 what = (
@@ -908,6 +921,8 @@ class Trainer:
             "steps": [event.as_dict() for event in self.result.steps],
             "evals": [event.as_dict() for event in self.result.evals],
         }
+        if self.loss_scaler is not None:  # fp16: the scale and its growth count, so a resume is exact
+            state["loss_scale"] = self.loss_scaler.state_dict()
         folder = expand(self.config.output_dir) / f"checkpoint-{self.step}"
         try:
             if self.parallel is None:
@@ -1022,6 +1037,8 @@ class Trainer:
         )
         if self.parallel is not None:
             self.parallel.restore_rng(state)
+        if self.loss_scaler is not None and "loss_scale" in state:  # else (a bf16 checkpoint) a fresh scale
+            self.loss_scaler.load_state_dict(state["loss_scale"])
         if self.config.reset_optimizer:  # a fresh optimizer; the schedule of this config, at the resumed step
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer,

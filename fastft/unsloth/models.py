@@ -186,7 +186,7 @@ def is_bfloat16_supported() -> bool:
     where fastft trains in fp32 (as Unsloth's function of this name answers)."""
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def _has_vision_tower(model) -> bool:

@@ -58,6 +58,7 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("rtx4090", "NVIDIA GeForce RTX 4090 24 GB", _mib(24563), source="torch total_memory=24563MB"),
         GpuSpec("rtx5090", "NVIDIA GeForce RTX 5090 32 GB", _mib(32607), source="nvidia-smi 32607MiB"),
         GpuSpec("l4", "NVIDIA L4 24 GB", _mib(23034), source="nvidia-smi 23034MiB (ECC on)"),
+        GpuSpec("a10g", "NVIDIA A10G 24 GB", _mib(23028), source="nvidia-smi 23028MiB (ECC on; AWS g5)"),
         GpuSpec("a100-40gb", "NVIDIA A100 40 GB", _mib(40536), source="total_memory=40536MB"),
         GpuSpec("a100-80gb", "NVIDIA A100 80 GB", _mib(81050), source="torch total_memory≈81050MB"),
         GpuSpec("h100", "NVIDIA H100 80 GB HBM3", _mib(81090), source="torch total_memory=81090MB"),
