@@ -106,9 +106,26 @@ def _packed(rows, max_length: int):
 
 
 def _model(args, device):
+    import torch
+
     from fastft.bench.step import _fastft_model, _hf_model, _unsloth_model
 
-    precision, seq = args.workload, args.max_seq_length
+    precision, seq = args.workload.removesuffix("-fp16"), args.max_seq_length
+    if args.workload.endswith(
+        "fp16"
+    ):  # what a T4 computes in: fastft's trainer with its device-side loss scale
+        if args.system != "fastft":
+            raise SystemExit(
+                f"--workloads {args.workload}: fp16 compute is measured for the fastft system only"
+            )
+        return _fastft_model(
+            args.folder,
+            "bf16" if precision == "fp16" else precision,
+            seq,
+            "auto",
+            device,
+            dtype=torch.float16,
+        )
     if args.system in ("fastft", "fastft-trl"):
         return _fastft_model(args.folder, precision, seq, "auto", device)
     if args.system == "hf":
@@ -418,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--systems", default="fastft,fastft-trl,hf", help=f"comma-separated, from {','.join(SYSTEMS)}"
     )
-    parser.add_argument("--workloads", default="bf16,nf4", help="bf16 and/or nf4 (the base's precision)")
+    parser.add_argument(
+        "--workloads",
+        default="bf16,nf4",
+        help="bf16, nf4 (the base's precision; bf16 compute), fp16, nf4-fp16 (fp16 compute: the fastft system only)",
+    )
     parser.add_argument("--chats", type=int, default=3000)
     parser.add_argument("--user-median", type=float, default=120.0, help="median tokens of a user turn")
     parser.add_argument("--assistant-median", type=float, default=220.0, help="median tokens of an answer")
@@ -476,8 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if any(w not in ("bf16", "nf4") for w in workloads):
-        parser.error(f"--workloads {args.workloads}: bf16 and/or nf4")
+    if any(w not in ("bf16", "nf4", "fp16", "nf4-fp16") for w in workloads):
+        parser.error(f"--workloads {args.workloads}: from bf16, nf4, fp16, nf4-fp16")
     if args.snapshot and (args.device != "cuda" or args.warmup < 2):
         parser.error("--snapshot records a CUDA allocator: --device cuda and --warmup 2 or more")
     folder = _ensure_checkpoint(args)

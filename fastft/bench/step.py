@@ -156,6 +156,7 @@ def _fastft_model(
     checkpointing="auto",
     lora_targets="all",
     keep_attention="auto",
+    dtype=None,
 ):
     import torch
 
@@ -164,7 +165,8 @@ def _fastft_model(
     from fastft.runtime.attention import patch_packed_attention
     from fastft.runtime.offload import enable_offload, offloader_of
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, _ = load_model(
         folder, max_seq_length=seq, load_in_4bit=precision == "nf4", device=device, dtype=dtype
     )
