@@ -68,6 +68,14 @@ class RunLock:
             except BlockingIOError:
                 os.close(descriptor)
                 raise FolderInUseError(_in_use_message(path)) from None
+            except OSError as error:  # a filesystem without locks (some network or FUSE mounts)
+                os.close(descriptor)
+                warnings.warn(
+                    f"{path.parent} cannot be locked ({error.strerror or error}): make sure no other run trains "
+                    "into this output_dir at the same time.",
+                    stacklevel=4,
+                )
+                return cls(path, -1)
             except BaseException:
                 os.close(descriptor)
                 raise
