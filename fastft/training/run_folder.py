@@ -125,7 +125,7 @@ def _in_use_message(path: Path) -> str:
     since = f", started {holder['started']}" if holder.get("started") else ""
     command = f" ({holder['command']})" if holder.get("command") else ""
     fix = (
-        "let that run finish or stop it (trainer.stop(), then trainer.train() returns), or drop that trainer"
+        "let that run finish, or free the folder with trainer.close() on the trainer that holds it"
         if pid == os.getpid()
         else "wait for it to finish or stop it"
     )

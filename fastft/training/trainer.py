@@ -1003,6 +1003,11 @@ class Trainer:
                 raise RuntimeError(f"Rank 0 could not open output_dir={config.output_dir!r} ({shared[0]}).")
         self._folder_open = True
 
+    def close(self) -> None:
+        """Free output_dir's lock held by a run paused after ``train(steps=...)``, so another run may use the
+        folder (a run that ends frees it by itself); a later `train()` takes the lock again and goes on."""
+        self._close_output_dir()
+
     def _close_output_dir(self) -> None:
         """Unlock output_dir: the run is over (or this `train()` ended in an exception)."""
         if self._run_lock is not None:

@@ -137,10 +137,13 @@ def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_first_and_a_dea
     assert not (folder / LOCK_NAME).exists()  # a run that ends removes its lock file
 
 
-def test_a_paused_run_keeps_its_folder_locked_against_a_second_trainer_in_the_same_process(tmp_path):
+def test_a_paused_run_keeps_its_folder_locked_until_it_ends_or_is_closed(tmp_path):
     first = _trainer(max_steps=2, output_dir=str(tmp_path))
     first.train(steps=1)  # paused mid-run: the folder is still its
-    with pytest.raises(FolderInUseError, match=r"this process"):
-        _trainer(max_steps=1, output_dir=str(tmp_path)).train()
-    first.train()  # the run ends and frees the folder
-    _trainer(max_steps=1, output_dir=str(tmp_path)).train()
+    second = _trainer(max_steps=1, output_dir=str(tmp_path))
+    with pytest.raises(FolderInUseError, match=r"this process .* trainer\.close\(\)"):
+        second.train()
+    first.close()  # frees the folder
+    assert [e.step for e in second.train().steps] == [1]
+    assert [e.step for e in first.train().steps] == [1, 2]  # takes the folder again and ends the run
+    assert not (tmp_path / LOCK_NAME).exists()
