@@ -2,7 +2,8 @@
 
 A checkpoint folder holds the PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``,
 loadable with plain `peft`), ``optimizer.pt`` and ``scheduler.pt`` (tensors and numbers only, read
-back with ``weights_only=True``), ``rng.pt`` (torch RNG states) and ``trainer_state.json``.
+back with ``weights_only=True``), ``rng.pt`` (torch RNG states) and ``trainer_state.json`` (the step, the
+run's settings and signature: `fastft.training.resume_check`; the run's id: `fastft.training.run_folder`).
 Everything is written into a temporary sibling folder, fsynced, then renamed into place; old checkpoints are
 renamed to a hidden name before they are deleted, so a name ``checkpoint-N`` always holds a whole checkpoint.
 Loading reads and checks every file before it changes the model, and names the file that is broken.
@@ -24,6 +25,7 @@ from fastft.atomic import expand, recover_folder, remove_leftovers, remove_tree,
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 CHECKPOINT_FILES = (
     "adapter_model.safetensors",
+    "adapter_config.json",
     "optimizer.pt",
     "scheduler.pt",
     "rng.pt",
@@ -33,6 +35,11 @@ CHECKPOINT_FILES = (
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class ResumeMismatchError(CheckpointError):
+    """The checkpoint is whole but was written by a run this one is not the continuation of (another adapter,
+    other data or settings); the message lists what differs and how to go on."""
 
 
 def rng_state() -> tuple[dict, dict]:
@@ -138,6 +145,7 @@ def read_checkpoint(folder, device: torch.device | str = "cpu") -> dict:
     contents = {}
     for key, name, read in (
         ("adapter", "adapter_model.safetensors", lambda path: load_file(path, device=str(device))),
+        ("adapter_config", "adapter_config.json", _read_json),
         ("optimizer", "optimizer.pt", lambda path: torch.load(path, weights_only=True, map_location=device)),
         ("scheduler", "scheduler.pt", lambda path: torch.load(path, weights_only=True)),
         ("rng", "rng.pt", lambda path: torch.load(path, weights_only=True)),
@@ -150,8 +158,19 @@ def read_checkpoint(folder, device: torch.device | str = "cpu") -> dict:
                 f"{folder / name} cannot be read ({_first_line(error)}): this checkpoint is damaged or was not "
                 "written by fastft. Resume from another checkpoint (resume_from='latest' skips damaged ones)."
             ) from None
-    if "rng" not in contents["state"] or "step" not in contents["state"]:
+    if (
+        not isinstance(contents["state"], dict)
+        or "rng" not in contents["state"]
+        or "step" not in contents["state"]
+    ):
         raise CheckpointError(f"{folder / 'trainer_state.json'} lacks the trainer state fastft writes.")
+    if not isinstance(contents["adapter_config"], dict) or not {"r", "lora_alpha"} <= set(
+        contents["adapter_config"]
+    ):
+        raise CheckpointError(
+            f"{folder / 'adapter_config.json'} lacks the LoRA settings PEFT writes (r, lora_alpha): this checkpoint "
+            "is damaged. Resume from another checkpoint (resume_from='latest' skips damaged ones)."
+        )
     return contents
 
 
@@ -164,14 +183,14 @@ def check_adapter_matches(folder: Path, model, weights: dict) -> None:
     unexpected = sorted(set(weights) - set(expected))
     missing = sorted(set(expected) - set(weights))
     if unexpected or missing:
-        raise CheckpointError(
+        raise ResumeMismatchError(
             f"{folder} holds an adapter for other LoRA targets than this model's (only in the checkpoint: "
             f"{unexpected[:3]}, only in the model: {missing[:3]}): add_lora with the target_modules of the run "
             "that wrote it, or start a new run in another output_dir."
         )
     for key, tensor in weights.items():
         if tuple(tensor.shape) != tuple(expected[key].shape):
-            raise CheckpointError(
+            raise ResumeMismatchError(
                 f"{folder} holds {key} of shape {tuple(tensor.shape)}, this model's is {tuple(expected[key].shape)}: "
                 "the checkpoint was written with another LoRA rank r. add_lora with the r of the run that wrote "
                 "it, or start a new run in another output_dir."

@@ -108,3 +108,12 @@ class DemoConfig:
 
         check_writable(self.run_dir)
         check_destination(self.run_dir / "adapter")
+        from fastft.training.checkpoint import list_checkpoints
+
+        for folder in ("checkpoints", "grpo-checkpoints"):  # a run never overwrites another run's checkpoints
+            found = list_checkpoints(self.run_dir / folder)
+            if found:
+                raise SettingError(
+                    f"{self.run_dir} already holds a demo run (its {folder}/{found[-1].name}): pick another "
+                    f"--name, or delete {self.run_dir} to run this one again."
+                )

@@ -28,7 +28,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,10 +50,11 @@ from fastft.runtime.attention import (
 )
 from fastft.training.checkpoint import (
     CheckpointError,
+    ResumeMismatchError,
     apply_checkpoint,
+    check_adapter_matches,
     clean_output_dir,
     list_checkpoints,
-    prune_checkpoints,
     read_checkpoint,
     save_checkpoint,
 )
@@ -63,6 +64,14 @@ from fastft.training.graph import EAGER, REPLAY, StepGraph
 from fastft.training.loss import causal_lm_loss_sum, router_aux_loss_coefficient
 from fastft.training.loss_scale import LossScaler
 from fastft.training.optimizer import adamw
+from fastft.training.resume_check import (
+    accepted_message,
+    check_compatible,
+    compare,
+    data_fingerprint,
+    lora_settings,
+)
+from fastft.training.run_folder import RunLock, claim_folder, new_run_id, prune_own_checkpoints, resumed_run
 from fastft.training.timing import NULL_PROFILE, StepProfile
 from fastft.training.timing_hooks import detach_profile
 
@@ -79,11 +88,16 @@ class TrainConfig:
     measure and pick, or None to leave the model's own attention (transformers' packed-sequence
     detection). `max_steps` wins over `epochs` when set. `warmup` is a step count (int) or a fraction of
     `max_steps` (float below 1). `eval_every` / `save_every` are in optimizer steps (None: only
-    at the end / never). `resume_from` is a checkpoint folder or "latest" (in `output_dir`: the newest one
-    that loads, skipping damaged ones with a warning). A resume keeps the checkpoint's optimizer and schedule,
-    and warns about each hyperparameter of this config it therefore ignores; ``reset_optimizer=True`` resumes
-    the weights, RNG and step with a fresh optimizer and this config's schedule (a new learning rate, warmup,
-    weight decay…), and says so. Every setting is checked here: a wrong one raises `SettingError` naming it.
+    at the end / never). A run locks `output_dir` while it trains (a second run there is refused, naming the
+    first) and refuses a folder holding another run's checkpoints; ``overwrite_output_dir=True`` deletes them
+    first (`fastft.training.run_folder`). `resume_from` is a checkpoint folder or "latest" (in `output_dir`: the
+    newest one that loads, skipping damaged ones with a warning). A resume keeps the checkpoint's optimizer and
+    schedule, and warns about each hyperparameter of this config it therefore ignores; ``reset_optimizer=True``
+    resumes the weights, RNG and step with a fresh optimizer and this config's schedule (a new learning rate,
+    warmup, weight decay…), and says so. Other changes (data, packing length, batching, step count, the loss's
+    settings, the method, LoRA's alpha or dropout) are refused, listing each, unless ``reset_data=True`` or
+    ``reset_objective=True`` accepts them (`fastft.training.resume_check`). Every setting is checked here: a
+    wrong one raises `SettingError` naming it.
     `profile` times the phases of every step (`fastft.profile.StepProfile`, ``Trainer.profile``;
     under 2 % of a step) and fills `StepEvent.phases`; False removes the profiler's hooks from the model.
     `cuda_graph` replays a micro-batch's forward and backward from a CUDA graph when its batches repeat one
@@ -142,6 +156,9 @@ class TrainConfig:
     precompute_reference: bool = False
 
     reset_optimizer: bool = False
+    reset_data: bool = False
+    reset_objective: bool = False
+    overwrite_output_dir: bool = False
 
     def __post_init__(self) -> None:
         check_train_config(self)
@@ -221,7 +238,14 @@ def check_train_config(config: TrainConfig) -> None:
             else " Give a checkpoint folder (output_dir/checkpoint-N) or 'latest'."
         )
         raise SettingError(f"resume_from={config.resume_from!r} does not exist.{hint}")
-    for name in ("reset_optimizer", "profile", "cuda_graph"):
+    for name in (
+        "reset_optimizer",
+        "reset_data",
+        "reset_objective",
+        "overwrite_output_dir",
+        "profile",
+        "cuda_graph",
+    ):
         if not isinstance(getattr(config, name), bool):
             raise SettingError(f"{name} must be True or False, got {getattr(config, name)!r}.")
     if (
@@ -366,7 +390,14 @@ class Trainer:
     trainer holds its training thread at the step boundary until `unpause()` or `stop()`, and
     `call_between_steps(fn)` has that thread run `fn` there (at once while it holds).
     `profile` is the run's `StepProfile` (phase timings per step; None with `TrainConfig(profile=False)`).
+    `run_id` is the id every checkpoint of the run records (a resumed run's is its checkpoint's).
     """
+
+    run_id: str | None = None
+    _run_lock: RunLock | None = None  # held (on the main rank) while a run trains into output_dir
+    _folder_open = False  # every rank: output_dir was opened for this run (`_open_output_dir`)
+    _signature: dict | None = None
+    _resume_differences: list = []
 
     def __init__(
         self,
@@ -559,20 +590,20 @@ class Trainer:
             torch.manual_seed(config.seed)
             np.random.seed(config.seed % 2**32)
             random.seed(config.seed)
-        if config.output_dir and self.step == 0:
-            if self.parallel is None or self.parallel.is_main:
-                clean_output_dir(config.output_dir)  # what a killed run left half-written
-            if self.parallel is not None:
-                self.parallel.barrier()
-        if config.resume_from and self.step == 0:
-            self._resume(config.resume_from)
-        if config.precompute_reference and self._references is None:
-            self._references = self._precompute_references()
-        started = time.perf_counter()
-        self.model.train()
-        if self.device.type == "cuda":  # the events' peak memory is this run's, not the process's so far
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if config.output_dir and not self._folder_open:
+            self._open_output_dir()
+        started, paused = time.perf_counter(), False
         try:
+            if self.step == 0:
+                self.run_id = new_run_id()
+                if config.resume_from:
+                    self._resume(config.resume_from)  # the run id becomes the checkpoint's
+            if config.precompute_reference and self._references is None:
+                self._references = self._precompute_references()
+            started = time.perf_counter()
+            self.model.train()
+            if self.device.type == "cuda":  # the events' peak memory is this run's, not the process's so far
+                torch.cuda.reset_peak_memory_stats(self.device)
             while self.step < target:
                 self._between_steps()
                 if self._stop.is_set():
@@ -587,6 +618,7 @@ class Trainer:
                     self.save_checkpoint()
             self._flush()
             if self.step < self.max_steps and not self.result.stopped_early:
+                paused = True  # the run keeps its output_dir locked
                 return self.result  # paused after `steps`: the run is not over (a captured graph stays)
             self.step_graph.release()  # the run is over: the graph's memory pool goes back
             if self.eval_data is not None and (
@@ -601,6 +633,8 @@ class Trainer:
             self.step_graph.release()
             raise
         finally:
+            if not paused:  # the run is over, or an exception ended this train()
+                self._close_output_dir()
             if self.profile is not None:
                 self.profile.cancel()  # a step cut short by an exception leaves no timing half-open
             self.result.seconds += time.perf_counter() - started
@@ -918,6 +952,7 @@ class Trainer:
             "step": self.step,
             "max_steps": self.max_steps,
             "config": asdict(self.config),
+            "run": {"id": self.run_id, **self._run_signature()},
             "steps": [event.as_dict() for event in self.result.steps],
             "evals": [event.as_dict() for event in self.result.evals],
         }
@@ -942,11 +977,58 @@ class Trainer:
                 "output_dir to a disk with room, save_total_limit lower) and resume with resume_from='latest'.",
             ) from error
         self.result.checkpoints.append(str(folder))
-        if self.parallel is None or self.parallel.is_main:
-            prune_checkpoints(self.config.output_dir, self.config.save_total_limit)
+        if self.parallel is None or self.parallel.is_main:  # this run's own checkpoints only
+            prune_own_checkpoints(self.config.output_dir, self.run_id, self.config.save_total_limit)
         if self.parallel is not None:
             self.parallel.barrier()
         return folder
+
+    def _open_output_dir(self) -> None:
+        """Lock output_dir for this run (`fastft.training.run_folder`); at the run's start also finish what a
+        killed run left half-written there and refuse a folder holding another run's checkpoints. Under
+        torchrun rank 0 does it and every rank raises if it failed there."""
+        config = self.config
+
+        def open_folder() -> None:
+            self._run_lock = RunLock.acquire(config.output_dir)
+            if self.step == 0:
+                try:
+                    clean_output_dir(config.output_dir)  # what a killed run left half-written
+                    resumed, run_id = resumed_run(config.output_dir, config.resume_from)
+                    claim_folder(config.output_dir, run_id, resumed, config.overwrite_output_dir)
+                except BaseException:
+                    self._close_output_dir()
+                    raise
+
+        if self.parallel is None:
+            open_folder()
+        else:
+            failure = None
+            if self.parallel.is_main:
+                try:
+                    open_folder()
+                except Exception as error:  # handed to the other ranks, then raised here as it was
+                    failure = error
+            shared = self.parallel.gather_objects(
+                None if failure is None else f"{type(failure).__name__}: {failure}"
+            )
+            if failure is not None:
+                raise failure
+            if shared[0] is not None:
+                raise RuntimeError(f"Rank 0 could not open output_dir={config.output_dir!r} ({shared[0]}).")
+        self._folder_open = True
+
+    def close(self) -> None:
+        """Free output_dir's lock held by a run paused after ``train(steps=...)``, so another run may use the
+        folder (a run that ends frees it by itself); a later `train()` takes the lock again and goes on."""
+        self._close_output_dir()
+
+    def _close_output_dir(self) -> None:
+        """Unlock output_dir: the run is over (or this `train()` ended in an exception)."""
+        if self._run_lock is not None:
+            self._run_lock.release()
+        self._run_lock = None
+        self._folder_open = False
 
     def _weights_are_finite(self) -> bool:
         """One device-side reduction over the trained weights and one sync (at save time, never per step)."""
@@ -999,7 +1081,8 @@ class Trainer:
         self.result.steps = [StepEvent(**event) for event in state["steps"]]
         self.result.evals = [EvalEvent(**event) for event in state["evals"]]
         self.result.checkpoints.append(str(folder))
-        self._report_resumed_settings(folder, state.get("config", {}))
+        self.run_id = (state.get("run") or {}).get("id")  # None: a checkpoint from before runs had ids
+        self._report_resumed_settings(folder)
 
     def _resume_latest(self) -> tuple[Path, dict] | None:
         """Try the checkpoints newest first; warn about each damaged one skipped."""
@@ -1007,6 +1090,8 @@ class Trainer:
         for folder in reversed(checkpoints):
             try:
                 return folder, self._load(folder)
+            except ResumeMismatchError:  # whole, but another run's: not skipped as damaged
+                raise
             except CheckpointError as error:
                 warnings.warn(
                     f"Skipped a damaged checkpoint while resuming: {error}", ResumeWarning, stacklevel=4
@@ -1024,13 +1109,16 @@ class Trainer:
             from fastft.training.distributed import check_resume
 
             check_resume(folder, contents["state"], self.parallel)
-        saved_steps = contents["state"].get("max_steps")
-        if saved_steps != self.max_steps:
-            raise ValueError(
-                f"{folder} was written by a run of {saved_steps} steps, this one has {self.max_steps}: "
-                "resume with the same data and TrainConfig so the schedule and data order match."
-            )
+        # one check of everything that defines the run, before anything changes (`resume_check`)
+        now = {**asdict(self.config), **self._run_signature(), "max_steps": self.max_steps}
+        differences = compare(contents["state"], contents["adapter_config"], now | lora_settings(self.model))
+        check_compatible(folder, differences, self.config, contents["state"]["step"])
+        check_adapter_matches(folder, self.model, contents["adapter"])
         restore = not self.config.reset_optimizer
+        kept = {d.name: d.saved for d in differences if d.group == "optimizer"} if restore else {}
+        if kept:
+            self._keep_saved_settings(kept)
+        self._resume_differences = differences
         sharded = self.parallel is not None and self.parallel.sharding == "fsdp"
         state = apply_checkpoint(
             folder, contents, self.model, self.optimizer, self.scheduler, restore, sharded=sharded
@@ -1047,14 +1135,42 @@ class Trainer:
             _advance_schedule(self.scheduler, state["step"])
         return state
 
-    def _report_resumed_settings(self, folder: Path, saved: dict) -> None:
+    def _keep_saved_settings(self, saved: dict) -> None:
+        """Train on with the checkpoint's optimizer and schedule settings (`saved`): the trainer's copy of the
+        config takes them, and the schedule is rebuilt with its warmup and floor (a scheduler's state holds
+        neither; the optimizer's learning rate, decay and Adam constants come with its state)."""
+        values = {name: tuple(value) if isinstance(value, list) else value for name, value in saved.items()}
+        self.config = replace(self.config, **values)
+        warmup = self.config.warmup
+        self.warmup_steps = int(warmup * self.max_steps) if isinstance(warmup, float) else int(warmup)
+        self.scheduler = self._schedule()
+        if self._cursor is not None and "seed" in saved:  # a stream's order follows the kept seed too
+            self._cursor = StreamCursor(self.train_data, self.config.seed)
+
+    def _schedule(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            cosine_with_warmup(self.warmup_steps, self.max_steps, self.config.min_learning_rate_ratio),
+        )
+
+    def _run_signature(self) -> dict:
+        """What defines this run besides its config (`fastft.training.resume_check`): its data's fingerprint and
+        packing length, computed once."""
+        if self._signature is None:
+            self._signature = {
+                "data": data_fingerprint(self.train_data),
+                "max_seq_length": getattr(self.train_data, "max_seq_length", None),
+            }
+        return self._signature
+
+    def _report_resumed_settings(self, folder: Path) -> None:
         """Say which hyperparameters the resumed run trains with: the checkpoint's (kept, by default) or
-        this config's (``reset_optimizer=True``), naming every one that differs."""
-        differing = {
-            name: (saved[name], getattr(self.config, name))
-            for name in RESUMED_SETTINGS
-            if name in saved and _as_plain(saved[name]) != _as_plain(getattr(self.config, name))
-        }
+        this config's (``reset_optimizer=True``), naming every one that differs; and which data and objective
+        changes a reset option accepted."""
+        accepted = accepted_message(folder, self._resume_differences, self.step)
+        if accepted:
+            warnings.warn(accepted, ResumeWarning, stacklevel=4)
+        differing = {d.name: (d.saved, d.now) for d in self._resume_differences if d.group == "optimizer"}
         if not differing:
             return
         listed = ", ".join(f"{name} {old!r} → {new!r}" for name, (old, new) in differing.items())
@@ -1069,29 +1185,13 @@ class Trainer:
                 f"Resumed from {folder} at step {self.step} keeping the checkpoint's optimizer and schedule, so "
                 f"these new values are NOT used: {listed}. Pass reset_optimizer=True to train on with them."
             )
-        if "seed" in differing:
+        if "seed" in differing and self.config.reset_optimizer:
             message += " The data order follows this config's seed from here on; the resume is not exact."
         warnings.warn(message, ResumeWarning, stacklevel=4)
 
 
-# settings a checkpoint's optimizer and scheduler carry: a resume keeps the saved ones unless reset_optimizer
-RESUMED_SETTINGS = (
-    "learning_rate",
-    "min_learning_rate_ratio",
-    "warmup",
-    "weight_decay",
-    "adam_betas",
-    "adam_eps",
-    "seed",
-)
-
-
 class ResumeWarning(UserWarning):
     """What a resume did with settings that differ from the checkpoint's, or a damaged checkpoint skipped."""
-
-
-def _as_plain(value):
-    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def _advance_schedule(scheduler, steps: int) -> None:

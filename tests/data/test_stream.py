@@ -104,6 +104,7 @@ def test_training_on_a_stream_is_deterministic_and_resumes_exactly(tokenizer, tm
     out = str(tmp_path / "run")
     first = _trainer(tokenizer, _stream(tokenizer), max_steps=20, output_dir=out, save_every=8)
     first.train(steps=8)
+    first.close()  # as if killed: the paused run frees the folder
     resumed = _trainer(tokenizer, _stream(tokenizer), max_steps=20, output_dir=out, resume_from="latest")
     result = resumed.train()
     assert [event.loss for event in result.steps][8:] == pytest.approx(losses[8:], rel=1e-6)

@@ -13,6 +13,7 @@ import pytest
 from peft import PeftModel
 
 import fastft
+from fastft.checks import SettingError
 from fastft.cli import build_parser, main
 from fastft.demo import DemoConfig, run_demo
 from fastft.runtime import threads
@@ -156,3 +157,13 @@ def test_the_process_start_covers_the_imports():
     since_start, imported = map(float, completed.stdout.split())
     # what the process reports covers its own imports and no more than its whole life (clock ticks: 10 ms)
     assert imported <= since_start <= wall + 0.02
+
+
+def test_a_demo_into_a_run_folder_holding_checkpoints_is_refused_before_loading(tmp_path):
+    checkpoint = tmp_path / "again" / "checkpoints" / "checkpoint-40"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    config = DemoConfig(output_dir=str(tmp_path), name="again", progress=False)
+    with pytest.raises(SettingError, match=r"already holds a demo run .*pick another --name"):
+        run_demo(config, log=lambda m: None)
+    assert (checkpoint / "trainer_state.json").read_text() == "{}"

@@ -9,6 +9,7 @@ import fastft
 from fastft.checks import SettingError
 from fastft.data.rewards import RewardError, content_match, exact_match, format_reward, length_penalty
 from fastft.data.skills import generate
+from fastft.training.checkpoint import ResumeMismatchError
 from fastft.training.grpo import GRPOConfig, GRPOTrainer, grpo
 
 ROWS = list(generate(16, seed=5))
@@ -104,6 +105,12 @@ def test_a_resumed_run_gives_the_uninterrupted_runs_rewards_and_losses(tmp_path)
         _config(output_dir=str(tmp_path / "b"), resume_from=str(tmp_path / "a" / "checkpoint-2")),
     )
     assert _trace(resumed.train()) == expected
+
+    model, tokenizer = _model()  # a resume that changes the rollouts or the loss is refused, listing both
+    changed = _config(num_generations=2, kl_coef=0.0, resume_from=str(tmp_path / "a" / "checkpoint-2"))
+    with pytest.raises(ResumeMismatchError, match=r"num_generations 4 → 2; kl_coef 0\.1 → 0\.0") as error:
+        GRPOTrainer(model, tokenizer, ROWS, REWARDS, changed).train()
+    assert "reset_data=True" in str(error.value) and "reset_objective=True" in str(error.value)
 
 
 def test_one_update_per_rollout_never_clips():

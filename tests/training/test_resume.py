@@ -1,6 +1,7 @@
-"""Resume: new hyperparameters are either honoured (``reset_optimizer=True``) or reported as kept; damaged
-checkpoints are named by file and skipped by ``resume_from="latest"``; a checkpoint of another adapter
-is refused before anything loads; a typo of "latest" gets a hint."""
+"""Resume: new hyperparameters are either honoured (``reset_optimizer=True``) or reported as kept (and really
+kept); damaged checkpoints are named by file and skipped by ``resume_from="latest"``; a checkpoint of another
+adapter, other data, batching, packing length, method or loss settings is refused before anything loads,
+listing what differs, unless a reset option accepts it; a typo of "latest" gets a hint."""
 
 from __future__ import annotations
 
@@ -13,20 +14,21 @@ import torch
 import fastft
 from fastft.checks import SettingError
 from fastft.data.skills import generate
-from fastft.training.checkpoint import CheckpointError, list_checkpoints
+from fastft.training.checkpoint import CheckpointError, ResumeMismatchError, list_checkpoints
 from fastft.training.trainer import ResumeWarning, TrainConfig, Trainer, cosine_with_warmup
 
 ROWS = list(generate(120, seed=13))
 
 
-def _trainer(r: int = 4, targets="all-linear", **config) -> Trainer:
+def _trainer(
+    r: int = 4, targets="all-linear", alpha=8, dropout=0.1, rows=ROWS, length=128, **config
+) -> Trainer:
     model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=128)
-    model = fastft.add_lora(model, r=r, alpha=8, target_modules=targets, dropout=0.1, seed=4)
+    model = fastft.add_lora(model, r=r, alpha=alpha, target_modules=targets, dropout=dropout, seed=4)
     # a fixed attention backend: "auto" times the backends and may pick another one run to run
     defaults = dict(max_steps=8, learning_rate=2e-3, micro_batch_bins=2, seed=9, attention=None)
-    return Trainer(
-        model, tokenizer, fastft.pack(ROWS, tokenizer, 128), config=TrainConfig(**defaults | config)
-    )
+    data = rows if config.get("method", "sft") != "sft" else fastft.pack(rows, tokenizer, length)
+    return Trainer(model, tokenizer, data, config=TrainConfig(**defaults | config))
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +71,6 @@ def test_reset_optimizer_trains_on_with_the_new_learning_rate_and_prints_it(run_
         assert event.learning_rate == pytest.approx(1e-4 * schedule(event.step - 1))
     assert [e.loss for e in result.steps[:4]] == losses[:4]
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * schedule(8))
-
-
-def test_an_unchanged_resume_warns_nothing(run_dir):
-    folder, _ = run_dir
-    trainer = _trainer(resume_from=str(folder / "checkpoint-6"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ResumeWarning)
-        trainer.train()
 
 
 def _copy_run(run_dir, tmp_path):
@@ -141,3 +135,78 @@ def test_a_typo_of_latest_gets_a_hint(tmp_path, monkeypatch):
         TrainConfig(resume_from="lastest", output_dir="runs")
     with pytest.raises(SettingError, match=r"does not exist\. Give a checkpoint folder"):
         TrainConfig(resume_from="runs/checkpoint-9")
+
+
+def test_an_unchanged_resume_passes_the_check_and_is_the_uninterrupted_run(run_dir):
+    """Bit for bit in a fresh process (tests/training/test_kill.py); here, after the module's fixture run in the
+    same process, the first resumed step differs in the 7th digit, on the code before the check too."""
+    folder, losses = run_dir
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumeWarning)
+        result = _trainer(resume_from=str(folder / "checkpoint-4")).train()
+    assert [e.loss for e in result.steps] == pytest.approx(losses, rel=1e-6)
+
+
+def test_a_kept_warmup_is_really_kept(run_dir):
+    """The warning says the checkpoint's schedule is kept: the new warmup must not reshape it."""
+    folder, losses = run_dir
+    with pytest.warns(ResumeWarning, match=r"NOT used: warmup 0\.05 → 3"):
+        result = _trainer(warmup=3, resume_from=str(folder / "checkpoint-4")).train()
+    assert [e.loss for e in result.steps] == pytest.approx(losses, rel=1e-6)  # this config's warmup: 1e-2 off
+
+
+PAIRS = [{"prompt": f"Pick a colour {i}.", "chosen": "blue", "rejected": "red and green"} for i in range(12)]
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (dict(micro_batch_bins=1), "micro_batch_bins 2 → 1"),
+        (dict(grad_accum_steps=2), "grad_accum_steps 1 → 2"),
+        (dict(rows=ROWS[:60] + ROWS[61:] + ROWS[60:61]), "data (fingerprint"),  # the same rows, reordered
+        (dict(length=96), "max_seq_length 128 → 96"),
+        (dict(max_grad_norm=0.5), "max_grad_norm 1.0 → 0.5"),
+        (dict(method="dpo", rows=PAIRS), "method 'sft' → 'dpo'"),
+        (dict(alpha=16), "lora_alpha 8 → 16"),
+        (dict(dropout=0.0), "lora_dropout 0.1 → 0.0"),
+    ],
+)
+def test_a_resume_that_changes_the_run_is_refused_listing_what_differs(run_dir, change, expected):
+    folder, _ = run_dir
+    trainer = _trainer(resume_from=str(folder / "checkpoint-4"), **change)
+    before = _adapter_weights(trainer)
+    with pytest.raises(ResumeMismatchError) as error:
+        trainer.train()
+    message = str(error.value)
+    assert expected in message and str(folder / "checkpoint-4") in message
+    assert "Resume with the saved values" in message
+    fix = {"method": "fastft.load_adapter", "alpha": "fastft.load_adapter", "dropout": "fastft.load_adapter"}
+    assert next((v for k, v in fix.items() if k in change), "reset_") in message
+    after = _adapter_weights(trainer)
+    assert all(torch.equal(before[n], after[n]) for n in before) and trainer.step == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "option"),
+    [(dict(micro_batch_bins=1), "reset_data"), (dict(max_grad_norm=0.5), "reset_objective")],
+)
+def test_a_reset_option_accepts_its_changes_with_a_warning(run_dir, change, option):
+    folder, _ = run_dir
+    trainer = _trainer(resume_from=str(folder / "checkpoint-6"), **change, **{option: True})
+    with pytest.warns(ResumeWarning, match=rf"changes you accepted: .*\({option}=True\)"):
+        result = trainer.train()
+    assert [e.step for e in result.steps][-2:] == [7, 8]
+
+
+def test_latest_does_not_skip_a_checkpoint_of_another_run_as_damaged(run_dir, tmp_path):
+    copy = _copy_run(run_dir, tmp_path)
+    with pytest.raises(ResumeMismatchError, match="micro_batch_bins 2 → 1"):
+        _trainer(micro_batch_bins=1, resume_from="latest", output_dir=str(copy)).train()
+
+
+@pytest.mark.parametrize("damage", ['{"r": 4, "lora_al', "{}"])
+def test_a_damaged_adapter_config_is_named(run_dir, tmp_path, damage):
+    copy = _copy_run(run_dir, tmp_path)
+    (copy / "checkpoint-8" / "adapter_config.json").write_text(damage)
+    with pytest.raises(CheckpointError, match=r"checkpoint-8/adapter_config\.json"):
+        _trainer(resume_from=str(copy / "checkpoint-8")).train()
