@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -55,7 +56,7 @@ class ProcessRun(RunLifecycle):
             self.rewards = reward_functions(self.spec["rewards"])
         self.events: list[Event] = []
         self.error: BaseException | None = None
-        self.traceback = ""
+        self.traceback = ""  # the worker's, when it failed
         self.process: subprocess.Popen | None = None
         self.pid: int | None = None
         self.fields: dict = {}
@@ -68,6 +69,7 @@ class ProcessRun(RunLifecycle):
         self._saves: dict[str, Future] = {}
         self._watcher: threading.Thread | None = None
         self._error_text = ""
+        self._rollout: tuple | None = None  # (rollout.json's mtime, what it holds)
 
     # -- making and starting -------------------------------------------------------------------------
     @classmethod
@@ -275,6 +277,24 @@ class ProcessRun(RunLifecycle):
         return self.spec.get("device") == "cuda"
 
     @property
+    def last_rollout(self):
+        """GRPO: the latest rollout the worker wrote (prompts, completions, rewards, advantages), or None."""
+        import numpy as np
+
+        path = self.folder / files.ROLLOUT
+        try:
+            stamp = path.stat().st_mtime_ns
+        except OSError:
+            return None
+        if self._rollout is None or self._rollout[0] != stamp:
+            fields = files.read_json(path)
+            if fields is None:
+                return None if self._rollout is None else self._rollout[1]
+            arrays = {k: np.asarray(fields[k]) for k in ("truncated", "rewards", "total", "advantages")}
+            self._rollout = (stamp, SimpleNamespace(**{**fields, **arrays}))
+        return self._rollout[1]
+
+    @property
     def checkpoints(self) -> list[str]:
         from fastft.training.checkpoint import list_checkpoints
 
@@ -360,7 +380,7 @@ class ProcessRun(RunLifecycle):
             if self.traceback and self.traceback not in text:
                 text += f"\nThe worker's traceback:\n{self.traceback}"
             error = RuntimeError(f"{text}\nLog: {self.log_path}")
-        elif self.model is not None:
+        elif self.model is not None and (status == "finished" or (self.folder / files.TRAINED).is_dir()):
             try:
                 load_trained_adapter(self.model, self.folder / files.TRAINED, self.log_path)
             except Exception as failure:  # noqa: BLE001 - shown in the panel
@@ -368,14 +388,22 @@ class ProcessRun(RunLifecycle):
         self._finish(status, error)
 
     def _finish(self, status: str, error: BaseException | None = None) -> None:
+        """The run's end: its callbacks (the panel's last drawing) run before `wait` returns, as a `Run`'s."""
         with self._lock:
             self._status, self.error, self._wanted = status, error, None
-            self._done.set()
             callbacks, self._done_callbacks = self._done_callbacks, []
             saves, self._saves = self._saves, {}
         for future in saves.values():
             future.set_exception(RuntimeError("The run ended before it could save."))
         for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 - a face's bug must not hide the run's end
+                traceback.print_exc()
+        with self._lock:
+            self._done.set()
+            late, self._done_callbacks = self._done_callbacks, []
+        for callback in late:  # added while the others ran
             callback(self)
 
 

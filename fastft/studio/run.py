@@ -1030,7 +1030,8 @@ class RunPanel(Panel):
 
     def _show_rollout(self, run: Run) -> None:
         """The rollouts inspector: redrawn when the trainer has a new rollout."""
-        rollout = getattr(run.trainer, "last_rollout", None)
+        owner = run.trainer if run.trainer is not None else run  # a `ProcessRun` reads its worker's
+        rollout = getattr(owner, "last_rollout", None)
         if rollout is None or rollout is self._shown_rollout:
             return
         from fastft.studio.grpo import rollout_html

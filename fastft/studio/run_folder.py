@@ -10,6 +10,7 @@ One folder per run (the Run tab's output dir; the runs folder is the one above i
                     threads, the checkpoints saved on request, the error and its traceback
     events.jsonl    one JSON line per `StepEvent` / `EvalEvent`, appended and flushed per step (`EventLog`)
     worker.log      the worker's stdout and stderr
+    rollout.json    GRPO: the latest rollout's prompts, completions, rewards and advantages
     control/        what the studio asks of the worker, one empty file each: ``pause``, ``stop``,
                     ``save-<id>``; the worker acts on them between steps
     checkpoint-N/   the trainer's checkpoints; trained/ the adapter at the run's end
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 SPEC, STATUS, EVENTS, LOG, CONTROL = "run.json", "status.json", "events.jsonl", "worker.log", "control"
-START, TRAINED = "start", "trained"
+START, TRAINED, ROLLOUT = "start", "trained", "rollout.json"
 SPEC_FORMAT = "fastft-studio-run-1"
 WORKER_MODULE = "fastft.studio.worker"
 ACTIVE = ("starting", "running", "pausing", "paused", "stopping")

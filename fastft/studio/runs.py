@@ -56,7 +56,11 @@ class RunsView:
 
     @property
     def folder(self) -> Path:
-        """The runs folder: the one above the Run tab's output dir (``runs`` for ``runs/studio``)."""
+        """The runs folder: the one above the run the Run tab follows, else above its output dir (``runs``
+        for ``runs/studio``)."""
+        followed = getattr(self.panel.run, "folder", None)
+        if followed is not None:
+            return Path(followed).parent
         output = self.panel.output_dir.value.strip() or "runs/studio"
         return Path(output).expanduser().parent
 

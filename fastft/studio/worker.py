@@ -107,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(signum, _frame) -> None:
         stop_asked.append(signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     run = None
     trackers: list = []
     try:
@@ -161,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         status.update(status="failed", error=f"{type(error).__name__}: {error}", traceback=text)
         return 1
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         for tracker in trackers:
             try:
                 tracker.close()
@@ -172,7 +173,12 @@ def _follow(run, folder: Path, status: _Status, stop_asked: list) -> None:
     """Until the run ends: act on the control folder's requests and keep status.json current."""
     saves: dict[str, dict] = {}
     taken: set[str] = set()
+    shown = None  # GRPO: the rollout last written to rollout.json
     while not run.done:
+        rollout = getattr(run.trainer, "last_rollout", None)
+        if rollout is not None and rollout is not shown:
+            shown = rollout
+            files.write_json(folder / files.ROLLOUT, _rollout_fields(rollout))
         asked = files.requests(folder)
         if (stop_asked or "stop" in asked) and run.status not in ("stopping", *files.ENDED):
             run.stop()
@@ -197,6 +203,19 @@ def _follow(run, folder: Path, status: _Status, stop_asked: list) -> None:
         )
         time.sleep(POLL_S)
     status.update(saves=dict(saves), elapsed=run.elapsed_seconds, checkpoints=run.checkpoints)
+
+
+def _rollout_fields(rollout) -> dict:
+    """What the Run tab shows of a GRPO rollout (`fastft.studio.grpo.rollout_html`), as JSON."""
+    return {
+        "prompts": rollout.prompts,
+        "completions": list(rollout.completions),
+        "truncated": rollout.truncated.tolist(),
+        "rewards": rollout.rewards.tolist(),
+        "total": rollout.total.tolist(),
+        "advantages": rollout.advantages.tolist(),
+        "step": rollout.step,
+    }
 
 
 def _saved(future) -> dict:
