@@ -173,12 +173,16 @@ def _follow(run, folder: Path, status: _Status, stop_asked: list) -> None:
     """Until the run ends: act on the control folder's requests and keep status.json current."""
     saves: dict[str, dict] = {}
     taken: set[str] = set()
-    shown = None  # GRPO: the rollout last written to rollout.json
-    while not run.done:
+    shown = [None]  # GRPO: the rollout last written to rollout.json
+
+    def write_rollout() -> None:
         rollout = getattr(run.trainer, "last_rollout", None)
-        if rollout is not None and rollout is not shown:
-            shown = rollout
+        if rollout is not None and rollout is not shown[0]:
+            shown[0] = rollout
             files.write_json(folder / files.ROLLOUT, _rollout_fields(rollout))
+
+    while not run.done:
+        write_rollout()
         asked = files.requests(folder)
         if (stop_asked or "stop" in asked) and run.status not in ("stopping", *files.ENDED):
             run.stop()
@@ -202,6 +206,7 @@ def _follow(run, folder: Path, status: _Status, stop_asked: list) -> None:
             checkpoints=run.checkpoints,
         )
         time.sleep(POLL_S)
+    write_rollout()  # the last step's
     status.update(saves=dict(saves), elapsed=run.elapsed_seconds, checkpoints=run.checkpoints)
 
 

@@ -4,15 +4,18 @@ resume from a checkpoint in the Runs view trains the same losses as the run that
 
 from __future__ import annotations
 
+import contextlib
 import html
 import importlib.machinery
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,7 +67,22 @@ def _losses(events) -> dict[int, float]:
     return {e.step: e.loss for e in events if isinstance(e, StepEvent)}
 
 
-def test_a_child_process_run_outlives_its_studio_stops_and_resumes_to_the_same_losses(tmp_path):
+@pytest.fixture
+def no_worker_left(tmp_path):
+    """A test that fails half-way leaves no worker training in its folder: each is stopped as Stop stops it."""
+    yield
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"fastft.studio.worker" in command and any(
+                part.startswith(bytes(tmp_path)) for part in command
+            ):
+                os.kill(int(entry.name), signal.SIGTERM)
+
+
+def test_a_child_process_run_outlives_its_studio_stops_and_resumes_to_the_same_losses(
+    tmp_path, no_worker_left
+):
     folder = tmp_path / "runs" / "studio"
     state = _state()
     panel = RunPanel(state, live="text")
