@@ -189,7 +189,7 @@ class RunPanel(Panel):
             value="process",
             description="train in",
             style=style,
-            layout=wide(),
+            layout=field("24em", max_width="32em"),  # its choices' names in full
         )
         setattr(
             self.train_in,
@@ -204,7 +204,11 @@ class RunPanel(Panel):
         if TORCH_DEFAULT_THREADS > 1:
             thread_choices.append((f"{TORCH_DEFAULT_THREADS} (torch's default)", TORCH_DEFAULT_THREADS))
         self.threads = widgets.Dropdown(
-            options=thread_choices, value="auto", description="CPU threads", style=style, layout=wide()
+            options=thread_choices,
+            value="auto",
+            description="CPU threads",
+            style=style,
+            layout=field("24em", max_width="32em"),
         )
         setattr(
             self.threads, tip, "auto: a micro-batch timed at 1 thread and at torch's default, the faster kept"
@@ -212,9 +216,11 @@ class RunPanel(Panel):
         if torch.cuda.is_available():
             self.threads.layout.display = "none"  # a GPU run: the thread count hardly matters
         self.tensorboard = widgets.Checkbox(
-            value=False, description="TensorBoard", indent=False, layout=field("9em")
+            value=False, description="TensorBoard", indent=False, layout=field("9em", grow=0)
         )
-        self.wandb = widgets.Checkbox(value=False, description="W&B", indent=False, layout=field("9em"))
+        self.wandb = widgets.Checkbox(
+            value=False, description="W&B", indent=False, layout=field("6em", grow=0)
+        )
         from fastft.studio.launched import launch_choices
 
         choices = launch_choices() if processes is None else processes

@@ -76,7 +76,7 @@ class Run(RunLifecycle):
     ``.events`` lists every `StepEvent` / `EvalEvent` so far; ``.result`` is the trainer's
     `TrainResult` (partial while running); ``.error`` the exception that ended it, if any, and
     ``.error_message`` what to do about it. ``.status``: "created", "starting", "running",
-    "paused", "stopping", then "finished", "stopped" or "failed".
+    "pausing" (until the step in progress ends), "paused", "stopping", then "finished", "stopped" or "failed".
     """
 
     def __init__(

@@ -667,7 +667,7 @@ def _drive(page, lab: Lab, shot: Path) -> None:
         _check_layout(page, studio, tabs, width)
     page.set_viewport_size(VIEWPORT)
 
-    _restart_under_a_run(page, lab, studio, panel)
+    _restart_under_a_run(page, lab, studio, tabs, panel)
 
     # the display-mode fallback: a figure whose probe never reports is drawn by the Output widget
     second = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
@@ -697,11 +697,12 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     assert output.locator(".js-plotly-plot").count() == 1  # updated in place, not drawn a second time
 
 
-def _restart_under_a_run(page, lab: Lab, studio, panel) -> None:
+def _restart_under_a_run(page, lab: Lab, studio, tabs, panel) -> None:
     """A long DPO run in its child process; the kernel restarts and the studio cell runs again: the new studio
     follows the run, still training, its progress and loss curve going on; Stop ends it."""
     from playwright.sync_api import expect
 
+    tabs.filter(has_text="Run").click()
     steps = panel().locator(".widget-text:has(label:text-is('steps')) input").first
     steps.fill(str(RESTART_STEPS))
     steps.press("Enter")
