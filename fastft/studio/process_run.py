@@ -308,6 +308,7 @@ class ProcessRun(RunLifecycle):
             checkpoints=self.checkpoints,
             steps=steps,
             attention=None,
+            seconds=self.elapsed_seconds,
         )
 
     @property

@@ -709,10 +709,10 @@ def _restart_under_a_run(page, lab: Lab, studio, tabs, panel) -> None:
     expect(panel()).to_contain_text(f"max_steps={RESTART_STEPS}")
     panel().get_by_role("button", name="Start").click()
     deadline = time.monotonic() + ACTION_TIMEOUT / 1000
-    while _progress(panel())[0] < 2:
+    while (progress := _progress(panel()))[1] != RESTART_STEPS or progress[0] < 2:  # this run's steps
         assert time.monotonic() < deadline, f"the run did not move: {panel().inner_text()[:2000]}"
         time.sleep(0.5)
-    expect(panel()).to_contain_text(re.compile(r"In a child process: pid \d+"))
+    expect(panel()).to_contain_text(re.compile(r"In a child process: pid \d+ \(running\)"))
     pid = int(re.search(r"pid (\d+)", panel().inner_text())[1])
     old = studio.element_handle()
     restarted = time.monotonic()
