@@ -22,11 +22,10 @@ from fastft.models.export import save_adapter
 from fastft.models.loading import load_model
 from fastft.models.lora import add_lora, trainable_parameter_count
 from fastft.report import RunReport, write_report
-from fastft.runtime.threads import ThreadChoice, choose_cpu_threads
+from fastft.training.cpu_threads import choose_training_threads
 from fastft.training.demo_config import DemoConfig
 from fastft.training.evaluate import AccuracyResult, evaluate_accuracy
 from fastft.training.grpo_demo import GRPOStage, run_grpo_stage
-from fastft.training.loss import causal_lm_loss_sum
 from fastft.training.progress import ProgressBar
 from fastft.training.trainer import TrainConfig, Trainer, TrainResult
 
@@ -130,7 +129,7 @@ def _run(config: DemoConfig, log, started_at: float | None) -> DemoResult:
     eval_data = pack(eval_rows, tokenizer, config.max_seq_length)
     log(f"packed {config.dataset}: {train_data.stats.summary()}")
     questions = [row for row in eval_rows.select(range(min(config.eval_samples, len(eval_rows))))]
-    threads = _choose_threads(model, train_data, config.micro_batch_bins)
+    threads = choose_training_threads(model, train_data, config.micro_batch_bins)
     if threads is not None:
         log(f"CPU threads: {threads.describe('micro-batch')}")
 
@@ -262,20 +261,6 @@ def _grpo(
     finally:
         if bar is not None:
             bar.close()
-
-
-def _choose_threads(model, train_data, micro_batch_bins: int) -> ThreadChoice | None:
-    """On a CPU, keep the faster of one thread and torch's default for one training micro-batch (None on a GPU)."""
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        return None
-    batch = train_data.batch(range(min(micro_batch_bins, len(train_data)))).to(device)
-
-    def micro_batch() -> None:
-        causal_lm_loss_sum(model, batch).backward()
-        model.zero_grad(set_to_none=True)
-
-    return choose_cpu_threads(micro_batch)
 
 
 def _mark(right: bool) -> str:

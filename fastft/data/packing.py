@@ -197,6 +197,10 @@ class PackedDataset:
             "stats_names": np.array(list(asdict(self.data.stats))),
             "stats_values": np.array(list(asdict(self.data.stats).values()), dtype=np.int64),
         }
+        pair_stats = getattr(self, "pair_stats", None)  # `PackedPairs`: load_packed gives back pairs
+        if pair_stats is not None:
+            arrays["pair_stats_names"] = np.array(list(asdict(pair_stats)))
+            arrays["pair_stats_values"] = np.array(list(asdict(pair_stats).values()), dtype=np.int64)
         path = os.fspath(path)
         if not path.endswith(".npz"):
             path += ".npz"
@@ -216,7 +220,8 @@ def _concat(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def load_packed(path: str | os.PathLike) -> PackedDataset:
-    """A `PackedDataset` written by `PackedDataset.save`: the same rows, bins and statistics."""
+    """A `PackedDataset` written by `PackedDataset.save`: the same rows, bins and statistics (a `PackedPairs`
+    when pairs were saved)."""
     try:
         stored = np.load(os.fspath(path), allow_pickle=False)
     except (OSError, ValueError) as error:
@@ -240,7 +245,13 @@ def load_packed(path: str | os.PathLike) -> PackedDataset:
             stored["source_rows"].tolist(),
             stats,
         )
-        return PackedDataset(data, bins, int(stored["max_seq_length"][0]))
+        max_seq_length = int(stored["max_seq_length"][0])
+        if "pair_stats_names" in stored:
+            from fastft.data.pairs import PackedPairs, PairStats
+
+            names, values = stored["pair_stats_names"].tolist(), stored["pair_stats_values"].tolist()
+            return PackedPairs(data, bins, max_seq_length, PairStats(**dict(zip(names, values, strict=True))))
+        return PackedDataset(data, bins, max_seq_length)
 
 
 # `pack` tokenises a `datasets.Dataset` of at least this many rows in several processes by default.

@@ -8,6 +8,7 @@ second model beside the first; ``fastft.studio(fresh=True)`` starts from nothing
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import ipywidgets as widgets
 
@@ -102,21 +103,33 @@ def _build(module: str, name: str, state: StudioState):
         return None, f"{type(error).__name__}: {error}"
 
 
-def studio(state: StudioState | None = None, *, fresh: bool = False, display: bool = True) -> Studio:
+def studio(
+    state: StudioState | None = None, *, fresh: bool = False, display: bool = True, run: str | None = None
+) -> Studio:
     """Show the studio (Model, Data, VRAM, Run and Export tabs) and return it.
 
     `state`: the `StudioState` to share (default: the last studio's in this kernel, so a re-run cell
     keeps the loaded model and data; its old widgets are closed). `fresh=True` starts a new state.
     `display`: show it now when running in a notebook (a `Studio` left as a cell's last value is
-    shown once, not twice).
+    shown once, not twice). `run`: the folder of a run the studio started in a child process
+    (``"runs/studio"``): the Run tab follows it, live while it trains (after a kernel restart, or from a
+    second notebook). Without it, a studio opened with no run follows the newest run still training in the
+    runs folder.
     """
     global _last
     previous = _last
     if state is None and not fresh and previous is not None:
         state = previous.state
+    state = state if state is not None else StudioState()
+    if run is not None:
+        from fastft.studio.process_run import ProcessRun
+
+        current = getattr(state.run, "folder", None)
+        if current is None or Path(current).resolve() != Path(run).expanduser().resolve():
+            state.run = ProcessRun.attach(run)  # its errors name the folder and the fix
     if previous is not None and previous.state is state:
         previous.close()
-    result = Studio(state if state is not None else StudioState())
+    result = Studio(state)
     _last = result
     if display and in_kernel():
         result.display()

@@ -263,21 +263,9 @@ class LaunchedRun(RunLifecycle):
 
     def _load_trained_adapter(self) -> None:
         """The adapter rank 0 saved at the end into the kernel's model (checked as a resume checks it)."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
+        from fastft.studio.process_run import load_trained_adapter
 
-        from fastft.training.checkpoint import check_adapter_matches
-
-        weights_file = self.trained_path / "adapter_model.safetensors"
-        if not weights_file.is_file():
-            raise RuntimeError(
-                f"The run finished but {weights_file} is missing: its adapter cannot be brought back into the "
-                f"studio. The end of its log ({self.log_path}):\n{_tail(self.log_path)}"
-            )
-        device = next(p.device for p in self.model.parameters() if p.requires_grad)
-        weights = load_file(str(weights_file), device=str(device))
-        check_adapter_matches(self.trained_path, self.model, weights)
-        set_peft_model_state_dict(self.model, weights)
+        load_trained_adapter(self.model, self.trained_path, self.log_path)
 
     def _finish(self, status: str, error: BaseException | None = None) -> None:
         with self._lock:

@@ -1,8 +1,12 @@
-"""The studio's Run tab: `RunPanel` starts a `Run` (`fastft.studio.run_control`) and watches it.
+"""The studio's Run tab: `RunPanel` starts a run and watches it.
 
-`RunPanel` never touches widgets from inside a training step: the trainer's events are appended to
-``run.events`` (a list, cheap), and a `Ticker` thread drains them a few times a second into bounded
-float32 series (`SeriesBuffer`) that the live plots show.
+A run trains in a child process by default (`fastft.studio.process_run.ProcessRun`: the run goes on through
+a kernel restart, and a studio opened later follows it again), or in this kernel (`fastft.studio.run_control.Run`:
+the model object holds the trained weights at once), or on every GPU through torchrun
+(`fastft.studio.launched.LaunchedRun`). `RunPanel` never touches widgets from inside a training step: events
+are appended to ``run.events`` (a list, cheap), and a `Ticker` thread drains them a few times a second into
+bounded float32 series (`SeriesBuffer`) that the live plots show. The Runs view (`fastft.studio.runs`) lists
+the runs folder's runs and resumes any checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 from fastft.studio.launched import LaunchedRun
 from fastft.studio.live import (
@@ -25,7 +30,8 @@ from fastft.studio.live import (
     frontend,
 )
 from fastft.studio.notices import Panel, StatusLog, button, code_section, field, row
-from fastft.studio.run_control import Run, explain
+from fastft.studio.process_run import ProcessRun
+from fastft.studio.run_control import Run, RunLifecycle, explain
 from fastft.studio.state import StudioState
 from fastft.training.events import EvalEvent, StepEvent
 
@@ -42,6 +48,8 @@ __all__ = [
 METHODS = {"sft": "SFT", "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO", "grpo": "GRPO"}
 PREFERENCE_METHODS = ("dpo", "orpo", "simpo")
 DPO_LOSSES = {"sigmoid": "sigmoid", "ipo": "IPO", "robust": "robust"}
+# Where Start trains: value → label.
+TRAIN_IN = {"process": "a child process", "kernel": "this kernel"}
 
 
 def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
@@ -70,6 +78,10 @@ class RunPanel(Panel):
     update ("widget", "display", "text"; default: `fastft.studio.live.frontend()`). `processes`: on a
     machine with several GPUs the run goes to "this kernel" or to every GPU through torchrun
     (`fastft.studio.launched.LaunchedRun`); the choices are `launch_choices()` unless given.
+    `train_in`: "process" (a child process, the default: `ProcessRun`) or "kernel" (`Run`); `threads`: CPU
+    threads, "auto" (timed as the demo does) or a count; `tensorboard` / `wandb`: log the run there too.
+    `runs` is the Runs view (`fastft.studio.runs.RunsView`). Opened with no run in its state, the panel
+    follows the newest run still going in the runs folder (the folder above the output dir).
     """
 
     TIMING_EVERY = 5.0  # seconds between redraws of the step-timing figure and table
@@ -99,6 +111,7 @@ class RunPanel(Panel):
         self._seen = 0
         self._last_timing = 0.0
         self._last_text = 0.0
+        self._shown_status = ""  # the run's status as last said (a change is shown once)
         self.series = SeriesBuffer(
             ("loss", "smoothed", "learning_rate", "tokens_per_second", "memory_gib"), max_points
         )
@@ -171,6 +184,43 @@ class RunPanel(Panel):
         self.output_dir = widgets.Text(
             value="runs/studio", description="output dir", style=style, layout=wide()
         )
+        self.train_in = widgets.Dropdown(
+            options=[(label, key) for key, label in TRAIN_IN.items()],
+            value="process",
+            description="train in",
+            style=style,
+            layout=field("24em", max_width="32em"),  # its choices' names in full
+        )
+        setattr(
+            self.train_in,
+            tip,
+            "a child process: the run goes on if the kernel restarts; this kernel: the model object is trained",
+        )
+        import torch
+
+        from fastft.runtime.threads import TORCH_DEFAULT_THREADS
+
+        thread_choices = [("auto (timed)", "auto"), ("1", 1)]
+        if TORCH_DEFAULT_THREADS > 1:
+            thread_choices.append((f"{TORCH_DEFAULT_THREADS} (torch's default)", TORCH_DEFAULT_THREADS))
+        self.threads = widgets.Dropdown(
+            options=thread_choices,
+            value="auto",
+            description="CPU threads",
+            style=style,
+            layout=field("24em", max_width="32em"),
+        )
+        setattr(
+            self.threads, tip, "auto: a micro-batch timed at 1 thread and at torch's default, the faster kept"
+        )
+        if torch.cuda.is_available():
+            self.threads.layout.display = "none"  # a GPU run: the thread count hardly matters
+        self.tensorboard = widgets.Checkbox(
+            value=False, description="TensorBoard", indent=False, layout=field("9em", grow=0)
+        )
+        self.wandb = widgets.Checkbox(
+            value=False, description="W&B", indent=False, layout=field("6em", grow=0)
+        )
         from fastft.studio.launched import launch_choices
 
         choices = launch_choices() if processes is None else processes
@@ -187,6 +237,7 @@ class RunPanel(Panel):
         self.progress = widgets.IntProgress(value=0, min=0, max=1, layout=widgets.Layout(width="100%"))
         self.progress_text = widgets.HTML("")
         self.checks = widgets.HTML("")  # what cannot work (or looks wrong) with these settings, before Start
+        self.where = widgets.HTML("")  # where the run trains: this kernel, or a child process (pid, log)
         self.log = StatusLog()
         self.status = self.log.widget
         self.code_preview = widgets.HTML("")
@@ -210,6 +261,10 @@ class RunPanel(Panel):
             self.eval_every,
             self.save_every,
             self.output_dir,
+            self.train_in,
+            self.threads,
+            self.tensorboard,
+            self.wandb,
             self.processes,
         ]
         kept = self.state.run_settings  # the last studio's values: a re-run cell keeps them
@@ -254,11 +309,15 @@ class RunPanel(Panel):
             ]
         )
         code = code_section(self.code_preview)
+        from fastft.studio.runs import RunsView
+
+        self.runs = RunsView(self)
         self.widget = widgets.VBox(
             [
                 settings,
                 self.checks,
                 buttons,
+                self.where,
                 self.progress,
                 self.progress_text,
                 self.status,
@@ -267,14 +326,40 @@ class RunPanel(Panel):
                 self.grpo_plots.widget,
                 self.rollouts,
                 timing,
+                self.runs.widget,
                 code,
             ]
         )
         self._update_preview()
         self._update_checks()
         self._update_buttons()
-        if isinstance(self.state.run, (Run, LaunchedRun)):  # a studio shown again: watch the state's run
+        if isinstance(self.state.run, RunLifecycle):  # a studio shown again: watch the state's run
             self._attach(self.state.run)
+        else:
+            self._follow_running()
+        self._update_where()
+
+    def _follow_running(self) -> None:
+        """Follow the newest run still going in the runs folder (a kernel restarted, a second notebook)."""
+        going = [info for info in self.runs.refresh() if info.active]
+        if not going:
+            return
+        info = going[0]
+        try:
+            run = ProcessRun.attach(info.folder)
+        except Exception as error:  # noqa: BLE001 - the studio opens either way
+            self._show(f"Could not follow the run in {info.folder}: {error}", "error", "Runs")
+            return
+        self.follow(run)
+        self._show(
+            f"Following the run in {info.folder} ({info.status}, pid {info.pid}), started before.", "info"
+        )
+
+    def follow(self, run: RunLifecycle) -> None:
+        """Show `run` here (its curves from its first event, then live) and make it the state's run."""
+        self.state.run = run
+        self._attach(run)
+        self.state.notify("run")
 
     # -- settings and code ---------------------------------------------------------------------------
     def train_config(self):
@@ -401,6 +486,12 @@ class RunPanel(Panel):
             )
         )
         lines.append('print(f"final loss {result.final_loss:.4f}")')
+        if self.in_process:
+            lines.insert(
+                0,
+                "# the studio runs this in a child process (python -m fastft.studio.worker <output dir>): the "
+                "run goes on if the kernel restarts",
+            )
         if self.processes.value > 1:
             lines.insert(
                 0,
@@ -436,6 +527,8 @@ class RunPanel(Panel):
             self.state.run_settings[change["owner"].description] = change["new"]
         self._update_preview()
         self._update_checks()
+        if self.run is None or not self.run.active:
+            self._update_where()
 
     def problems(self) -> list[tuple[str, str]]:
         """What cannot work with these settings ("error": Start refuses) or looks like a mistake ("warn"),
@@ -488,6 +581,47 @@ class RunPanel(Panel):
         if config.eval_every and getattr(self.state, "eval_packed", None) is None:
             found.append(("warn", "eval every is set but there is no eval set: no evaluation will run."))
         found += self._launch_problems(config)
+        found += self._where_problems(config)
+        return found
+
+    @property
+    def in_process(self) -> bool:
+        """Whether Start trains in a child process (`ProcessRun`), not in this kernel nor under torchrun."""
+        return self.train_in.value == "process" and self.processes.value < 2
+
+    @property
+    def trackers(self) -> list[str]:
+        """The experiment trackers ticked ("tensorboard", "wandb")."""
+        return [name for name, box in (("tensorboard", self.tensorboard), ("wandb", self.wandb)) if box.value]
+
+    def _where_problems(self, config) -> list[tuple[str, str]]:
+        """A run in a child process needs its folder and a model it can load by name; a tracker must be
+        installed, and TensorBoard writes into the output dir."""
+        from fastft.training.tracking import tracking_problems
+
+        found = [("error", text) for text in tracking_problems(self.trackers)]
+        if self.trackers and not config.output_dir:
+            found.append(
+                ("error", "experiment tracking writes into the run's folder. Fix: name an output dir.")
+            )
+        if not self.in_process:
+            return found
+        if not config.output_dir:
+            found.append(
+                (
+                    "error",
+                    "a run in a child process writes its events and checkpoints to its folder. Fix: name an "
+                    "output dir, or train in 'this kernel'.",
+                )
+            )
+        if self.state.model is not None and self._model_name() is None:
+            found.append(
+                (
+                    "error",
+                    "the child process loads the model by name, and this model has none. Fix: load it in the "
+                    "Model tab, or train in 'this kernel'.",
+                )
+            )
         return found
 
     def _launch_problems(self, config) -> list[tuple[str, str]]:
@@ -593,7 +727,7 @@ class RunPanel(Panel):
 
     def _on_state(self, name: str) -> None:
         run = self.state.run
-        if name == "run" and isinstance(run, (Run, LaunchedRun)) and run is not self.run:
+        if name == "run" and isinstance(run, RunLifecycle) and run is not self.run:
             self._attach(run)  # started elsewhere (another panel, or code): watch it here too
         self._update_preview()
         if name in ("packed", "rows"):
@@ -637,26 +771,73 @@ class RunPanel(Panel):
             run = LaunchedRun(
                 state, config, self.processes.value, model_name=self._model_name(), train=self._train_kwargs()
             )
+        elif self.in_process:
+            from fastft.studio.run_folder import fresh_folder
+
+            folder = fresh_folder(config.output_dir)
+            run = ProcessRun.create(
+                folder,
+                state,
+                model_name=self._model_name(),
+                method=self.method.value,
+                config=self._config_kwargs(),
+                rewards=self.grpo.reward_keys if grpo else None,
+                threads=self.threads.value,
+                trackers=self.trackers,
+            )
+            if folder != Path(config.output_dir).expanduser():
+                notes.append(f"{config.output_dir} holds an earlier run: this one goes to {folder}.")
         elif grpo:
             from fastft.studio.grpo import reward_functions
 
             rewards = reward_functions(self.grpo.reward_keys)
-            run = Run(state.model, state.tokenizer, state.rows, None, config, rewards=rewards)
+            run = Run(
+                state.model,
+                state.tokenizer,
+                state.rows,
+                None,
+                config,
+                rewards=rewards,
+                threads=self.threads.value,
+            )
         else:
-            run = Run(state.model, state.tokenizer, state.packed, eval_data, config)
+            run = Run(
+                state.model, state.tokenizer, state.packed, eval_data, config, threads=self.threads.value
+            )
+        if isinstance(run, Run) and self.trackers:
+            self._track(run, config)
         state.run = run
         self._attach(run)
         self._show(" ".join(notes), "warn")
         run.start()
         self._update_buttons()
+        self._update_where()
         state.notify("run")
+        self.runs.refresh()
         return run
 
-    def _attach(self, run: Run) -> None:
+    def _track(self, run: Run, config) -> None:
+        """The ticked trackers, subscribed to an in-kernel run and closed when it ends."""
+        from fastft.training.tracking import make_trackers
+
+        trackers = make_trackers(
+            self.trackers, config.output_dir, self._config_kwargs(), name=Path(config.output_dir).name
+        )
+        for tracker in trackers:
+            run.subscribe(tracker)
+
+        def close(_run) -> None:
+            for tracker in trackers:
+                tracker.close()
+
+        run.add_done_callback(close)
+
+    def _attach(self, run: RunLifecycle) -> None:
         """Watch `run`: plots from its first event, updates a few times a second until it ends."""
         if self._ticker is not None:
             self._ticker.stop()
         self.run = run
+        self._shown_status = run.status
         self._reset_plots(run)
         interval = {"widget": WIDGET_INTERVAL, "display": DISPLAY_INTERVAL}.get(self.mode, 1.0)
         self._ticker = Ticker(self.refresh, interval, name="fastft-run-plots").start()
@@ -690,14 +871,13 @@ class RunPanel(Panel):
         run = self.run
         if run is None or not run.active:
             return
-        if run.status == "paused":
+        if run.status in ("pausing", "paused"):
             run.resume()
             self._show("Resumed.", "info")
         else:
             run.pause()
-            self._show(
-                "Pausing after the current step… (Resume continues, Save checkpoint writes one now)", "info"
-            )
+            self._show("Pausing after the step in progress…", "info")
+        self._shown_status = run.status
         self._update_buttons()
 
     def _on_stop(self, _button=None) -> None:
@@ -731,14 +911,14 @@ class RunPanel(Panel):
         return self.run.wait(timeout)  # the run's done callback has drawn its last events by then
 
     # -- plots -----------------------------------------------------------------------------------------
-    def _reset_plots(self, run: Run) -> None:
-        from fastft.report.figures import run_dashboard_figure
+    def _reset_plots(self, run: RunLifecycle) -> None:
+        from fastft.report.figures import phases_figure, run_dashboard_figure
 
         max_steps = run.max_steps
         try:
             cuda = next(run.model.parameters()).device.type == "cuda"
-        except (AttributeError, StopIteration):
-            cuda = False
+        except (AttributeError, StopIteration, TypeError):
+            cuda = bool(getattr(run, "on_cuda", False))
         with self._lock:
             self.series.clear()
             self.eval_series.clear()
@@ -752,6 +932,8 @@ class RunPanel(Panel):
             self.progress.value = 0
             self.progress.bar_style = ""
             self.progress_text.value = ""
+            self.timing_figure.replace(phases_figure([], []))  # the last run's bars, labels and axis go
+            self.timing_table.value = ""
             self.plots.replace(
                 run_dashboard_figure(max_steps=max_steps, memory_kind="cuda" if cuda else "cpu-rss")
             )
@@ -804,6 +986,7 @@ class RunPanel(Panel):
                 self._draw()
                 self._show_rollout(run)
             self._update_progress()
+            self._on_status(run)
             now = time.monotonic()
             if final or now - self._last_timing >= self.TIMING_EVERY:
                 self._last_timing = now
@@ -853,7 +1036,8 @@ class RunPanel(Panel):
 
     def _show_rollout(self, run: Run) -> None:
         """The rollouts inspector: redrawn when the trainer has a new rollout."""
-        rollout = getattr(run.trainer, "last_rollout", None)
+        owner = run.trainer if run.trainer is not None else run  # a `ProcessRun` reads its worker's
+        rollout = getattr(owner, "last_rollout", None)
         if rollout is None or rollout is self._shown_rollout:
             return
         from fastft.studio.grpo import rollout_html
@@ -912,24 +1096,40 @@ class RunPanel(Panel):
             parts.append(f"eval loss {evals[-1].eval_loss:.4f}")
         return " · ".join(parts)
 
+    def _on_status(self, run: RunLifecycle) -> None:
+        """Say when the run's status changes on its own: paused once the step in progress has ended."""
+        status = run.status
+        if status == self._shown_status:
+            return
+        self._shown_status = status
+        if status == "paused":
+            self._show(
+                f"Paused at step {run.step}: Resume continues, Save checkpoint writes one now.", "info"
+            )
+        self._update_buttons()
+        self._update_where()
+
     def _draw_timing(self) -> None:
         from fastft.report.figures import phases_figure
         from fastft.training.timing import phase_table
 
-        trainer = self.run.trainer if self.run is not None else None
-        profile = getattr(trainer, "profile", None)
-        if profile is None:
-            return
-        n = len(profile.steps)  # phases are appended before steps: both hold at least n entries
+        run = self.run
+        profile = getattr(getattr(run, "trainer", None), "profile", None)
+        if profile is not None:
+            n = len(profile.steps)  # phases are appended before steps: both hold at least n entries
+            all_steps, all_phases = profile.steps[:n], profile.phases[:n]
+        else:  # a run in another process: the phases its events carry
+            timed = [e for e in run.events if isinstance(e, StepEvent) and e.phases]
+            all_steps, all_phases = [e.step for e in timed], [e.phases for e in timed]
+        n = len(all_steps)
         if not n:
             return
         first = max(0, n - self.TIMING_STEPS)
-        steps, phases = list(profile.steps[first:n]), list(profile.phases[first:n])
-        self.timing_figure.update_from(phases_figure(steps, phases))
-        table = phase_table(profile.phases[1:n] if n > 1 else profile.phases[:n])
+        self.timing_figure.update_from(phases_figure(list(all_steps[first:]), list(all_phases[first:])))
+        table = phase_table(all_phases[1:] if n > 1 else all_phases)
         self.timing_table.value = table._repr_html_()
 
-    def _on_done(self, run: Run) -> None:
+    def _on_done(self, run: RunLifecycle) -> None:
         if self._ticker is not None:
             self._ticker.stop()
         if self._closed or run is not self.run:
@@ -950,20 +1150,62 @@ class RunPanel(Panel):
                 "ok",
             )
         self._update_buttons()
+        self._update_where()
+        self.runs.refresh()
         self.state.notify("run")
 
     # -- small helpers ---------------------------------------------------------------------------------
     def _show(self, text: str, kind: str = "info", title: str | None = None) -> None:
         self.log.say(text, kind, title)
 
+    def _update_where(self) -> None:
+        """One line on where the run trains: this kernel, or a child process (its pid, folder and log)."""
+        from fastft.studio.notices import status_html
+
+        run = self.run
+        if isinstance(run, ProcessRun):
+            alive = "running" if run.active else "ended"
+            parts = [
+                f"In a child process: pid {run.pid} ({alive})",
+                f"folder {run.folder}",
+                f"log {run.log_path}",
+            ]
+            if run.threads_note:
+                parts.append(f"CPU threads {run.threads_note}")
+            text = html.escape(" · ".join(parts))
+            if run.traceback:
+                text += (
+                    "<details><summary>the worker's traceback</summary><pre style='white-space:pre-wrap'>"
+                    f"{html.escape(run.traceback)}</pre></details>"
+                )
+            self.where.value = status_html(text, "info", raw=True)
+            return
+        if isinstance(run, Run) and run.active:
+            threads = f" · CPU threads {run.threads_note}" if run.threads_note else ""
+            self.where.value = status_html(f"In this kernel: the model object is trained{threads}.", "info")
+            return
+        if isinstance(run, LaunchedRun) and run.active:
+            self.where.value = status_html(
+                f"On {run.processes} processes (torchrun) · log {run.log_path}", "info"
+            )
+            return
+        if self.in_process:
+            text = "Start trains in a child process: the run goes on if the kernel restarts."
+        elif self.processes.value > 1:
+            text = f"Start trains on {self.processes.value} processes (torchrun)."
+        else:
+            text = "Start trains in this kernel: the model object holds the trained weights afterwards."
+        self.where.value = status_html(text, "info")
+
     def _update_buttons(self) -> None:
         run = self.run
         active = run is not None and run.active
         self.start_button.disabled = active
         launched = isinstance(run, LaunchedRun)  # on several processes: no pause, no save
+        held = active and run.status in ("pausing", "paused")
         self.pause_button.disabled = not active or run.status == "stopping" or launched
-        self.pause_button.description = "Resume" if active and run.status == "paused" else "Pause"
-        self.pause_button.icon = "play" if active and run.status == "paused" else "pause"
+        self.pause_button.description = "Resume" if held else "Pause"
+        self.pause_button.icon = "play" if held else "pause"
         self.stop_button.disabled = not active
         self.save_button.disabled = (
             run is None or run.error is not None or run.status == "created" or launched

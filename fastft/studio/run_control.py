@@ -22,7 +22,7 @@ from fastft.training.events import Event, StepEvent
 
 __all__ = ["Run", "RunLifecycle", "explain"]
 
-_ACTIVE = ("starting", "running", "paused", "stopping")
+_ACTIVE = ("starting", "running", "pausing", "paused", "stopping")
 
 
 class RunLifecycle:
@@ -76,17 +76,28 @@ class Run(RunLifecycle):
     ``.events`` lists every `StepEvent` / `EvalEvent` so far; ``.result`` is the trainer's
     `TrainResult` (partial while running); ``.error`` the exception that ended it, if any, and
     ``.error_message`` what to do about it. ``.status``: "created", "starting", "running",
-    "paused", "stopping", then "finished", "stopped" or "failed".
+    "pausing" (until the step in progress ends), "paused", "stopping", then "finished", "stopped" or "failed".
     """
 
     def __init__(
-        self, model, tokenizer, train_data, eval_data=None, config=None, *, trainer=None, rewards=None
+        self,
+        model,
+        tokenizer,
+        train_data,
+        eval_data=None,
+        config=None,
+        *,
+        trainer=None,
+        rewards=None,
+        threads: str | int | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.rewards = rewards  # GRPO's reward functions (a GRPOConfig run: `train_data` are prompt rows)
         self.train_data, self.eval_data = train_data, eval_data
         self.config = config if config is not None else getattr(trainer, "config", None)
         self.trainer = trainer
+        self.threads = threads  # CPU threads: "auto" (timed as the demo does), a count, or None (as they are)
+        self.threads_note = ""  # what was chosen, and why
         self.events: list[Event] = []
         self.error: BaseException | None = None
         self.traceback = ""
@@ -121,8 +132,15 @@ class Run(RunLifecycle):
         self._thread.start()
         return self
 
+    @property
+    def status(self) -> str:
+        """As `RunLifecycle.status`, and "pausing" from `pause()` until the step in progress has ended."""
+        status = self._status
+        return "pausing" if status == "paused" and not self.parked else status
+
     def pause(self) -> None:
-        """Hold the run after the current step (its weights, optimizer and data order stay as they are)."""
+        """Hold the run after the current step (its weights, optimizer and data order stay as they are):
+        the status is "pausing" until the step in progress ends, then "paused"."""
         with self._lock:
             if self._status in ("starting", "running") and not self._stop:
                 self._pause = True
@@ -224,6 +242,7 @@ class Run(RunLifecycle):
     # -- the training thread ---------------------------------------------------------------------------
     def _main(self) -> None:
         try:
+            self._set_threads()
             if self.trainer is None and self.rewards is not None:
                 from fastft.training.grpo import GRPOTrainer
 
@@ -274,6 +293,27 @@ class Run(RunLifecycle):
                 except Exception:  # noqa: BLE001 - a face's bug must not hide the run's end
                     traceback.print_exc()
             self._done.set()
+
+    def _set_threads(self) -> None:
+        """On a CPU, the thread count asked for: "auto" times a micro-batch at one thread and at torch's
+        default and keeps the faster (`fastft.training.cpu_threads`), as the demo does."""
+        import torch
+
+        if self.threads is None or self.model is None:
+            return
+        if next(self.model.parameters()).device.type != "cpu":
+            return
+        if self.threads != "auto":
+            torch.set_num_threads(int(self.threads))
+            self.threads_note = f"{int(self.threads)} (as set)"
+            return
+        if self.rewards is not None or not hasattr(self.train_data, "batch"):
+            self.threads_note = f"{torch.get_num_threads()} (not timed: GRPO samples its own batches)"
+            return
+        from fastft.training.cpu_threads import choose_training_threads
+
+        bins = getattr(self.config, "micro_batch_bins", 1) or 1
+        self.threads_note = choose_training_threads(self.model, self.train_data, bins).describe("micro-batch")
 
     def _on_event(self, event: Event) -> None:
         self.events.append(event)

@@ -7,7 +7,9 @@ the layout at 1,440 px, then the window narrowed to 1,024 and 800 px, then the n
 browser (no button's text cut, no two plot labels overlapping, every chart's svg inside its panel and filling
 it, from the DOM's bounding boxes); start a short run, watch the loss plot and the progress line move, stop
 it; switch the method to GRPO, run three steps, see its curves and the latest rollout, and check the layout
-again; load preference pairs from a file, pack them, run three DPO steps, see its curves and the layout; a live figure whose render probe never reports falls back to the display mode, renders, and gains
+again; load preference pairs from a file, pack them, run three DPO steps, see its curves and the layout; start a
+long DPO run (in its child process, as every run here), restart the kernel, run the studio cell again: the new
+studio follows the run, still training, its progress and loss curve going on, and Stop ends its process; a live figure whose render probe never reports falls back to the display mode, renders, and gains
 points from a small update script (the figure is not drawn again). A screenshot is
 saved in the test's tmp folder, and also to ``$FASTFT_SCREENSHOT`` when that is set (that is how
 ``docs/studio.png`` is made: ``FASTFT_SCREENSHOT=docs/studio.png pytest tests/faces/test_studio_browser.py``).
@@ -42,6 +44,7 @@ STARTUP_TIMEOUT = 90  # seconds for the server to answer /api/status
 ACTION_TIMEOUT = 90_000  # ms for any one wait in the browser (loading a model on 2 busy cores included)
 RUN_STEPS = 200  # the run asked for: long enough that Stop comes well before its end
 STEPS_TO_SEE = 5  # steps seen before Stop: within the 90 s wait at 1.5 s a step (2 busy cores)
+RESTART_STEPS = 5000  # the run a kernel restart must not end: far longer than the restart takes
 VIEWPORT = {"width": 1440, "height": 900}
 # The layouts checked: the page opens at the first, then the window narrows; every chart must follow its panel.
 WIDTHS = (1440, 1024, 800)
@@ -120,6 +123,17 @@ def _descendants(pid: int) -> list[int]:
         for child in children.get(todo.pop(), []):
             found.append(child)
             todo.append(child)
+    return found
+
+
+def _workers_in(root: Path) -> list[int]:
+    """The studio's run workers (`python -m fastft.studio.worker`) training in a folder under `root`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"fastft.studio.worker" in command and any(part.startswith(bytes(root)) for part in command):
+                found.append(int(entry.name))
     return found
 
 
@@ -281,6 +295,12 @@ def _stop_lab(server: Lab) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
+    # a run's worker runs in a session of its own and outlives a kernel restart: end those of this server
+    below += [pid for pid in _workers_in(server.root) if pid not in below]
+    for pid in below:
+        if _alive(pid) and pid in _workers_in(server.root):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)  # a worker stops as Stop stops it
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in below) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -647,6 +667,8 @@ def _drive(page, lab: Lab, shot: Path) -> None:
         _check_layout(page, studio, tabs, width)
     page.set_viewport_size(VIEWPORT)
 
+    _restart_under_a_run(page, lab, studio, tabs, panel)
+
     # the display-mode fallback: a figure whose probe never reports is drawn by the Output widget
     second = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
     second.locator(".cm-content").click()
@@ -673,6 +695,58 @@ def _drive(page, lab: Lab, shot: Path) -> None:
         assert time.monotonic() < deadline, f"the fallback's plot did not gain points ({before} bars)"
         time.sleep(0.25)
     assert output.locator(".js-plotly-plot").count() == 1  # updated in place, not drawn a second time
+
+
+def _restart_under_a_run(page, lab: Lab, studio, tabs, panel) -> None:
+    """A long DPO run in its child process; the kernel restarts and the studio cell runs again: the new studio
+    follows the run, still training, its progress and loss curve going on; Stop ends it."""
+    from playwright.sync_api import expect
+
+    tabs.filter(has_text="Run").click()
+    steps = panel().locator(".widget-text:has(label:text-is('steps')) input").first
+    steps.fill(str(RESTART_STEPS))
+    steps.press("Enter")
+    expect(panel()).to_contain_text(f"max_steps={RESTART_STEPS}")
+    panel().get_by_role("button", name="Start").click()
+    deadline = time.monotonic() + ACTION_TIMEOUT / 1000
+    while (progress := _progress(panel()))[1] != RESTART_STEPS or progress[0] < 2:  # this run's steps
+        assert time.monotonic() < deadline, f"the run did not move: {panel().inner_text()[:2000]}"
+        time.sleep(0.5)
+    expect(panel()).to_contain_text(re.compile(r"In a child process: pid \d+ \(running\)"))
+    pid = int(re.search(r"pid (\d+)", panel().inner_text())[1])
+    old = studio.element_handle()
+    restarted = time.monotonic()
+    for session in _api(lab.base, lab.token, "/api/sessions") or []:
+        _api(
+            lab.base, lab.token, f"/api/kernels/{session['kernel']['id']}/restart", method="POST", timeout=60
+        )
+    _kernel_idle(lab)
+    before = _progress(panel())[0]  # the old studio's last words
+    cell = page.locator(".jp-Notebook .jp-CodeCell").first
+    cell.locator(".cm-content").click()
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_function("element => !element.isConnected", arg=old, timeout=ACTION_TIMEOUT)
+    studio, tabs, panel = _studio_in(page)
+    tabs.filter(has_text="Run").click()
+    expect(panel()).to_contain_text("Following the run in")
+    expect(panel()).to_contain_text(f"In a child process: pid {pid} (running)")
+    deadline = time.monotonic() + ACTION_TIMEOUT / 1000
+    while _progress(panel())[0] <= max(before, 2):
+        assert time.monotonic() < deadline, f"no new step after the restart: {panel().inner_text()[:2000]}"
+        time.sleep(0.5)
+    step, total = _progress(panel())
+    assert total == RESTART_STEPS and step < total and "running" in panel().inner_text()
+    loss_line = panel().locator(".js-plotly-plot .scatterlayer .trace path.js-line").first
+    expect(loss_line).to_have_attribute("d", re.compile(r"M[\d.]+,[\d.]+L"))
+    print(
+        f"restart: the studio followed the run again {time.monotonic() - restarted:.1f} s after the restart"
+    )
+    panel().get_by_role("button", name="Stop").click()
+    expect(panel()).to_contain_text("Stopped at step")
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"the worker {pid} lives on after Stop"
+        time.sleep(0.2)
 
 
 NOTEBOOK7_CHECK_SOURCE = """plot = studio.data.length_plot

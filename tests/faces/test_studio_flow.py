@@ -67,6 +67,7 @@ def test_loading_over_a_trained_unsaved_model_saves_its_adapter_first(tmp_path):
 
     state = _packed_state()
     run = RunPanel(state, live="text")
+    run.train_in.value = "kernel"
     run.steps.value = 3
     run.output_dir.value = str(tmp_path / "runs")
     run.start()
@@ -94,6 +95,7 @@ def test_loading_over_a_trained_unsaved_model_saves_its_adapter_first(tmp_path):
 def test_a_saved_or_checkpointed_adapter_is_not_saved_again(tmp_path):
     state = _packed_state()
     run = RunPanel(state, live="text")
+    run.train_in.value = "kernel"
     run.steps.value = 2
     run.save_every.value = 2
     run.output_dir.value = str(tmp_path / "runs")
@@ -200,6 +202,7 @@ def test_settings_that_cannot_work_are_named_before_start():
     state = _packed_state(seq=512, rows=24)  # a few bins only
     bins = len(state.packed)
     panel = RunPanel(state, live="text")
+    panel.train_in.value = "kernel"
     panel.steps.value = 10
     panel.warmup.value = 10
     assert "warmup is 10 steps, as long as the whole run (10 steps)" in _text(panel.checks)
@@ -439,6 +442,7 @@ def test_the_data_tab_previews_and_packs_preference_pairs_as_the_model_sees_them
 def test_the_method_and_the_data_must_agree_before_start(tmp_path):
     state = _packed_state(seq=256, rows=24)
     panel = RunPanel(state, live="text")
+    panel.train_in.value = "kernel"
     panel.steps.value = 10
     assert _text(panel.checks) == ""
     panel.method.value = "dpo"
@@ -463,6 +467,7 @@ def test_a_dpo_run_from_the_run_tab_plots_rewards_margin_and_accuracy(tmp_path):
     state.dataset_name = str(_pair_rows(tmp_path))
     state.packed = fastft.pack_pairs(state.rows, state.tokenizer, 128)
     panel = RunPanel(state, live="text")
+    panel.train_in.value = "kernel"
     assert panel.preference_plots.widget.layout.display == "none"  # SFT: no preference curves
     assert [label for label, _ in panel.method.options][:4] == ["SFT", "DPO", "ORPO", "SimPO"]
     panel.method.value = "simpo"
@@ -502,6 +507,7 @@ def test_a_grpo_run_from_the_run_tab_plots_rewards_and_shows_the_rollouts(tmp_pa
     state.rows = fastft.load_dataset("bundled:skills").select(range(16))
     state.dataset_name = "bundled:skills"
     panel = RunPanel(state, live="text")
+    panel.train_in.value = "kernel"
     assert (
         panel.grpo_plots.widget.layout.display == "none" and panel.grpo.generations.layout.display == "none"
     )

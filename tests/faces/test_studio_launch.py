@@ -118,6 +118,17 @@ def test_packed_data_saved_and_loaded_gives_the_same_batches(tmp_path):
     for index in range(len(packed)):
         a, b = packed.batch([index]), again.batch([index])
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    # preference pairs come back as pairs (a child process trains DPO on them as the kernel would)
+    from fastft.data.pairs import PackedPairs
+
+    rows = [
+        {"prompt": f"What is {i} plus {i}?", "chosen": f"{2 * i}", "rejected": f"Maybe {2 * i + 1}."}
+        for i in range(7)
+    ]
+    pairs = fastft.pack_pairs(rows, state.tokenizer, 64)
+    back = load_packed(pairs.save(tmp_path / "pairs"))
+    assert isinstance(back, PackedPairs) and back.pair_stats == pairs.pair_stats and back.bins == pairs.bins
+    assert type(load_packed(tmp_path / "data.npz")) is not PackedPairs
     (tmp_path / "other.npz").write_bytes(b"not packed data")
     with pytest.raises(ValueError, match="cannot be read as packed data"):
         load_packed(tmp_path / "other.npz")

@@ -50,6 +50,7 @@ def _studio_state(**fields) -> StudioState:
 
 def _run_panel(state: StudioState, steps: int, **settings) -> RunPanel:
     panel = RunPanel(state, live="text")
+    panel.train_in.value = "kernel"  # these runs are monkeypatched and read in this process
     panel.steps.value = steps
     for name, value in settings.items():
         getattr(panel, name).value = value
@@ -148,17 +149,36 @@ def test_run_panel_trains_on_a_background_thread_and_plots_every_loss(tmp_path):
     assert len(namespace["result"].steps) == 2
 
 
-def test_pause_holds_the_steps_save_writes_a_checkpoint_and_resume_finishes(tmp_path):
+def test_pause_says_pausing_until_the_step_ends_holds_the_steps_save_writes_a_checkpoint(
+    tmp_path, monkeypatch
+):
+    real_loss = trainer_module.causal_lm_loss_sum
+    calls, inside, release = {"n": 0}, threading.Event(), threading.Event()
+
+    def gated(model, batch):  # step 3's forward waits for the test: Pause is clicked mid-step
+        calls["n"] += 1
+        if calls["n"] == 3:
+            inside.set()
+            release.wait(30)
+        return real_loss(model, batch)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss_sum", gated)
     panel = _run_panel(_studio_state(), 30, output_dir=str(tmp_path))
     panel.start_button.click()
     run = panel.run
-    _until(lambda: run.step >= 2)
+    assert inside.wait(60)
     panel.pause_button.click()
-    assert run.status == "paused" and panel.pause_button.description == "Resume"
+    panel.refresh()
+    assert run.status == "pausing" and panel.pause_button.description == "Resume"
+    assert "pausing · step 2/30" in panel.progress_text.value and "Paused at" not in _text(panel.status)
+    release.set()
     _until(lambda: run.parked)  # the step in flight ends, then the run holds
+    panel.refresh()
     held = run.step
+    assert run.status == "paused" and held == 3 and "paused · step 3/30" in panel.progress_text.value
+    assert "Paused at step 3" in _text(panel.status)
     time.sleep(0.4)
-    assert run.step == held and run.status == "paused" and held < 30
+    assert run.step == held and run.status == "paused"
 
     panel.save_button.click()  # done by the training thread, which is parked between steps
     _until(lambda: (tmp_path / f"checkpoint-{held}").is_dir())
@@ -170,6 +190,29 @@ def test_pause_holds_the_steps_save_writes_a_checkpoint_and_resume_finishes(tmp_
     panel.wait(60)
     assert run.status == "finished" and run.step == 30
     assert [e.step for e in run.events if isinstance(e, StepEvent)] == list(range(1, 31))
+
+
+def test_a_new_run_starts_with_an_empty_step_timing_chart(tmp_path, monkeypatch):
+    panel = _run_panel(_studio_state(), 3)
+    panel.start_button.click()
+    panel.wait(60)
+    assert panel.timing_figure.figure.data and "forward" in panel.timing_table.value  # the first run's bars
+    real_loss, inside, release = trainer_module.causal_lm_loss_sum, threading.Event(), threading.Event()
+
+    def held(model, batch):  # the second run's first step waits: its chart must not show the first run's
+        inside.set()
+        release.wait(30)
+        return real_loss(model, batch)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss_sum", held)
+    panel.steps.value = 2
+    panel.start_button.click()
+    assert inside.wait(60)
+    panel.refresh()
+    assert not panel.timing_figure.figure.data and panel.timing_table.value == ""
+    release.set()
+    panel.wait(60)
+    assert [bar.x[-1] for bar in panel.timing_figure.figure.data][0] == 2
 
 
 def test_stop_mid_run_keeps_the_last_checkpoint_on_disk(tmp_path):
