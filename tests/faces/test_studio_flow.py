@@ -280,11 +280,11 @@ def test_a_live_figure_falls_back_when_no_probe_reports_and_returns_when_one_doe
     assert frontend({"FASTFT_LIVE": "display"}, kernel=True) == "display"
 
     live = LiveFigure(run_dashboard_figure(), "auto", probe_timeout=0.2)
-    assert live.mode == "widget" and live.probe is not None
-    first = live.figure
+    assert live.mode == "widget" and live.probe is live.plot is not None
+    plot = live.plot
     time.sleep(0.5)
     assert live.mode == "display" and live.fell_back_at is not None
-    assert first.comm is None  # its view was taken down: the FigureWidget is closed, never shown again
+    assert plot.layout.display == "none" and plot in live.widget.children  # hidden, still able to report
     live.set_data({0: ([1, 2], [3.0, 2.0])})
     live.flush()
     (output,) = live._output.outputs
@@ -294,21 +294,34 @@ def test_a_live_figure_falls_back_when_no_probe_reports_and_returns_when_one_doe
     live.flush()
     assert live._output.outputs is sent
 
-    live.probe.rendered = True  # the browser drew the probe after all
+    plot.rendered = True  # the browser drew the plot after all
     assert live.mode == "widget" and list(live.figure.data[0].y) == [3.0, 2.0]
-    # a new FigureWidget (a new model in the browser): plotly's front end cannot show one whose view was taken
-    # down (the old view's listeners stay on the model and throw on every update)
-    assert live.figure is not first and live.figure.comm is not None
-    assert live.widget.children == (live.figure, live.probe)
+    # the same plot, shown again with the data the fallback drew (its listeners are its views' own: a view
+    # taken down leaves none behind), and its updates reach it
+    assert live.plot is plot and plot.comm is not None and plot.layout.display is None
+    assert live.widget.children == (plot,)
+    assert _plot_y(plot, 0) == [3.0, 2.0]
     live.set_data({0: ([1, 2, 3], [3.0, 2.0, 1.0])})
-    assert list(live.figure.data[0].y) == [3.0, 2.0, 1.0]
+    assert list(live.figure.data[0].y) == [3.0, 2.0, 1.0] and _plot_y(plot, 0) == [3.0, 2.0, 1.0]
+
+
+def _plot_y(plot, index: int) -> list[float]:
+    """Trace `index`'s y as the browser gets it (a base64 typed array, or a list)."""
+    import base64
+
+    import numpy as np
+
+    y = plot.figure["data"][index]["y"]
+    if isinstance(y, dict):
+        return np.frombuffer(base64.b64decode(y["bdata"]), dtype=np.dtype(y["dtype"])).tolist()
+    return list(y)
 
 
 def test_a_live_figure_whose_probe_reports_stays_a_widget():
     from fastft.report.figures import vram_figure
 
     live = LiveFigure(vram_figure({}), "auto", probe_timeout=0.3)
-    live.probe.rendered = True
+    live.plot.rendered = True
     time.sleep(0.5)
     assert live.mode == "widget" and live.rendered
 
