@@ -60,6 +60,9 @@ def test_a_failed_load_keeps_the_loaded_model(name, precision, shown):
     assert shown in panel.error.value and "tiny-llama is still loaded" in _text(panel.error)
     assert panel.state.model is model and panel.state.tokenizer is tokenizer
     assert panel.summary.value == summary and not panel.apply_button.disabled
+    # the loaded model picked again: the failed load's error goes, the panel says what is loaded
+    panel.model_name.value, panel.precision.value = "tiny-llama", "16-bit"
+    assert panel.error.value == "" and "Loaded tiny-llama" in panel.status.value
 
 
 def test_loading_over_a_trained_unsaved_model_saves_its_adapter_first(tmp_path):
