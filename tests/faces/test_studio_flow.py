@@ -130,6 +130,34 @@ def test_a_hub_id_typed_offline_is_looked_up_once_off_the_thread_and_answers_fas
     assert "offline" in _text(panel.status) and panel.lookups == 1
 
 
+def test_a_vram_plan_does_not_move_with_this_machines_free_memory(monkeypatch):
+    """8B, 4-bit, RTX 4090, offloaded checkpointing: the longest context is bound by the host memory the
+    offloader may pin. The plan states that memory (this machine's total by default, editable); the free
+    memory of the moment (monkeypatched here, as it moves on a busy machine) never changes the answer. The
+    slider reaches the answer; the base model is planned offline as its -Instruct entry is."""
+    from fastft.runtime import host_budget
+
+    answers = []
+    for free in (6 * 2**30, 60 * 2**30):
+        monkeypatch.setattr(host_budget, "host_memory_available", lambda free=free: free)
+        panel = VramPanel(StudioState(), live="text")
+        panel.model_name.value = "meta-llama/Llama-3.1-8B"
+        panel.gpu.value = "rtx4090"
+        panel.precision.value = "4-bit"
+        panel.checkpointing.value = "offload"
+        assert panel.estimate is not None, _text(panel.status)
+        answers.append((panel.max_context, panel.estimate.total_bytes, panel.verdict.value))
+        assert panel.seq_len.max >= panel.max_context > 32768  # the slider reaches the answer
+        panel.seq_len.value = panel.seq_len.max
+        assert panel.seq_len.value >= panel.max_context
+    assert answers[0] == answers[1]
+    total = host_budget.host_memory_total()
+    assert panel.host_memory.value == pytest.approx(total / 2**30, abs=0.05)  # this machine's total RAM
+    longest = panel.max_context
+    panel.host_memory.value = 8.0  # a smaller machine: less can be offloaded, a shorter context fits
+    assert panel.max_context < longest and "0.75 * 8 * 2**30" in panel.code_view.value
+
+
 def test_debouncer_calls_once_with_the_last_value():
     calls = []
     debounce = Debouncer(calls.append, delay=0.05)
