@@ -37,7 +37,8 @@ import numpy as np
 MODES = ("auto", "widget", "display", "text")
 WIDGET_INTERVAL = 1.0  # seconds between updates of the run's plots (the ticker)
 DISPLAY_INTERVAL = 2.0  # seconds between re-renders of a whole figure in the display fallback
-PROBE_TIMEOUT = 8.0  # seconds a `RenderProbe` has to report before a figure falls back to "display"
+PROBE_TIMEOUT = 8.0  # seconds a plot has to report that it drew before a figure falls back to "display"
+DRAWN_TIMEOUT = 6.0  # seconds a drawn plot has to answer a new figure before it is taken for frozen
 
 
 def frontend(env: Mapping[str, str] | None = None, kernel: bool | None = None) -> str:
@@ -195,6 +196,8 @@ class LiveFigure:
         self._id = f"fastft-live-{uuid.uuid4().hex[:12]}"
         self.last_update = ""  # the last update script sent (display fallback)
         self.plot = None
+        self.replaced_plots = 0  # plots found frozen and replaced (`_check_drawn`)
+        self._watch = None  # the timer that checks the browser drew the last figure sent
         self.rendered = False  # the plot reported: custom widgets render here
         self.fell_back_at: float | None = None
         self.mode = "text" if requested == "text" else ("display" if requested == "display" else "widget")
@@ -215,8 +218,8 @@ class LiveFigure:
         if self.mode == "widget":
             self._sent = self.plot.figure
             self.widget.children = [self.plot]
+            self.plot.observe(self._on_probe, names="rendered")
             if requested == "auto":
-                self.plot.observe(self._on_probe, names="rendered")
                 self._arm(probe_timeout)
         else:
             self._show_output()
@@ -237,6 +240,7 @@ class LiveFigure:
                 self.plot.layout.display = None
                 self._push()
                 self.widget.children = [self.plot]
+            self._arm_watch()  # it drew, but perhaps not the figures sent since
 
     def _arm(self, timeout: float) -> None:
         """Start the probe's clock once the cell that made this figure has finished: the browser's report
@@ -278,7 +282,8 @@ class LiveFigure:
         import ipywidgets as widgets
 
         if self._output is None:
-            self._output = widgets.Output(layout=widgets.Layout(width="100%"))
+            # no side margins: at 100 % width they would push the chart past the tab's edge
+            self._output = widgets.Output(layout=widgets.Layout(width="100%", margin="2px 0"))
             hidden = widgets.Layout(width="0", height="0", overflow="hidden", margin="0")
             self._ops = widgets.Output(layout=hidden)
         self.widget.children = [c for c in (self._output, self._ops, self.plot) if c is not None]
@@ -338,13 +343,44 @@ class LiveFigure:
 
     def _push(self) -> None:
         """The widget way: send the figure's JSON to the plot when it changed (the browser redraws it with
-        ``Plotly.react``, which keeps what did not change)."""
+        ``Plotly.react``, which keeps what did not change), then check that the browser drew it."""
         from fastft.studio.live_plot import figure_json
 
         sent = figure_json(self.figure)
-        if sent != self._sent:
-            self._sent = sent
+        if sent == self._sent:
+            return
+        self._sent = sent
+        with self.plot.hold_sync():
             self.plot.figure = sent
+            self.plot.revision += 1
+        self._arm_watch()
+
+    def _arm_watch(self) -> None:
+        """Check in `DRAWN_TIMEOUT` seconds that a plot a browser draws has drawn the last figure sent."""
+        plot = self.plot
+        if self._watch is None and plot is not None and plot.rendered and plot.drawn < plot.revision:
+            self._watch = threading.Timer(DRAWN_TIMEOUT, self._check_drawn)
+            self._watch.daemon = True
+            self._watch.start()
+
+    def _check_drawn(self) -> None:
+        """A plot that drew before but has not drawn the figure sent `DRAWN_TIMEOUT` seconds ago no longer
+        takes updates in the browser (see `fastft.studio.live_plot`): show a new one, with the latest data."""
+        from fastft.studio.live_plot import live_plot
+
+        with self._lock:
+            self._watch = None
+            old = self.plot
+            if self.mode != "widget" or not old.rendered or old.drawn >= old.revision:
+                return
+            plot = live_plot(self.figure, _PLOT_CONFIG)
+            if plot is None:
+                return
+            self.plot, self._sent = plot, plot.figure
+            self.replaced_plots += 1
+            plot.observe(self._on_probe, names="rendered")
+            self.widget.children = [plot]
+            old.close()
 
     def flush(self) -> None:
         """Draw any update the display throttle held back."""

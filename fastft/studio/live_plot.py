@@ -11,7 +11,11 @@ that as its render probe (no plot drawn: the front end does not run custom widge
 plotly.js).
 
 Listeners are the view's own and go with it (``render`` returns its cleanup), so a plot whose view was
-taken down (the display fallback) can be shown again and still draws its updates.
+taken down (the display fallback) can be shown again and still draws its updates. Each figure sent carries a
+``revision`` and the browser answers with the one it ``drawn``: anywidget (0.11) drops every later message
+to a model whose module took over 2 s to initialize (a page busy with a new studio on a slow machine: "Failed
+to initialize model"), so the plot drew its first figure and then froze; `LiveFigure` sees the answer not
+come and shows a new plot in its place.
 """
 
 from __future__ import annotations
@@ -78,8 +82,13 @@ export default {
         pending = false;
         if (!alive) return;
         const figure = model.get("figure") || {};
+        const revision = model.get("revision");
         await P.react(gd, figure.data || [], figure.layout || {}, model.get("config") || {});
-        if (!drawn && alive) { drawn = true; model.set("rendered", true); model.save_changes(); }
+        if (!alive) return;
+        drawn = true;
+        if (!model.get("rendered")) model.set("rendered", true);
+        if (model.get("drawn") !== revision) model.set("drawn", revision);  // the kernel's proof of delivery
+        model.save_changes();
       }).catch(error => { pending = false; console.warn("fastft live plot:", error); });
     };
     // the plot follows its box's width (a hidden tab shown, a side panel opened), once per new width
@@ -131,6 +140,8 @@ def _classes() -> tuple[type, type]:
             figure = traitlets.Dict().tag(sync=True)
             config = traitlets.Dict().tag(sync=True)
             rendered = traitlets.Bool(False).tag(sync=True)
+            revision = traitlets.Int(0).tag(sync=True)  # counts the figures sent
+            drawn = traitlets.Int(-1).tag(sync=True)  # the revision a browser drew last
             # a reference, so the front end has made the library model before it draws this plot
             library = traitlets.Instance(PlotlyLibrary, allow_none=True).tag(
                 sync=True, **widgets.widget_serialization

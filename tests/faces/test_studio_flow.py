@@ -336,6 +336,34 @@ def test_a_live_figure_falls_back_when_no_probe_reports_and_returns_when_one_doe
     assert list(live.figure.data[0].y) == [3.0, 2.0, 1.0] and _plot_y(plot, 0) == [3.0, 2.0, 1.0]
 
 
+def test_a_plot_that_stops_drawing_what_it_is_sent_is_replaced(monkeypatch):
+    """anywidget drops every message to a model that was slow to initialize (a busy page): the plot drew its
+    first figure and froze. The browser answers each figure with its revision; one left unanswered gets a new
+    plot holding the latest data. A plot no browser draws (no view) is never replaced."""
+    from fastft.report.figures import run_dashboard_figure
+    from fastft.studio import live
+
+    monkeypatch.setattr(live, "DRAWN_TIMEOUT", 0.1)
+    figure = LiveFigure(run_dashboard_figure(memory_kind="cpu"), "widget")
+    plot = figure.plot
+    plot.drawn, plot.rendered = plot.revision, True  # a browser drew the first figure
+    figure.set_data({0: ([1, 2], [3.0, 2.0])})
+    plot.drawn = plot.revision  # and the next one
+    time.sleep(0.4)
+    assert figure.plot is plot and figure.replaced_plots == 0
+    figure.set_data({0: ([1, 2, 3], [3.0, 2.0, 1.0])})  # never answered: frozen in the browser
+    time.sleep(0.4)
+    assert figure.plot is not plot and figure.replaced_plots == 1 and plot.comm is None
+    assert figure.widget.children == (figure.plot,) and _plot_y(figure.plot, 0) == [3.0, 2.0, 1.0]
+    figure.set_data({0: ([1], [1.0])})  # the new plot has not drawn yet: nothing to judge
+    time.sleep(0.4)
+    assert figure.replaced_plots == 1
+    # it reports having drawn only its first figure, the one it was made with: frozen from the start
+    figure.plot.drawn, figure.plot.rendered = 0, True
+    time.sleep(0.4)
+    assert figure.replaced_plots == 2 and _plot_y(figure.plot, 0) == [1.0]
+
+
 def _plot_y(plot, index: int) -> list[float]:
     """Trace `index`'s y as the browser gets it (a base64 typed array, or a list)."""
     import base64
