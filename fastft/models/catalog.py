@@ -5,6 +5,10 @@ architecture (shapes, biases, norms, experts, attention layout), so the model pi
 the VRAM estimator can size it without touching the network. :meth:`ModelSpec.parameter_count`
 derives the parameter count from those shapes, component by component; the tests pin it to the
 modules `transformers` really builds (on the meta device) and to the totals the publishers state.
+
+Each family has its base and its instruct model: one of the pair is an architecture entry, the other a
+variant (`variant_of`) that shares the entry's config dict and states only what its own config.json
+says differently (`VARIANT_FIELDS`: the context length), so the shapes are written once.
 """
 
 from __future__ import annotations
@@ -21,7 +25,16 @@ if TYPE_CHECKING:
 # offers "tiny-llama" for "tiny-lama" and nothing for "not-a/model" (0.53 to "tiny-moe").
 CLOSE_MATCH_CUTOFF = 0.6
 
-__all__ = ["CATALOG", "CLOSE_MATCH_CUTOFF", "ModelSpec", "close_names", "find_model", "get_spec"]
+__all__ = [
+    "CATALOG",
+    "CLOSE_MATCH_CUTOFF",
+    "VARIANT_FIELDS",
+    "ModelSpec",
+    "architectures",
+    "close_names",
+    "find_model",
+    "get_spec",
+]
 
 # Per-head RMSNorm on queries and keys (a `head_dim` weight each).
 _QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
@@ -47,6 +60,7 @@ class ModelSpec:
     config: dict
     gated: bool
     notes: str = ""
+    variant_of: str = ""  # a base or instruct variant: the hub id of the entry whose architecture it shares
 
     @property
     def short_name(self) -> str:
@@ -239,362 +253,422 @@ _GEMMA3 = dict(
     tie_word_embeddings=True,
 )
 
-CATALOG: dict[str, ModelSpec] = {
-    spec.hub_id: spec
-    for spec in (
-        # --- Llama 3.x (Meta; licence acceptance on the hub) -------------------------------------
-        ModelSpec(
-            "meta-llama/Llama-3.2-1B-Instruct",
-            "llama",
-            "llama",
-            dict(
-                _LLAMA3,
-                hidden_size=2048,
-                intermediate_size=8192,
-                num_hidden_layers=16,
-                num_attention_heads=32,
-                head_dim=64,
-                tie_word_embeddings=True,
-                rope_scaling=_llama3_rope(32.0),
-            ),
-            gated=True,
+_ENTRIES: tuple[ModelSpec, ...] = (
+    # --- Llama 3.x (Meta; licence acceptance on the hub) -------------------------------------
+    ModelSpec(
+        "meta-llama/Llama-3.2-1B-Instruct",
+        "llama",
+        "llama",
+        dict(
+            _LLAMA3,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            head_dim=64,
+            tie_word_embeddings=True,
+            rope_scaling=_llama3_rope(32.0),
         ),
-        ModelSpec(
-            "meta-llama/Llama-3.2-3B-Instruct",
-            "llama",
-            "llama",
-            dict(
-                _LLAMA3,
-                hidden_size=3072,
-                intermediate_size=8192,
-                num_hidden_layers=28,
-                num_attention_heads=24,
-                head_dim=128,
-                tie_word_embeddings=True,
-                rope_scaling=_llama3_rope(32.0),
-            ),
-            gated=True,
+        gated=True,
+    ),
+    ModelSpec(
+        "meta-llama/Llama-3.2-3B-Instruct",
+        "llama",
+        "llama",
+        dict(
+            _LLAMA3,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            head_dim=128,
+            tie_word_embeddings=True,
+            rope_scaling=_llama3_rope(32.0),
         ),
-        ModelSpec(
-            "meta-llama/Llama-3.1-8B-Instruct",
-            "llama",
-            "llama",
-            dict(
-                _LLAMA3,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=32,
-                num_attention_heads=32,
-                head_dim=128,
-                tie_word_embeddings=False,
-                rope_scaling=_llama3_rope(8.0),
-            ),
-            gated=True,
+        gated=True,
+    ),
+    ModelSpec(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "llama",
+        "llama",
+        dict(
+            _LLAMA3,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            head_dim=128,
+            tie_word_embeddings=False,
+            rope_scaling=_llama3_rope(8.0),
         ),
-        # --- Mistral / Mixtral (contact-details agreement on the hub) -----------------------------
-        ModelSpec(
-            "mistralai/Mistral-7B-Instruct-v0.3",
-            "mistral",
-            "mistral",
-            dict(_MISTRAL, vocab_size=32768),
-            gated=True,
-            notes="v0.3: vocabulary extended to 32768; no sliding window.",
+        gated=True,
+    ),
+    # --- Mistral / Mixtral (contact-details agreement on the hub) -----------------------------
+    ModelSpec(
+        "mistralai/Mistral-7B-Instruct-v0.3",
+        "mistral",
+        "mistral",
+        dict(_MISTRAL, vocab_size=32768),
+        gated=True,
+        notes="v0.3: vocabulary extended to 32768; no sliding window.",
+    ),
+    ModelSpec(
+        "mistralai/Mixtral-8x7B-Instruct-v0.1",
+        "mixtral",
+        "mixtral",
+        dict(_MISTRAL, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2),
+        gated=True,
+        notes="8 experts per layer, top-2 routing.",
+    ),
+    # --- Qwen2.5 (q/k/v projections carry biases) --------------------------------------------
+    ModelSpec(
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "qwen2.5",
+        "qwen2",
+        dict(
+            _QWEN25,
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=64,
+            tie_word_embeddings=True,
         ),
-        ModelSpec(
-            "mistralai/Mixtral-8x7B-Instruct-v0.1",
-            "mixtral",
-            "mixtral",
-            dict(_MISTRAL, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2),
-            gated=True,
-            notes="8 experts per layer, top-2 routing.",
+        gated=False,
+    ),
+    ModelSpec(
+        "Qwen/Qwen2.5-1.5B-Instruct",
+        "qwen2.5",
+        "qwen2",
+        dict(
+            _QWEN25,
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            head_dim=128,
+            tie_word_embeddings=True,
         ),
-        # --- Qwen2.5 (q/k/v projections carry biases) --------------------------------------------
-        ModelSpec(
-            "Qwen/Qwen2.5-0.5B-Instruct",
-            "qwen2.5",
-            "qwen2",
-            dict(
-                _QWEN25,
-                vocab_size=151936,
-                hidden_size=896,
-                intermediate_size=4864,
-                num_hidden_layers=24,
-                num_attention_heads=14,
-                num_key_value_heads=2,
-                head_dim=64,
-                tie_word_embeddings=True,
-            ),
-            gated=False,
+        gated=False,
+    ),
+    ModelSpec(
+        "Qwen/Qwen2.5-7B-Instruct",
+        "qwen2.5",
+        "qwen2",
+        dict(
+            _QWEN25,
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            head_dim=128,
+            tie_word_embeddings=False,
         ),
-        ModelSpec(
-            "Qwen/Qwen2.5-1.5B-Instruct",
-            "qwen2.5",
-            "qwen2",
-            dict(
-                _QWEN25,
-                vocab_size=151936,
-                hidden_size=1536,
-                intermediate_size=8960,
-                num_hidden_layers=28,
-                num_attention_heads=12,
-                num_key_value_heads=2,
-                head_dim=128,
-                tie_word_embeddings=True,
-            ),
-            gated=False,
+        gated=False,
+    ),
+    ModelSpec(
+        "Qwen/Qwen2.5-14B-Instruct",
+        "qwen2.5",
+        "qwen2",
+        dict(
+            _QWEN25,
+            vocab_size=152064,
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=48,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=False,
         ),
-        ModelSpec(
-            "Qwen/Qwen2.5-7B-Instruct",
-            "qwen2.5",
-            "qwen2",
-            dict(
-                _QWEN25,
-                vocab_size=152064,
-                hidden_size=3584,
-                intermediate_size=18944,
-                num_hidden_layers=28,
-                num_attention_heads=28,
-                num_key_value_heads=4,
-                head_dim=128,
-                tie_word_embeddings=False,
-            ),
-            gated=False,
+        gated=False,
+    ),
+    # --- Qwen3 (per-head q/k RMSNorm, head_dim 128 throughout) -------------------------------
+    ModelSpec(
+        "Qwen/Qwen3-0.6B",
+        "qwen3",
+        "qwen3",
+        dict(
+            _QWEN3,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            tie_word_embeddings=True,
         ),
-        ModelSpec(
-            "Qwen/Qwen2.5-14B-Instruct",
-            "qwen2.5",
-            "qwen2",
-            dict(
-                _QWEN25,
-                vocab_size=152064,
-                hidden_size=5120,
-                intermediate_size=13824,
-                num_hidden_layers=48,
-                num_attention_heads=40,
-                num_key_value_heads=8,
-                head_dim=128,
-                tie_word_embeddings=False,
-            ),
-            gated=False,
+        gated=False,
+    ),
+    ModelSpec(
+        "Qwen/Qwen3-1.7B",
+        "qwen3",
+        "qwen3",
+        dict(
+            _QWEN3,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            tie_word_embeddings=True,
         ),
-        # --- Qwen3 (per-head q/k RMSNorm, head_dim 128 throughout) -------------------------------
-        ModelSpec(
-            "Qwen/Qwen3-0.6B",
-            "qwen3",
-            "qwen3",
-            dict(
-                _QWEN3,
-                hidden_size=1024,
-                intermediate_size=3072,
-                num_hidden_layers=28,
-                num_attention_heads=16,
-                tie_word_embeddings=True,
-            ),
-            gated=False,
+        gated=False,
+    ),
+    ModelSpec(
+        "Qwen/Qwen3-4B",
+        "qwen3",
+        "qwen3",
+        dict(
+            _QWEN3,
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            tie_word_embeddings=True,
         ),
-        ModelSpec(
-            "Qwen/Qwen3-1.7B",
-            "qwen3",
-            "qwen3",
-            dict(
-                _QWEN3,
-                hidden_size=2048,
-                intermediate_size=6144,
-                num_hidden_layers=28,
-                num_attention_heads=16,
-                tie_word_embeddings=True,
-            ),
-            gated=False,
+        gated=False,
+    ),
+    ModelSpec(
+        "Qwen/Qwen3-8B",
+        "qwen3",
+        "qwen3",
+        dict(
+            _QWEN3,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            tie_word_embeddings=False,
         ),
-        ModelSpec(
-            "Qwen/Qwen3-4B",
-            "qwen3",
-            "qwen3",
-            dict(
-                _QWEN3,
-                hidden_size=2560,
-                intermediate_size=9728,
-                num_hidden_layers=36,
-                num_attention_heads=32,
-                tie_word_embeddings=True,
-            ),
-            gated=False,
+        gated=False,
+    ),
+    ModelSpec(
+        "Qwen/Qwen3-14B",
+        "qwen3",
+        "qwen3",
+        dict(
+            _QWEN3,
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            tie_word_embeddings=False,
         ),
-        ModelSpec(
-            "Qwen/Qwen3-8B",
-            "qwen3",
-            "qwen3",
-            dict(
-                _QWEN3,
-                hidden_size=4096,
-                intermediate_size=12288,
-                num_hidden_layers=36,
-                num_attention_heads=32,
-                tie_word_embeddings=False,
-            ),
-            gated=False,
+        gated=False,
+    ),
+    ModelSpec(
+        "Qwen/Qwen3-32B",
+        "qwen3",
+        "qwen3",
+        dict(
+            _QWEN3,
+            hidden_size=5120,
+            intermediate_size=25600,
+            num_hidden_layers=64,
+            num_attention_heads=64,
+            tie_word_embeddings=False,
         ),
-        ModelSpec(
-            "Qwen/Qwen3-14B",
-            "qwen3",
-            "qwen3",
-            dict(
-                _QWEN3,
-                hidden_size=5120,
-                intermediate_size=17408,
-                num_hidden_layers=40,
-                num_attention_heads=40,
-                tie_word_embeddings=False,
-            ),
-            gated=False,
+        gated=False,
+    ),
+    ModelSpec(
+        "Qwen/Qwen3-30B-A3B",
+        "qwen3",
+        "qwen3_moe",
+        dict(
+            _QWEN3,
+            num_key_value_heads=4,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            tie_word_embeddings=False,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
         ),
-        ModelSpec(
-            "Qwen/Qwen3-32B",
-            "qwen3",
-            "qwen3",
-            dict(
-                _QWEN3,
-                hidden_size=5120,
-                intermediate_size=25600,
-                num_hidden_layers=64,
-                num_attention_heads=64,
-                tie_word_embeddings=False,
-            ),
-            gated=False,
+        gated=False,
+        notes="128 experts per layer, top-8 routing, no shared expert; every layer is MoE.",
+    ),
+    ModelSpec(
+        "Qwen/Qwen1.5-MoE-A2.7B-Chat",
+        "qwen1.5",
+        "qwen2_moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=128,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            qkv_bias=True,
+            num_experts=60,
+            num_experts_per_tok=4,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            decoder_sparse_step=1,
+            norm_topk_prob=False,
         ),
-        ModelSpec(
-            "Qwen/Qwen3-30B-A3B",
-            "qwen3",
-            "qwen3_moe",
-            dict(
-                _QWEN3,
-                num_key_value_heads=4,
-                hidden_size=2048,
-                intermediate_size=6144,
-                num_hidden_layers=48,
-                num_attention_heads=32,
-                tie_word_embeddings=False,
-                num_experts=128,
-                num_experts_per_tok=8,
-                moe_intermediate_size=768,
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
-                norm_topk_prob=True,
+        gated=False,
+        notes="60 routed experts (top-4) plus an always-on gated shared expert in every layer.",
+    ),
+    # --- gpt-oss (OpenAI; Apache-2.0) ---------------------------------------------------------
+    ModelSpec(
+        "openai/gpt-oss-20b",
+        "gpt-oss",
+        "gpt_oss",
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=150000.0,
+            rope_scaling=dict(
+                rope_type="yarn",
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=4096,
             ),
-            gated=False,
-            notes="128 experts per layer, top-8 routing, no shared expert; every layer is MoE.",
+            attention_bias=True,
+            sliding_window=128,
+            layer_types=_layer_types(24, full_every=2),
+            tie_word_embeddings=False,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            swiglu_limit=7.0,
         ),
-        ModelSpec(
-            "Qwen/Qwen1.5-MoE-A2.7B-Chat",
-            "qwen1.5",
-            "qwen2_moe",
-            dict(
-                vocab_size=151936,
-                hidden_size=2048,
-                intermediate_size=5632,
-                num_hidden_layers=24,
-                num_attention_heads=16,
-                num_key_value_heads=16,
-                head_dim=128,
-                max_position_embeddings=8192,
-                rms_norm_eps=1e-6,
-                rope_theta=1000000.0,
-                tie_word_embeddings=False,
-                use_sliding_window=False,
-                qkv_bias=True,
-                num_experts=60,
-                num_experts_per_tok=4,
-                moe_intermediate_size=1408,
-                shared_expert_intermediate_size=5632,
-                decoder_sparse_step=1,
-                norm_topk_prob=False,
-            ),
-            gated=False,
-            notes="60 routed experts (top-4) plus an always-on gated shared expert in every layer.",
+        gated=False,
+        notes=(
+            "32 experts per layer, top-4; attention sinks; alternating 128-token sliding-window and "
+            "full attention. Published weights are MXFP4 experts; shapes here are the bf16 ones."
         ),
-        # --- gpt-oss (OpenAI; Apache-2.0) ---------------------------------------------------------
-        ModelSpec(
-            "openai/gpt-oss-20b",
-            "gpt-oss",
-            "gpt_oss",
-            dict(
-                vocab_size=201088,
-                hidden_size=2880,
-                intermediate_size=2880,
-                num_hidden_layers=24,
-                num_attention_heads=64,
-                num_key_value_heads=8,
-                head_dim=64,
-                max_position_embeddings=131072,
-                rms_norm_eps=1e-5,
-                rope_theta=150000.0,
-                rope_scaling=dict(
-                    rope_type="yarn",
-                    factor=32.0,
-                    beta_fast=32.0,
-                    beta_slow=1.0,
-                    truncate=False,
-                    original_max_position_embeddings=4096,
-                ),
-                attention_bias=True,
-                sliding_window=128,
-                layer_types=_layer_types(24, full_every=2),
-                tie_word_embeddings=False,
-                num_local_experts=32,
-                num_experts_per_tok=4,
-                swiglu_limit=7.0,
-            ),
-            gated=False,
-            notes=(
-                "32 experts per layer, top-4; attention sinks; alternating 128-token sliding-window and "
-                "full attention. Published weights are MXFP4 experts; shapes here are the bf16 ones."
-            ),
+    ),
+    # --- Gemma 3 (Google; licence acceptance on the hub) --------------------------------------
+    ModelSpec(
+        "google/gemma-3-1b-it",
+        "gemma3",
+        "gemma3_text",
+        dict(
+            _GEMMA3,
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=32768,
+            sliding_window=512,
+            layer_types=_layer_types(26, full_every=6),
         ),
-        # --- Gemma 3 (Google; licence acceptance on the hub) --------------------------------------
-        ModelSpec(
-            "google/gemma-3-1b-it",
-            "gemma3",
-            "gemma3_text",
-            dict(
-                _GEMMA3,
-                vocab_size=262144,
-                hidden_size=1152,
-                intermediate_size=6912,
-                num_hidden_layers=26,
-                num_attention_heads=4,
-                num_key_value_heads=1,
-                max_position_embeddings=32768,
-                sliding_window=512,
-                layer_types=_layer_types(26, full_every=6),
-            ),
-            gated=True,
-            notes="Text-only model; 5 sliding-window (512) layers per full-attention layer.",
+        gated=True,
+        notes="Text-only model; 5 sliding-window (512) layers per full-attention layer.",
+    ),
+    ModelSpec(
+        "google/gemma-3-4b-it",
+        "gemma3",
+        "gemma3_text",
+        dict(
+            _GEMMA3,
+            vocab_size=262208,
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_hidden_layers=34,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=131072,
+            rope_scaling=dict(rope_type="linear", factor=8.0),
+            sliding_window=1024,
+            layer_types=_layer_types(34, full_every=6),
         ),
-        ModelSpec(
-            "google/gemma-3-4b-it",
-            "gemma3",
-            "gemma3_text",
-            dict(
-                _GEMMA3,
-                vocab_size=262208,
-                hidden_size=2560,
-                intermediate_size=10240,
-                num_hidden_layers=34,
-                num_attention_heads=8,
-                num_key_value_heads=4,
-                max_position_embeddings=131072,
-                rope_scaling=dict(rope_type="linear", factor=8.0),
-                sliding_window=1024,
-                layer_types=_layer_types(34, full_every=6),
-            ),
-            gated=True,
-            notes=(
-                "Text decoder only (the checkpoint's text_config): the SigLIP vision tower and the "
-                "multimodal projector of this image-text model are excluded from shapes and counts."
-            ),
+        gated=True,
+        notes=(
+            "Text decoder only (the checkpoint's text_config): the SigLIP vision tower and the "
+            "multimodal projector of this image-text model are excluded from shapes and counts."
         ),
-    )
+    ),
+)
+
+# Fields a base or instruct variant may state differently from the entry whose architecture it shares: none
+# of them changes a shape or a parameter count (the inventory cache serves a variant from its entry's).
+VARIANT_FIELDS = frozenset({"max_position_embeddings"})
+
+# The other half of each family's base / instruct pair (gpt-oss was released post-trained only): the entry
+# it shares the architecture of, and what its own config.json states differently.
+_VARIANTS: dict[str, tuple[str, dict]] = {
+    "meta-llama/Llama-3.2-1B": ("meta-llama/Llama-3.2-1B-Instruct", {}),
+    "meta-llama/Llama-3.2-3B": ("meta-llama/Llama-3.2-3B-Instruct", {}),
+    "meta-llama/Llama-3.1-8B": ("meta-llama/Llama-3.1-8B-Instruct", {}),
+    "mistralai/Mistral-7B-v0.3": ("mistralai/Mistral-7B-Instruct-v0.3", {}),
+    "mistralai/Mixtral-8x7B-v0.1": ("mistralai/Mixtral-8x7B-Instruct-v0.1", {}),
+    "Qwen/Qwen2.5-0.5B": ("Qwen/Qwen2.5-0.5B-Instruct", {}),
+    "Qwen/Qwen2.5-1.5B": ("Qwen/Qwen2.5-1.5B-Instruct", {"max_position_embeddings": 131072}),
+    "Qwen/Qwen2.5-7B": ("Qwen/Qwen2.5-7B-Instruct", {"max_position_embeddings": 131072}),
+    "Qwen/Qwen2.5-14B": ("Qwen/Qwen2.5-14B-Instruct", {"max_position_embeddings": 131072}),
+    **{
+        f"Qwen/Qwen3-{size}-Base": (f"Qwen/Qwen3-{size}", {"max_position_embeddings": 32768})
+        for size in ("0.6B", "1.7B", "4B", "8B", "14B", "30B-A3B")
+    },
+    "Qwen/Qwen1.5-MoE-A2.7B": ("Qwen/Qwen1.5-MoE-A2.7B-Chat", {}),
+    "google/gemma-3-1b-pt": ("google/gemma-3-1b-it", {}),
+    "google/gemma-3-4b-pt": ("google/gemma-3-4b-it", {}),
 }
+
+
+def _variant(spec: ModelSpec, hub_id: str, changes: dict) -> ModelSpec:
+    """`hub_id`, the base or instruct variant of `spec`: its config is `spec`'s own (the same dict, not a
+    copy) unless its config.json states a `VARIANT_FIELDS` value differently."""
+    unknown = set(changes) - VARIANT_FIELDS
+    if unknown:
+        raise ValueError(
+            f"{hub_id}: a variant shares {spec.hub_id}'s shapes; it cannot change {sorted(unknown)}"
+        )
+    return ModelSpec(
+        hub_id,
+        spec.family,
+        spec.model_type,
+        {**spec.config, **changes} if changes else spec.config,
+        gated=spec.gated,
+        notes=f"Same architecture as {spec.hub_id}. {spec.notes}".strip(),
+        variant_of=spec.hub_id,
+    )
+
+
+def _with_variants(entries: tuple[ModelSpec, ...]) -> dict[str, ModelSpec]:
+    """Every entry, each followed by its variants (the picker lists a family's base and instruct together)."""
+    catalog: dict[str, ModelSpec] = {}
+    for spec in entries:
+        catalog[spec.hub_id] = spec
+        for hub_id, (of, changes) in _VARIANTS.items():
+            if of == spec.hub_id:
+                catalog[hub_id] = _variant(spec, hub_id, changes)
+    return catalog
+
+
+CATALOG: dict[str, ModelSpec] = _with_variants(_ENTRIES)
+
+
+def architectures() -> list[ModelSpec]:
+    """The catalog's architecture entries: every entry that is not a variant of another."""
+    return [spec for spec in CATALOG.values() if not spec.variant_of]
 
 
 def find_model(query: str) -> list[ModelSpec]:

@@ -74,6 +74,14 @@ def smooth(values: Iterable[float], smoothing: float = 0.9) -> list[float]:
     return out
 
 
+def memory_kind_here() -> str:
+    """The `StepEvent.memory_kind` a run on this machine reports: "cuda" with a CUDA GPU, else "cpu-rss"
+    (what an empty chart names before a run has said)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu-rss"
+
+
 def memory_label(memory_kind: str) -> str:
     """Human label for a `StepEvent.memory_kind`: "GPU peak allocated" or "CPU peak RSS"."""
     kind = (memory_kind or "").strip().lower()
@@ -651,7 +659,8 @@ def vram_figure(estimate) -> go.Figure:
     if gpu:
         fits = total <= capacity
         verdict = "fits" if fits else f"short by {total - capacity:.2f} GiB"
-        title = f"{total:.2f} GiB of {gpu['label']} ({capacity:.2f} GiB): {verdict}"
+        title = f"{total:.2f} GiB: {verdict}"
+        subtitle = f"of {gpu['label']} ({capacity:.2f} GiB)"
         fig.add_vline(x=capacity, line={"color": _RED, "width": 2, "dash": "dash"})
         top = max(total, capacity) * 1.08
         # inside the plot, in the strip above the bar, on the side of the line with room for it
@@ -668,8 +677,9 @@ def vram_figure(estimate) -> go.Figure:
             bgcolor="rgba(255,255,255,0.85)",
         )
     else:
-        title = f"{total:.2f} GiB (no GPU chosen)"
+        title, subtitle = f"{total:.2f} GiB", "no GPU chosen"
     _base_layout(fig, title, "", "")
+    fig.update_layout(title_subtitle={"text": subtitle, "font": {"size": 12, "color": "#5a6270"}})
     top = max(total, capacity or 0.0) * 1.08
     fig.update_layout(
         barmode="stack",
@@ -718,15 +728,16 @@ def run_dashboard_figure(
     eval_step: Sequence[float] = (),
     eval_loss: Sequence[float] = (),
     max_steps: int | None = None,
-    memory_kind: str = "cuda",
+    memory_kind: str | None = None,
 ) -> go.Figure:
     """A run at a glance, built from plain arrays (a live plot sets the traces' data afterwards).
 
     Four panels: loss (raw, smoothed and eval), learning rate, trained tokens/s and peak memory (GiB,
-    labelled by `memory_label`). Traces follow `DASHBOARD_TRACES`; every array of a panel is indexed
-    by `step` (`eval_loss` by `eval_step`). `max_steps` pins the x axes to the whole run.
+    labelled by `memory_label` of `memory_kind`; None: what a run on this machine measures,
+    `memory_kind_here`). Traces follow `DASHBOARD_TRACES`; every array of a panel is indexed by `step`
+    (`eval_loss` by `eval_step`). `max_steps` pins the x axes to the whole run.
     """
-    label = memory_label(memory_kind)
+    label = memory_label(memory_kind_here() if memory_kind is None else memory_kind)
     fig = make_subplots(
         rows=2,
         cols=2,
@@ -777,6 +788,7 @@ def run_dashboard_figure(
         col=2,
     )
     grid_layout(fig, "run")
+    fig.update_yaxes(exponentformat="e", row=1, col=1)  # a loss near 0 reads 2e-12, not "2p"
     fig.update_yaxes(tickformat=".1e", rangemode="tozero", row=1, col=2)
     fig.update_yaxes(rangemode="tozero", row=2, col=1)
     fig.update_yaxes(rangemode="tozero", row=2, col=2)

@@ -73,6 +73,25 @@ def host_memory_available() -> int | None:
     return None
 
 
+def host_memory_total() -> int | None:
+    """Bytes of host memory this machine has in all (psutil, else /proc/meminfo ``MemTotal``); None if unknown.
+    Unlike `host_memory_available`, it does not move while the machine works: what a plan states."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def pinnable_bytes(held: int, host_budget_bytes: int | None) -> int | None:
     """How many bytes of host memory offloading may hold: `host_budget_bytes` when given, else the `held`
     bytes plus `HOST_BUDGET_FRACTION` of what is available; None when the host does not say."""
@@ -85,6 +104,7 @@ def pinnable_bytes(held: int, host_budget_bytes: int | None) -> int | None:
 __all__ = [
     "HOST_BUDGET_FRACTION",
     "host_memory_available",
+    "host_memory_total",
     "layers_that_fit",
     "pinnable_bytes",
     "pinned_bytes",

@@ -106,7 +106,8 @@ class ExportPanel(Panel):
             value="Compute 48 plus 8.",
             description="prompt",
             style=style,
-            layout=widgets.Layout(width="100%", max_width="48em", height="6em"),
+            # no side margins: at 100 % width they would push the box past the tab's edge
+            layout=widgets.Layout(width="100%", max_width="48em", height="6em", margin="2px 0"),
         )
         self.max_new_tokens = widgets.IntSlider(
             value=64, min=1, max=1024, description="max new tokens", style=style, layout=wide()

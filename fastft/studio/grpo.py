@@ -141,7 +141,8 @@ def grpo_figure(reward_names: Sequence[str] = (), *, max_steps: int | None = Non
             go.Scatter(x=[], y=[], name=name, line={"color": color, "width": width}, **line), row=row, col=col
         )
     grid_layout(fig, "grpo")
-    fig.update_yaxes(rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(exponentformat="e", row=1, col=1)  # values near 0 read 2e-12, not plotly's SI "2p"
+    fig.update_yaxes(rangemode="tozero", exponentformat="e", row=1, col=2)
     fig.update_yaxes(rangemode="tozero", row=2, col=1)
     fig.update_yaxes(range=[0, 1], tickformat=".0%", row=2, col=2)
     if max_steps:

@@ -3,15 +3,16 @@
 How a changing figure is shown is decided by what the front end really renders, not by guessing from
 environment variables (`frontend` says "auto" in any kernel):
 
-- ``"widget"``: a plotly ``FigureWidget`` whose traces are updated in place (only the changed arrays
-  travel). In "auto" mode each `LiveFigure` starts this way with a `RenderProbe` beside it: a tiny
-  custom widget of the same kind (anywidget) that tells the kernel once the browser has drawn it.
-- ``"display"``: when no probe has reported after `PROBE_TIMEOUT` seconds (custom widgets do not render
+- ``"widget"``: a `fastft.studio.live_plot.LivePlot`, a small custom widget (anywidget) that draws the
+  figure's JSON with the one plotly.js the page loads for every plot (`live_plot.library`), and redraws
+  it when the figure changes. In "auto" mode each `LiveFigure` starts this way, and the plot itself is
+  its render probe: it tells the kernel once the browser has drawn it.
+- ``"display"``: when no plot has reported after `PROBE_TIMEOUT` seconds (custom widgets do not render
   here: Colab without its custom widget manager, Kaggle, nbviewer-like front ends), the figure moves to
   an ``ipywidgets.Output`` (a core widget every Jupyter front end draws) whose one display output is
   replaced at most every `DISPLAY_INTERVAL` seconds, only when the data changed, with the front end's
-  own plotly renderer (plotly.js itself is not resent: it comes from the page or the CDN). A probe that
-  reports later switches the figure back to the widget.
+  own plotly renderer (plotly.js itself is not resent: it comes from the page or the CDN). The plot
+  stays beside it, hidden; if it reports later, the figure is shown by it again, with the latest data.
 - ``"text"``: no kernel (a script, a test): nothing is drawn; the figure object is still kept up to date.
 
 Widget values are only ever set (from any thread); nothing prints into an ``Output`` with ``with
@@ -36,7 +37,8 @@ import numpy as np
 MODES = ("auto", "widget", "display", "text")
 WIDGET_INTERVAL = 1.0  # seconds between updates of the run's plots (the ticker)
 DISPLAY_INTERVAL = 2.0  # seconds between re-renders of a whole figure in the display fallback
-PROBE_TIMEOUT = 8.0  # seconds a `RenderProbe` has to report before a figure falls back to "display"
+PROBE_TIMEOUT = 8.0  # seconds a plot has to report that it drew before a figure falls back to "display"
+DRAWN_TIMEOUT = 6.0  # seconds a drawn plot has to answer a new figure before it is taken for frozen
 
 
 def frontend(env: Mapping[str, str] | None = None, kernel: bool | None = None) -> str:
@@ -54,73 +56,6 @@ def frontend(env: Mapping[str, str] | None = None, kernel: bool | None = None) -
 
         kernel = in_kernel()
     return "auto" if kernel else "text"
-
-
-# The probe also keeps the plots of its box at the box's width: a FigureWidget redraws at a new width only on
-# the window's resize event, so a chart drawn in a hidden tab (700 px), or a notebook narrowed by a side panel,
-# would keep its old width. A ResizeObserver on the box raises one coalesced window resize per frame instead.
-_PROBE_ESM = """
-export default {
-  render({ model, el }) {
-    model.set("rendered", true);
-    model.save_changes();
-    // once attached (render runs before the view is put in its box): watch the LiveFigure's Box, the
-    // nearest widget box around anywidget's `el`
-    let observer = null, tries = 0;
-    const attach = () => {
-      const box = el.isConnected && el.closest(".widget-box");
-      if (!box) { if (tries++ < 600) setTimeout(attach, 100); return; }
-      let width = -1;
-      observer = new ResizeObserver(entries => {
-        const now = Math.round(entries[entries.length - 1].contentRect.width);
-        if (now === width || now === 0) return;
-        width = now;
-        const shared = (window.__fastftResize = window.__fastftResize || { pending: false });
-        if (shared.pending) return;
-        shared.pending = true;
-        requestAnimationFrame(() => { shared.pending = false; window.dispatchEvent(new Event("resize")); });
-      });
-      observer.observe(box);
-    };
-    if (typeof ResizeObserver !== "undefined") attach();
-    return () => { tries = 1e9; if (observer) observer.disconnect(); };
-  }
-};
-"""
-
-
-def _new_figure_widget(figure):
-    """A plotly ``FigureWidget`` showing `figure`, or None where it cannot be made (it needs anywidget)."""
-    import plotly.graph_objects as go
-
-    try:
-        return go.FigureWidget(figure)
-    except Exception:  # noqa: BLE001 - FigureWidget needs anywidget (plotly >= 6): the caller falls back
-        return None
-
-
-def render_probe():
-    """A zero-size custom widget whose ``rendered`` trait turns True once a browser has drawn it (None
-    where anywidget is missing: then custom widgets are taken not to render)."""
-    try:
-        import anywidget
-        import traitlets
-    except ImportError:
-        return None
-    global _Probe
-    if _Probe is None:
-
-        class RenderProbe(anywidget.AnyWidget):
-            _esm = _PROBE_ESM
-            rendered = traitlets.Bool(False).tag(sync=True)
-
-        _Probe = RenderProbe
-    import ipywidgets as widgets
-
-    return _Probe(layout=widgets.Layout(width="0", height="0", overflow="hidden", margin="0"))
-
-
-_Probe = None
 
 
 class SeriesBuffer:
@@ -231,17 +166,20 @@ class Ticker:
 class LiveFigure:
     """A plotly figure shown once and then updated in place, the way this front end allows.
 
-    `figure` is the figure being updated (a ``FigureWidget`` while in "widget" mode, else a plain
-    ``go.Figure``); `widget` is what to put in a panel (a box holding the FigureWidget or the ``Output``,
-    or an empty ``HTML`` in "text" mode); `mode` is the current way ("widget", "display" or "text").
-    `set_data` changes some traces' x/y (cheap); `update_from` takes another figure's data, trace by
-    trace when the traces match, else `replace`s the whole figure. The display fallback is throttled
-    here to one render per `DISPLAY_INTERVAL` seconds; `flush()` forces the last one out.
+    `figure` is the figure being updated (a plain ``go.Figure``, in every mode); `widget` is what to put in
+    a panel (a box holding the `LivePlot` or the ``Output``, or an empty ``HTML`` in "text" mode); `plot`
+    the `LivePlot` (None without one), which is also the render `probe`; `mode` is the current way
+    ("widget", "display" or "text"). `set_data` changes some traces' x/y (cheap); `update_from` takes
+    another figure's data, trace by trace when the traces match, else `replace`s the whole figure. The
+    display fallback is throttled here to one render per `DISPLAY_INTERVAL` seconds; `flush()` forces
+    the last one out.
     """
 
     def __init__(self, figure, mode: str | None = None, *, probe_timeout: float = PROBE_TIMEOUT):
         import ipywidgets as widgets
         import plotly.graph_objects as go
+
+        from fastft.studio.live_plot import live_plot
 
         requested = mode or frontend()
         if requested not in MODES:
@@ -253,39 +191,43 @@ class LiveFigure:
         self._output = None
         self._ops = None  # the display fallback's hidden Output for update scripts
         self._shown = None  # what the display fallback's page holds: traces and layout as last sent
+        self._sent = None  # what the plot holds: the figure's JSON as last sent
         self._seq = 0
         self._id = f"fastft-live-{uuid.uuid4().hex[:12]}"
         self.last_update = ""  # the last update script sent (display fallback)
-        self.probe = None
-        self.rendered = False  # a probe reported: custom widgets render here
+        self.plot = None
+        self.replaced_plots = 0  # plots found frozen and replaced (`_check_drawn`)
+        self._watch = None  # the timer that checks the browser drew the last figure sent
+        self.rendered = False  # the plot reported: custom widgets render here
         self.fell_back_at: float | None = None
         self.mode = "text" if requested == "text" else ("display" if requested == "display" else "widget")
-        shown = _new_figure_widget(figure) if self.mode == "widget" else None
-        if shown is None and self.mode == "widget":
-            self.mode = "display"
+        self.figure = go.Figure(figure)
         if self.mode == "text":
-            self.figure = go.Figure(figure)
             self.widget = widgets.HTML("")
             return
+        _fill_width(self.figure)
         # min_width 0 and overflow hidden: a drawn chart must not hold its box wide when the notebook narrows,
-        # so plotly's responsive resize sees the new width
+        # so the plot's resize sees the new width
         self.widget = widgets.Box(
             layout=widgets.Layout(width="100%", min_width="0", overflow="hidden", flex_flow="column")
         )
         if self.mode == "widget":
-            self.figure = shown
-            _fill_width(self.figure)
-            self.probe = render_probe()  # in every widget mode: it keeps the plot at its box's width
+            self.plot = live_plot(self.figure, _PLOT_CONFIG)
+            if self.plot is None:
+                self.mode = "display"
+        if self.mode == "widget":
+            self._sent = self.plot.figure
+            self.widget.children = [self.plot]
+            self.plot.observe(self._on_probe, names="rendered")
             if requested == "auto":
-                if self.probe is None:
-                    self._fall_back()
-                    return
-                self.probe.observe(self._on_probe, names="rendered")
                 self._arm(probe_timeout)
-            self.widget.children = [c for c in (self.figure, self.probe) if c is not None]
         else:
-            self.figure = go.Figure(figure)
             self._show_output()
+
+    @property
+    def probe(self):
+        """The widget whose ``rendered`` says the browser drew it: the plot itself (None without one)."""
+        return self.plot
 
     # -- choosing the way -------------------------------------------------------------------------------
     def _on_probe(self, change) -> None:
@@ -293,14 +235,12 @@ class LiveFigure:
             return
         with self._lock:
             self.rendered = True
-            if self.mode == "display":  # the probe was late: back to a widget, with the latest data
-                widget = _new_figure_widget(self.figure)
-                if widget is None:
-                    return
-                self.figure, self.mode = widget, "widget"
-                _fill_width(widget)
-                self._shown = None
-                self.widget.children = [widget, self.probe]
+            if self.mode == "display":  # the plot reported late: it shows the figure again, the latest data
+                self.mode, self._shown, self._sent = "widget", None, None
+                self.plot.layout.display = None
+                self._push()
+                self.widget.children = [self.plot]
+            self._arm_watch()  # it drew, but perhaps not the figures sent since
 
     def _arm(self, timeout: float) -> None:
         """Start the probe's clock once the cell that made this figure has finished: the browser's report
@@ -331,28 +271,22 @@ class LiveFigure:
                 self._fall_back()
 
     def _fall_back(self) -> None:
-        """Custom widgets do not render here: show the figure (a FigureWidget until now) in a core `Output`."""
-        import plotly.graph_objects as go
-
-        widget = self.figure
-        self.figure = go.Figure(widget)
+        """Custom widgets do not render here (no plot reported): show the figure in a core `Output`. The plot
+        stays in the box, hidden, in case the browser draws it after all."""
         self.mode = "display"
         self.fell_back_at = time.monotonic()
-        self._show_output()  # the probe stays, invisible, in case the browser draws it after all
-        # A FigureWidget whose view was taken down is never shown again: plotly's front end leaves that view's
-        # listeners on the model (they are added through anywidget's `initialize` hook, not the view), and on
-        # the next update the first of them throws on the purged plot, so a new view's listeners never run
-        # (updates lost, "gd.data must be an array" in the console). A late probe gets a new FigureWidget.
-        widget.close()
+        self.plot.layout.display = "none"
+        self._show_output()
 
     def _show_output(self) -> None:
         import ipywidgets as widgets
 
         if self._output is None:
-            self._output = widgets.Output(layout=widgets.Layout(width="100%"))
+            # no side margins: at 100 % width they would push the chart past the tab's edge
+            self._output = widgets.Output(layout=widgets.Layout(width="100%", margin="2px 0"))
             hidden = widgets.Layout(width="0", height="0", overflow="hidden", margin="0")
             self._ops = widgets.Output(layout=hidden)
-        self.widget.children = [c for c in (self._output, self._ops, self.probe) if c is not None]
+        self.widget.children = [c for c in (self._output, self._ops, self.plot) if c is not None]
         self._shown = None  # nothing drawn in this output yet: the next render draws the whole figure
         self._dirty = True
         self._render(force=True)
@@ -361,11 +295,10 @@ class LiveFigure:
     def set_data(self, traces: Mapping[int, tuple[Sequence[float], Sequence[float]]], **layout) -> None:
         """Set the x/y arrays of traces by index (and optional layout properties) in one update."""
         with self._lock:
+            self._assign(traces, layout)
             if self.mode == "widget":
-                with self.figure.batch_update():
-                    self._assign(traces, layout)
+                self._push()
             else:
-                self._assign(traces, layout)
                 self._dirty = True
                 self._render()
 
@@ -377,8 +310,8 @@ class LiveFigure:
             self.figure.update_layout(**layout)
 
     def update_from(self, figure) -> None:
-        """Show `figure`'s data: trace by trace (only the arrays and the annotations travel) when its
-        traces have the same names and types as those shown, else by `replace`."""
+        """Show `figure`'s data: trace by trace when its traces have the same names and types as those shown
+        (the display fallback then sends only the new points), else by `replace`."""
         names = [(t.type, t.name) for t in figure.data]
         with self._lock:
             if names != [(t.type, t.name) for t in self.figure.data] or not names:
@@ -395,27 +328,59 @@ class LiveFigure:
 
     def replace(self, figure) -> None:
         """Show another figure in the same place (traces and layout replaced)."""
-        with self._lock:
-            if self.mode == "widget":
-                with self.figure.batch_update():
-                    self.figure.data = ()
-                    self.figure.add_traces(list(figure.data))
-                    self.figure.layout = figure.layout
-                # the browser merges a new layout into the old one, so shapes and annotations the new one
-                # lacks (a capacity line over an empty chart) would stay there: name them exactly
-                self.figure.plotly_relayout(
-                    {
-                        "shapes": [shape.to_plotly_json() for shape in figure.layout.shapes],
-                        "annotations": [note.to_plotly_json() for note in figure.layout.annotations],
-                    }
-                )
-                _fill_width(self.figure)
-            else:
-                import plotly.graph_objects as go
+        import plotly.graph_objects as go
 
-                self.figure = go.Figure(figure)
+        with self._lock:
+            self.figure = go.Figure(figure)
+            if self.mode == "text":
+                return
+            _fill_width(self.figure)
+            if self.mode == "widget":
+                self._push()
+            else:
                 self._dirty = True
                 self._render()
+
+    def _push(self) -> None:
+        """The widget way: send the figure's JSON to the plot when it changed (the browser redraws it with
+        ``Plotly.react``, which keeps what did not change), then check that the browser drew it."""
+        from fastft.studio.live_plot import figure_json
+
+        sent = figure_json(self.figure)
+        if sent == self._sent:
+            return
+        self._sent = sent
+        with self.plot.hold_sync():
+            self.plot.figure = sent
+            self.plot.revision += 1
+        self._arm_watch()
+
+    def _arm_watch(self) -> None:
+        """Check in `DRAWN_TIMEOUT` seconds that a plot a browser draws has drawn the last figure sent."""
+        plot = self.plot
+        if self._watch is None and plot is not None and plot.rendered and plot.drawn < plot.revision:
+            self._watch = threading.Timer(DRAWN_TIMEOUT, self._check_drawn)
+            self._watch.daemon = True
+            self._watch.start()
+
+    def _check_drawn(self) -> None:
+        """A plot that drew before but has not drawn the figure sent `DRAWN_TIMEOUT` seconds ago no longer
+        takes updates in the browser (see `fastft.studio.live_plot`): show a new one, with the latest data."""
+        from fastft.studio.live_plot import live_plot
+
+        with self._lock:
+            self._watch = None
+            old = self.plot
+            if self.mode != "widget" or not old.rendered or old.drawn >= old.revision:
+                return
+            plot = live_plot(self.figure, _PLOT_CONFIG)
+            if plot is None:
+                return
+            self.plot, self._sent = plot, plot.figure
+            self.replaced_plots += 1
+            plot.observe(self._on_probe, names="rendered")
+            self.widget.children = [plot]
+            old.close()
 
     def flush(self) -> None:
         """Draw any update the display throttle held back."""
@@ -639,11 +604,11 @@ def _fill_width(figure) -> None:
     """Let the figure follow its panel's width (plotly's autosize), whatever width it was made with."""
     figure.layout.width = None
     figure.layout.autosize = True
-    if hasattr(figure, "_config"):  # a FigureWidget: redraw at its panel's width when that changes
-        figure._config = {**(figure._config or {}), **_CONFIG}
 
 
 _CONFIG = {"responsive": True, "displaylogo": False}
+# The live plot follows its box itself (a ResizeObserver): plotly's window-resize listener is not needed.
+_PLOT_CONFIG = {"displaylogo": False}
 
 
 def mime_bundle(figure) -> dict:

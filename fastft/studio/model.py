@@ -143,6 +143,9 @@ class ModelPanel(Panel):
         self.status = widgets.HTML()
         self.saved_note = widgets.HTML()  # where the adapter of the model a Load replaced was saved
         self.error = widgets.HTML()
+        self._failed_load: tuple[str, str] | None = (
+            None  # the (name, precision) whose Load the error is about
+        )
         self.summary = widgets.HTML()
         self.code_view = widgets.HTML()
         code = code_section(self.code_view)
@@ -193,6 +196,7 @@ class ModelPanel(Panel):
         """
         name = self.model_name.value.strip()
         self.error.value = ""
+        self._failed_load = None
         if not name:
             self.error.value = error_html(unknown_model_hint(""), "No model")
             return False
@@ -289,6 +293,7 @@ class ModelPanel(Panel):
             self.error.value = error_html(
                 f"{_message(error)}{kept}", f"{type(error).__name__} (nothing changed)"
             )
+            self._failed_load = (name, settings.precision)
             return
         finally:
             self._busy(False)
@@ -495,8 +500,17 @@ class ModelPanel(Panel):
 
     # ------------------------------------------------------------------------------------------ events
 
+    def _clear_failed_load(self) -> None:
+        """A failed Load's error goes once another model or precision is picked (the loaded one again, say):
+        it spoke of a load that is no longer asked for."""
+        picked = (self.model_name.value.strip(), self.precision.value)
+        if self._failed_load is not None and picked != self._failed_load:
+            self._failed_load = None
+            self.error.value = ""
+
     def _on_pick(self, change) -> None:
         name = (change["new"] or "").strip()
+        self._clear_failed_load()
         self.state.model_name = name
         if name != self._loaded_name and self.target_checkboxes:
             self._set_targets([])  # another model: its layers are known after Load
@@ -520,6 +534,7 @@ class ModelPanel(Panel):
             self.info.value = html
 
     def _on_load_settings(self, _change=None) -> None:
+        self._clear_failed_load()
         settings = self.state.load_settings
         settings.precision = self.precision.value
         settings.max_seq_length = int(self.max_seq_length.value)

@@ -34,7 +34,8 @@ def preference_figure(
         rows=2,
         cols=2,
         specs=[[{"colspan": 2}, None], [{}, {}]],
-        subplot_titles=("Rewards", "Margin (chosen − rejected)", "Accuracy (chosen > rejected)"),
+        # two lines each: side by side in a narrow notebook, one line each would run into the other
+        subplot_titles=("Rewards", "Margin<br>(chosen − rejected)", "Accuracy<br>(chosen > rejected)"),
         horizontal_spacing=0.09,
         vertical_spacing=0.16,
     )
@@ -49,6 +50,9 @@ def preference_figure(
             go.Scatter(x=step, y=y, name=name, line={"color": color, "width": 2}, **line), row=row, col=col
         )
     grid_layout(fig, "preference")
+    # a SimPO loss or margin near 0 reads 2e-12, not plotly's SI "2p"
+    fig.update_yaxes(exponentformat="e", row=1, col=1)
+    fig.update_yaxes(exponentformat="e", row=2, col=1)
     fig.update_yaxes(range=[0, 1], tickformat=".0%", row=2, col=2)
     if max_steps:
         fig.update_xaxes(range=[0, max_steps])

@@ -234,7 +234,10 @@ class RunPanel(Panel):
         self.pause_button = button(description="Pause", icon="pause", disabled=True)
         self.stop_button = button(description="Stop", icon="stop", button_style="danger", disabled=True)
         self.save_button = button(description="Save checkpoint", icon="save", disabled=True)
-        self.progress = widgets.IntProgress(value=0, min=0, max=1, layout=widgets.Layout(width="100%"))
+        # no side margins: at 100 % width they would push the bar past the tab's edge
+        self.progress = widgets.IntProgress(
+            value=0, min=0, max=1, layout=widgets.Layout(width="100%", margin="2px 0")
+        )
         self.progress_text = widgets.HTML("")
         self.checks = widgets.HTML("")  # what cannot work (or looks wrong) with these settings, before Start
         self.where = widgets.HTML("")  # where the run trains: this kernel, or a child process (pid, log)

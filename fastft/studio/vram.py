@@ -18,12 +18,15 @@ import threading
 from pathlib import Path
 
 from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
+from fastft.runtime.host_budget import HOST_BUDGET_FRACTION
 from fastft.studio.notices import LABEL_STYLE, Panel, button, code_html, code_section, field, row
 from fastft.studio.state import PRECISIONS, Debouncer, LoadSettings, StudioState
 
 __all__ = ["VramPanel"]
 
 DEFAULT_GPU = "t4"  # when no GPU is visible: the card of a free Colab / Kaggle notebook
+SEQ_MAX = 32768  # the sequence-length slider's end, unless the longest context that fits is further
+DEFAULT_HOST_GIB = 16.0  # host memory planned for when this machine's total cannot be read
 
 
 def _box(text: str, kind: str) -> str:
@@ -40,8 +43,10 @@ class VramPanel(Panel):
 
     Controls: `model_name` (preset, catalog id, local folder or hub id), `gpu` (the presets of
     `fastft.vram.GPUS`, and the detected GPU first when there is one), `precision` ("16-bit", "8-bit",
-    "4-bit"), `checkpointing`, and sliders `seq_len`, `batch_tokens` (tokens per micro-batch) and
-    `rank`. Results: `figure` (the bar), `verdict` (fits, or the fixes that make it fit), `longest`
+    "4-bit"), `checkpointing`, `host_memory` (GiB of RAM of the machine planned for, this one's total by
+    default: offloading may pin `HOST_BUDGET_FRACTION` of it; the plan never reads this machine's free
+    memory, so the same plan gives the same answer), and sliders `seq_len` (it reaches the longest context
+    that fits), `batch_tokens` (tokens per micro-batch) and `rank`. Results: `figure` (the bar), `verdict` (fits, or the fixes that make it fit), `longest`
     (the longest context that fits), `breakdown` (the component table) and `status` (errors).
     After each estimate, `estimate`, `fit` and `max_context` hold the numbers.
     """
@@ -103,9 +108,23 @@ class VramPanel(Panel):
             style=style,
             layout=field("22em"),
         )
+        self.host_memory = widgets.BoundedFloatText(
+            value=_host_gib(),
+            min=0.0,
+            max=1e6,
+            step=1.0,
+            description="host RAM (GiB)",
+            tooltip=(
+                "RAM of the machine planned for (this one's total by default): offloaded checkpointing may pin "
+                f"{HOST_BUDGET_FRACTION:.0%} of it"
+            ),
+            continuous_update=False,
+            style=style,
+            layout=field("22em"),
+        )
         slider = dict(continuous_update=False, style=style, layout=field("22em"))
         self.seq_len = widgets.IntSlider(
-            value=256, min=64, max=32768, step=64, description="sequence length", **slider
+            value=256, min=64, max=SEQ_MAX, step=64, description="sequence length", **slider
         )
         self.batch_tokens = widgets.IntSlider(
             value=256, min=64, max=131072, step=64, description="batch tokens", **slider
@@ -129,6 +148,7 @@ class VramPanel(Panel):
             self.gpu,
             self.precision,
             self.checkpointing,
+            self.host_memory,
             self.seq_len,
             self.batch_tokens,
             self.rank,
@@ -182,6 +202,14 @@ class VramPanel(Panel):
             self._syncing = False
         self.update()
 
+    def _reach(self, longest: int) -> None:
+        """The sequence-length slider reaches the longest context that fits (its end moves no lower than
+        `SEQ_MAX` or the length chosen)."""
+        step = self.seq_len.step
+        end = max(SEQ_MAX, -(-int(longest) // step) * step, int(self.seq_len.value))
+        if end != self.seq_len.max:
+            self.seq_len.max = end
+
     @staticmethod
     def _set_slider(slider, value: int) -> None:
         if value > slider.max:
@@ -224,6 +252,8 @@ class VramPanel(Panel):
             batch_tokens=max(int(self.batch_tokens.value), int(self.seq_len.value)),
             lora_r=int(self.rank.value),
             checkpointing=self.checkpointing.value,
+            # what offloading may pin on the machine planned for: stated, never this machine's free memory
+            host_memory=int(HOST_BUDGET_FRACTION * float(self.host_memory.value) * 2**30),
         )
         if isinstance(source, str):
             settings["precision"] = LoadSettings(precision=self.precision.value).vram_precision or "bf16"
@@ -279,6 +309,7 @@ class VramPanel(Panel):
         )
         self.status.value = ""
         self._blank = False
+        self._reach(longest)
         self.figure.replace(vram_figure(verdict.estimate))
         self.figure.flush()
         self.verdict.value = _box(verdict.message, "ok" if verdict.fits else "warn")
@@ -378,6 +409,10 @@ class VramPanel(Panel):
         model = py_repr(source) if isinstance(source, str) else "model"
         gpu = "auto" if self.gpu.value == "detected" else self.gpu.value
         settings = self.settings()
+        # what offloading may pin of the host RAM planned for, written as the sum it is
+        settings["host_memory"] = _Code(
+            f"int({HOST_BUDGET_FRACTION} * {float(self.host_memory.value):g} * 2**30)"
+        )
         longest = {k: v for k, v in settings.items() if k != "batch_tokens"}
         seq = int(self.seq_len.value)
         return "\n".join(
@@ -395,6 +430,24 @@ class VramPanel(Panel):
                 "",
             ]
         )
+
+
+class _Code:
+    """A value shown in the code preview as the expression that makes it."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _host_gib() -> float:
+    """This machine's total RAM in GiB (rounded to 0.1), the host memory a plan states by default."""
+    from fastft.runtime.host_budget import host_memory_total
+
+    total = host_memory_total()
+    return round(total / 2**30, 1) if total else DEFAULT_HOST_GIB
 
 
 def _quick(name: str) -> bool:

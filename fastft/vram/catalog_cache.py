@@ -20,7 +20,7 @@ import functools
 import gzip
 import hashlib
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from fastft.vram.inventory import LayerInfo, LinearInfo, ModelInventory
@@ -32,11 +32,12 @@ _SCALAR_FIELDS = [f.name for f in fields(ModelInventory) if f.name not in ("line
 
 
 def known_models() -> list[str]:
-    """The names the cache holds: every preset, then every catalog hub id."""
-    from fastft.models.catalog import CATALOG
+    """The names the cache holds: every preset, then every catalog architecture entry (a base or instruct
+    variant is served from its entry's, `cached_inventory`)."""
+    from fastft.models.catalog import architectures
     from fastft.models.presets import PRESETS
 
-    return [*PRESETS, *CATALOG]
+    return [*PRESETS, *(spec.hub_id for spec in architectures())]
 
 
 def fingerprint(name: str) -> str:
@@ -88,11 +89,20 @@ def _entries() -> dict:
 
 
 def cached_inventory(name: str) -> ModelInventory | None:
-    """The stored inventory of preset or catalog model `name`, or None when there is none for its spec."""
-    entry = _entries().get(name)
-    if entry is None or entry["fingerprint"] != fingerprint(name):
+    """The stored inventory of preset or catalog model `name`, or None when there is none for its spec. A
+    catalog variant gets its entry's, under its own name and stated context (`VARIANT_FIELDS`)."""
+    from fastft.models.catalog import CATALOG
+
+    variant = CATALOG[name] if name in CATALOG and CATALOG[name].variant_of else None
+    stored = variant.variant_of if variant is not None else name
+    entry = _entries().get(stored)
+    if entry is None or entry["fingerprint"] != fingerprint(stored):
         return None
-    return inventory_from_dict(entry["inventory"])
+    inventory = inventory_from_dict(entry["inventory"])
+    if variant is not None:
+        positions = variant.config.get("max_position_embeddings", inventory.max_position_embeddings)
+        inventory = replace(inventory, name=name, max_position_embeddings=positions)
+    return inventory
 
 
 def build_inventory(name: str) -> ModelInventory:

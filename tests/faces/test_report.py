@@ -163,6 +163,38 @@ def test_memory_label(kind, label):
     assert memory_label(kind) == label
 
 
+@pytest.mark.parametrize(("cuda", "label"), [(False, "CPU peak RSS"), (True, "GPU peak allocated")])
+def test_an_empty_run_dashboard_names_the_memory_this_machine_measures(monkeypatch, cuda, label):
+    import torch
+
+    from fastft.report.figures import run_dashboard_figure
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    titles = [note.text for note in run_dashboard_figure().layout.annotations]
+    assert f"{label} (GiB)" in titles
+    assert f"{memory_label('cpu-rss' if cuda else 'cuda')} (GiB)" not in titles
+    assert f"{memory_label('cuda')} (GiB)" in [
+        n.text for n in run_dashboard_figure(memory_kind="cuda").layout.annotations
+    ]
+
+
+def test_loss_axes_never_read_tiny_numbers_in_si_prefixes():
+    """A SimPO loss or a KL near 0 (2e-12) must not read "2p": plotly's default exponent format on tiny
+    numbers is an SI prefix (pico); the loss-like axes use exponents."""
+    from fastft.report.figures import run_dashboard_figure
+    from fastft.studio.grpo import grpo_figure
+    from fastft.studio.preference import preference_figure
+
+    axes = [
+        run_dashboard_figure(memory_kind="cpu").layout.yaxis,  # loss
+        preference_figure().layout.yaxis,  # rewards
+        preference_figure().layout.yaxis2,  # margin
+        grpo_figure().layout.yaxis,  # reward
+        grpo_figure().layout.yaxis2,  # KL
+    ]
+    assert [axis.exponentformat for axis in axes] == ["e"] * len(axes)
+
+
 def test_learning_rate_figure():
     steps = make_steps()
     fig = learning_rate_figure(steps)

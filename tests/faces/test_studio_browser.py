@@ -1,15 +1,18 @@
 """The studio in a real browser: JupyterLab on 127.0.0.1, Debian's chromium driven by Playwright.
 
-Clicks only, as a newcomer would: load `tiny-llama`; a Load of a hub id that cannot load keeps it; a hub
+Clicks only, as a newcomer would. The studio's cell runs with the browser's CPU slowed 4x: the bytes the
+kernel's websocket brings for it (one plotly.js for the page, every widget) and the time from the cell's end
+until every tab answers a click and a chart is drawn are printed and held to their bars. Then: load `tiny-llama`; a Load of a hub id that cannot load keeps it; a hub
 id typed with the hub offline is answered in the VRAM tab within 2 s while clicks go on working; load
 bundled data and pack it (the length histogram appears), load other data (the old stats go), pack again;
 the layout at 1,440 px, then the window narrowed to 1,024 and 800 px, then the notebook narrowed by the file
-browser (no button's text cut, no two plot labels overlapping, every chart's svg inside its panel and filling
-it, from the DOM's bounding boxes); start a short run, watch the loss plot and the progress line move, stop
+browser (no element overflowing its tab unless it scrolls there, no button's text cut, no two plot labels
+overlapping, every chart's svg inside its panel and filling it, from the DOM's bounding boxes); start a short run, watch the loss plot and the progress line move, stop
 it; switch the method to GRPO, run three steps, see its curves and the latest rollout, and check the layout
-again; load preference pairs from a file, pack them, run three DPO steps, see its curves and the layout; start a
-long DPO run (in its child process, as every run here), restart the kernel, run the studio cell again: the new
-studio follows the run, still training, its progress and loss curve going on, and Stop ends its process; a live figure whose render probe never reports falls back to the display mode, renders, and gains
+again; load preference pairs from a file, pack them, run three DPO steps, see its curves and the layout, again at
+900 px with the file browser open (the studio has about 430 px); start a long DPO run (in its child process, as
+every run here), restart the kernel, run the studio cell again: the new studio follows the run, still training,
+its progress and loss curve going on, and Stop ends its process; a live figure whose render probe never reports falls back to the display mode, renders, and gains
 points from a small update script (the figure is not drawn again). A screenshot is
 saved in the test's tmp folder, and also to ``$FASTFT_SCREENSHOT`` when that is set (that is how
 ``docs/studio.png`` is made: ``FASTFT_SCREENSHOT=docs/studio.png pytest tests/faces/test_studio_browser.py``).
@@ -49,6 +52,13 @@ VIEWPORT = {"width": 1440, "height": 900}
 # The layouts checked: the page opens at the first, then the window narrows; every chart must follow its panel.
 WIDTHS = (1440, 1024, 800)
 HUB_ANSWER_S = 2.0  # a hub id typed offline is answered within this
+# One studio cell: what the kernel sends the page (plotly.js once, every widget's state), and how soon after
+# the cell the tabs answer clicks and a chart is drawn with the browser's CPU slowed 4x (a slow laptop).
+CELL_BYTES_BAR = 8_000_000
+USABLE_BAR_S = 10.0
+CPU_SLOWDOWN = 4
+# JupyterLab with its file browser open leaves the studio about 430 px of a 900 px window.
+NARROW = 900
 # The tabs whose layout is checked: all five.
 LAYOUT_TABS = ("Model", "Data", "VRAM", "Run", "Export")
 
@@ -60,7 +70,7 @@ from fastft.studio.live import LiveFigure
 fallback = LiveFigure(sequence_length_figure([3, 5, 9, 12, 12, 14], 16), "auto", probe_timeout=2)
 fallback.probe.unobserve(fallback._on_probe, names="rendered")  # as if it never reported
 fallback.widget"""
-# The probe's clock starts once the cell is done: wait for the fallback (the FigureWidget is drawn until then).
+# The probe's clock starts once the cell is done: wait for the fallback (the live plot is drawn until then).
 WAIT_SOURCE = """import time
 
 deadline = time.monotonic() + 30
@@ -178,7 +188,7 @@ def _server(tmp_path: Path, app: str, hub_endpoint: str):
     port, token = _free_port(), secrets.token_hex(24)
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the kernel takes the plain-PyTorch paths, as a CPU user's does
-    env.pop("FASTFT_LIVE", None)  # the kernel picks the FigureWidget itself
+    env.pop("FASTFT_LIVE", None)  # the kernel picks the live plot itself
     # offline as a machine without network is, not by a variable: every connection to the hub hangs (a black
     # hole, as behind a firewall that drops packets), and HF_HUB_OFFLINE is not set
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -341,9 +351,16 @@ def test_studio_in_jupyterlab_with_clicks(lab, tmp_path):
             page = browser.new_page(viewport={**VIEWPORT, "width": WIDTHS[0]})
             page.set_default_timeout(ACTION_TIMEOUT)
             expect.set_options(timeout=ACTION_TIMEOUT)
+            console = []  # the page's errors and warnings, printed when the test fails
+            page.on(
+                "console",
+                lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None,
+            )
+            page.on("pageerror", lambda error: console.append(f"page error: {error}"))
             try:
                 _drive(page, lab, shot)
             except BaseException:
+                print("\n".join(console[-40:]))
                 with contextlib.suppress(Exception):
                     page.screenshot(path=str(tmp_path / "failure.png"))
                     (tmp_path / "failure.html").write_text(page.content())
@@ -405,6 +422,33 @@ _CUT_BUTTONS_JS = """
 """
 
 
+# Elements of the shown tab whose box reaches past the tab's box (or past the notebook's output area, should
+# the tab itself be wider) and are not inside a horizontal scroll container: what a narrow notebook cuts off.
+_OVERFLOW_JS = """
+(root) => {
+  const panel = root.querySelector('.widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)');
+  const area = (root.closest('.jp-OutputArea-output') || root).getBoundingClientRect();
+  const p = panel.getBoundingClientRect();
+  const left = Math.max(p.left, area.left) - 1, right = Math.min(p.right, area.right) + 1;
+  const out = [];
+  for (const e of panel.querySelectorAll('*')) {
+    const r = e.getBoundingClientRect();
+    if (r.width === 0 || r.height === 0 || (r.left >= left && r.right <= right)) continue;
+    let a = e.parentElement, kept = false;
+    while (a && a !== panel && !kept) {
+      const style = getComputedStyle(a), box = a.getBoundingClientRect();
+      kept = ['auto', 'scroll'].includes(style.overflowX)  // it scrolls there
+        || (style.overflowX !== 'visible' && (box.width === 0 || box.height === 0));  // a hidden helper
+      a = a.parentElement;
+    }
+    if (!kept) out.push(`${e.tagName.toLowerCase()}.${[...e.classList].slice(0, 2).join('.')} `
+      + `"${(e.textContent || '').trim().slice(0, 30)}" [${Math.round(r.left)}, ${Math.round(r.right)}] `
+      + `outside [${Math.round(left)}, ${Math.round(right)}]`);
+  }
+  return out.slice(0, 12);
+}
+"""
+
 _BARS_JS = """
 (root) => [...root.querySelectorAll('.js-plotly-plot .barlayer .point path')]
   .filter(p => p.getBoundingClientRect().height > 1).length
@@ -453,8 +497,9 @@ def _box(plot: dict) -> dict:
 
 
 def _check_layout(page, studio, tabs, width: int, shots: Path | None = None) -> None:
-    """At `width` px: no button's text is cut, no two labels of a chart overlap, and charts fill their panel
-    (a screenshot of each tab goes to `shots` when given)."""
+    """At `width` px: no element overflows its tab (unless it scrolls there), no button's text is cut, no two
+    labels of a chart overlap, and charts fill their panel (a screenshot of each tab goes to `shots` when
+    given)."""
     page.set_viewport_size({"width": width, "height": VIEWPORT["height"]})
     for title in LAYOUT_TABS:
         tabs.filter(has_text=title).click()
@@ -468,6 +513,8 @@ def _check_layout(page, studio, tabs, width: int, shots: Path | None = None) -> 
         deadline = time.monotonic() + 5  # plotly redraws each chart at its panel's new width, one by one
         while not all(_fills(p) for p in studio.evaluate(_PLOT_LABELS_JS)) and time.monotonic() < deadline:
             page.wait_for_timeout(200)
+        overflow = studio.evaluate(_OVERFLOW_JS)
+        assert not overflow, f"{title} tab at {width} px: elements overflow the tab: {overflow}"
         for plot in studio.evaluate(_PLOT_LABELS_JS):
             overlaps = _overlaps(plot["labels"])
             assert not overlaps, f"{title} tab at {width} px: overlapping plot labels {overlaps}"
@@ -501,9 +548,78 @@ def _load_tiny_llama(tabs, panel):
     return combo
 
 
+class _KernelFrames:
+    """Counts what the kernel's websocket brings the page once `start` is called (listening from before the
+    notebook opens its websocket), and when the first execute_reply after that came."""
+
+    def __init__(self, page):
+        self.counting, self.bytes, self.frames, self.reply = False, 0, 0, None
+        page.on("websocket", self._on_socket)
+
+    def _on_socket(self, socket) -> None:
+        if "/channels" in socket.url:  # the kernel's, not the server's event stream
+            socket.on("framereceived", self._on_frame)
+
+    def _on_frame(self, payload) -> None:
+        if not self.counting:
+            return
+        self.bytes += len(payload)
+        self.frames += 1
+        marker = '"execute_reply"' if isinstance(payload, str) else b'"execute_reply"'
+        if self.reply is None and marker in payload:
+            self.reply = time.monotonic()
+
+    def start(self) -> None:
+        self.counting, self.bytes, self.frames, self.reply = True, 0, 0, None
+
+    def stop(self) -> None:
+        self.counting = False
+
+
+def _first_studio_cell(page, cell, frames: _KernelFrames):
+    """Run the studio's cell with the browser's CPU slowed `CPU_SLOWDOWN` times, count the bytes the kernel's
+    websocket brings, and time how long after the cell (its execute_reply) every tab answers a click (and when
+    the VRAM tab's chart is drawn); print them and hold bytes and tabs to their bars. Returns `_studio_in`'s
+    triple."""
+    from playwright.sync_api import expect
+
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Emulation.setCPUThrottlingRate", {"rate": CPU_SLOWDOWN})
+    try:
+        frames.start()
+        started = time.monotonic()
+        cell.locator(".cm-content").click()
+        page.keyboard.press("Shift+Enter")
+        studio, tabs, panel = _studio_in(page)
+        for title in (*LAYOUT_TABS[1:], LAYOUT_TABS[0]):
+            tabs.filter(has_text=title).click()
+            expect(tabs.filter(has_text=title)).to_have_class(re.compile(r"\blm-mod-current\b"))
+            expect(panel()).to_be_visible()
+        usable = time.monotonic()
+        tabs.filter(has_text="VRAM").click()
+        expect(panel().locator(".js-plotly-plot .main-svg").first).to_be_visible()
+        drawn = time.monotonic()
+        frames.stop()
+        tabs.filter(has_text="Model").click()
+    finally:
+        cdp.send("Emulation.setCPUThrottlingRate", {"rate": 1})
+        cdp.detach()
+    assert frames.reply is not None, "no execute_reply came over the kernel's websocket"
+    after = usable - frames.reply
+    print(
+        f"\nstudio cell: {frames.bytes / 1e6:.2f} MB in {frames.frames} websocket frames; the cell ran "
+        f"{frames.reply - started:.1f} s; every tab answered a click {after:.1f} s after it, the VRAM chart "
+        f"was drawn {drawn - frames.reply:.1f} s after it (browser CPU slowed {CPU_SLOWDOWN}x)"
+    )
+    assert frames.bytes <= CELL_BYTES_BAR, f"one studio cell sent {frames.bytes:,} bytes"
+    assert after <= USABLE_BAR_S, f"the tabs were usable {after:.1f} s after the cell"
+    return studio, tabs, panel
+
+
 def _drive(page, lab: Lab, shot: Path) -> None:
     from playwright.sync_api import expect
 
+    frames = _KernelFrames(page)
     page.goto(lab.url("/lab/tree/studio.ipynb"))
     cell = page.locator(".jp-Notebook .jp-CodeCell").first
     expect(cell).to_be_visible()
@@ -512,11 +628,8 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     # more room for the studio: close the file browser, then run the cell
     with contextlib.suppress(Exception):  # cosmetic: never fail the test over it
         page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").first.click(timeout=5_000)
-    cell.locator(".cm-content").click()
-    page.keyboard.press("Shift+Enter")
+    studio, tabs, panel = _first_studio_cell(page, cell, frames)
     expect(cell.locator(".jp-InputPrompt").first).not_to_have_text(re.compile(r"\[ \]"))
-
-    studio, tabs, panel = _studio_in(page)
     combo = _load_tiny_llama(tabs, panel)
 
     # a Load that fails keeps the model: the error says so, and the Export tab still has it
@@ -598,7 +711,7 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     step, total = _progress(panel())
     assert total == RUN_STEPS and STEPS_TO_SEE <= step < total
     assert re.search(r"loss \d+\.\d+", panel().inner_text())
-    # the live plot: the FigureWidget draws the loss as a line with points
+    # the live plot draws the loss as a line with points
     loss_line = panel().locator(".js-plotly-plot .scatterlayer .trace path.js-line").first
     expect(loss_line).to_have_attribute("d", re.compile(r"M[\d.]+,[\d.]+L"))
     panel().get_by_role("button", name="Stop").click()
@@ -659,12 +772,18 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     panel().get_by_role("button", name="Start").click()
     expect(panel()).to_contain_text("Finished 3 steps")
     expect(panel()).to_contain_text(re.compile(r"accuracy \d+% · margin [+-]\d"))
-    preference_chart = panel().locator(".js-plotly-plot", has_text="Margin (chosen").first
+    preference_chart = panel().locator(".js-plotly-plot", has_text="Margin").first
     expect(preference_chart.locator(".scatterlayer .trace path.js-line").first).to_have_attribute(
         "d", re.compile(r"M[\d.]+,[\d.]+L")
     )
     for width in WIDTHS:
         _check_layout(page, studio, tabs, width)
+    # 900 px with the file browser open: the studio has about 430 px, and every tab still holds
+    page.set_viewport_size({"width": NARROW, "height": VIEWPORT["height"]})
+    sidebar.click()
+    expect(page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current")).to_have_count(1)
+    _check_layout(page, studio, tabs, NARROW, shot.parent)
+    sidebar.click()
     page.set_viewport_size(VIEWPORT)
 
     _restart_under_a_run(page, lab, studio, tabs, panel)
@@ -694,7 +813,11 @@ def _drive(page, lab: Lab, shot: Path) -> None:
     while _until_bars(output, timeout=30) <= before:
         assert time.monotonic() < deadline, f"the fallback's plot did not gain points ({before} bars)"
         time.sleep(0.25)
-    assert output.locator(".js-plotly-plot").count() == 1  # updated in place, not drawn a second time
+    # updated in place, not drawn a second time (the live plot, hidden beside it, is not shown)
+    shown = (
+        "e => [...e.querySelectorAll('.js-plotly-plot')].filter(p => p.getBoundingClientRect().width).length"
+    )
+    assert output.evaluate(shown) == 1
 
 
 def _restart_under_a_run(page, lab: Lab, studio, tabs, panel) -> None:
@@ -752,8 +875,8 @@ def _restart_under_a_run(page, lab: Lab, studio, tabs, panel) -> None:
 NOTEBOOK7_CHECK_SOURCE = """plot = studio.data.length_plot
 print("histogram", plot.mode, plot.rendered)"""
 # A probe that reports late (a busy page, a slow machine): the figure, drawn, falls back when the probe's clock
-# runs out (forced here: a probe that has not reported yet, as the kernel sees it), its FigureWidget's view is
-# taken down, the probe's report comes, and the figure is a live widget again whose updates draw.
+# runs out (forced here: a probe that has not reported yet, as the kernel sees it), its live plot's view is
+# taken down, the plot's report comes, and the figure is a live widget again whose updates draw.
 LATE_PROBE_SOURCE = """from fastft.report.figures import sequence_length_figure
 from fastft.studio.live import LiveFigure
 
@@ -825,18 +948,19 @@ def test_studio_in_notebook7_draws_its_live_plots_as_widgets(notebook7, tmp_path
                 expect(panel()).to_contain_text(re.compile(r"\d rows? of .* from bundled:skills-eval"))
                 panel().get_by_role("button", name="Pack").click()
                 expect(panel()).to_contain_text("sequences per bin")
-                assert _until_bars(panel()) >= 3  # the histogram, drawn by the FigureWidget
+                assert _until_bars(panel()) >= 3  # the histogram, drawn by the live plot
                 cut = studio.evaluate(_CUT_BUTTONS_JS)
                 assert not cut, f"Data tab in Notebook 7 at 1,024 px: button text cut: {cut}"
+                _check_layout(page, studio, tabs, NARROW, tmp_path)  # every tab holds at 900 px
                 check = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
                 check.locator(".cm-content").click()
                 page.keyboard.press("Shift+Enter")
                 expect(check.locator(".jp-Cell-outputArea").first).to_contain_text("histogram widget True")
-                # the late probe: fallen back and returned, a new FigureWidget draws the new figure's bars
+                # the late probe: fallen back and returned, the live plot draws the new figure's bars
                 late = page.locator(".jp-Notebook .jp-CodeCell").nth(2)
                 late.locator(".cm-content").click()
                 page.keyboard.press("Shift+Enter")
-                assert _until_bars(late) >= 5  # drawn by its first FigureWidget
+                assert _until_bars(late) >= 5  # drawn by its live plot
                 fall = page.locator(".jp-Notebook .jp-CodeCell").nth(3)
                 fall.locator(".cm-content").click()
                 page.keyboard.press("Shift+Enter")

@@ -60,6 +60,9 @@ def test_a_failed_load_keeps_the_loaded_model(name, precision, shown):
     assert shown in panel.error.value and "tiny-llama is still loaded" in _text(panel.error)
     assert panel.state.model is model and panel.state.tokenizer is tokenizer
     assert panel.summary.value == summary and not panel.apply_button.disabled
+    # the loaded model picked again: the failed load's error goes, the panel says what is loaded
+    panel.model_name.value, panel.precision.value = "tiny-llama", "16-bit"
+    assert panel.error.value == "" and "Loaded tiny-llama" in panel.status.value
 
 
 def test_loading_over_a_trained_unsaved_model_saves_its_adapter_first(tmp_path):
@@ -127,6 +130,34 @@ def test_a_hub_id_typed_offline_is_looked_up_once_off_the_thread_and_answers_fas
     assert panel.estimate is not None and panel.status.value == ""
     panel.model_name.value = "some/model"  # known now: answered from the kept outcome, no new lookup
     assert "offline" in _text(panel.status) and panel.lookups == 1
+
+
+def test_a_vram_plan_does_not_move_with_this_machines_free_memory(monkeypatch):
+    """8B, 4-bit, RTX 4090, offloaded checkpointing: the longest context is bound by the host memory the
+    offloader may pin. The plan states that memory (this machine's total by default, editable); the free
+    memory of the moment (monkeypatched here, as it moves on a busy machine) never changes the answer. The
+    slider reaches the answer; the base model is planned offline as its -Instruct entry is."""
+    from fastft.runtime import host_budget
+
+    answers = []
+    for free in (6 * 2**30, 60 * 2**30):
+        monkeypatch.setattr(host_budget, "host_memory_available", lambda free=free: free)
+        panel = VramPanel(StudioState(), live="text")
+        panel.model_name.value = "meta-llama/Llama-3.1-8B"
+        panel.gpu.value = "rtx4090"
+        panel.precision.value = "4-bit"
+        panel.checkpointing.value = "offload"
+        assert panel.estimate is not None, _text(panel.status)
+        answers.append((panel.max_context, panel.estimate.total_bytes, panel.verdict.value))
+        assert panel.seq_len.max >= panel.max_context > 32768  # the slider reaches the answer
+        panel.seq_len.value = panel.seq_len.max
+        assert panel.seq_len.value >= panel.max_context
+    assert answers[0] == answers[1]
+    total = host_budget.host_memory_total()
+    assert panel.host_memory.value == pytest.approx(total / 2**30, abs=0.05)  # this machine's total RAM
+    longest = panel.max_context
+    panel.host_memory.value = 8.0  # a smaller machine: less can be offloaded, a shorter context fits
+    assert panel.max_context < longest and "0.75 * 8 * 2**30" in panel.code_view.value
 
 
 def test_debouncer_calls_once_with_the_last_value():
@@ -283,11 +314,11 @@ def test_a_live_figure_falls_back_when_no_probe_reports_and_returns_when_one_doe
     assert frontend({"FASTFT_LIVE": "display"}, kernel=True) == "display"
 
     live = LiveFigure(run_dashboard_figure(), "auto", probe_timeout=0.2)
-    assert live.mode == "widget" and live.probe is not None
-    first = live.figure
+    assert live.mode == "widget" and live.probe is live.plot is not None
+    plot = live.plot
     time.sleep(0.5)
     assert live.mode == "display" and live.fell_back_at is not None
-    assert first.comm is None  # its view was taken down: the FigureWidget is closed, never shown again
+    assert plot.layout.display == "none" and plot in live.widget.children  # hidden, still able to report
     live.set_data({0: ([1, 2], [3.0, 2.0])})
     live.flush()
     (output,) = live._output.outputs
@@ -297,21 +328,62 @@ def test_a_live_figure_falls_back_when_no_probe_reports_and_returns_when_one_doe
     live.flush()
     assert live._output.outputs is sent
 
-    live.probe.rendered = True  # the browser drew the probe after all
+    plot.rendered = True  # the browser drew the plot after all
     assert live.mode == "widget" and list(live.figure.data[0].y) == [3.0, 2.0]
-    # a new FigureWidget (a new model in the browser): plotly's front end cannot show one whose view was taken
-    # down (the old view's listeners stay on the model and throw on every update)
-    assert live.figure is not first and live.figure.comm is not None
-    assert live.widget.children == (live.figure, live.probe)
+    # the same plot, shown again with the data the fallback drew (its listeners are its views' own: a view
+    # taken down leaves none behind), and its updates reach it
+    assert live.plot is plot and plot.comm is not None and plot.layout.display is None
+    assert live.widget.children == (plot,)
+    assert _plot_y(plot, 0) == [3.0, 2.0]
     live.set_data({0: ([1, 2, 3], [3.0, 2.0, 1.0])})
-    assert list(live.figure.data[0].y) == [3.0, 2.0, 1.0]
+    assert list(live.figure.data[0].y) == [3.0, 2.0, 1.0] and _plot_y(plot, 0) == [3.0, 2.0, 1.0]
+
+
+def test_a_plot_that_stops_drawing_what_it_is_sent_is_replaced(monkeypatch):
+    """anywidget drops every message to a model that was slow to initialize (a busy page): the plot drew its
+    first figure and froze. The browser answers each figure with its revision; one left unanswered gets a new
+    plot holding the latest data. A plot no browser draws (no view) is never replaced."""
+    from fastft.report.figures import run_dashboard_figure
+    from fastft.studio import live
+
+    monkeypatch.setattr(live, "DRAWN_TIMEOUT", 0.1)
+    figure = LiveFigure(run_dashboard_figure(memory_kind="cpu"), "widget")
+    plot = figure.plot
+    plot.drawn, plot.rendered = plot.revision, True  # a browser drew the first figure
+    figure.set_data({0: ([1, 2], [3.0, 2.0])})
+    plot.drawn = plot.revision  # and the next one
+    time.sleep(0.4)
+    assert figure.plot is plot and figure.replaced_plots == 0
+    figure.set_data({0: ([1, 2, 3], [3.0, 2.0, 1.0])})  # never answered: frozen in the browser
+    time.sleep(0.4)
+    assert figure.plot is not plot and figure.replaced_plots == 1 and plot.comm is None
+    assert figure.widget.children == (figure.plot,) and _plot_y(figure.plot, 0) == [3.0, 2.0, 1.0]
+    figure.set_data({0: ([1], [1.0])})  # the new plot has not drawn yet: nothing to judge
+    time.sleep(0.4)
+    assert figure.replaced_plots == 1
+    # it reports having drawn only its first figure, the one it was made with: frozen from the start
+    figure.plot.drawn, figure.plot.rendered = 0, True
+    time.sleep(0.4)
+    assert figure.replaced_plots == 2 and _plot_y(figure.plot, 0) == [1.0]
+
+
+def _plot_y(plot, index: int) -> list[float]:
+    """Trace `index`'s y as the browser gets it (a base64 typed array, or a list)."""
+    import base64
+
+    import numpy as np
+
+    y = plot.figure["data"][index]["y"]
+    if isinstance(y, dict):
+        return np.frombuffer(base64.b64decode(y["bdata"]), dtype=np.dtype(y["dtype"])).tolist()
+    return list(y)
 
 
 def test_a_live_figure_whose_probe_reports_stays_a_widget():
     from fastft.report.figures import vram_figure
 
     live = LiveFigure(vram_figure({}), "auto", probe_timeout=0.3)
-    live.probe.rendered = True
+    live.plot.rendered = True
     time.sleep(0.5)
     assert live.mode == "widget" and live.rendered
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fastft.models.catalog import CATALOG, ModelSpec, find_model, get_spec
+from fastft.models.catalog import CATALOG, VARIANT_FIELDS, ModelSpec, architectures, find_model, get_spec
 
-SPECS = list(CATALOG.values())
+SPECS = architectures()  # each architecture once: a base or instruct variant shares its entry's
 IDS = [spec.short_name for spec in SPECS]
 
 REQUIRED_FIELDS = (
@@ -142,6 +142,30 @@ def test_exact_totals_are_pinned():
     assert {spec.hub_id: spec.parameter_count() for spec in SPECS} == EXACT_TOTAL
 
 
+def test_every_family_has_a_base_and_an_instruct_model_sharing_one_architecture_entry():
+    variants = [spec for spec in CATALOG.values() if spec.variant_of]
+    assert variants and {s.hub_id for s in SPECS} | {s.hub_id for s in variants} == set(CATALOG)
+    for variant in variants:
+        entry = CATALOG[variant.variant_of]
+        assert not entry.variant_of and variant.hub_id != entry.hub_id
+        assert (variant.family, variant.model_type, variant.gated) == (
+            entry.family,
+            entry.model_type,
+            entry.gated,
+        )
+        changed = {
+            k for k in {*variant.config, *entry.config} if variant.config.get(k) != entry.config.get(k)
+        }
+        assert changed <= VARIANT_FIELDS, variant.hub_id
+        if not changed:
+            assert variant.config is entry.config  # shared, not copied
+        assert variant.parameter_count() == entry.parameter_count()
+    paired = {spec.family for spec in variants}
+    assert paired == {spec.family for spec in SPECS} - {"gpt-oss"}  # released post-trained only
+    assert get_spec("meta-llama/Llama-3.1-8B").variant_of == "meta-llama/Llama-3.1-8B-Instruct"
+    assert get_spec("Qwen/Qwen3-8B-Base").variant_of == "Qwen/Qwen3-8B"
+
+
 @pytest.mark.parametrize("hub_id", PUBLISHED_ACTIVE)
 def test_active_matches_published_size(hub_id):
     published, include_embedding, rel = PUBLISHED_ACTIVE[hub_id]
@@ -216,7 +240,7 @@ def test_spec_is_frozen():
 
 
 def test_find_model_searches_ids_and_families_case_insensitively():
-    qwen3 = {spec.short_name for spec in find_model("QWEN3")}
+    qwen3 = {spec.short_name for spec in find_model("QWEN3") if not spec.variant_of}
     assert qwen3 == {
         "Qwen3-0.6B",
         "Qwen3-1.7B",
@@ -228,15 +252,26 @@ def test_find_model_searches_ids_and_families_case_insensitively():
     }
     assert [s.short_name for s in find_model("llama")] == [
         "Llama-3.2-1B-Instruct",
+        "Llama-3.2-1B",
         "Llama-3.2-3B-Instruct",
+        "Llama-3.2-3B",
         "Llama-3.1-8B-Instruct",
+        "Llama-3.1-8B",
     ]
     assert [s.hub_id for s in find_model("gpt-oss")] == ["openai/gpt-oss-20b"]
-    assert [s.hub_id for s in find_model("Mixtral")] == ["mistralai/Mixtral-8x7B-Instruct-v0.1"]
-    assert {s.short_name for s in find_model("gemma3")} == {"gemma-3-1b-it", "gemma-3-4b-it"}  # by family
+    assert [s.hub_id for s in find_model("Mixtral")] == [
+        "mistralai/Mixtral-8x7B-Instruct-v0.1",
+        "mistralai/Mixtral-8x7B-v0.1",
+    ]
+    assert {s.short_name for s in find_model("gemma3")} == {  # by family
+        "gemma-3-1b-it",
+        "gemma-3-1b-pt",
+        "gemma-3-4b-it",
+        "gemma-3-4b-pt",
+    }
     assert {s.family for s in find_model("mistralai/")} == {"mistral", "mixtral"}
     assert find_model("no-such-model") == []
-    assert find_model("") == SPECS
+    assert find_model("") == list(CATALOG.values())
 
 
 def test_get_spec_returns_the_entry():
@@ -247,7 +282,7 @@ def test_get_spec_returns_the_entry():
     ("query", "expected"),
     [
         ("Qwen/Qwen3-8b", "Qwen/Qwen3-8B"),
-        ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct"),
+        ("meta-llama/Llama-3.1-8", "meta-llama/Llama-3.1-8B-Instruct"),
         ("Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-Instruct-v0.3"),
         ("google/gemma-3-1b", "google/gemma-3-1b-it"),
     ],

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from fastft.models.catalog import CATALOG
+from fastft.models.catalog import CATALOG, architectures
 from fastft.models.presets import PRESETS
 from fastft.vram import catalog_cache, estimate_vram
 from fastft.vram.inventory import _inventory_of_config, _inventory_of_name
@@ -15,9 +15,19 @@ from fastft.vram.inventory import _inventory_of_config, _inventory_of_name
 
 def test_every_preset_and_catalog_model_has_a_current_entry():
     names = catalog_cache.known_models()
-    assert names == [*PRESETS, *CATALOG]
-    missing = [name for name in names if catalog_cache.cached_inventory(name) is None]
+    assert names == [*PRESETS, *(spec.hub_id for spec in architectures())]
+    missing = [name for name in [*PRESETS, *CATALOG] if catalog_cache.cached_inventory(name) is None]
     assert not missing, f"run `python -m fastft.vram.catalog_cache` (stale or missing: {missing})"
+
+
+@pytest.mark.parametrize("name", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen3-8B-Base"])
+def test_a_variant_is_served_from_its_entry_and_equals_its_own_meta_build(name):
+    """A base or instruct variant has no entry of its own: its architecture entry's, under its name and
+    with its own stated context (Qwen3-8B-Base's 32,768 positions, not Qwen3-8B's 40,960)."""
+    cached = catalog_cache.cached_inventory(name)
+    assert cached == catalog_cache.build_inventory(name)
+    assert cached.name == name
+    assert cached.max_position_embeddings == CATALOG[name].config["max_position_embeddings"]
 
 
 @pytest.mark.parametrize("name", catalog_cache.known_models())
