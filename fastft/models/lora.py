@@ -244,10 +244,14 @@ def add_lora(
             + ". Reload the base model with load_model(...) before adding different adapters."
         )
 
-    quantized = is_quantised(base)
-    # PEFT's k-bit preparation casts every 16-bit weight (norms, embeddings, head) to fp32 for fp16's sake;
-    # with bf16 that only turns the residual stream and every matmul fp32. fastft keeps bf16 (as Unsloth).
-    if quantized and base.get_input_embeddings().weight.dtype != torch.bfloat16:
+    # A quantised model keeps its frozen non-quantised weights (norms, embeddings, head) in the dtype it was
+    # loaded in, fp16 as bf16 (as Unsloth does): PEFT's k-bit preparation would cast them to fp32, and the
+    # residual stream and the head's matmul with them. The adapters PEFT creates are fp32 either way (its
+    # `autocast_adapter_dtype`): the fp16 loss scaler updates fp32 master weights. Modules trained whole are
+    # PEFT copies of 16-bit modules, which fp16 cannot train (AdamW's second moment underflows): there PEFT's
+    # preparation still runs, so the copies are fp32 (and the rest with them, as before).
+    fp16 = base.get_input_embeddings().weight.dtype == torch.float16
+    if is_quantised(base) and fp16 and saved_modules:
         from peft import prepare_model_for_kbit_training
 
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)

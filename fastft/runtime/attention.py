@@ -139,8 +139,9 @@ def _varlen_takes_enable_gqa() -> bool:
 
 
 def _flash_dtype(query: torch.Tensor) -> torch.dtype:
-    """FlashAttention kernels take 16-bit inputs only; fp32 activations (a QLoRA model keeps its
-    norms in fp32) are computed in the autocast dtype, or bf16 outside autocast."""
+    """FlashAttention kernels take 16-bit inputs only; fp32 activations (a model whose norms are fp32, e.g. a
+    QLoRA model prepared by PEFT's k-bit preparation) are computed in the autocast dtype, or bf16 outside
+    autocast."""
     if query.dtype in (torch.float16, torch.bfloat16):
         return query.dtype
     return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16

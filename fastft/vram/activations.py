@@ -36,11 +36,12 @@ int64 indices (transformers also the expert output, kept by the routing-weight p
 block computes that weight's gradient from the activation instead), and per token the router's fp32
 softmax and top-k values/indices.
 
-**QLoRA / 8-bit**: a bf16 model keeps its non-quantised weights (embeddings, norms, head, fused MoE
-experts, which bitsandbytes never quantises) in bf16. In fp16 (GPUs without bf16) ``add_lora`` runs peft's
-``prepare_model_for_kbit_training``, which upcasts them all to fp32: the **residual stream is then fp32**,
-and on the transformers path bitsandbytes returns each projection in its input's dtype, so MLP
-intermediates are fp32 too; the fused kernels compute in the autocast dtype either way.
+**QLoRA / 8-bit**: the non-quantised weights (embeddings, norms, head, fused MoE experts, which
+bitsandbytes never quantises) stay in the dtype the model was loaded in, bf16 or fp16 (GPUs without bf16):
+``add_lora`` does not run peft's ``prepare_model_for_kbit_training``, so the residual stream is 16-bit in
+both. A quantised model whose other weights are fp32 (loaded in fp32, or prepared by peft outside fastft)
+has an **fp32 residual stream**, and on the transformers path bitsandbytes returns each projection in its
+input's dtype, so MLP intermediates are fp32 too; the fused kernels compute in the autocast dtype either way.
 
 Checked on CPU against the saved tensors themselves (``torch.autograd.graph.saved_tensors_hooks``;
 tests/tools/test_vram.py). All sizes are bytes per token of one micro-batch.
@@ -70,7 +71,7 @@ class Profile:
     """Bytes per element of what a step keeps, and which code path runs each part of a layer."""
 
     precision: str  # "bf16", "fp16", "fp32", "nf4", "int8"
-    param: int  # bytes per non-quantised base parameter (4 for QLoRA's upcast ones)
+    param: int  # bytes per non-quantised base parameter (4 for a quantised model's fp32 ones)
     residual: int  # residual stream (layer inputs and outputs)
     act: int  # projection outputs / MLP intermediates on the transformers path
     expert: int  # MoE expert activations (the expert weights' dtype)
@@ -93,8 +94,8 @@ class Profile:
         residual: int | None = None,
         upcast: bool = False,
     ) -> Profile:
-        """`upcast`: a quantised model computing in fp16, which peft's k-bit preparation upcasts to fp32
-        (`add_lora` skips that preparation for bf16 models)."""
+        """`upcast`: a quantised model whose non-quantised weights are fp32 (loaded so, or prepared by peft's
+        ``prepare_model_for_kbit_training``; `add_lora` keeps bf16 and fp16 ones as they are)."""
         if precision in ("bf16", "fp16"):
             sizes = dict(param=2, residual=2, act=2, expert=2, compute=2, lora_copy=2, quantized=None)
         elif precision == "fp32":
@@ -174,7 +175,7 @@ def int8_shares_inputs(profile: Profile) -> bool:
     """8-bit bases under autocast: peft's `Linear8bitLt` skips its fp32 cast of the input when autocast is
     on (``requires_conversion = not torch.is_autocast_enabled()``), and the input already is in the
     autocast dtype, so ``lora_A`` saves the very tensor bitsandbytes keeps: no copy per linear. With an
-    fp32 residual stream (fp16 GPUs upcast by peft) autocast makes an fp16 copy per ``lora_A`` call."""
+    fp32 residual stream (fp32 non-quantised weights) autocast makes a 16-bit copy per ``lora_A`` call."""
     return (
         profile.quantized == "int8"
         and not profile.fused_projections

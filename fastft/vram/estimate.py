@@ -422,11 +422,8 @@ def _reference_pass(run: ResolvedRun, stored: _Stored) -> int:
 def _weights(inventory: ModelInventory, profile: Profile) -> tuple[int, int, str]:
     loaded = inventory.loaded
     if loaded is not None:
-        upcast = loaded.upcast_pending_params * 2  # 16-bit → fp32 adds 2 B each when add_lora runs
         note = f"as loaded ({loaded.quantization or str(loaded.compute_dtype).removeprefix('torch.')})"
-        if upcast:
-            note += ", + fp32 upcast of non-quantised weights by add_lora"
-        return loaded.weight_bytes + upcast, loaded.quant_constant_bytes, note
+        return loaded.weight_bytes, loaded.quant_constant_bytes, note
     biases = sum(linear.out_features for linear in inventory.linears if linear.bias)
     rest = (
         inventory.head_params + inventory.embedding_params + inventory.expert_params + inventory.other_params
@@ -442,11 +439,7 @@ def _weights(inventory: ModelInventory, profile: Profile) -> tuple[int, int, str
         constants = sum(4 * linear.out_features for linear in inventory.linears)
     kept = (biases + rest) * profile.param
     others = "embeddings, head, norms" + (", experts" if inventory.expert_params else "")
-    if profile.param == 4:
-        kept_note = f"in fp32 ({others}: peft's k-bit preparation upcasts them for fp16 compute)"
-    else:
-        kept_note = f"in bf16 ({others})"
-    note = f"{_count(inventory.linear_params)} linear weights in {profile.quantized}, {_count(biases + rest)} {kept_note}"
+    note = f"{_count(inventory.linear_params)} linear weights in {profile.quantized}, {_count(biases + rest)} in 16-bit ({others})"
     return quantized + kept, constants, note
 
 
@@ -580,7 +573,8 @@ def _logits_and_loss(run: ResolvedRun) -> tuple[int, str]:
     inventory, profile, trained, tokens = run.inventory, run.profile, run.trained, run.tokens
     vocab, h = inventory.vocab_size, inventory.hidden_size
     final_norm = act.norm_bytes(h, profile)
-    # peft upcast a quantised fp16 model's head to fp32; the eager matmul runs under autocast on a copy
+    # a quantised model loaded in fp32 (or upcast by peft's k-bit preparation outside fastft, or by
+    # add_lora for modules trained whole in fp16) has an fp32 head; the eager matmul runs on an autocast copy
     head_fp32 = profile.quantized is not None and profile.param == 4
     head_copy = (
         (inventory.head_params or inventory.embedding_params) * 2 if head_fp32 and run.loss == "eager" else 0
@@ -900,7 +894,7 @@ def _assemble(
         notes.append(
             "gpt-oss: attention sinks and clamped SwiGLU are approximated by the Llama-style formulas"
         )
-    if gpu_spec is not None and not gpu_spec.bf16 and run.precision == "bf16":
+    if gpu_spec is not None and not gpu_spec.bf16 and run.precision in ("bf16", "nf4", "int8"):
         notes.append(f"{gpu_spec.label} has no bf16: training runs in fp16 (the same bytes)")
     settings = VramSettings(
         seq_len=run.seq_len,

@@ -131,8 +131,7 @@ class LoadedModelState:
     compute_dtype: torch.dtype  # dtype of the 16/32-bit base weights (what autocast runs in)
     weight_bytes: int  # base weights as stored (packed 4-bit, int8, 16/32-bit), LoRA excluded
     quant_constant_bytes: int  # absmax / scales of quantised weights
-    upcast_pending_params: int  # 16-bit non-quantised params that add_lora will upcast to fp32 (QLoRA)
-    residual_bytes: int  # bytes per element of the residual stream (fp32 once peft upcast the embeddings)
+    residual_bytes: int  # bytes per element of the residual stream (the embeddings' dtype)
     lora_params: int  # trainable parameters already attached (0 before add_lora)
     lora_bytes: int
     lora_r: int | None
@@ -471,7 +470,7 @@ def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelS
     from fastft.runtime.state import state_of
 
     quantization = None
-    weight_bytes = constants = upcast_pending = lora_params = lora_bytes = 0
+    weight_bytes = constants = lora_params = lora_bytes = 0
     dtypes: dict[torch.dtype, int] = {}
     seen: set[int] = set()
     for full, parameter in model.named_parameters():
@@ -496,20 +495,10 @@ def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelS
     if quantization:
         info = getattr(model, "fastft_info", None) or getattr(base, "fastft_info", None)
         compute = getattr(info, "dtype", None) or torch.bfloat16
-        # for fp16 models add_lora runs peft's prepare_model_for_kbit_training, which casts every 16-bit
-        # parameter that is not 4-bit to fp32 (bf16 models keep bf16); before add_lora they are still 16-bit.
-        embedding = base.get_input_embeddings()
-        if lora_params == 0 and embedding is not None and embedding.weight.dtype == torch.float16:
-            for parameter in model.parameters():
-                if (
-                    parameter.dtype in (torch.float16, torch.bfloat16)
-                    and type(parameter).__name__ != "Params4bit"
-                ):
-                    upcast_pending += parameter.numel()
+    # add_lora keeps the non-quantised weights as loaded (fp16 as bf16): the embeddings' dtype is the
+    # residual stream's, before add_lora and after
     embedding = base.get_input_embeddings()
     residual = embedding.weight.element_size() if embedding is not None else 2
-    if upcast_pending:
-        residual = 4  # add_lora will upcast the embeddings, and with them the residual stream
     settings = getattr(state_of(model), "lora", None)
     peft_config = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
     r = getattr(settings, "r", None) or getattr(peft_config, "r", None)
@@ -530,7 +519,6 @@ def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelS
         compute_dtype=compute,
         weight_bytes=weight_bytes,
         quant_constant_bytes=constants,
-        upcast_pending_params=upcast_pending,
         residual_bytes=residual,
         lora_params=lora_params,
         lora_bytes=lora_bytes,

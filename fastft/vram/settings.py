@@ -113,9 +113,9 @@ def resolve_run(
     if loaded is not None and loaded.fused is not None:
         fused = loaded.fused  # the model is already wrapped: its kernels are what they are
     gpu_spec = resolve_gpu(gpu)
-    # fp16 compute (asked for, or a GPU without bf16): peft upcasts a quantised model's other weights to fp32
-    fp16 = precision == "fp16" or (gpu_spec is not None and not gpu_spec.bf16)
-    upcast = loaded.residual_bytes == 4 if loaded is not None else fp16
+    # fp16 compute keeps a quantised model's other weights 16-bit as bf16 does (`add_lora`); a loaded model's
+    # are what they are (fp32 when loaded so, or upcast by peft's k-bit preparation outside fastft)
+    upcast = loaded is not None and loaded.residual_bytes == 4
     profile = act.Profile.of(
         precision,
         fused=fused,

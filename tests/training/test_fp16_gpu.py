@@ -29,10 +29,15 @@ def _fixed_length_data(vocab: int, rows: int, length: int, seed: int = 0):
 
 
 def _trainer(
-    dtype: torch.dtype, cuda_graph: bool, steps: int, preset: str = "tiny-llama", **config
+    dtype: torch.dtype,
+    cuda_graph: bool,
+    steps: int,
+    preset: str = "tiny-llama",
+    load_in_4bit: bool = False,
+    **config,
 ) -> Trainer:
     torch.manual_seed(0)
-    model, tokenizer = fastft.load_model(preset, device="cuda", dtype=dtype)
+    model, tokenizer = fastft.load_model(preset, device="cuda", dtype=dtype, load_in_4bit=load_in_4bit)
     model = fastft.add_lora(model, r=8, target_modules="all-linear", seed=1)
     data = _fixed_length_data(model.config.vocab_size, rows=64, length=96)
     config = TrainConfig(max_steps=steps, warmup=0, cuda_graph=cuda_graph, learning_rate=1e-3, **config)
@@ -60,6 +65,21 @@ def test_gpu_fp16_and_bf16_runs_learn_the_same_losses():
     fp16 = _trainer(torch.float16, True, steps).train()
     assert fp16.cuda_graph["replays"] == bf16.cuda_graph["replays"] == steps - 3
     bf16_losses, fp16_losses = [e.loss for e in bf16.steps], [e.loss for e in fp16.steps]
+    print("bf16", bf16_losses, "\nfp16", fp16_losses)
+    np.testing.assert_allclose(fp16_losses, bf16_losses, rtol=3e-2)
+
+
+def test_gpu_fp16_qlora_keeps_fp16_weights_replays_and_learns_the_bf16_losses():
+    """QLoRA in fp16 (a T4's): the frozen embeddings, norms and head stay fp16 (no fp32 residual stream),
+    the step replays as a CUDA graph, and the losses are bf16's within fp16 noise."""
+    steps = 12
+    bf16 = _trainer(torch.bfloat16, True, steps, load_in_4bit=True)
+    fp16 = _trainer(torch.float16, True, steps, load_in_4bit=True)
+    frozen = {p.dtype for p in fp16.model.parameters() if not p.requires_grad and p.is_floating_point()}
+    assert frozen == {torch.float16} and {p.dtype for p in fp16.parameters} == {torch.float32}
+    bf16_result, fp16_result = bf16.train(), fp16.train()
+    assert fp16_result.cuda_graph["replays"] == bf16_result.cuda_graph["replays"] == steps - 3
+    bf16_losses, fp16_losses = [e.loss for e in bf16_result.steps], [e.loss for e in fp16_result.steps]
     print("bf16", bf16_losses, "\nfp16", fp16_losses)
     np.testing.assert_allclose(fp16_losses, bf16_losses, rtol=3e-2)
 
