@@ -6,10 +6,10 @@ folder is refused unless the folder carries a manifest, is empty, or the caller 
 then it replaces only what fastft wrote: a file the save writes may take the place of a file the manifest
 lists with the same content (never of one the user added or changed since: that save is refused, naming it),
 and every other entry (the user's notes, code, folders) is carried into the new folder. A save that writes a
-whole model (``replace_previous=True``: adapters, merged models, checkpoints) also leaves out the files the
-previous manifest lists that it does not write again (a shard the new model no longer has), again only those
-unchanged since fastft wrote them. So a copied manifest gives no licence over the user's files: they do not
-match it. ``overwrite=True`` replaces the whole folder. A file in the way is never renamed or removed.
+whole model (``replace_previous=True``: adapters, merged models, checkpoints) also leaves out the files an
+earlier whole-model save wrote that it does not write again (a shard the new model no longer has), again only
+those unchanged since; a GGUF file or Modelfile stays. So a copied manifest gives no licence over the user's
+files: they do not match it. ``overwrite=True`` replaces the whole folder. A file in the way is never renamed or removed.
 
 Replacing a folder is one atomic exchange of the new and the old folder where Linux offers it
 (``renameat2(RENAME_EXCHANGE)``). Elsewhere it takes two renames (the old one aside, the new one in); a
@@ -165,9 +165,9 @@ def replace_folder_atomically(
     `destination` may be missing, empty, a folder fastft wrote (`MARKER`), or anything with `overwrite`;
     anything else raises `FolderInTheWayError` before a byte is written. In a folder fastft wrote, only
     the files its manifest lists (unchanged) are replaced, and only by files of the same name, or left out
-    with `replace_previous`; everything else is carried into the new folder (module doc). A file the save
-    writes whose name the user's file holds raises `FolderInTheWayError` naming it, with `destination` as
-    it was. The manifest records each written file as written by `by` (the function's name). An existing
+    with `replace_previous` when an earlier whole-model save wrote them; everything else is carried into
+    the new folder (module doc). A file the save writes whose name the user's file holds raises
+    `FolderInTheWayError` naming it, with `destination` as it was. The manifest records each written file as written by `by` (the function's name). An existing
     folder is swapped out and removed only after the new folder is in place. A full disk raises
     `DiskFullError`, a folder that cannot be written `PermissionError`, both naming `destination`.
     """
@@ -178,7 +178,7 @@ def replace_folder_atomically(
     try:
         tmp.mkdir()
         write(tmp)
-        files = {name: file_record(tmp / name, by or kind) for name in _files_under(tmp)}
+        files = {name: file_record(tmp / name, by or kind, replace_previous) for name in _files_under(tmp)}
         left_out: set[str] = set()
         if destination.is_dir() and not overwrite:
             carried, left_out = _carry_over(destination, tmp, set(files), replace_previous)
@@ -210,9 +210,11 @@ def replace_folder_atomically(
     return destination
 
 
-def file_record(path: Path, by: str) -> dict:
-    """What the manifest keeps of one file: its size, SHA-256 and the fastft function that wrote it."""
-    return {"size": path.stat().st_size, "sha256": sha256_of(path), "by": by}
+def file_record(path: Path, by: str, whole: bool = False) -> dict:
+    """What the manifest keeps of one file: its size, SHA-256, the fastft function that wrote it, and whether
+    that save wrote a whole model (its files are left out by the next whole-model save that does not write
+    them again; a GGUF or Modelfile stays)."""
+    return {"size": path.stat().st_size, "sha256": sha256_of(path), "by": by, "whole": whole}
 
 
 def sha256_of(path: Path) -> str:
@@ -307,7 +309,7 @@ def _carry_over(
                 in_the_way.append(entry.name)
             else:
                 left_out.add(entry.name)
-        elif ours is not None and replace_previous:
+        elif ours is not None and replace_previous and all(r.get("whole") for r in ours.values()):
             left_out.add(entry.name)
         else:
             keep.append(entry)

@@ -67,6 +67,15 @@ def test_a_second_ollama_save_keeps_the_first_quantisation_and_the_users_files(l
     assert _listed(folder)["model.BF16.gguf"]["by"] == "save_gguf"
 
 
+def test_an_adapter_saved_again_keeps_the_gguf_exported_into_its_folder(llama, tmp_path):
+    model, tokenizer = llama
+    folder = tmp_path / "adapter"
+    fastft.save_adapter(model, folder)
+    save_gguf(model, folder / "model.gguf", tokenizer, "q8_0", check=False)
+    fastft.save_adapter(model, folder)  # a whole-model save: leaves out only an earlier model's files
+    assert (folder / "model.gguf").is_file() and set(_listed(folder)) >= {"model.gguf", "adapter_config.json"}
+
+
 def test_the_unsloth_save_pretrained_gguf_twice_keeps_both_quantisations(tmp_path):
     from fastft import FastLanguageModel
 
