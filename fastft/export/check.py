@@ -157,7 +157,7 @@ def check_prompts(prompts) -> None:
         raise ValueError(
             f"prompts={prompts[:40]!r} is one string: give a list of prompts (strings or chat conversations)."
         )
-    if len(prompts) == 0:
+    if hasattr(prompts, "__len__") and len(prompts) == 0:
         raise ValueError(
             "prompts is empty: the check would compare nothing and pass having checked nothing. Give at least "
             "one prompt (or prompts=None for 8 held-out questions), or skip the check by name with check=False."
@@ -283,6 +283,7 @@ def check_gguf(
     `prompts` are chat conversations (lists of messages, answered after a generation prompt) or plain
     strings (at least one); by default the first 8 held-out skills questions. `reference` may pass a merged model already
     built by `merged_reference`; `progress("check", done, total)` is called after each prompt."""
+    prompts = list(prompts) if prompts is not None and not isinstance(prompts, str) else prompts
     check_prompts(prompts)
     path = Path(path)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

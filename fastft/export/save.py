@@ -121,7 +121,6 @@ def save_gguf(
             fsync_folder(path.parent)
         finally:
             remove_quietly(tmp)
-        record_file(path.parent, path.name, "save_gguf")  # in a folder fastft saved: listed in its manifest
     except OSError as error:  # a full disk or a read-only folder, named by the user's path, not the partial's
         explained = explain_write_error(error, path, "nothing under that path was changed")
         if explained is not None:
@@ -130,6 +129,12 @@ def save_gguf(
     finally:
         for handle in claims:
             handle.close()
+    try:
+        record_file(path.parent, path.name, "save_gguf")  # in a folder fastft saved: listed in its manifest
+    except OSError as error:  # the file is saved; unlisted, it is still replaceable as fastft's (its key)
+        warnings.warn(
+            f"{path} was saved, but its folder's manifest could not be updated: {error}", stacklevel=2
+        )
     return GGUFExport(path=path, quantization=quantization, check=report, kept=kept)
 
 
