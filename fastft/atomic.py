@@ -1,8 +1,15 @@
 """Atomic writes that never destroy what fastft did not write.
 
-A folder appears complete under its final name, or not at all. Every folder fastft writes carries a marker
-file (``MARKER``); an existing folder is replaced only when it carries that marker, is empty, or the caller
-says ``overwrite=True``. A file in the way is never renamed or removed.
+A folder appears complete under its final name, or not at all. Every folder fastft writes carries a manifest
+(``MARKER``): the name, size, SHA-256 and writing function of every file it wrote. A save into an existing
+folder is refused unless the folder carries a manifest, is empty, or the caller says ``overwrite=True``; and
+then it replaces only what fastft wrote: a file the save writes may take the place of a file the manifest
+lists with the same content (never of one the user added or changed since: that save is refused, naming it),
+and every other entry (the user's notes, code, folders) is carried into the new folder. A save that writes a
+whole model (``replace_previous=True``: adapters, merged models, checkpoints) also leaves out the files an
+earlier whole-model save wrote that it does not write again (a shard the new model no longer has), again only
+those unchanged since; a GGUF file or Modelfile stays. So a copied manifest gives no licence over the user's
+files: they do not match it. ``overwrite=True`` replaces the whole folder. A file in the way is never renamed or removed.
 
 Replacing a folder is one atomic exchange of the new and the old folder where Linux offers it
 (``renameat2(RENAME_EXCHANGE)``). Elsewhere it takes two renames (the old one aside, the new one in); a
@@ -17,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -31,6 +40,7 @@ from pathlib import Path
 MARKER = ".fastft-folder.json"
 # the hidden siblings an interrupted save or prune can leave: .NAME.tmp-xxxxxxxx, .NAME.old-…, .NAME.prune-…
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|prune)-[0-9a-f]{8}$")
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
 
 
 class FolderInTheWayError(FileExistsError):
@@ -43,6 +53,10 @@ class DiskFullError(OSError):
 
 class RecoveredFolderWarning(UserWarning):
     """An interrupted save was found and its folder put back in place."""
+
+
+class RemovedLeftoverWarning(UserWarning):
+    """Files an interrupted save left behind (under hidden names) were removed."""
 
 
 def expand(path: str | os.PathLike) -> Path:
@@ -143,13 +157,19 @@ def replace_folder_atomically(
     destination: str | os.PathLike,
     overwrite: bool = False,
     kind: str = "folder",
+    by: str | None = None,
+    replace_previous: bool = True,
 ) -> Path:
     """Call ``write(tmp_folder)`` then move the result to `destination` in one rename.
 
     `destination` may be missing, empty, a folder fastft wrote (`MARKER`), or anything with `overwrite`;
-    anything else raises `FolderInTheWayError` before a byte is written. An existing folder is swapped out
-    and removed only after the new folder is in place. A full disk raises `DiskFullError`, with
-    `destination` as it was.
+    anything else raises `FolderInTheWayError` before a byte is written. In a folder fastft wrote, only
+    the files its manifest lists (unchanged) are replaced, and only by files of the same name, or left out
+    with `replace_previous` when an earlier whole-model save wrote them; everything else is carried into
+    the new folder (module doc). A file the save writes whose name the user's file holds raises
+    `FolderInTheWayError` naming it, with `destination` as it was. The manifest records each written file as written by `by` (the function's name). An existing
+    folder is swapped out and removed only after the new folder is in place. A full disk raises
+    `DiskFullError`, a folder that cannot be written `PermissionError`, both naming `destination`.
     """
     destination = recover_folder(expand(destination))
     check_destination(destination, overwrite)
@@ -158,31 +178,236 @@ def replace_folder_atomically(
     try:
         tmp.mkdir()
         write(tmp)
+        files = {name: file_record(tmp / name, by or kind, replace_previous) for name in _files_under(tmp)}
+        left_out: set[str] = set()
+        if destination.is_dir() and not overwrite:
+            carried, left_out = _carry_over(destination, tmp, set(files), replace_previous)
+            files.update(carried)
         _fsync_tree(tmp)
-        # the marker comes last: a leftover folder that has it was completely written
-        _write_marker(tmp, kind)
+        # the manifest comes last: a leftover folder that has it was completely written
+        _write_marker(tmp, kind, files)
         if destination.exists() and _exchange(tmp, destination):
-            remove_tree(_rename_for_removal(tmp))  # the old folder, now under the temporary name
+            old = _rename_for_removal(tmp)  # the old folder, now under the temporary name
         else:
             old = None
             if destination.exists():  # two renames; a kill between them is undone by `recover_folder`
                 old = destination.parent / f".{destination.name}.old-{uuid.uuid4().hex[:8]}"
                 os.replace(destination, old)
             os.replace(tmp, destination)
-            if old is not None:
-                remove_tree(_rename_for_removal(old))
+            old = _rename_for_removal(old) if old is not None else None
+        if old is not None:
+            if not overwrite:  # anything added to the old folder while this save ran
+                _rescue(old, destination, left_out)
+            remove_tree(old)
     except Exception as error:  # safetensors reports a full disk as its own SafetensorError
-        if is_disk_full(error, destination.parent):
-            raise DiskFullError(
-                errno.ENOSPC,
-                f"no space left on device while writing {destination}; nothing under that path was changed. "
-                "Free some space or save somewhere else.",
-            ) from error
+        explained = explain_write_error(error, destination, "nothing under that path was changed")
+        if explained is not None:
+            raise explained from error
         raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return destination
+
+
+def file_record(path: Path, by: str, whole: bool = False) -> dict:
+    """What the manifest keeps of one file: its size, SHA-256, the fastft function that wrote it, and whether
+    that save wrote a whole model (its files are left out by the next whole-model save that does not write
+    them again; a GGUF or Modelfile stays)."""
+    return {"size": path.stat().st_size, "sha256": sha256_of(path), "by": by, "whole": whole}
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(folder: Path) -> dict[str, dict] | None:
+    """The files fastft's manifest in `folder` lists (relative name → record); None when the folder has no
+    manifest, or one from an earlier fastft that listed no files, or one that cannot be read."""
+    try:
+        data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        return None
+    return {str(k): v for k, v in files.items() if isinstance(v, dict)}
+
+
+def unchanged(path: Path, record: dict) -> bool:
+    """Whether `path` is a plain file whose size and SHA-256 are those `record` lists."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        return path.stat().st_size == record.get("size") and sha256_of(path) == record.get("sha256")
+    except OSError:
+        return False
+
+
+def record_file(folder: Path, name: str, by: str) -> None:
+    """Add (or renew) `folder/name` in the folder's manifest, when the folder has one (a folder fastft saved)."""
+    files = read_manifest(folder)
+    if files is None:
+        return
+    files[name] = file_record(folder / name, by)
+    data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    data["files"] = files
+    write_text_atomically(folder / MARKER, json.dumps(data) + "\n")
+
+
+def _files_under(folder: Path) -> list[str]:
+    """Every file under `folder` (the manifest excluded), as posix paths relative to it."""
+    return sorted(
+        path.relative_to(folder).as_posix()
+        for path in folder.rglob("*")
+        if path.is_file() and not path.is_symlink() and path.name != MARKER
+    )
+
+
+def _ours(entry: Path, name: str, listed: dict[str, dict]) -> dict[str, dict] | None:
+    """The manifest's records of `entry` (a top-level file or folder of the destination) when it is wholly
+    fastft's: every file in it listed and unchanged, nothing else in it; None otherwise."""
+    if entry.is_symlink():
+        return None
+    if entry.is_file():
+        record = listed.get(name)
+        return {name: record} if record is not None and unchanged(entry, record) else None
+    if not entry.is_dir():
+        return None
+    found = {}
+    for path in entry.rglob("*"):
+        if path.is_dir() and not path.is_symlink():
+            continue
+        key = path.relative_to(entry.parent).as_posix()
+        record = listed.get(key)
+        if record is None or not unchanged(path, record):
+            return None
+        found[key] = record
+    return found
+
+
+def _carry_over(
+    destination: Path, tmp: Path, written: set[str], replace_previous: bool
+) -> tuple[dict[str, dict], set[str]]:
+    """Link every entry of `destination` this save must keep into `tmp` (module doc); returns the manifest
+    records of the kept files fastft wrote (unchanged) and the names left out. Raises `FolderInTheWayError`,
+    before anything is moved, when a file this save writes would replace one fastft did not write."""
+    listed = read_manifest(destination)
+    new = {name.split("/")[0] for name in written}
+    carried: dict[str, dict] = {}
+    keep, left_out, in_the_way = [], set(), []
+    for entry in sorted(destination.iterdir()):
+        if entry.name == MARKER:
+            continue
+        ours = _ours(entry, entry.name, listed or {})
+        if entry.name in new:
+            if ours is None:
+                in_the_way.append(entry.name)
+            else:
+                left_out.add(entry.name)
+        elif ours is not None and replace_previous and all(r.get("whole") for r in ours.values()):
+            left_out.add(entry.name)
+        else:
+            keep.append(entry)
+            carried.update(ours or {})
+    if in_the_way:
+        shown = ", ".join(in_the_way[:5]) + (", …" if len(in_the_way) > 5 else "")
+        why = (
+            "its manifest comes from an earlier fastft, which did not list its files"
+            if listed is None
+            else "fastft did not write them, or they changed since it did"
+        )
+        raise FolderInTheWayError(
+            f"saving into {destination} would replace {shown} ({why}). fastft replaces only the files it "
+            "wrote and left unchanged: move those files out of the folder, save into a new folder, or pass "
+            "overwrite=True to replace the whole folder."
+        )
+    for entry in keep:
+        _link_copy(entry, tmp / entry.name)
+    return carried, left_out
+
+
+def _link_copy(source: Path, target: Path) -> None:
+    """`source` (a file, folder or link) at `target` too: hard links where the filesystem has them (no data
+    is copied), copies elsewhere."""
+    if source.is_symlink():
+        os.symlink(os.readlink(source), target)
+    elif source.is_dir():
+        shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(source, target)
+
+
+def _link_or_copy(source, target) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _rescue(old: Path, destination: Path, left_out: set[str]) -> None:
+    """Move into `destination` whatever the replaced folder holds that the new one lacks and the save did not
+    mean to leave out (an entry the user added while the save was running)."""
+    for entry in old.iterdir():
+        if (
+            entry.name != MARKER
+            and entry.name not in left_out
+            and not os.path.lexists(destination / entry.name)
+        ):
+            os.replace(entry, destination / entry.name)
+
+
+def explain_write_error(error: BaseException, target: Path, state: str) -> OSError | None:
+    """`error` (raised while saving `target`) restated to name `target`, not a hidden temporary name: a full
+    disk as `DiskFullError` with the room left, a folder that cannot be written as `PermissionError`; None
+    for any other error. `state` says what became of `target` ("nothing under that path was changed")."""
+    folder = target.parent
+    if isinstance(error, FolderInTheWayError) or (
+        isinstance(error, DiskFullError) and str(target) in str(error)
+    ):
+        return None
+    if is_disk_full(error, folder):
+        needed = getattr(error, "needed", None)
+        free = _free_bytes(folder)
+        room = (
+            f"it needs {_size(needed)} and {_size(free)} are free there" if needed else f"{_size(free)} free"
+        )
+        explained = DiskFullError(
+            errno.ENOSPC,
+            f"no space left on device while writing {target} ({room}); {state}. Free some space or save "
+            "somewhere else.",
+        )
+        explained.needed, explained.free = needed, free
+        return explained
+    if isinstance(error, PermissionError) or (
+        isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+    ):
+        why = error.strerror or str(error)
+        return PermissionError(
+            error.errno or errno.EACCES,
+            f"cannot write {target}: {folder} does not let this process write there ({why}); {state}. Save "
+            "into a folder you can write to, or change that folder's permissions.",
+        )
+    return None
+
+
+def _free_bytes(folder: Path) -> int | None:
+    with contextlib.suppress(OSError):
+        return shutil.disk_usage(folder).free
+    return None
+
+
+def _size(count: int | None) -> str:
+    if count is None:
+        return "an unknown amount"
+    if count < 1024:
+        return f"{count} bytes"
+    exponent = min(int(math.log(count, 1024)), 4)
+    return f"{count / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB', 'TiB')[exponent - 1]}"
 
 
 def _rename_for_removal(path: Path) -> Path:
@@ -216,6 +441,8 @@ def is_disk_full(error: BaseException, folder: Path) -> bool:
         return True
     text = str(error)
     if any(sign in text for sign in ("No space left on device", "StorageFull", "os error 28")):
+        return True
+    if _SHORT_WRITE.search(text):  # numpy's tofile on a full disk: "46784 requested and 8160 written"
         return True
     with contextlib.suppress(OSError):
         return shutil.disk_usage(folder).free < 4 * 2**20
@@ -262,9 +489,9 @@ def fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-def _write_marker(folder: Path, kind: str) -> None:
+def _write_marker(folder: Path, kind: str, files: dict[str, dict]) -> None:
     with open(folder / MARKER, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"written_by": "fastft", "kind": kind}) + "\n")
+        f.write(json.dumps({"written_by": "fastft", "kind": kind, "files": files}) + "\n")
         f.flush()
         os.fsync(f.fileno())
     fsync_folder(folder)

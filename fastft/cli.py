@@ -326,6 +326,11 @@ def _run_export(args) -> int:
     from fastft.export.check import default_prompts
     from fastft.models.loading import load_model
 
+    if args.prompts < 1 and not args.no_check:
+        raise ValueError(
+            f"--prompts {args.prompts}: the check would compare nothing and pass having checked nothing. "
+            "Give at least 1 (default 8), or skip the check by name with --no-check."
+        )
     run_dir = Path(args.run_dir).expanduser()
     adapter = _adapter_folder(run_dir)
     out = Path(args.out) if args.out else run_dir / f"gguf-{args.gguf.lower()}"

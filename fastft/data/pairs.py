@@ -8,16 +8,18 @@ batch (`PackedBatch.from_sequences`). Bins are filled best-fit by the pairs' tot
 
 A pair longer than `max_seq_length` (both sides together) is cut, and counted in `PairStats`: first the
 shared prompt from the left (both sides lose the same tokens, one prompt token always stays), then the longer
-answer from the right until the two fit. Rows come from `fastft.load_dataset` (format ``preference``) or as
-dicts with ``prompt`` / ``chosen`` / ``rejected`` (strings or messages); a malformed row raises
-`MalformedRowError` naming the row.
+answer from the right until the two fit. A pair whose chosen and rejected sides are the same tokens (the same
+answer, or answers that differ only beyond the cut) gives DPO no signal: it is left out, and a warning counts
+and names those rows (`PairStats.identical_rows`). Rows come from `fastft.load_dataset` (format
+``preference``) or as dicts with ``prompt`` / ``chosen`` / ``rejected`` (strings or messages); a malformed row
+raises `MalformedRowError` naming the row.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,6 +41,7 @@ class PairStats:
     cut_answer: int = 0
     cut_tokens: int = 0
     dropped: int = 0  # an answer with no token left to train after the cut
+    identical_rows: tuple[int, ...] = ()  # rows (from 0) whose chosen equals their rejected: left out
 
     def __str__(self) -> str:
         text = f"{self.pairs} of {self.rows} pairs"
@@ -51,7 +54,16 @@ class PairStats:
             text += f" ({', '.join(cuts)}: {self.cut_tokens} tokens)"
         if self.dropped:
             text += f"; {self.dropped} dropped (no answer token left)"
+        if self.identical_rows:
+            text += f"; {len(self.identical_rows)} left out (chosen equals rejected: {_rows(self.identical_rows)})"
         return text
+
+
+def _rows(rows: tuple[int, ...], shown: int = 10) -> str:
+    listed = ", ".join(str(r) for r in rows[:shown]) + (
+        f", … ({len(rows) - shown} more)" if len(rows) > shown else ""
+    )
+    return f"row{'s' if len(rows) > 1 else ''} {listed}, counting from 0"
 
 
 class PackedPairs(PackedDataset):
@@ -136,7 +148,7 @@ def pack_pairs(rows: Iterable, tokenizer, max_seq_length: int | None = None) -> 
     encoded = tokenizer(
         texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
     )
-    input_ids, labels, sources = [], [], []
+    input_ids, labels, sources, identical = [], [], [], []
     cut_prompt = cut_answer = cut_tokens = dropped = 0
     for index, prompt in enumerate(prompts):
         sides = []
@@ -164,6 +176,9 @@ def pack_pairs(rows: Iterable, tokenizer, max_seq_length: int | None = None) -> 
         chosen, rejected, prompt_was_cut, answer_was_cut, tokens = _cut_pair(
             prompt_tokens, sides[0], sides[1], max_seq_length
         )
+        if np.array_equal(chosen[0], rejected[0]):  # no preference to learn: both log-ratios are equal
+            identical.append(index)
+            continue
         cut_prompt += prompt_was_cut
         cut_answer += answer_was_cut
         cut_tokens += tokens
@@ -176,11 +191,22 @@ def pack_pairs(rows: Iterable, tokenizer, max_seq_length: int | None = None) -> 
             input_ids.append(ids)
             labels.append(side_labels)
             sources.append(index)
-    stats = PairStats(len(pairs), len(input_ids) // 2, cut_prompt, cut_answer, cut_tokens, dropped)
+    stats = PairStats(
+        len(pairs), len(input_ids) // 2, cut_prompt, cut_answer, cut_tokens, dropped, tuple(identical)
+    )
     if not input_ids:
-        raise ValueError(f"No trainable pairs: {stats}. Raise max_seq_length.")
+        fix = "Give each pair a rejected answer that differs from its chosen one." if identical else ""
+        raise ValueError(f"No trainable pairs: {stats}. {fix or 'Raise max_seq_length.'}")
     if cut_prompt or cut_answer or dropped:
-        warnings.warn(f"pack_pairs: {stats} to fit max_seq_length={max_seq_length}.", stacklevel=2)
+        cuts = replace(stats, identical_rows=())
+        warnings.warn(f"pack_pairs: {cuts} to fit max_seq_length={max_seq_length}.", stacklevel=2)
+    if identical:
+        warnings.warn(
+            f"pack_pairs: {len(identical)} of {len(pairs)} pairs have a chosen answer equal to the rejected one "
+            f"({_rows(stats.identical_rows)}): they give DPO no signal and were left out. Fix or remove those "
+            "rows.",
+            stacklevel=2,
+        )
     data = TokenizedData(input_ids=input_ids, labels=labels, source_rows=sources)
     pair_lengths = data.lengths[0::2] + data.lengths[1::2]
     bins = [

@@ -14,6 +14,10 @@ Bundled:
 * `format_reward(pattern)`: 1.0 when the whole stripped completion matches a regular expression (by
   default a single line of at most 64 characters: the bare answer the skills' system prompt asks for).
 * `length_penalty(limit, per_char)`: ``-per_char`` times the characters beyond `limit`, 0 within it.
+
+Each has a name (`NAMED`: ``"exact_match"``, ``"content_match"``, ``"format"``, ``"length"``, the last two with
+their defaults) that `resolve_rewards` accepts in place of the callable. A reward that raises is reported with
+its name, the step and the completion it failed on, the original exception chained (`score_completions`).
 """
 
 from __future__ import annotations
@@ -75,6 +79,45 @@ def length_penalty(limit: int = 32, per_char: float = 0.01, name: str = "length"
     return reward
 
 
+# the bundled rewards by name (a factory's reward with its defaults)
+NAMED: dict[str, Callable[[], Reward]] = {
+    "exact_match": lambda: exact_match,
+    "content_match": lambda: content_match,
+    "format": format_reward,
+    "length": length_penalty,
+}
+
+
+def resolve_rewards(rewards) -> list[Reward]:
+    """`rewards` (one reward or a sequence of them; each a callable or a name of `NAMED`) as a list of
+    callables; `RewardError` names an entry that is neither (a string is one name, never its letters)."""
+    if callable(rewards) or isinstance(rewards, str):
+        rewards = [rewards]
+    try:
+        items = list(rewards)
+    except TypeError:
+        raise RewardError(
+            f"rewards={rewards!r}: give a reward function (prompts, completions, **row) -> list[float], the name "
+            f"of a bundled one ({', '.join(NAMED)}), or a list of them."
+        ) from None
+    resolved = []
+    for item in items:
+        if isinstance(item, str):
+            if item not in NAMED:
+                raise RewardError(
+                    f"The reward {item!r} is not a bundled reward's name: choose one of {', '.join(NAMED)}, or pass "
+                    "a function (prompts, completions, **row) -> list[float]."
+                )
+            item = NAMED[item]()
+        elif not callable(item):
+            raise RewardError(
+                f"rewards must be callables (prompts, completions, **row) -> list[float] or names of bundled ones "
+                f"({', '.join(NAMED)}), got {item!r}."
+            )
+        resolved.append(item)
+    return resolved
+
+
 def reward_name(reward: Reward) -> str:
     return getattr(reward, "__name__", type(reward).__name__)
 
@@ -107,17 +150,27 @@ def check_columns(rewards: Sequence[Reward], columns: Sequence[str]) -> None:
 
 
 def score_completions(
-    rewards: Sequence[Reward], prompts: list, completions: list[str], columns: dict[str, list]
+    rewards: Sequence[Reward],
+    prompts: list,
+    completions: list[str],
+    columns: dict[str, list],
+    step: int | None = None,
+    rows: Sequence[int] | None = None,
 ) -> list[list[float]]:
     """Each reward's values, ``[rewards][completions]``; a reward gets only the columns it accepts (all of
-    them when it takes ``**row``)."""
+    them when it takes ``**row``). A reward that raises is called again on each completion alone to find the
+    one it fails on; `RewardError` names the reward, `step` (1-based), that completion and its prompt row
+    (`rows`: each completion's row index), the original exception chained."""
     values = []
     for reward in rewards:
         parameters = inspect.signature(reward).parameters.values()
         takes_all = any(p.kind == p.VAR_KEYWORD for p in parameters)
         accepted = {p.name for p in parameters}
         given = {k: v for k, v in columns.items() if takes_all or k in accepted}
-        result = reward(prompts, completions, **given)
+        try:
+            result = reward(prompts, completions, **given)
+        except Exception as error:
+            raise _failure(reward, error, prompts, completions, given, step, rows) from error
         try:
             result = [float(value) for value in result]
         except (TypeError, ValueError):
@@ -132,3 +185,33 @@ def score_completions(
             )
         values.append(result)
     return values
+
+
+def _failure(reward, error, prompts, completions, given, step, rows) -> RewardError:
+    """The `RewardError` for a reward that raised `error`: where it failed (see `score_completions`)."""
+    where = f" at step {step}" if step is not None else ""
+    failing = None
+    for i in range(len(completions)):
+        try:
+            reward([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in given.items()})
+        except Exception:  # noqa: BLE001 - any failure of the user's function locates it
+            failing = i
+            break
+    if failing is None:
+        on = f"on the batch of {len(completions)} completions (each one alone scores without error)"
+    else:
+        row = f", prompt row {rows[failing]}" if rows is not None else ""
+        on = (
+            f"on completion {failing} of {len(completions)}{row}: {_short(completions[failing])!r} "
+            f"(prompt {_short(prompts[failing])!r})"
+        )
+    return RewardError(
+        f"The reward {reward_name(reward)!r} raised {type(error).__name__}: {error}{where}, {on}. Fix the reward "
+        "function (the original error and its traceback are chained above this one)."
+    )
+
+
+def _short(value, width: int = 60) -> str:
+    text = value if isinstance(value, str) else str(value)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"

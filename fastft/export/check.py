@@ -148,6 +148,22 @@ def default_prompts(count: int = 8) -> list[list[dict]]:
     return [prompt_messages(rows[i]) for i in range(min(count, len(rows)))]
 
 
+def check_prompts(prompts) -> None:
+    """Raise `ValueError` unless `prompts` is None (the defaults) or holds at least one prompt: a check
+    that compared nothing would pass having checked nothing."""
+    if prompts is None:
+        return
+    if isinstance(prompts, str):
+        raise ValueError(
+            f"prompts={prompts[:40]!r} is one string: give a list of prompts (strings or chat conversations)."
+        )
+    if hasattr(prompts, "__len__") and len(prompts) == 0:
+        raise ValueError(
+            "prompts is empty: the check would compare nothing and pass having checked nothing. Give at least "
+            "one prompt (or prompts=None for 8 held-out questions), or skip the check by name with check=False."
+        )
+
+
 def check_metadata(path: str | os.PathLike, tokenizer, model_config=None) -> list[str]:
     """What in the file's metadata disagrees with the tokenizer (empty when nothing does)."""
     meta = read_metadata(path)
@@ -265,8 +281,10 @@ def check_gguf(
     and `tokenizer`; returns an `ExportCheck` (``.passed``, ``.table()``), never raises on a mismatch.
 
     `prompts` are chat conversations (lists of messages, answered after a generation prompt) or plain
-    strings; by default the first 8 held-out skills questions. `reference` may pass a merged model already
+    strings (at least one); by default the first 8 held-out skills questions. `reference` may pass a merged model already
     built by `merged_reference`; `progress("check", done, total)` is called after each prompt."""
+    prompts = list(prompts) if prompts is not None and not isinstance(prompts, str) else prompts
+    check_prompts(prompts)
     path = Path(path)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     check = ExportCheck(path=path, quantization=quantization)

@@ -13,14 +13,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastft.atomic import expand, fsync_folder, replace_folder_atomically
-from fastft.export.check import ExportCheck, GGUFCheckError, check_gguf
+from fastft.atomic import (
+    expand,
+    explain_write_error,
+    fsync_folder,
+    record_file,
+    replace_folder_atomically,
+)
+from fastft.export.check import ExportCheck, GGUFCheckError, check_gguf, check_prompts
 from fastft.export.writer import (
     K_QUANTS,
     check_file_destination,
     normalise_quantization,
     quantize_with_llama_cpp,
     remove_quietly,
+    remove_stale_partials,
     require_llama_quantize,
     temporary_sibling,
     write_gguf,
@@ -59,45 +66,75 @@ def save_gguf(
     K-quants (``q4_k_m``, ``q5_k_m``, …) through ``llama-quantize`` on PATH.
 
     The file is checked before it is kept (see the module doc): `prompts` are chat conversations or strings
-    (default: 8 held-out skills questions). An existing file is replaced only if fastft wrote it, or with
-    ``overwrite=True``. `progress(stage, done, total)` reports "write" per tensor and "check" per prompt.
+    (default: 8 held-out skills questions; at least one: a check of nothing is no check). Only `path` is
+    written: other files in its folder stay, another quantisation's file included. An existing file at
+    `path` is replaced only if fastft wrote it (and, in a folder fastft saved, it is unchanged since), or with
+    ``overwrite=True``. Partial files of an earlier save_gguf into the folder that was killed are removed,
+    with a warning. `progress(stage, done, total)` reports "write" per tensor and "check" per prompt.
     `metadata` adds or replaces GGUF metadata entries (None removes one); the check tests the file as
-    written. Returns a `GGUFExport`; raises `GGUFCheckError` (the file is not kept) when the check fails."""
+    written. Returns a `GGUFExport`; raises `GGUFCheckError` (the file is not kept) when the check fails, and
+    `DiskFullError` / `PermissionError` naming `path` (with the bytes needed and free) when it cannot be
+    written."""
     quantization = normalise_quantization(quantization)
     path = expand(path)
     if path.suffix.lower() != ".gguf":
         raise ValueError(
             f"save_gguf writes one .gguf file; {path} does not end in .gguf. Name it e.g. model.gguf"
         )
+    if check:
+        check_prompts(prompts)
     check_file_destination(path, overwrite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_sibling(path)
+    claims: list = []
     on_tensor = (lambda done, total: progress("write", done, total)) if progress else None
     try:
-        if quantization in K_QUANTS:
-            require_llama_quantize(quantization)  # before any work
-            source = temporary_sibling(path)
-            try:
-                written = write_gguf(model, source, tokenizer, "bf16", metadata=metadata, progress=on_tensor)
-                quantize_with_llama_cpp(source, tmp, quantization)
-            finally:
-                remove_quietly(source)
-            kept = written.kept
-        else:
-            written = write_gguf(model, tmp, tokenizer, quantization, metadata=metadata, progress=on_tensor)
-            kept = written.kept
-        report = None
-        if check:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # transformers' notes on a model it builds for the check
-                report = check_gguf(tmp, model, tokenizer, quantization, prompts=prompts, progress=progress)
-            report.path = path
-            if not report.passed:
-                raise GGUFCheckError(report)
-        os.replace(tmp, path)
-        fsync_folder(path.parent)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(path.parent)
+        tmp = temporary_sibling(path, claims)
+        try:
+            if quantization in K_QUANTS:
+                require_llama_quantize(quantization)  # before any work
+                source = temporary_sibling(path, claims)
+                try:
+                    written = write_gguf(
+                        model, source, tokenizer, "bf16", metadata=metadata, progress=on_tensor
+                    )
+                    quantize_with_llama_cpp(source, tmp, quantization)
+                finally:
+                    remove_quietly(source)
+                kept = written.kept
+            else:
+                written = write_gguf(
+                    model, tmp, tokenizer, quantization, metadata=metadata, progress=on_tensor
+                )
+                kept = written.kept
+            report = None
+            if check:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # transformers' notes on a model it builds for the check
+                    report = check_gguf(
+                        tmp, model, tokenizer, quantization, prompts=prompts, progress=progress
+                    )
+                report.path = path
+                if not report.passed:
+                    raise GGUFCheckError(report)
+            os.replace(tmp, path)
+            fsync_folder(path.parent)
+        finally:
+            remove_quietly(tmp)
+    except OSError as error:  # a full disk or a read-only folder, named by the user's path, not the partial's
+        explained = explain_write_error(error, path, "nothing under that path was changed")
+        if explained is not None:
+            raise explained from error
+        raise
     finally:
-        remove_quietly(tmp)
+        for handle in claims:
+            handle.close()
+    try:
+        record_file(path.parent, path.name, "save_gguf")  # in a folder fastft saved: listed in its manifest
+    except OSError as error:  # the file is saved; unlisted, it is still replaceable as fastft's (its key)
+        warnings.warn(
+            f"{path} was saved, but its folder's manifest could not be updated: {error}", stacklevel=2
+        )
     return GGUFExport(path=path, quantization=quantization, check=report, kept=kept)
 
 
@@ -118,7 +155,9 @@ def save_ollama(
     both), with the stop tokens and default parameters (`parameters` adds or replaces them; `system` sets a
     default system prompt). Then: ``ollama create NAME -f FOLDER/Modelfile``.
 
-    The folder is written atomically and replaces only a folder fastft wrote (or any with `overwrite`)."""
+    The folder is written atomically into a folder fastft wrote (or any with `overwrite`), and replaces only
+    the files this save writes: a GGUF of another quantisation saved there before stays beside the new one,
+    and so does anything the user added (`fastft.atomic`)."""
     from fastft.export.ollama import modelfile
 
     quantization = normalise_quantization(quantization)
@@ -133,7 +172,11 @@ def save_ollama(
         (target / "Modelfile").write_text(text, encoding="utf-8")
         results.append(result)
 
-    destination = replace_folder_atomically(write, folder, overwrite=overwrite, kind="ollama")
+    if check:
+        check_prompts(prompts)  # before the folder's work
+    destination = replace_folder_atomically(
+        write, folder, overwrite=overwrite, kind="ollama", by="save_ollama", replace_previous=False
+    )
     result = results[0]
     result.path = destination / name
     result.modelfile = destination / "Modelfile"

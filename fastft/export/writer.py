@@ -5,17 +5,23 @@ shapes alone; then each merged tensor is computed (`fastft.models.export.merged_
 file's layout (`fastft.export.families`), quantised with the `gguf` package's quantisers and written before
 the next one is made. The model is never copied whole: the extra host memory is one tensor and its encoding.
 
-The file is written under a hidden temporary name beside `path`, fsynced, checked (`fastft.export.check`)
-and only then renamed into place, so `path` holds a complete, checked file or what it held before.
+The file is written under a hidden temporary name beside `path` (``.NAME.xxxxxxxx.partial``, locked with
+``flock`` while its writer lives), fsynced, checked (`fastft.export.check`) and only then renamed into place,
+so `path` holds a complete, checked file or what it held before. A partial file whose writer was killed is
+unlocked; the next `save_gguf` into that folder removes it and says so (`remove_stale_partials`). The space
+the tensors need is checked before the first is written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import subprocess
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastft.atomic import FolderInTheWayError, expand
+from fastft.atomic import (
+    DiskFullError,
+    FolderInTheWayError,
+    RemovedLeftoverWarning,
+    expand,
+    is_disk_full,
+    read_manifest,
+    unchanged,
+)
 from fastft.export.families import (
     convert_tensor,
     family_of,
@@ -45,6 +59,7 @@ K_QUANTS = {
     "q6_k": "Q6_K",
 }
 FASTFT_KEY = "fastft.version"  # marks a file fastft wrote (so it may replace it)
+_PARTIAL = re.compile(r"^\..+\.[0-9a-f]{8}\.partial$")  # `temporary_sibling`'s names
 
 
 class GGUFExportError(ValueError):
@@ -229,6 +244,10 @@ def write_gguf(
         for name, gguf_shape in tensor_layout(config, family, key, shape):
             plan(name, gguf_shape)
 
+    needed = sum(info.nbytes for info in writer.tensors[0].values())
+    free = shutil.disk_usage(path.parent).free
+    if needed > free:
+        raise _disk_full(path, needed, free)
     writer.open_output_file(path)
     try:
         writer.write_header_to_file()
@@ -259,6 +278,10 @@ def write_gguf(
         writer.flush()
         for handle in writer.fout:
             os.fsync(handle.fileno())
+    except OSError as error:  # numpy reports a full disk as "46784 requested and 8160 written", no errno
+        if is_disk_full(error, path.parent):
+            raise _disk_full(path, needed, shutil.disk_usage(path.parent).free) from error
+        raise
     finally:
         writer.close()
     return WrittenFile(path=path, quantization=quantization, tensors=len(planned), kept=kept)
@@ -291,19 +314,80 @@ def quantize_with_llama_cpp(source: Path, destination: Path, quantization: str) 
         )
 
 
-def temporary_sibling(path: Path) -> Path:
-    """A hidden name beside `path` for the file being written (removed unless renamed into place)."""
-    return path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.partial"
+def _disk_full(path: Path, needed: int, free: int) -> DiskFullError:
+    error = DiskFullError(errno.ENOSPC, f"{path} needs {needed} bytes, {free} are free")
+    error.needed, error.free = needed, free
+    return error
+
+
+def temporary_sibling(path: Path, claims: list | None = None) -> Path:
+    """A hidden name beside `path` for the file being written (removed unless renamed into place). With
+    `claims` (a list), the file is created and held under an exclusive ``flock`` whose open file is appended
+    to `claims` (close them when done): while it is held, `remove_stale_partials` leaves the file alone."""
+    while True:
+        tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.partial"
+        if claims is None:
+            return tmp
+        handle = open(tmp, "xb")  # noqa: SIM115 - held until the save ends
+        try:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except ImportError:  # no flock (Windows): stale partials are never judged dead there
+            pass
+        with contextlib.suppress(FileNotFoundError):  # a cleaner removed it before the lock: take another
+            if os.path.samestat(os.fstat(handle.fileno()), os.stat(tmp)):
+                claims.append(handle)
+                return tmp
+        handle.close()
+
+
+def remove_stale_partials(folder: Path) -> list[Path]:
+    """Remove the hidden partial files (`temporary_sibling`) in `folder` whose writer is gone (no process
+    holds their lock: a save that was killed), warning with their names; returns them."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    removed = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if not _PARTIAL.match(path.name) or path.is_symlink() or not path.is_file():
+            continue
+        try:
+            with open(path, "rb") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while its writer lives
+                size = os.fstat(handle.fileno()).st_size
+                path.unlink()
+        except OSError:
+            continue
+        removed.append((path, size))
+    if removed:
+        names = ", ".join(f"{path.name} ({size} bytes)" for path, size in removed)
+        warnings.warn(
+            f"removed {len(removed)} partial file(s) that an interrupted save_gguf left in {folder}: {names}",
+            RemovedLeftoverWarning,
+            stacklevel=3,
+        )
+    return [path for path, _ in removed]
 
 
 def check_file_destination(path: Path, overwrite: bool) -> None:
-    """Refuse to replace a file fastft did not write (a GGUF without fastft's key), unless `overwrite`."""
+    """Refuse to replace a file fastft did not write, unless `overwrite`: in a folder fastft saved, one its
+    manifest lists must be unchanged since; elsewhere a GGUF must carry fastft's key."""
     if path.is_dir():
         raise FolderInTheWayError(
             f"{path} is a folder: save_gguf writes one file. Name a file, e.g. {path}/model.gguf"
         )
     if not path.exists() or overwrite:
         return
+    record = (read_manifest(path.parent) or {}).get(path.name)
+    if record is not None:
+        if unchanged(path, record):
+            return
+        raise FolderInTheWayError(
+            f"{path} changed since fastft wrote it: saving there would replace it. Pick a new name, or pass "
+            "overwrite=True."
+        )
     if not written_by_fastft(path):
         raise FolderInTheWayError(
             f"{path} already exists and was not written by fastft: saving there would replace it. Pick a new "

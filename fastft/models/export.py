@@ -1,7 +1,8 @@
 """Keep the result: a PEFT adapter folder, or a merged 16-bit model that plain transformers loads.
 
 Both are written atomically (into a temporary sibling folder, renamed into place) and never over a
-folder fastft did not write, unless ``overwrite=True`` (`fastft.atomic`). Merging
+folder fastft did not write, unless ``overwrite=True``; in a folder fastft saved before, they replace only
+the files fastft wrote there (its manifest lists them), keeping what the user added (`fastft.atomic`). Merging
 never touches the trained model: merged weights W + (alpha/r)·B·A are computed into a fresh
 state dict, so training or generation can go on after saving.
 """
@@ -27,8 +28,10 @@ def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None, over
     """Write the LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``), and the
     tokenizer if given; the folder loads with ``peft.PeftModel.from_pretrained(base, path)``.
 
-    An existing `path` is replaced only if fastft wrote it (or it is empty); ``overwrite=True`` replaces
-    any folder. A file at `path` is never touched."""
+    An existing `path` is saved into only if fastft wrote it (or it is empty), and then only the files
+    fastft wrote there (unchanged since) are replaced: the user's own files stay, and a file of theirs that
+    this save would replace is refused by name (`fastft.atomic`). ``overwrite=True`` replaces any folder
+    whole. A file at `path` is never touched."""
     if not isinstance(model, PeftModel):
         raise TypeError("save_adapter needs a model with LoRA adapters (from fastft.add_lora).")
     check_destination(recover_folder(path), overwrite)
@@ -40,7 +43,7 @@ def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None, over
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 
-    return replace_folder_atomically(write, path, overwrite=overwrite, kind="adapter")
+    return replace_folder_atomically(write, path, overwrite=overwrite, kind="adapter", by="save_adapter")
 
 
 def merged_state_dict(model: PeftModel, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -133,4 +136,4 @@ def save_merged(
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 
-    return replace_folder_atomically(write, path, overwrite=overwrite, kind="merged")
+    return replace_folder_atomically(write, path, overwrite=overwrite, kind="merged", by="save_merged")

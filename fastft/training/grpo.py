@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from fastft.checks import SettingError, real_number, whole_number
-from fastft.data.rewards import Reward, check_columns, reward_name, score_completions
+from fastft.data.rewards import Reward, check_columns, resolve_rewards, reward_name, score_completions
 from fastft.runtime.attention import patch_packed_attention, unpatch_packed_attention
 from fastft.training.distributed import start_distributed
 from fastft.training.events import Subscriber
@@ -50,7 +50,14 @@ from fastft.training.loss import target_losses
 from fastft.training.loss_scale import LossScaler
 from fastft.training.optimizer import adamw
 from fastft.training.preference import adapters_disabled
-from fastft.training.rollout import Sampling, pack_completions, prompt_of, sample, tokenize_prompt
+from fastft.training.rollout import (
+    Sampling,
+    pack_completions,
+    prompt_of,
+    prompt_rows,
+    sample,
+    tokenize_prompt,
+)
 from fastft.training.timing import NULL_PROFILE, StepProfile
 from fastft.training.timing_hooks import detach_profile
 from fastft.training.trainer import (
@@ -217,7 +224,9 @@ class GRPOTrainer(Trainer):
     """GRPO on a (PEFT) model: `Trainer`'s loop, control and checkpoints with the GRPO step (module docstring).
 
     `prompts` are rows (a list of dicts or a `datasets.Dataset`) with a ``prompt`` or ``messages`` column and
-    whatever columns the `rewards` read; each reward is ``(prompts, completions, **row) -> list[float]``.
+    whatever columns the `rewards` read, or bare prompts (strings used as they are, conversations through the
+    chat template: `fastft.training.rollout.prompt_rows`); each reward is ``(prompts, completions, **row) ->
+    list[float]`` or the name of a bundled one (``"exact_match"``: `fastft.data.rewards.NAMED`).
     `last_rollout` is the latest step's `Rollout` (for inspecting completions and advantages);
     `decode_stats` counts the rollouts' decode steps run eagerly and replayed from a CUDA graph.
     """
@@ -236,7 +245,7 @@ class GRPOTrainer(Trainer):
         self.config = config or GRPOConfig()
         if not isinstance(self.config, GRPOConfig):
             raise SettingError(f"GRPOTrainer needs a GRPOConfig, got {type(self.config).__name__}.")
-        self.rewards = [rewards] if callable(rewards) else list(rewards)
+        self.rewards = resolve_rewards(rewards)
         if not self.rewards:
             raise SettingError("GRPO needs at least one reward function, e.g. fastft.rewards.exact_match.")
         weights = self.config.reward_weights
@@ -245,7 +254,7 @@ class GRPOTrainer(Trainer):
                 f"reward_weights has {len(weights)} values for {len(self.rewards)} reward functions: give one each."
             )
         self.weights = np.asarray(weights if weights is not None else [1.0] * len(self.rewards))
-        self.rows = [dict(row) for row in prompts]
+        self.rows = prompt_rows(prompts)
         if not self.rows:
             raise ValueError("GRPO got no prompt rows: pass rows with a 'prompt' or 'messages' column.")
         check_columns(self.rewards, sorted(set.intersection(*(set(self._columns(row)) for row in self.rows))))
@@ -377,7 +386,8 @@ class GRPOTrainer(Trainer):
             name: [self.rows[i].get(name) for i in owners] for name in self._columns(self.rows[chosen[0]])
         }
         rewards = np.asarray(
-            score_completions(self.rewards, prompts, completions, columns), dtype=np.float64
+            score_completions(self.rewards, prompts, completions, columns, step=step + 1, rows=owners),
+            dtype=np.float64,
         ).T
         if not np.isfinite(rewards).all():
             bad = [

@@ -18,6 +18,7 @@ completion tokens the targets), into micro-batches of at most `micro_batch_token
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,6 +29,36 @@ from fastft.data.batch import PackedBatch
 from fastft.data.packing import best_fit_decreasing
 from fastft.data.tokenize import IGNORE_INDEX
 from fastft.training.decode import StaticDecoder, supports
+
+
+def prompt_rows(prompts) -> list[dict]:
+    """GRPO's prompt rows from what was passed: rows (dicts, or a `datasets.Dataset`) as they are, or bare
+    prompts, each becoming ``{"prompt": ...}``: a plain string is the text the model continues (no chat
+    template, as TRL treats a prompt that is not conversational), a conversation (a list of ``{"role",
+    "content"}`` messages) is rendered with the chat template and its generation prompt."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError(
+            f"prompts={prompts[:40]!r} is one string: pass a list of prompts (strings, conversations or rows "
+            "with a 'prompt' column), or a dataset name to fastft.grpo(..., prompts='bundled:skills')."
+        )
+    rows = []
+    for index, item in enumerate(prompts):
+        if isinstance(item, Mapping):
+            rows.append(dict(item))
+        elif isinstance(item, str):
+            rows.append({"prompt": item})
+        elif (
+            isinstance(item, (list, tuple))
+            and item
+            and all(isinstance(m, Mapping) and "role" in m for m in item)
+        ):
+            rows.append({"prompt": [dict(m) for m in item]})
+        else:
+            raise ValueError(
+                f"GRPO prompt {index} is a {type(item).__name__} ({item!r:.60}): give each prompt as a string, a "
+                "conversation (a list of {'role', 'content'} messages) or a row with a 'prompt' column."
+            )
+    return rows
 
 
 def prompt_of(row: dict):

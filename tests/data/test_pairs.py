@@ -134,3 +134,24 @@ def test_sft_packing_refuses_pairs_and_names_the_way(tokenizer):
         fastft.pack(fastft.load_dataset([{"prompt": "q", "chosen": "a", "rejected": "b"}]), tokenizer, 64)
     with pytest.raises(ValueError, match="pack_pairs"):
         fastft.pack([{"prompt": "q", "chosen": "a", "rejected": "b"}], tokenizer, 64)
+
+
+def test_pairs_whose_chosen_equals_rejected_are_left_out_and_named(tokenizer):
+    """Issue 53: such a pair gives DPO no signal; it packed silently. Now it is left out and the warning
+    counts and names the rows; a set of nothing else is refused."""
+    rows = [
+        {"prompt": "2 + 2?", "chosen": "4", "rejected": "5"},
+        {"prompt": "3 + 3?", "chosen": "6", "rejected": "6"},
+        {"prompt": "Capital of France?", "chosen": "Paris", "rejected": "Lyon"},
+        {"prompt": "1 + 1?", "chosen": "2", "rejected": "2"},
+    ]
+    with pytest.warns(
+        UserWarning, match=r"2 of 4 pairs have a chosen answer equal.*rows 1, 3, counting from 0"
+    ):
+        pairs = pack_pairs(rows, tokenizer, 96)
+    assert pairs.pairs == 2 and pairs.pair_stats.identical_rows == (1, 3)
+    assert sorted(set(pairs.data.source_rows)) == [0, 2]
+    with pytest.raises(
+        ValueError, match=r"No trainable pairs.*row 0, counting from 0.*differs from its chosen"
+    ):
+        pack_pairs(rows[1:2], tokenizer, 96)

@@ -173,6 +173,72 @@ def test_a_reward_returning_the_wrong_count_is_named():
         trainer.train()
 
 
+def test_a_reward_that_raises_names_itself_the_step_the_completion_and_its_prompt_row():
+    """Issue 53: the reward's own exception came out bare. Now: which reward, which step, which completion
+    (found by scoring each alone), its prompt row, the original exception chained."""
+    model, tokenizer = _model()
+    seen = {}
+
+    def strict(prompts, completions, answer):
+        seen.setdefault("batch", list(completions))
+        if seen["batch"][5] in completions:
+            raise KeyError("no score for this one")
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(model, tokenizer, ROWS, [exact_match, strict], _config(max_steps=1))
+    with pytest.raises(RewardError) as caught:
+        trainer.rollout(0)
+    message = str(caught.value)
+    index = seen["batch"].index(seen["batch"][5])  # the first completion of that text
+    row = trainer.prompts_for_step(0)[index // 4]  # 4 completions per prompt
+    assert "The reward 'strict' raised KeyError: 'no score for this one' at step 1" in message
+    assert f"on completion {index} of 8, prompt row {row}: " in message
+    assert isinstance(caught.value.__cause__, KeyError)
+
+    def batch_only(prompts, completions, **row):
+        if len(completions) > 1:
+            raise RuntimeError("cannot batch")
+        return [0.0]
+
+    trainer = GRPOTrainer(model, tokenizer, ROWS, [batch_only], _config(max_steps=1))
+    with pytest.raises(
+        RewardError, match="at step 1, on the batch of 8 completions \\(each one alone scores"
+    ):
+        trainer.rollout(0)
+
+
+def test_a_reward_given_by_name_is_the_bundled_one_and_an_unknown_name_is_refused_whole():
+    model, tokenizer = _model()
+    trainer = GRPOTrainer(model, tokenizer, ROWS, "exact_match", _config(max_steps=1))
+    assert trainer.rewards == [exact_match]  # not the letters of "exact_match"
+    named = GRPOTrainer(model, tokenizer, ROWS, ["content_match", "format"], _config(max_steps=1))
+    assert [r.__name__ for r in named.rewards] == ["content_match", "format"]
+    for rewards in ("accuracy", ["exact_match", "acc"]):
+        with pytest.raises(
+            RewardError, match=r"'(accuracy|acc)' is not a bundled reward's name.*exact_match"
+        ):
+            GRPOTrainer(model, tokenizer, ROWS, rewards, _config())
+
+
+def test_prompts_given_as_plain_strings_or_conversations_are_rows():
+    """As TRL treats a prompt: a plain string is the text the model continues (no chat template), a
+    conversation goes through the chat template with the generation prompt."""
+    model, tokenizer = _model()
+    conversation = [{"role": "user", "content": "What is 2 + 2?"}]
+    trainer = GRPOTrainer(
+        model, tokenizer, ["What is 2 + 2?", conversation], [format_reward()], _config(max_steps=1)
+    )
+    plain = tokenizer("What is 2 + 2?", add_special_tokens=False)["input_ids"]
+    templated = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert list(trainer.prompt_ids[0]) == plain
+    assert list(trainer.prompt_ids[1]) == tokenizer(templated, add_special_tokens=False)["input_ids"]
+    assert len(trainer.rollout(0).completions) == 8
+    with pytest.raises(ValueError, match="is one string: pass a list of prompts"):
+        GRPOTrainer(model, tokenizer, "What is 2 + 2?", [format_reward()], _config())
+    with pytest.raises(ValueError, match="GRPO prompt 1 is a int"):
+        GRPOTrainer(model, tokenizer, ["fine", 7], [format_reward()], _config())
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -239,3 +239,142 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(lora, tmp_path):
         assert not atomic.leftovers(mount / "run")  # the half-written one was removed
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _manifest(folder):
+    import json
+
+    return json.loads((folder / atomic.MARKER).read_text())["files"]
+
+
+def test_a_second_save_keeps_what_the_user_added_to_the_folder(lora, tmp_path):
+    """Issue 53: save_adapter, the user adds NOTES.md (and a folder of code), save_adapter again: both stay."""
+    model, tokenizer = lora
+    path = tmp_path / "a"
+    fastft.save_adapter(model, path, tokenizer)
+    (path / "NOTES.md").write_text("what I tried")
+    (path / "code").mkdir()
+    (path / "code" / "run.py").write_text("print('mine')")
+    fastft.save_adapter(
+        model, path
+    )  # no tokenizer this time: its files, fastft's and unchanged, are left out
+    assert (path / "NOTES.md").read_text() == "what I tried"
+    assert (path / "code" / "run.py").read_text() == "print('mine')"
+    listed = _manifest(path)
+    assert set(listed) == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+    assert {record["by"] for record in listed.values()} == {"save_adapter"}
+    assert not (path / "tokenizer_config.json").exists()
+    base, _ = fastft.load_model("tiny-llama")
+    PeftModel.from_pretrained(base, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_a_copied_manifest_gives_no_licence_over_the_users_files(lora, tmp_path):
+    """A manifest copied from a fastft folder into the user's project: files that do not match it stay, and
+    a save that would replace one of them is refused, naming it."""
+    model, tokenizer = lora
+    fastft.save_adapter(model, tmp_path / "saved")
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(tmp_path / "saved" / atomic.MARKER, project / atomic.MARKER)
+    (project / "code.py").write_text("print('mine')")
+    (project / "adapter_config.json").write_text('{"my": "own config"}')
+    before = _tree(project)
+    with pytest.raises(atomic.FolderInTheWayError, match=r"adapter_config\.json.*did not write them"):
+        fastft.save_adapter(model, project)
+    assert (
+        _tree(project) == before and (project / "adapter_config.json").read_text() == '{"my": "own config"}'
+    )
+    assert not atomic.leftovers(tmp_path)
+    (project / "adapter_config.json").unlink()
+    fastft.save_adapter(model, project)  # nothing of the user's in the way: saved beside their code
+    assert (project / "code.py").read_text() == "print('mine')" and (
+        project / "adapter_model.safetensors"
+    ).exists()
+
+
+def test_a_file_fastft_wrote_and_the_user_changed_is_not_replaced(lora, tmp_path):
+    model, _ = lora
+    path = tmp_path / "a"
+    fastft.save_adapter(model, path)
+    config = path / "adapter_config.json"
+    config.write_text(config.read_text().replace('"r": 4', '"r": 4 '))  # same meaning, other bytes
+    edited = config.read_text()
+    with pytest.raises(atomic.FolderInTheWayError, match=r"adapter_config\.json.*changed since"):
+        fastft.save_adapter(model, path)
+    assert config.read_text() == edited
+    fastft.save_adapter(model, path, overwrite=True)  # named: the whole folder is replaced
+    assert config.read_text() != edited
+
+
+def test_a_model_saved_over_another_leaves_out_fastfts_old_files_but_keeps_changed_ones(lora, tmp_path):
+    """save_merged then save_adapter into one folder: the merged weights (fastft's, unchanged) go, so the
+    folder never mixes two models; a file the user edited since stays theirs."""
+    model, tokenizer = lora
+    path = tmp_path / "m"
+    fastft.save_merged(model, path, tokenizer, dtype=torch.float32)
+    (path / "generation_config.json").write_text('{"my": "edit"}')
+    fastft.save_adapter(model, path)
+    names = {p.name for p in path.iterdir()}
+    assert "model.safetensors" not in names and "config.json" not in names and "tokenizer.json" not in names
+    assert (path / "generation_config.json").read_text() == '{"my": "edit"}'
+    assert "generation_config.json" not in _manifest(path)  # the user's file now, never fastft's to delete
+
+
+def test_a_folder_from_an_earlier_fastft_is_refused_where_its_files_would_be_replaced(lora, tmp_path):
+    """A manifest without a file list (fastft before issue 53) cannot tell fastft's files from the user's."""
+    model, _ = lora
+    path = tmp_path / "a"
+    fastft.save_adapter(model, path)
+    (path / atomic.MARKER).write_text('{"written_by": "fastft", "kind": "adapter"}\n')
+    with pytest.raises(atomic.FolderInTheWayError, match="earlier fastft.*overwrite=True"):
+        fastft.save_adapter(model, path)
+    fastft.save_adapter(model, path, overwrite=True)
+    assert "adapter_model.safetensors" in _manifest(path)
+
+
+def test_a_folder_that_cannot_be_written_is_named_not_the_hidden_temporary_one(lora, tmp_path, monkeypatch):
+    """Tests run as root, which chmod does not stop: the refusal is simulated where the save creates its
+    temporary folder, as a read-only parent refuses it."""
+    model, _ = lora
+    real_mkdir = atomic.Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if ".tmp-" in self.name:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(atomic.Path, "mkdir", mkdir)
+    target = tmp_path / "adapter"
+    with pytest.raises(PermissionError) as caught:
+        fastft.save_adapter(model, target)
+    message = str(caught.value)
+    assert (
+        f"cannot write {target}:" in message and ".tmp-" not in message and "folder you can write" in message
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_folder_is_named(lora, tmp_path):
+    model, _ = lora
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        with pytest.raises(PermissionError, match=f"cannot write {parent / 'adapter'}:"):
+            fastft.save_adapter(model, parent / "adapter")
+    finally:
+        parent.chmod(0o755)
+
+
+def test_a_file_added_while_a_save_runs_is_kept(tmp_path):
+    path = tmp_path / "folder"
+    atomic.replace_folder_atomically(lambda tmp: (tmp / "weights.bin").write_bytes(b"1"), path, by="test")
+
+    def write(tmp):
+        (tmp / "weights.bin").write_bytes(b"2")
+        (path / "late.txt").write_text("written by the user during the save")
+
+    atomic.replace_folder_atomically(write, path, by="test")
+    assert (path / "late.txt").read_text() == "written by the user during the save"
+    assert (path / "weights.bin").read_bytes() == b"2" and not atomic.leftovers(tmp_path)
