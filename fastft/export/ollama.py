@@ -20,6 +20,7 @@ the chat template itself).
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -240,12 +241,18 @@ def go_template(pieces: Pieces) -> str:
     head = literal(pieces.head)
     if head and pieces.system is not None:
         head = f'{{{{ if or (not .Messages) (ne (index .Messages 0).Role "system") }}}}{head}{{{{ end }}}}'
-    reply = literal(pieces.assistant[0])
+    # the text every reply opens with stays outside the branches, so the reasoning's branch opens with its own
+    # tag (Ollama reads its thinking tags from the text around .Thinking: <think> and </think> for Qwen3)
+    prefixes = [pieces.assistant[0], pieces.last, pieces.thinking and pieces.thinking[0]]
+    shared = os.path.commonprefix([p for p in prefixes if p is not None])
+    n = len(shared)
+    reply = literal(pieces.assistant[0][n:])
     if pieces.last is not None:
-        reply = f"{{{{ if $last }}}}{literal(pieces.last)}{{{{ else }}}}{reply}{{{{ end }}}}"
+        reply = f"{{{{ if $last }}}}{literal(pieces.last[n:])}{{{{ else }}}}{reply}{{{{ end }}}}"
     if pieces.thinking is not None:
-        thought = f"{literal(pieces.thinking[0])}{{{{ .Thinking }}}}{literal(pieces.thinking[1])}"
+        thought = f"{literal(pieces.thinking[0][n:])}{{{{ .Thinking }}}}{literal(pieces.thinking[1])}"
         reply = f"{{{{ if and $last .Thinking }}}}{thought}{{{{ else }}}}{reply}{{{{ end }}}}"
+    reply = literal(shared) + reply
     reply_end = (
         f"{{{{ if not $last }}}}{literal(pieces.assistant[1])}{{{{ end }}}}" if pieces.assistant[1] else ""
     )

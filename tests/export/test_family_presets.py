@@ -120,13 +120,13 @@ def test_family_template_translates_to_ollama_and_renders_as_the_jinja(name):
             "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n{{ .Content }}<|eot_id|>",
         ],
         "tiny-qwen3": [
-            "{{ if and $last .Thinking }}<|im_start|>assistant\n<think>\n{{ .Thinking }}\n</think>\n\n",
+            "<|im_start|>assistant\n{{ if and $last .Thinking }}<think>\n{{ .Thinking }}\n</think>\n\n",
             "{{ if and $.IsThinkSet (not $.Think) }}<think>\n\n</think>\n\n{{ end }}",
         ],
         "tiny-gpt-oss": [
             "Current date: {{ currentDate }}\n\nReasoning: {{ if $.ThinkLevel }}{{ $.ThinkLevel }}{{ else }}medium"
             "{{ end }}",
-            "{{ if and $last .Thinking }}<|start|>assistant<|channel|>analysis<|message|>{{ .Thinking }}<|end|>"
+            "<|start|>assistant<|channel|>{{ if and $last .Thinking }}analysis<|message|>{{ .Thinking }}<|end|>"
             "<|start|>assistant<|channel|>final<|message|>",
         ],
     }

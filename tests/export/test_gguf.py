@@ -142,7 +142,7 @@ def test_ollama_folder_has_a_verified_template_stop_tokens_and_parameters(traine
     assert '{{ if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n' in text
     if name != "tiny-llama":  # Qwen3's template (tiny-qwen3, tiny-moe): the last reply's reasoning, think off
         assert (
-            "{{ if and $last .Thinking }}<|im_start|>assistant\n<think>\n{{ .Thinking }}\n</think>\n\n"
+            "<|im_start|>assistant\n{{ if and $last .Thinking }}<think>\n{{ .Thinking }}\n</think>\n\n"
             in text
         )
         assert "{{ if and $.IsThinkSet (not $.Think) }}<think>\n\n</think>\n\n{{ end }}" in text
