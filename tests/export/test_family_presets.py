@@ -5,6 +5,7 @@ and Ollama with its chat template translated (each translation rendered against 
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 
@@ -96,6 +97,133 @@ CONVERSATIONS = [
 ]
 
 
+def _go_render(template: str, messages: list[dict], think: bool | None = None, think_level: str = "") -> str:
+    """Ollama's rendering of `template` (the subset of Go's text/template fastft writes: text, if / else if /
+    else, range over .Messages, variables, eq ne and or not len slice index currentDate), to check the Go text
+    itself and not only `render_pieces`."""
+    parts = re.split(r"(\{\{.*?\}\})", template, flags=re.S)
+    root = {
+        "Messages": [
+            {"Role": m["role"], "Content": m["content"], "Thinking": m.get("thinking", "")} for m in messages
+        ],
+        "IsThinkSet": think is not None,
+        "Think": bool(think),
+        "ThinkLevel": think_level,
+    }
+    position = 0
+
+    def block(stop: tuple[str, ...]) -> list:
+        nonlocal position
+        nodes = []
+        while position < len(parts):
+            part = parts[position]
+            position += 1
+            if not part.startswith("{{"):
+                nodes.append(("text", part))
+                continue
+            action = part[2:-2].strip()
+            word = action.split(" ")[0]
+            if word in stop or action.startswith("else"):
+                position -= 1
+                return nodes
+            if word == "if":
+                branches, other = [(action[3:], block(("end", "else")))], []
+                while parts[position][2:-2].strip().startswith("else"):
+                    head = parts[position][2:-2].strip()
+                    position += 1
+                    if head.startswith("else if "):
+                        branches.append((head[8:], block(("end", "else"))))
+                    else:
+                        other = block(("end",))
+                position += 1  # {{ end }}
+                nodes.append(("if", branches, other))
+            elif word == "range":
+                body = block(("end",))
+                position += 1
+                nodes.append(("range", action, body))
+            else:
+                nodes.append(("action", action))
+        return nodes
+
+    def value(expression: str, dot, names: dict):
+        tokens = [
+            (m.group(), m.start(), m.end()) for m in re.finditer(r'"[^"]*"|\(|\)|\$?\.?\w+|\$', expression)
+        ]
+
+        def operand(i):
+            text, _, end = tokens[i]
+            if text == "(":
+                result, i = command(i + 1)
+                i += 1  # ")"
+                if i < len(tokens) and tokens[i][0].startswith(".") and tokens[i][1] == tokens[i - 1][2]:
+                    result, i = result[tokens[i][0][1:]], i + 1  # (expr).Field
+                return result, i
+            if text.startswith('"'):
+                return text[1:-1], i + 1
+            if text.isdigit():
+                return int(text), i + 1
+            if text.startswith("$."):
+                return root[text[2:]], i + 1
+            if text.startswith("$"):
+                return names[text], i + 1
+            if text.startswith("."):
+                return dot[text[1:]], i + 1
+            return FUNCTIONS[text], i + 1
+
+        def command(i):
+            args = []
+            while i < len(tokens) and tokens[i][0] != ")":
+                arg, i = operand(i)
+                args.append(arg)
+            return (args[0](*args[1:]) if callable(args[0]) else args[0]), i
+
+        return command(0)[0]
+
+    def run(nodes, dot, names) -> str:
+        out = []
+        for node in nodes:
+            if node[0] == "text":
+                out.append(node[1])
+            elif node[0] == "action":
+                target, _, expression = node[1].rpartition(":=")
+                result = value(expression, dot, names)
+                if target:
+                    names[target.strip()] = result
+                else:
+                    out.append(str(result))
+            elif node[0] == "if":
+                body = next((b for condition, b in node[1] if value(condition, dot, names)), node[2])
+                out.append(run(body, dot, names))
+            else:
+                for i, message in enumerate(root["Messages"]):
+                    out.append(run(node[2], message, {**names, "$i": i, "$_": message}))
+        return "".join(out)
+
+    tree = block(())
+    return run(tree, root, {})
+
+
+def _and(*args):
+    return next((a for a in args if not a), args[-1])
+
+
+def _or(*args):
+    return next((a for a in args if a), args[-1])
+
+
+FUNCTIONS = {
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+    "and": _and,
+    "or": _or,
+    "not": lambda a: not a,
+    "len": len,
+    "slice": lambda items, start: items[start:],
+    "index": lambda items, i: items[i],
+    "currentDate": lambda: time.strftime("%Y-%m-%d"),
+}
+
+
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_family_template_translates_to_ollama_and_renders_as_the_jinja(name):
     tokenizer = load_preset_tokenizer(name)
@@ -110,6 +238,8 @@ def test_family_template_translates_to_ollama_and_renders_as_the_jinja(name):
         )
         want = want.removeprefix(tokenizer.bos_token or "\0")
         got = render_pieces(pieces, messages, generation, **options)
+        # Ollama's rendering of the Go text: the same (it writes the generation prompt after a last user message)
+        assert _go_render(template, messages, options.get("think"), options.get("think_level", "")) == got
         if generation:
             assert got == want, (messages, options)
         else:  # a reply Ollama has the model continue: the same text, up to its end-of-turn marker
