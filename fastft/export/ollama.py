@@ -6,26 +6,37 @@ template renders conversations holding marker strings, and the text around each 
 (what comes before and after a system, user and assistant message, and the generation prompt). The Go
 template is built from those pieces; `render_pieces` renders the same pieces in Python, and `translate`
 keeps the translation only if that rendering equals the Jinja template's on several conversations
-(with and without a system message, one and several turns). A template whose messages depend on each
-other in other ways (a default system prompt injected, tool calls) fails with `TemplateTranslationError`,
-and ``save_ollama(..., parameters=...)`` still works after the user writes the TEMPLATE by hand.
+(with and without a system message, one and several turns, a reply the model is to continue).
+
+Besides fixed text, the pieces hold what the families' templates vary on: a reply that ends the
+conversation written differently from earlier ones (Qwen3 shows its reasoning, ``<think>…</think>``, only
+there), its reasoning (``reasoning_content`` / ``thinking``: Ollama's ``.Thinking``), the generation prompt
+when thinking is turned off (Qwen3's ``enable_thinking=False``: Ollama's ``think: false``), and gpt-oss's
+current date and reasoning effort (Ollama's ``currentDate`` and ``.ThinkLevel``). A template whose messages
+depend on each other in other ways (the system prompt merged into the first user turn, tool calls) has
+no faithful translation: `modelfile` then leaves the TEMPLATE out and says what to do (the GGUF carries
+the chat template itself).
 """
 
 from __future__ import annotations
 
 import difflib
+import os
+import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fastft.checks import SettingError, real_number, whole_number
 
-_S, _U, _A, _U2, _A2 = (
+_S, _U, _A, _U2, _T = (
     "⟦fastft-system⟧",
     "⟦fastft-user⟧",
     "⟦fastft-assistant⟧",
     "⟦fastft-user2⟧",
-    "⟦fastft-assistant2⟧",
+    "⟦fastft-thinking⟧",
 )
+_DATE, _EFFORT = "⟦fastft-date⟧", "⟦fastft-effort⟧"  # strftime_now('%Y-%m-%d') and reasoning_effort
 
 
 class TemplateTranslationError(ValueError):
@@ -34,18 +45,29 @@ class TemplateTranslationError(ValueError):
 
 @dataclass(frozen=True)
 class Pieces:
-    """The literal text around each message of a chat template (see the module doc)."""
+    """The literal text around each message of a chat template (see the module doc). Texts may hold the
+    `_DATE` and `_EFFORT` markers, rendered as today's date and the reasoning effort."""
 
     head: str  # before the first message unless it is a system one with its own piece (a default system
     # block, or ""; BOS excluded: llama.cpp adds it)
     system: tuple[str, str] | None  # before / after a system message's content; None: no system role
     user: tuple[str, str]
-    assistant: tuple[str, str]
+    assistant: tuple[str, str]  # before an earlier reply's content / after it
     generation: str  # after the last user message, when the model is to answer
+    last: str | None = None  # before a reply that ends the conversation, when not `assistant[0]`
+    thinking: tuple[str, str] | None = (
+        None  # before / after the reasoning of a reply ending the conversation,
+    )
+    # the text between them and the reply's content; None: the template writes no reasoning
+    no_think: str = ""  # after `generation` when thinking is turned off
+    effort: str | None = None  # the default reasoning effort, when the template takes one
+    end: str = ""  # after a reply that ends a conversation: its end marker, which Ollama leaves to the model
 
 
-def _render(tokenizer, messages: list[dict], generation: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+def _render(tokenizer, messages: list[dict], generation: bool, **variables) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation, **variables
+    )
 
 
 def _split(text: str, marker: str) -> tuple[str, str]:
@@ -57,38 +79,96 @@ def _split(text: str, marker: str) -> tuple[str, str]:
     return before, after
 
 
+def _common_suffix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return a[len(a) - n :]
+
+
+def _effort_default(tokenizer) -> str | None:
+    """The reasoning effort the template writes when none is passed; None when it takes none."""
+    messages = [{"role": "user", "content": _U}]
+    marked = _render(tokenizer, messages, False, reasoning_effort=_EFFORT)
+    if marked.count(_EFFORT) != 1:
+        return None
+    plain = _render(tokenizer, messages, False)
+    before, after = marked.split(_EFFORT)
+    if not (plain.startswith(before) and plain.endswith(after)):
+        return None
+    return plain[len(before) : len(plain) - len(after)]
+
+
 def measure(tokenizer) -> Pieces:
     """The `Pieces` of the tokenizer's chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise TemplateTranslationError("the tokenizer has no chat template to translate")
-    user_only = _render(tokenizer, [{"role": "user", "content": _U}], False)
-    with_generation = _render(tokenizer, [{"role": "user", "content": _U}], True)
+    effort = _effort_default(tokenizer)
+    variables = {} if effort is None else {"reasoning_effort": _EFFORT}
+    today = time.strftime("%Y-%m-%d")  # gpt-oss's current date (strftime_now), Ollama's currentDate
+
+    def render(messages, generation=False, **extra):
+        return _render(tokenizer, messages, generation, **variables, **extra).replace(today, _DATE)
+
+    user_only = render([{"role": "user", "content": _U}])
+    with_generation = render([{"role": "user", "content": _U}], True)
     if not with_generation.startswith(user_only):
         raise TemplateTranslationError("the generation prompt is not appended after the last message")
     generation = with_generation[len(user_only) :]
+    no_think = ""
+    without_thinking = render([{"role": "user", "content": _U}], True, enable_thinking=False)
+    if without_thinking != with_generation:
+        if not without_thinking.startswith(with_generation):
+            raise TemplateTranslationError("enable_thinking=False changes more than the generation prompt")
+        no_think = without_thinking[len(with_generation) :]
     first_pre, user_post = _split(user_only, _U)
     two = [{"role": "user", "content": _U}, {"role": "assistant", "content": _A}]
-    after_answer = _render(tokenizer, two, False)
-    if not after_answer.startswith(user_only):
+    final = render(two)
+    if not final.startswith(user_only):
         raise TemplateTranslationError("an assistant message changes how the user message before it renders")
-    assistant = _split(after_answer[len(user_only) :], _A)
-    three = _render(tokenizer, [*two, {"role": "user", "content": _U2}], False)
-    if not three.startswith(after_answer):
-        raise TemplateTranslationError("a later user message changes how the earlier messages render")
-    user_pre, rest = _split(three[len(after_answer) :], _U2)
+    last_pre, last_post = _split(final[len(user_only) :], _A)
+    three = render([*two, {"role": "user", "content": _U2}])
+    if not three.startswith(user_only):
+        raise TemplateTranslationError("a later message changes how the first user message renders")
+    assistant_pre, rest = _split(three[len(user_only) :], _A)
+    between, rest = _split(rest, _U2)
     if rest != user_post:
         raise TemplateTranslationError("the second user message ends differently from the first")
-    if not first_pre.endswith(user_pre):
+    # where an earlier reply's end stops and the next user message's start begins: after the end the last
+    # reply has (ChatML, Llama 3, Qwen3), else after the end of a user message (gpt-oss: <|end|>, where the
+    # last reply ends with <|return|>), else where the text stops being the first user message's start. Only
+    # the Go template's look depends on it: each split renders the same text.
+    for end in (last_post, user_post):
+        if between.startswith(end) and first_pre.endswith(between[len(end) :]):
+            assistant_post, user_pre = end, between[len(end) :]
+            break
+    else:
+        user_pre = _common_suffix(first_pre, between)
+        assistant_post = between[: len(between) - len(user_pre)]
+    if not user_pre:
         raise TemplateTranslationError("the first user message starts differently from later ones")
     head = first_pre[: len(first_pre) - len(user_pre)]
     bos = getattr(tokenizer, "bos_token", None)
     if bos and head.startswith(bos):
         head = head[len(bos) :]
+    thinking = None
+    try:
+        reasoned = render(
+            [two[0], {"role": "assistant", "content": _A, "reasoning_content": _T, "thinking": _T}]
+        )
+    except Exception:  # noqa: BLE001 - a template that rejects the reasoning fields: it writes none
+        reasoned = final
+    if _T in reasoned:
+        if not reasoned.startswith(user_only):
+            raise TemplateTranslationError(
+                "a reply's reasoning changes how the user message before it renders"
+            )
+        think_pre, rest = _split(reasoned[len(user_only) :], _T)
+        think_post, rest = _split(rest, _A)
+        thinking = (think_pre, think_post)
     system = None
     try:
-        with_system = _render(
-            tokenizer, [{"role": "system", "content": _S}, {"role": "user", "content": _U}], False
-        )
+        with_system = render([{"role": "system", "content": _S}, {"role": "user", "content": _U}])
     except Exception:  # noqa: BLE001 - a template that rejects system messages: no system piece
         with_system = None
     if with_system is not None and _S in with_system:
@@ -102,12 +182,28 @@ def measure(tokenizer) -> Pieces:
         # message's own text when the conversation opens with one
         system = (system_pre, rest[: len(rest) - len(suffix)])
     return Pieces(
-        head=head, system=system, user=(user_pre, user_post), assistant=assistant, generation=generation
+        head=head,
+        system=system,
+        user=(user_pre, user_post),
+        assistant=(assistant_pre, assistant_post),
+        generation=generation,
+        last=None if last_pre == assistant_pre else last_pre,
+        thinking=thinking,
+        no_think=no_think,
+        effort=effort,
+        end=last_post,
     )
 
 
-def render_pieces(pieces: Pieces, messages: list[dict], generation: bool) -> str:
-    """What the Go template built by `go_template` renders for `messages` (Ollama's .Messages)."""
+def render_pieces(
+    pieces: Pieces,
+    messages: list[dict],
+    generation: bool,
+    think: bool | None = None,
+    think_level: str | None = None,
+) -> str:
+    """What the Go template built by `go_template` renders for `messages` (Ollama's .Messages: a message's
+    reasoning is its ``thinking``), `think` and `think_level` (the request's ``think``: a bool, or a level)."""
     opens_with_system = bool(messages) and messages[0]["role"] == "system" and pieces.system is not None
     out = [] if opens_with_system else [pieces.head]
     for i, message in enumerate(messages):
@@ -118,12 +214,19 @@ def render_pieces(pieces: Pieces, messages: list[dict], generation: bool) -> str
         elif role == "user":
             out += [pieces.user[0], content, pieces.user[1]]
             if last and generation:
-                out.append(pieces.generation)
+                out.append(pieces.generation + (pieces.no_think if think is False else ""))
         elif role == "assistant":
-            out += [pieces.assistant[0], content]
+            if last and message.get("thinking") and pieces.thinking is not None:
+                out += [pieces.thinking[0], message["thinking"], pieces.thinking[1]]
+            elif last and pieces.last is not None:
+                out.append(pieces.last)
+            else:
+                out.append(pieces.assistant[0])
+            out.append(content)
             if not last:
                 out.append(pieces.assistant[1])
-    return "".join(out)
+    text = "".join(out).replace(_DATE, time.strftime("%Y-%m-%d"))
+    return text.replace(_EFFORT, think_level or pieces.effort or "")
 
 
 def go_template(pieces: Pieces) -> str:
@@ -133,7 +236,8 @@ def go_template(pieces: Pieces) -> str:
     def literal(text: str) -> str:
         if "{{" in text or "}}" in text or '"""' in text:
             raise TemplateTranslationError(f'the template text {text!r} holds {{{{, }}}} or """')
-        return text
+        effort = f"{{{{ if $.ThinkLevel }}}}{{{{ $.ThinkLevel }}}}{{{{ else }}}}{pieces.effort}{{{{ end }}}}"
+        return text.replace(_DATE, "{{ currentDate }}").replace(_EFFORT, effort)
 
     system = ""
     if pieces.system is not None:
@@ -141,42 +245,78 @@ def go_template(pieces: Pieces) -> str:
     head = literal(pieces.head)
     if head and pieces.system is not None:
         head = f'{{{{ if or (not .Messages) (ne (index .Messages 0).Role "system") }}}}{head}{{{{ end }}}}'
+    # the text every reply opens with stays outside the branches, so the reasoning's branch opens with its own
+    # tag (Ollama reads its thinking tags from the text around .Thinking: <think> and </think> for Qwen3)
+    prefixes = [pieces.assistant[0], pieces.last, pieces.thinking and pieces.thinking[0]]
+    shared = os.path.commonprefix([p for p in prefixes if p is not None])
+    n = len(shared)
+    reply = literal(pieces.assistant[0][n:])
+    if pieces.last is not None:
+        reply = f"{{{{ if $last }}}}{literal(pieces.last[n:])}{{{{ else }}}}{reply}{{{{ end }}}}"
+    if pieces.thinking is not None:
+        thought = f"{literal(pieces.thinking[0][n:])}{{{{ .Thinking }}}}{literal(pieces.thinking[1])}"
+        reply = f"{{{{ if and $last .Thinking }}}}{thought}{{{{ else }}}}{reply}{{{{ end }}}}"
+    reply = literal(shared) + reply
+    reply_end = (
+        f"{{{{ if not $last }}}}{literal(pieces.assistant[1])}{{{{ end }}}}" if pieces.assistant[1] else ""
+    )
+    prompt = literal(pieces.generation)
+    if pieces.no_think:
+        prompt += f"{{{{ if and $.IsThinkSet (not $.Think) }}}}{literal(pieces.no_think)}{{{{ end }}}}"
     return (
         head
         + "{{ range $i, $_ := .Messages }}{{ $last := eq (len (slice $.Messages $i)) 1 }}"
         + system
         + f'{{{{ if eq .Role "user" }}}}{literal(pieces.user[0])}{{{{ .Content }}}}{literal(pieces.user[1])}'
-        f"{{{{ if $last }}}}{literal(pieces.generation)}{{{{ end }}}}"
-        f'{{{{ else if eq .Role "assistant" }}}}{literal(pieces.assistant[0])}{{{{ .Content }}}}'
-        f"{{{{ if not $last }}}}{literal(pieces.assistant[1])}{{{{ end }}}}{{{{ end }}}}"
-        + ("{{ end }}" if pieces.system is not None else "")
-        + "{{ end }}"
+        f"{{{{ if $last }}}}{prompt}{{{{ end }}}}"
+        f'{{{{ else if eq .Role "assistant" }}}}{reply}{{{{ .Content }}}}'
+        f"{reply_end}{{{{ end }}}}" + ("{{ end }}" if pieces.system is not None else "") + "{{ end }}"
     )
 
 
 def translate(tokenizer) -> tuple[str, Pieces]:
-    """The Go template of the tokenizer's chat template, verified against it on several conversations."""
+    """The Go template of the tokenizer's chat template, verified against it on several conversations: each
+    ending with a user message (with the generation prompt), and each ending with a reply the model is to
+    continue (the Jinja template's text up to the end-of-reply marker)."""
     pieces = measure(tokenizer)
     bos = getattr(tokenizer, "bos_token", None) or ""
-    conversations = [
-        [{"role": "user", "content": "Hi"}],
-        [
-            {"role": "user", "content": "2+2?"},
-            {"role": "assistant", "content": "4"},
-            {"role": "user", "content": "3+3?"},
-        ],
+    chat = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "3+3?"},
+    ]
+    cases: list[tuple[list[dict], bool, dict]] = [
+        ([{"role": "user", "content": "Hi"}], True, {}),
+        (chat, True, {}),
     ]
     if pieces.system is not None:
-        conversations.append([{"role": "system", "content": "Be brief."}, *conversations[1]])
-    for messages in conversations:
-        want = _render(tokenizer, messages, True)
+        cases.append(([{"role": "system", "content": "Be brief."}, *chat], True, {}))
+    if pieces.no_think:
+        cases.append((chat, True, {"think": False}))
+    if pieces.effort is not None:
+        cases.append((chat, True, {"think_level": "high"}))
+    answer = {"role": "assistant", "content": "6"}
+    cases.append(([*chat, answer], False, {}))
+    if pieces.thinking is not None:
+        cases.append(([*chat, {**answer, "thinking": "3 and 3"}], False, {}))
+    for messages, generation, options in cases:
+        variables = {}
+        if "think" in options:
+            variables["enable_thinking"] = options["think"]
+        if "think_level" in options:
+            variables["reasoning_effort"] = options["think_level"]
+        jinja_messages = [
+            {**m, "reasoning_content": m["thinking"]} if "thinking" in m else m for m in messages
+        ]
+        want = _render(tokenizer, jinja_messages, generation, **variables)
         if bos and want.startswith(bos):
             want = want[len(bos) :]
-        got = render_pieces(pieces, messages, True)
-        if got != want:
+        got = render_pieces(pieces, messages, generation, **options)
+        continued = not generation and want.startswith(got) and want[len(got) :] == pieces.end
+        if got != want and not continued:
             raise TemplateTranslationError(
-                f"the chat template could not be translated faithfully: on {messages} it renders {want!r}, the "
-                f"translation {got!r}. Write the Modelfile's TEMPLATE by hand."
+                f"the chat template could not be translated faithfully: on {messages} ({options or 'defaults'}) it "
+                f"renders {want!r}, the translation {got!r}."
             )
     return go_template(pieces), pieces
 
@@ -304,14 +444,27 @@ def modelfile(
 
     `parameters` are Ollama's (`PARAMETERS`: each value of its kind and range; a ``stop`` adds to the
     tokenizer's), replacing the defaults of the same name; `system` a default system prompt. No value can add a
-    line of its own (`modelfile_text`)."""
+    line of its own (`modelfile_text`).
+
+    A chat template without a faithful translation (`translate` raises) leaves the TEMPLATE out, with a
+    warning and a comment in the Modelfile saying what to do: the GGUF file holds the chat template, from
+    which Ollama picks one of its own."""
     user_lines = parameter_lines(parameters)
     system_text = None if system is None else modelfile_text(system, "system", multiline=True)
-    template, _ = translate(tokenizer)
-    lines = [
-        f"FROM {gguf_name}",
-        f"TEMPLATE {modelfile_text(template, 'the translated chat template', True)}",
-    ]
+    lines = [f"FROM {gguf_name}"]
+    try:
+        template, _ = translate(tokenizer)
+    except TemplateTranslationError as error:
+        note = (
+            f"fastft could not translate the chat template to Ollama's template language ({error}). The GGUF "
+            "file holds the chat template (tokenizer.chat_template), from which Ollama picks a template of its "
+            "own: after `ollama create`, compare `ollama show NAME --template` with the chat template, and if "
+            'they differ add TEMPLATE """...""" here by hand (see docs/template.md in github.com/ollama/ollama).'
+        )
+        warnings.warn(note, stacklevel=2)
+        lines += ["# " + line for line in _wrap(note)]
+    else:
+        lines.append(f"TEMPLATE {modelfile_text(template, 'the translated chat template', True)}")
     if system:
         lines.append(f"SYSTEM {system_text}")
     for token in stop_tokens(model, tokenizer):
@@ -320,3 +473,14 @@ def modelfile(
     defaults = {name: value for name, value in default_parameters(model).items() if name not in given}
     lines += parameter_lines(defaults) + user_lines
     return "\n".join(lines) + "\n"
+
+
+def _wrap(text: str, width: int = 100) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*lines, line]

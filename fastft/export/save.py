@@ -153,7 +153,9 @@ def save_ollama(
     """Write a folder Ollama imports: ``model.<QUANT>.gguf`` (as `save_gguf`, checked) and a ``Modelfile``
     whose TEMPLATE is the chat template translated to Ollama's template language (checked by rendering
     both), with the stop tokens and default parameters (`parameters` adds or replaces them; `system` sets a
-    default system prompt). Then: ``ollama create NAME -f FOLDER/Modelfile``.
+    default system prompt). Then: ``ollama create NAME -f FOLDER/Modelfile``. A chat template with no
+    faithful translation leaves TEMPLATE out, with a warning and a comment saying what to do (the GGUF file
+    holds the chat template).
 
     The folder is written atomically into a folder fastft wrote (or any with `overwrite`), and replaces only
     the files this save writes: a GGUF of another quantisation saved there before stays beside the new one,

@@ -201,7 +201,13 @@ def load_model(
 
     if name in PRESETS:
         tokenizer = load_preset_tokenizer(name)
-        model = build_preset_model(PRESETS[name], len(tokenizer), dtype, eos_token_id=tokenizer.eos_token_id)
+        model = build_preset_model(
+            PRESETS[name],
+            len(tokenizer),
+            dtype,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         source = "preset"
         if quantization is not None:
             with tempfile.TemporaryDirectory(prefix="fastft-preset-") as folder:

@@ -3,9 +3,10 @@
 Each preset is a config of a real architecture (Llama, Qwen3, Mistral, Qwen3-MoE, Mixtral, gpt-oss)
 shrunk until it trains on two CPU cores, plus a byte-level BPE tokenizer trained on the bundled
 data (``assets/tokenizer.json``) with a ChatML chat template. A preset of a family whose chat format
-fastft carries (`FAMILY_CHATS`: tiny-qwen3 has Qwen3's template with its thinking turns) adds that
-family's special tokens after the shared vocabulary and takes its template and EOS, so templates render
-and tokenize as with the real models. Weights are initialised from a fixed seed, so
+fastft carries (`FAMILY_CHATS`: tiny-qwen3 and tiny-moe have Qwen3's template with its thinking turns,
+tiny-llama3 Llama-3.1's, tiny-gpt-oss gpt-oss's harmony format) adds that family's special tokens after
+the shared vocabulary and takes its template, BOS, EOS and pad, so templates render and tokenize as with
+the real models. Weights are initialised from a fixed seed, so
 ``load_model("tiny-llama")`` gives the same model in every process.
 
 ``python -m fastft.models.presets`` retrains the tokenizer from the bundled data.
@@ -46,16 +47,36 @@ CHATML_TEMPLATE = (
 @dataclass(frozen=True)
 class FamilyChat:
     """A model family's chat format on the preset tokenizer: the tokens it adds (`special`: never split nor
-    skipped; `plain`: added, decoded like text, as Qwen3's ``<think>``), its EOS and its chat template."""
+    skipped; `plain`: added, decoded like text, as Qwen3's ``<think>``), its EOS, its BOS (None: none; when
+    set, encoding prepends it, as Llama 3's tokenizer does), its pad (None: the shared ``<|endoftext|>``)
+    and its chat template."""
 
     template: str  # a name of fastft.data.chat_templates.TEMPLATES
     eos: str
     special: tuple[str, ...] = ()
     plain: tuple[str, ...] = ()
+    bos: str | None = None
+    pad: str | None = None
 
 
+_LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 FAMILY_CHATS = {
     "qwen3": FamilyChat("qwen3", eos="<|im_end|>", plain=("<think>", "</think>")),
+    # Llama-3.1 Instruct's tokenizer: BOS <|begin_of_text|> prepended on encoding, EOS <|eot_id|> (the end of
+    # a turn), pad <|finetune_right_pad_id|> (as Unsloth sets it)
+    "llama-3.1": FamilyChat(
+        "llama-3.1",
+        eos="<|eot_id|>",
+        special=(*_LLAMA3_TOKENS, "<|finetune_right_pad_id|>"),
+        bos="<|begin_of_text|>",
+        pad="<|finetune_right_pad_id|>",
+    ),
+    # gpt-oss's harmony format: a final answer ends with <|return|> (its EOS), other messages with <|end|>
+    "gpt-oss": FamilyChat(
+        "gpt-oss",
+        eos="<|return|>",
+        special=("<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"),
+    ),
 }
 
 
@@ -69,6 +90,15 @@ class Preset:
     description: str
     config: dict = field(default_factory=dict)
     chat: str | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """The embedding rows: the shared vocabulary and the family's added tokens (`load_preset_tokenizer`'s
+        length, known without building the tokenizer)."""
+        if self.chat is None:
+            return TOKENIZER_VOCAB_SIZE
+        chat = FAMILY_CHATS[self.chat]
+        return TOKENIZER_VOCAB_SIZE + len(chat.special) + len(chat.plain)
 
     def make_config(self, vocab_size: int) -> PretrainedConfig:
         from transformers import AutoConfig
@@ -87,6 +117,13 @@ PRESETS: dict[str, Preset] = {
             "llama",
             "Llama architecture, 4 layers, hidden 128 (the default)",
             dict(_ATTENTION, hidden_size=128, intermediate_size=344, num_hidden_layers=4),
+        ),
+        Preset(
+            "tiny-llama3",
+            "llama",
+            "Llama architecture as tiny-llama, random weights, with Llama-3.1's tokens and chat template",
+            dict(_ATTENTION, hidden_size=128, intermediate_size=344, num_hidden_layers=4),
+            chat="llama-3.1",
         ),
         Preset(
             "tiny-qwen3",
@@ -129,6 +166,7 @@ PRESETS: dict[str, Preset] = {
                 decoder_sparse_step=1,
                 num_hidden_layers=2,
             ),
+            chat="qwen3",  # Qwen3-30B-A3B's template is Qwen3's
         ),
         Preset(
             "tiny-mixtral",
@@ -157,6 +195,7 @@ PRESETS: dict[str, Preset] = {
                 num_hidden_layers=2,
                 sliding_window=16,
             ),
+            chat="gpt-oss",
         ),
     )
 }
@@ -187,22 +226,37 @@ def load_preset_tokenizer(name: str | None = None) -> PreTrainedTokenizerFast:
         if chat.plain:
             tokenizer.add_tokens(list(chat.plain))
         tokenizer.eos_token = chat.eos
+        if chat.pad is not None:
+            tokenizer.pad_token = chat.pad
+        if chat.bos is not None:
+            from tokenizers.processors import TemplateProcessing
+
+            tokenizer.bos_token = chat.bos
+            bos = (chat.bos, tokenizer.convert_tokens_to_ids(chat.bos))
+            tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+                single=f"{chat.bos} $A", pair=f"{chat.bos} $A {chat.bos} $B", special_tokens=[bos]
+            )
         tokenizer.chat_template = TEMPLATES[chat.template].text()
     return tokenizer
 
 
 def build_preset_model(
-    preset: Preset, vocab_size: int, dtype: torch.dtype, warm_start: bool = True, eos_token_id: int = 2
+    preset: Preset,
+    vocab_size: int,
+    dtype: torch.dtype,
+    warm_start: bool = True,
+    eos_token_id: int = 2,
+    pad_token_id: int = 0,
 ) -> torch.nn.Module:
     """The preset's architecture with weights drawn from a fixed seed (global RNG left untouched),
     replaced by its shipped warm-start weights where it has them (see `fastft.training.warmstart`).
-    `eos_token_id`: its tokenizer's EOS (`load_preset_tokenizer(name).eos_token_id`)."""
+    `eos_token_id`, `pad_token_id`: its tokenizer's (`load_preset_tokenizer(name)`)."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = preset.make_config(vocab_size)
-    config.pad_token_id, config.eos_token_id = 0, eos_token_id
+    config.pad_token_id, config.eos_token_id = pad_token_id, eos_token_id
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(PRESET_SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -210,7 +264,9 @@ def build_preset_model(
     if warm_start and weights.exists():
         model.load_state_dict(load_file(weights), strict=not config.tie_word_embeddings)
         model.to(dtype)
-    model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=eos_token_id, do_sample=False)
+    model.generation_config = GenerationConfig(
+        pad_token_id=pad_token_id, eos_token_id=eos_token_id, do_sample=False
+    )
     return model
 
 

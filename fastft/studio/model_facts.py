@@ -52,12 +52,12 @@ def model_choices() -> list[str]:
 def model_facts(name: str) -> ModelFacts:
     """Describe `name` (a preset, a catalog hub id, a local folder or another hub id) offline."""
     from fastft.models.catalog import CATALOG, ModelSpec
-    from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
+    from fastft.models.presets import PRESETS
 
     name = name.strip()
     if name in PRESETS:
         preset = PRESETS[name]
-        config = dict(preset.config, vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=4096)
+        config = dict(preset.config, vocab_size=preset.vocab_size, max_position_embeddings=4096)
         spec = ModelSpec(name, preset.model_type, preset.model_type, config, gated=False)
         return _facts_from_spec(spec, "preset", preset.description)
     if name in CATALOG:

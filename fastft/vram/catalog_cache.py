@@ -43,11 +43,11 @@ def known_models() -> list[str]:
 def fingerprint(name: str) -> str:
     """A digest of the spec of preset or catalog model `name`: what its inventory is built from."""
     from fastft.models.catalog import CATALOG
-    from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
+    from fastft.models.presets import PRESETS
 
     if name in PRESETS:
         preset = PRESETS[name]
-        spec = {"model_type": preset.model_type, "config": preset.config, "vocab": TOKENIZER_VOCAB_SIZE}
+        spec = {"model_type": preset.model_type, "config": preset.config, "vocab": preset.vocab_size}
     else:
         spec = {"model_type": CATALOG[name].model_type, "config": CATALOG[name].config}
     text = json.dumps(spec, sort_keys=True, default=str)
@@ -108,11 +108,11 @@ def cached_inventory(name: str) -> ModelInventory | None:
 def build_inventory(name: str) -> ModelInventory:
     """`name`'s inventory built on the meta device (what the cache stores; needs torch and transformers)."""
     from fastft.models.catalog import CATALOG
-    from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
+    from fastft.models.presets import PRESETS
     from fastft.vram.inventory import _inventory_of_config
 
     if name in PRESETS:
-        return _inventory_of_config(PRESETS[name].make_config(TOKENIZER_VOCAB_SIZE), name)
+        return _inventory_of_config(PRESETS[name].make_config(PRESETS[name].vocab_size), name)
     return _inventory_of_config(CATALOG[name].to_config(), name)
 
 

@@ -170,12 +170,12 @@ def inventory_of(model, trust_remote_code: bool = False) -> ModelInventory:
 @functools.lru_cache(maxsize=64)
 def _inventory_of_name(name: str, trust_remote_code: bool = False) -> ModelInventory:
     from fastft.models.catalog import CATALOG, close_names
-    from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
+    from fastft.models.presets import PRESETS
     from fastft.vram.catalog_cache import cached_inventory
 
     if name in PRESETS:
         return cached_inventory(name) or _inventory_of_config(
-            PRESETS[name].make_config(TOKENIZER_VOCAB_SIZE), name
+            PRESETS[name].make_config(PRESETS[name].vocab_size), name
         )
     by_lower = {hub_id.lower(): hub_id for hub_id in CATALOG}
     if name.lower() in by_lower:  # hub ids are case-insensitive

@@ -24,7 +24,7 @@ from fastft.models.lora import (
     linear_layer_names,
     trainable_parameter_count,
 )
-from fastft.models.presets import PRESETS
+from fastft.models.presets import FAMILY_CHATS, PRESETS
 from fastft.runtime.state import model_state
 
 PROMPT = [
@@ -43,7 +43,9 @@ def test_preset_loads_offline_and_trains_with_lora(name):
     assert model.config.model_type == PRESETS[name].model_type
     assert model.dtype == torch.float32  # dtype=None on the CPU
     assert model.fastft_info.source == "preset" and tokenizer.model_max_length == 128
-    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+    family = FAMILY_CHATS[PRESETS[name].chat] if PRESETS[name].chat else None
+    assert tokenizer.eos_token == (family.eos if family else "<|im_end|>") and tokenizer.chat_template
+    assert len(tokenizer) == PRESETS[name].vocab_size == model.config.vocab_size
     model = add_lora(model, r=4, alpha=8)
     ids = _ids(tokenizer)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from fastft.models.catalog import CATALOG, architectures
-from fastft.models.presets import PRESETS
+from fastft.models.presets import PRESETS, load_preset_tokenizer
 from fastft.vram import catalog_cache, estimate_vram
 from fastft.vram.inventory import _inventory_of_config, _inventory_of_name
 
@@ -33,6 +33,12 @@ def test_a_variant_is_served_from_its_entry_and_equals_its_own_meta_build(name):
 @pytest.mark.parametrize("name", catalog_cache.known_models())
 def test_stored_inventory_equals_the_meta_built_one(name):
     assert catalog_cache.cached_inventory(name) == catalog_cache.build_inventory(name)
+
+
+@pytest.mark.parametrize("name", [name for name in PRESETS if PRESETS[name].chat])
+def test_a_family_preset_is_estimated_with_its_family_tokens(name):
+    """tiny-qwen3's <think> / </think>, tiny-llama3's Llama-3 tokens, …: rows of the embedding and the head."""
+    assert _inventory_of_name(name).vocab_size == len(load_preset_tokenizer(name)) > 512
 
 
 def test_an_entry_whose_spec_changed_is_not_used(monkeypatch):
