@@ -16,6 +16,7 @@ the tensors alive at that step's peak, grouped by the fastft (or torch) line tha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import time
@@ -195,23 +196,27 @@ def run(
     """The trials; `save(result)` (if given) runs after each, so a call cut by its time limit keeps what
     it measured."""
     from fastft.vram import capped_gpu, estimate_vram, max_context
-    from fastft.vram.measure import TrainingProbe, is_out_of_memory
+    from fastft.vram.measure import TrainingProbe, is_out_of_memory, split_precision
 
     cap = int(cap_gib * GiB)
-    gpu = capped_gpu(cap)
+    base_precision, compute = split_precision(precision)
+    # "nf4-fp16": a card without bf16 (a T4) computes in fp16; the estimate is asked for such a card
+    gpu = dataclasses.replace(capped_gpu(cap), bf16=compute != torch.float16)
+    trained_precision = precision
+    precision = base_precision
     predicted = max_context(
         model, gpu, precision=precision, lora_r=lora_r, checkpointing="auto", multiple_of=granularity
     )
     result = {
         "environment": environment(),
         "model": model,
-        "precision": precision,
+        "precision": trained_precision,
         "lora_r": lora_r,
         "cap_gib": cap_gib,
         "predicted": predicted,
         "trials": [],
     }
-    probe = TrainingProbe(model, precision, lora_r, "all-linear", "auto")
+    probe = TrainingProbe(model, trained_precision, lora_r, "all-linear", "auto")
     result["free_in_pinned_segments_after_setup_gib"] = probe.setup_pinned_free / GiB
     total = torch.cuda.get_device_properties(probe.device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), probe.device)
@@ -313,7 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
-    parser.add_argument("--precision", default="nf4")
+    parser.add_argument(
+        "--precision",
+        default="nf4",
+        help="nf4, int8, bf16, fp16; nf4-fp16: NF4 computed in fp16 (a T4's way)",
+    )
     parser.add_argument("--lora-r", type=int, default=32)
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument("--lengths", type=int, nargs="*", default=[131072], help="lengths to try first")

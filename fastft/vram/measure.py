@@ -158,6 +158,16 @@ def _require_cuda() -> torch.device:
 # -- the model ----------------------------------------------------------------------------------------
 
 
+def split_precision(precision: str):
+    """``"nf4-fp16"`` -> ``("nf4", torch.float16)``: the base's precision and the compute dtype (bf16 unless a
+    ``-fp16`` suffix, or the precision itself, says fp16 or fp32: what a GPU without bf16, a T4, computes in)."""
+    import torch
+
+    base, _, compute = precision.partition("-")
+    name = compute or base
+    return base, {"fp32": torch.float32, "fp16": torch.float16}.get(name, torch.bfloat16)
+
+
 def build_random_model(name: str, precision: str = "bf16", device: torch.device | str = "cuda"):
     """The architecture of `name` (catalog hub id or preset) with random weights on `device`.
 
@@ -178,7 +188,7 @@ def build_random_model(name: str, precision: str = "bf16", device: torch.device 
     from fastft.bench.common import build_model
 
     device = torch.device(device)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
+    precision, dtype = split_precision(precision)
     model = build_model(name, device, dtype)
     model.config.use_cache = False
     if precision in ("nf4", "int8"):
@@ -319,9 +329,7 @@ class TrainingProbe:
         self.baseline_reserved = torch.cuda.memory_reserved(self.device)
         self.mode = resolve_checkpointing(checkpointing)
         self.precision = precision
-        self.dtype = (
-            torch.float32 if precision == "fp32" else torch.float16 if precision == "fp16" else torch.bfloat16
-        )
+        self.dtype = split_precision(precision)[1]
         base = build_random_model(model, precision, self.device)
         self.vocab = base.config.vocab_size
         self.model = add_lora(
