@@ -136,6 +136,7 @@ class VramPanel(Panel):
         self.breakdown = widgets.HTML("")
         self.status = widgets.HTML("")
         self.suggestion = widgets.HTML("")
+        self.this_machine = widgets.HTML("")
         self.use_button = button(
             description="Use in Model tab",
             icon="arrow-left",
@@ -167,6 +168,7 @@ class VramPanel(Panel):
                     "<i>Use in Model tab</i>."
                 ),
                 row(self._controls),
+                self.this_machine,
                 self.status,
                 self.figure.widget,
                 self.verdict,
@@ -274,6 +276,7 @@ class VramPanel(Panel):
 
         source = self._source()
         self.code_view.value = code_html(self.code())
+        self.this_machine.value = this_machine_html(self.precision.value)
         if not source:
             self._clear()
             self.status.value = _box(
@@ -509,3 +512,18 @@ def _explain(error: BaseException) -> str:
         f"Could not estimate this model ({type(error).__name__}: {error}). Fix: pick an embedded preset or "
         "a catalog model (they need no download), or a local folder with a config.json."
     )
+
+
+def this_machine_html(precision: str) -> str:
+    """One grey line on what runs here, whatever GPU the plan is for: fastft's Triton kernels or the PyTorch
+    references they fall back to (and why), and that 4/8-bit runs through bitsandbytes' slow CPU backend
+    when there is no CUDA GPU."""
+    import torch
+
+    from fastft.kernels.capability import kernel_status
+
+    status = kernel_status()
+    parts = ["This machine: " + ("fastft's Triton kernels." if status["triton"] else f"{status['reason']}.")]
+    if not torch.cuda.is_available() and LoadSettings(precision=precision).vram_precision in ("nf4", "int8"):
+        parts.append(f"{precision} here runs through bitsandbytes' CPU backend: it trains, slowly.")
+    return f"<span style='color:#666;font-size:12px'>{html.escape(' '.join(parts))}</span>"

@@ -160,6 +160,18 @@ def test_a_vram_plan_does_not_move_with_this_machines_free_memory(monkeypatch):
     assert panel.max_context < longest and "0.75 * 8 * 2**30" in panel.code_view.value
 
 
+def test_the_vram_tab_says_what_runs_on_this_machine(monkeypatch):
+    """Whatever GPU the plan is for, one line says what runs here: on this CPU-only machine the PyTorch
+    references (Triton kernels need a CUDA GPU), and 4-bit through bitsandbytes' slow CPU backend."""
+    panel = VramPanel(StudioState(), live="text")
+    panel.model_name.value = "tiny-llama"
+    panel.precision.value = "16-bit"
+    line = _text(panel.this_machine)
+    assert "no CUDA GPU" in line and "slowly" not in line
+    panel.precision.value = "4-bit"
+    assert "CPU backend" in _text(panel.this_machine) and "slowly" in _text(panel.this_machine)
+
+
 def test_debouncer_calls_once_with_the_last_value():
     calls = []
     debounce = Debouncer(calls.append, delay=0.05)
