@@ -18,7 +18,9 @@ from fastft.kernels.capability import ARCHS
 
 pytestmark = pytest.mark.slow
 
-TARGETS = (75, 80, 86, 89, 90)
+# CI compiles for the two tightest targets (sm75: 64 KiB of shared memory a block, fp16 only; sm86: 99 KiB),
+# about two minutes on 2 cores; FASTFT_EVERY_TARGET=1 compiles for all five (about five CPU-minutes).
+TARGETS = (75, 80, 86, 89, 90) if os.environ.get("FASTFT_EVERY_TARGET") == "1" else (75, 86)
 KERNELS = {
     "_rms_norm_forward_kernel",
     "_rms_norm_backward_kernel",
@@ -62,7 +64,7 @@ def test_every_kernel_compiles_for_every_target(compiled):
     assert {cc: by_target[cc] for cc in TARGETS} == {cc: KERNELS for cc in TARGETS}
     # bf16 is compiled where the GPU computes in it; sm75 runs fp16 (bf16 takes the reference there)
     assert not [e for e in compiled if e["cc"] == 75 and "bfloat16" in e["op"]]
-    assert [e for e in compiled if e["cc"] == 80 and "bfloat16" in e["op"]]
+    assert [e for e in compiled if e["cc"] == TARGETS[1] and "bfloat16" in e["op"]]
 
 
 def test_every_compiled_kernel_fits_its_target(compiled):
