@@ -43,14 +43,19 @@ def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None, over
     return replace_folder_atomically(write, path, overwrite=overwrite, kind="adapter")
 
 
-def merged_state_dict(model: PeftModel, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every LoRA delta added in fp32, cast to `dtype`."""
+def merged_state_dict(
+    model: PeftModel, dtype: torch.dtype = torch.bfloat16, dequantize: bool = False
+) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every LoRA delta added in fp32, cast to `dtype`. A 4-bit base is
+    refused unless `dequantize`: then each NF4 weight is dequantised exactly and its delta added to that
+    (what Unsloth's ``save_pretrained_merged`` does; the original 16-bit weights are not recovered)."""
     base = model.get_base_model()
-    if is_quantised(base):
+    if is_quantised(base) and not (dequantize and not getattr(base, "is_loaded_in_8bit", False)):
         raise ValueError(
             "Merging into a 4/8-bit base is lossy and not supported: load the base in 16-bit with "
             "load_model(name, load_in_4bit=False), attach the saved adapter with "
-            "peft.PeftModel.from_pretrained(base, adapter_folder), then merge."
+            "peft.PeftModel.from_pretrained(base, adapter_folder), then merge; or, for a 4-bit base, pass "
+            "dequantize=True to merge into its dequantised weights."
         )
     return {key: value.to(dtype) for key, value in merged_tensors(model)}
 
@@ -108,17 +113,23 @@ def save_merged(
     tokenizer=None,
     dtype: torch.dtype = torch.bfloat16,
     overwrite: bool = False,
+    dequantize: bool = False,
 ) -> Path:
     """Write the merged model in `dtype` (16-bit by default) as safetensors that plain
     ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads, plus the tokenizer.
-    `overwrite` as in `save_adapter`."""
+    `overwrite` as in `save_adapter`; `dequantize` as in `merged_state_dict` (a 4-bit base)."""
     from transformers import AutoModelForCausalLM
 
     if not isinstance(model, PeftModel):
         raise TypeError("save_merged needs a model with LoRA adapters (from fastft.add_lora).")
     check_destination(recover_folder(path), overwrite)  # before the merge's work, not after
-    state = merged_state_dict(model, dtype)
+    state = merged_state_dict(model, dtype, dequantize=dequantize)
     config = model.get_base_model().config
+    if getattr(config, "quantization_config", None) is not None:  # the merged weights are 16-bit
+        import copy
+
+        config = copy.deepcopy(config)
+        del config.quantization_config
     with torch.device("meta"):
         clean = AutoModelForCausalLM.from_config(config, dtype=dtype)
     clean.load_state_dict(state, strict=False, assign=True)

@@ -77,7 +77,7 @@ class FastLanguageModel:
             trust_remote_code=trust_remote_code,
             **kwargs,
         )
-        return bind(model, tokenizer), tokenizer
+        return bind(model, tokenizer), adapt_tokenizer(tokenizer)
 
     @staticmethod
     def get_peft_model(
@@ -215,6 +215,32 @@ def bind(model, tokenizer=None):
     for function in (generation.fast_generate, generation.save_lora, generation.load_lora):
         object.__setattr__(model, function.__name__, types.MethodType(function, model))
     return model
+
+
+def adapt_tokenizer(tokenizer):
+    """This tokenizer's ``apply_chat_template`` as the notebooks call it (transformers 4, datasets 3), bound to
+    this instance (no class is patched); returns the tokenizer.
+
+    - a column of conversations as `datasets` 4+ returns it (``dataset["conversations"]`` is a lazy
+      `datasets.Column`, not a list, as the Qwen3 notebooks pass it) is a batch, as a list is;
+    - ``tokenize=True`` without ``return_dict`` returns the token ids (transformers 4's default), not
+      transformers 5's `BatchEncoding`: the notebooks pass the result to ``model.generate(input_ids=...)``.
+      TRL and fastft always pass ``return_dict`` or ``tokenize=False``, so nothing of theirs changes."""
+    import collections.abc
+
+    if "apply_chat_template" in vars(tokenizer):
+        return tokenizer
+    method = type(tokenizer).apply_chat_template
+
+    def apply_chat_template(self, conversation, *args, **kwargs):
+        if isinstance(conversation, collections.abc.Sequence) and not isinstance(conversation, (list, tuple, str)):
+            conversation = list(conversation)
+        if not args and kwargs.get("tokenize", True) and "return_dict" not in kwargs:
+            kwargs["return_dict"] = False
+        return method(self, conversation, *args, **kwargs)
+
+    object.__setattr__(tokenizer, "apply_chat_template", types.MethodType(apply_chat_template, tokenizer))
+    return tokenizer
 
 
 def _vllm_notice(kwargs: dict) -> None:

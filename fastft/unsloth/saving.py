@@ -59,8 +59,17 @@ def save_pretrained_merged(
     if save_method == "lora":
         return save_adapter(model, save_directory, tokenizer, overwrite=overwrite)
     if save_method == "merged_16bit":
+        from fastft.runtime.state import is_quantised
+
         dtype = torch.float16 if getattr(model, "dtype", None) == torch.float16 else torch.bfloat16
-        return save_merged(model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite)
+        if is_quantised(model):
+            warnings.warn(
+                "save_pretrained_merged: the base is 4-bit, so the adapter is merged into its dequantised NF4 "
+                "weights, as Unsloth does (the original 16-bit weights are not recovered). For a merge on them, "
+                "load the adapter folder with load_in_4bit=False and save again.",
+                stacklevel=2,
+            )
+        return save_merged(model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite, dequantize=True)
     if save_method == "mxfp4":
         raise ValueError(
             "save_method='mxfp4': fastft does not write MXFP4 checkpoints. Use save_method='merged_16bit' (the "
@@ -123,6 +132,8 @@ def save_pretrained_gguf(
         target = folder / f"model.{name.upper()}.gguf"
         results.append(save_gguf(model, target, tokenizer, name, check=check, overwrite=overwrite))
         _point_modelfile(model, tokenizer, folder, target.name)
+    # Unsloth keeps the Modelfile on the tokenizer; its Ollama notebooks print tokenizer._ollama_modelfile
+    tokenizer._ollama_modelfile = (folder / "Modelfile").read_text(encoding="utf-8")
     return results[0] if isinstance(quantization_method, str) else results
 
 
