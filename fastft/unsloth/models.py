@@ -26,7 +26,27 @@ from fastft.models.lora import add_lora
 from fastft.unsloth import generation, saving
 
 # Unsloth arguments that fastft accepts and ignores because they do not apply here.
-_IGNORED_LOAD = {"device_map", "fix_tokenizer", "use_exact_model_name"}
+_IGNORED_LOAD = {
+    "device_map",
+    "device_map_planner_kwargs",
+    "fix_tokenizer",
+    "use_exact_model_name",
+    "float32_mixed_precision",  # fastft picks the precision from the device (fp32 on the CPU)
+    "offload_embedding",
+    "unsloth_tiled_mlp",
+    "text_only",  # fastft loads text models only
+    "random_state",  # get_peft_model's random_state seeds the adapters
+    "use_gradient_checkpointing",  # get_peft_model's use_gradient_checkpointing applies
+}
+# Unsloth loading options fastft does not have: refused when set (to anything but their default), with the way
+_UNSUPPORTED_LOAD = {
+    "rope_scaling": "fastft loads the model's own RoPE settings; extend the context with a model trained for it",
+    "resize_model_vocab": "fastft never resizes the vocabulary; add tokens to the tokenizer and train embed_tokens / "
+    "lm_head with modules_to_save",
+    "revision": "fastft loads the hub's default revision; download the revision you want and pass its folder",
+    "qat_scheme": "fastft has no quantisation-aware training; train 16-bit or QLoRA (load_in_4bit=True)",
+    "load_in_fp8": "fastft has no FP8 LoRA; use load_in_4bit=True (QLoRA) or 16-bit",
+}
 # vLLM's arguments (Unsloth's fast_inference): accepted, with one notice
 _VLLM_LOAD = (
     "fast_inference",
@@ -65,6 +85,16 @@ class FastLanguageModel:
                 "full_finetuning=False and get_peft_model(...); to train the embeddings or the head whole, pass "
                 "modules_to_save=['embed_tokens', 'lm_head'] there."
             )
+        if kwargs.pop("load_in_16bit", False) and (load_in_4bit or load_in_8bit):
+            raise ValueError(
+                "from_pretrained: load_in_16bit=True with load_in_4bit / load_in_8bit: choose one precision "
+                "(load_in_16bit=True alone loads 16-bit weights, as does leaving all three off)."
+            )
+        for name, instead in _UNSUPPORTED_LOAD.items():
+            if kwargs.pop(name, None) not in (None, False):
+                raise ValueError(
+                    f"from_pretrained: {name} is not supported by fastft: {instead}; leave it unset."
+                )
         _drop_ignored(kwargs, _IGNORED_LOAD, "from_pretrained")
         _vllm_notice(kwargs)
         model, tokenizer = load_model(
@@ -233,7 +263,9 @@ def adapt_tokenizer(tokenizer):
     method = type(tokenizer).apply_chat_template
 
     def apply_chat_template(self, conversation, *args, **kwargs):
-        if isinstance(conversation, collections.abc.Sequence) and not isinstance(conversation, (list, tuple, str)):
+        if isinstance(conversation, collections.abc.Sequence) and not isinstance(
+            conversation, (list, tuple, str)
+        ):
             conversation = list(conversation)
         if not args and kwargs.get("tokenize", True) and "return_dict" not in kwargs:
             kwargs["return_dict"] = False

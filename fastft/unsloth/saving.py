@@ -69,7 +69,9 @@ def save_pretrained_merged(
                 "load the adapter folder with load_in_4bit=False and save again.",
                 stacklevel=2,
             )
-        return save_merged(model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite, dequantize=True)
+        return save_merged(
+            model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite, dequantize=True
+        )
     if save_method == "mxfp4":
         raise ValueError(
             "save_method='mxfp4': fastft does not write MXFP4 checkpoints. Use save_method='merged_16bit' (the "
@@ -170,9 +172,40 @@ def push_to_hub_gguf(
     )
 
 
+def save_pretrained_ggml(model, save_directory=None, tokenizer=None, **kwargs):
+    """Refused: Unsloth's LoRA-to-GGML conversion (llama.cpp's adapter format) is not written by fastft."""
+    raise NotImplementedError(
+        "save_pretrained_ggml converts the LoRA adapter to llama.cpp's adapter format, which fastft does not write. "
+        "Use model.save_pretrained_gguf(dir, tokenizer) for the merged model as GGUF, or model.save_pretrained(dir) "
+        "for the PEFT adapter (llama.cpp's convert_lora_to_gguf.py converts that folder)."
+    )
+
+
+def push_to_hub_ggml(model, *args, **kwargs):
+    """Refused, as `save_pretrained_ggml` (and uploading needs network access and a token)."""
+    save_pretrained_ggml(model)
+
+
+def save_pretrained_torchao(model, save_directory=None, tokenizer=None, **kwargs):
+    """Refused: fastft writes no torchao-quantised checkpoints."""
+    raise NotImplementedError(
+        "save_pretrained_torchao writes a torchao-quantised checkpoint, which fastft does not. Use "
+        "model.save_pretrained_merged(dir, tokenizer, save_method='merged_16bit') (vLLM and transformers quantise "
+        "it on load), or save_pretrained_gguf(dir, tokenizer, quantization_method='q8_0') for an 8-bit file."
+    )
+
+
 def bind(model):
     """Give `model` (one instance) Unsloth's saving methods; returns it."""
-    for function in (save_pretrained_merged, save_pretrained_gguf, push_to_hub_merged, push_to_hub_gguf):
+    for function in (
+        save_pretrained_merged,
+        save_pretrained_gguf,
+        push_to_hub_merged,
+        push_to_hub_gguf,
+        save_pretrained_ggml,
+        push_to_hub_ggml,
+        save_pretrained_torchao,
+    ):
         object.__setattr__(model, function.__name__, types.MethodType(function, model))
     return model
 
