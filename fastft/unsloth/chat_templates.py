@@ -538,6 +538,13 @@ def standardize_data_formats(
 standardize_sharegpt = standardize_data_formats  # Unsloth made the two one function
 
 
+def remove_special_tokens(tokenizer, prompt: str) -> str:
+    """Unsloth's ``remove_special_tokens``: `prompt` without a leading BOS token (text rendered by a chat template
+    that writes the BOS, about to be tokenized again, which would add a second one)."""
+    bos = tokenizer.bos_token
+    return prompt[len(bos) :] if bos and prompt.startswith(bos) else prompt
+
+
 def _message_keys(messages: list[dict], column: str) -> tuple[str, str]:
     keys = {k for m in messages for k, v in m.items() if v is not None}
     for pair in (("role", "content"), ("from", "value")):
@@ -783,6 +790,7 @@ __all__ = [
     "ResponseParts",
     "apply_chat_template",
     "get_chat_template",
+    "remove_special_tokens",
     "response_labels",
     "response_parts",
     "standardize_data_formats",

@@ -55,7 +55,7 @@ _VLLM_LOAD = (
     "float8_kv_cache",
     "disable_log_stats",
 )
-_IGNORED_PEFT = {"max_seq_length"}
+_IGNORED_PEFT = {"max_seq_length", "temporary_location"}
 # Unsloth arguments that would change which layers train: refused when set, never dropped.
 _UNSUPPORTED_PEFT = {"layers_to_transform": "target_modules", "layers_pattern": "target_modules"}
 # Modules Unsloth's continued-pretraining notebooks list in target_modules: trained whole (modules_to_save).
@@ -133,6 +133,11 @@ class FastLanguageModel:
             raise ValueError(
                 "loftq_config: fastft does not initialise adapters with LoftQ; leave loftq_config=None (adapters "
                 "start at zero, as with Unsloth's default)."
+            )
+        if kwargs.pop("init_lora_weights", True) is not True:
+            raise ValueError(
+                "init_lora_weights: fastft initialises adapters as PEFT's default (B = 0, so training starts from the "
+                "base model), as Unsloth's init_lora_weights=True does; leave it True."
             )
         _drop_ignored(kwargs, _IGNORED_PEFT, "get_peft_model")
         for name, instead in _UNSUPPORTED_PEFT.items():

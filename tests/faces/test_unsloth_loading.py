@@ -186,3 +186,22 @@ def test_every_argument_of_unsloths_from_pretrained_is_taken_applied_or_refused(
     for method in ("save_pretrained_ggml", "push_to_hub_ggml", "save_pretrained_torchao"):
         with pytest.raises(NotImplementedError, match="save_pretrained_gguf|save_pretrained_merged"):
             getattr(model, method)("folder", None)
+
+
+def test_get_peft_model_takes_the_rest_of_unsloths_signature():
+    from fastft.unsloth.chat_templates import remove_special_tokens
+
+    model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=64)
+    with pytest.raises(ValueError, match="leave it True"):
+        FastLanguageModel.get_peft_model(model, r=4, init_lora_weights="gaussian")
+    with pytest.warns(UserWarning, match="'temporary_location' does not apply"):
+        model = FastLanguageModel.get_peft_model(
+            model, r=4, init_lora_weights=True, temporary_location="_unsloth_temporary_saved_buffers"
+        )
+    assert all(float(p.abs().max()) == 0 for n, p in model.named_parameters() if "lora_B" in n)
+    bos = tokenizer.bos_token or "<|im_start|>"
+    tokenizer.bos_token = bos
+    assert (
+        remove_special_tokens(tokenizer, bos + "Hi") == "Hi"
+        and remove_special_tokens(tokenizer, "Hi") == "Hi"
+    )
