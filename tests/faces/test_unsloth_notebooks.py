@@ -18,7 +18,9 @@ from fastft.unsloth import (
     PatchDPOTrainer,
     PatchFastRL,
     SamplingParams,
+    apply_chat_template,
     standardize_sharegpt,
+    to_sharegpt,
 )
 from fastft.unsloth.chat_templates import get_chat_template, train_on_responses_only
 
@@ -574,3 +576,43 @@ def test_moe_gpt_oss_sft_on_the_experts_to_merged(tmp_path):
     with pytest.warns(UserWarning, match="dequantised NF4"):
         model.save_pretrained_merged("merged", tokenizer, save_method="merged_16bit")
     _reload_merged(tmp_path / "merged")
+
+
+def test_ollama_notebook_one_exchange_template_to_gguf_and_modelfile(tmp_path):
+    """Llama-3 Ollama: to_sharegpt / standardize_sharegpt / apply_chat_template from fastft.unsloth's top level,
+    with the notebook's one-exchange template (split as Unsloth splits it), training, then save_pretrained_gguf
+    and the Modelfile the notebook prints from the tokenizer."""
+    from trl import SFTConfig, SFTTrainer
+
+    model, tokenizer = FastLanguageModel.from_pretrained(model_name="tiny-llama", max_seq_length=128)
+    model = _peft(model)
+    rows = [dict(instruction=_qa(i)[0], input=str(i) if i % 2 else "", output=_qa(i)[1]) for i in range(N)]
+    dataset = to_sharegpt(
+        Dataset.from_list(rows),
+        merged_prompt="{instruction}[[\nYour input is:\n{input}]]",
+        output_column_name="output",
+        conversation_extension=2,
+    )
+    dataset = standardize_sharegpt(dataset)
+    template = "Some tasks.\n\n### Instruction:\n{INPUT}\n\n### Response:\n{OUTPUT}"
+    dataset = apply_chat_template(dataset, tokenizer=tokenizer, chat_template=template)
+    eos = tokenizer.eos_token
+    chat = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}] * 2
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == (
+        f"Some tasks.\n\n### Instruction:\nA\n\n### Response:\nB{eos}\n\n### Instruction:\nA\n\n### Response:\nB{eos}"
+    )
+    assert dataset[0]["text"].startswith("Some tasks.\n\n### Instruction:\n")
+    trainer = SFTTrainer(
+        model=model,
+        tokenizer=tokenizer,
+        train_dataset=dataset,
+        dataset_text_field="text",
+        max_seq_length=128,
+        packing=False,
+        args=SFTConfig(**_args(max_steps=1)),
+    )
+    trainer.train()
+    _losses(trainer)
+    q8 = model.save_pretrained_gguf("model", tokenizer, check=False)
+    assert _gguf_tensors(q8.path) > 0
+    assert tokenizer._ollama_modelfile == (tmp_path / "model" / "Modelfile").read_text()
