@@ -62,7 +62,8 @@ def merged_state_dict(
 
 def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The merged weights one tensor at a time, in state-dict order: (key without PEFT's levels, CPU tensor).
-    An adapted weight comes as fp32 W + the active adapters' (alpha/r)·B·A; any other tensor as stored (the
+    An adapted weight comes as fp32 W + the active adapters' (alpha/r)·B·A, a module trained whole
+    (``modules_to_save``) as its trained copy; any other tensor as stored (the
     model's own tensor, not a copy, on a CPU model). An NF4 base weight is dequantised exactly
     (bitsandbytes' own dequantisation) before its delta is added. Only one merged tensor exists at a time,
     so a caller that writes each before asking for the next never holds a second copy of the model.
@@ -80,10 +81,7 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             lora_of[_clean(f"{name}.base_layer.{getattr(module, 'parameter_name', 'weight')}")] = module
-    for key, value in base.state_dict(keep_vars=True).items():
-        if "lora_" in key or _QUANT_STATE.search(key):
-            continue
-        key = _clean(key)
+    for key, value in merged_keys(model):
         if getattr(value, "quant_state", None) is not None:  # bitsandbytes Params4bit
             import bitsandbytes.functional as bnbf
 
@@ -98,6 +96,30 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
         yield key, value
 
 
+def merged_keys(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base's state-dict tensors that the merged model keeps, as stored (NF4 packed, no delta added), under
+    their merged keys: without PEFT's levels, without LoRA's and bitsandbytes' own tensors, and a module trained
+    whole (``modules_to_save``) as its active trained copy under the module's own key."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    state = base.state_dict(keep_vars=True)
+    active = set(getattr(model, "active_adapters", None) or ["default"])
+    for key, value in state.items():
+        if "lora_" in key or _QUANT_STATE.search(key):
+            continue
+        whole = _MODULES_TO_SAVE.search(key)
+        if whole is not None:
+            if whole.group(1) not in active:
+                continue
+            key = key.replace(whole.group(0), ".")
+        elif ".original_module." in key:
+            if any(key.replace(".original_module.", f".modules_to_save.{name}.") in state for name in active):
+                continue
+            key = key.replace(".original_module.", ".")
+        yield _clean(key), value
+
+
+# PEFT's trained copy of a module trained whole (ModulesToSaveWrapper): ".modules_to_save.<adapter>."
+_MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.([^.]+)\.")
 # the keys bitsandbytes adds beside a 4-bit weight (absmax, quant_map, nested_*, quant_state.*)
 _QUANT_STATE = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\..*)$")
 

@@ -798,8 +798,12 @@ def _example_template(tokenizer, system_part: str, input_part: str, output_part:
                 "{%- set loop_messages = messages[1:] -%}",
                 "{%- else -%}{{- " + around(system_part, "{SYSTEM}", default) + " -}}{%- endif -%}",
             ]
-        else:
-            parts.append("{{- " + literal(system_part) + " -}}")
+        else:  # fixed text: a system message has no place, and is passed over (Unsloth's template's intent)
+            parts += [
+                "{{- " + literal(system_part) + " -}}",
+                "{%- if messages and messages[0]['role'] == 'system' -%}{%- set loop_messages = messages[1:] -%}"
+                "{%- endif -%}",
+            ]
     reply_open, reply_rest = output_part.split("{OUTPUT}", 1)
     parts += [
         "{%- for message in loop_messages -%}",

@@ -602,6 +602,12 @@ def test_ollama_notebook_one_exchange_template_to_gguf_and_modelfile(tmp_path):
         f"Some tasks.\n\n### Instruction:\nA\n\n### Response:\nB{eos}\n\n### Instruction:\nA\n\n### Response:\nB{eos}"
     )
     assert dataset[0]["text"].startswith("Some tasks.\n\n### Instruction:\n")
+    # the example has no {SYSTEM}: a system message is passed over, the fixed text stays (the export's check
+    # renders conversations that open with one)
+    system = [{"role": "system", "content": "Be brief."}, *chat[:2]]
+    assert tokenizer.apply_chat_template(system, tokenize=False) == (
+        f"Some tasks.\n\n### Instruction:\nA\n\n### Response:\nB{eos}"
+    )
     trainer = SFTTrainer(
         model=model,
         tokenizer=tokenizer,
@@ -616,3 +622,34 @@ def test_ollama_notebook_one_exchange_template_to_gguf_and_modelfile(tmp_path):
     q8 = model.save_pretrained_gguf("model", tokenizer, check=False)
     assert _gguf_tensors(q8.path) > 0
     assert tokenizer._ollama_modelfile == (tmp_path / "model" / "Modelfile").read_text()
+
+
+def test_continued_pretraining_with_embeddings_trained_whole_merges_them(tmp_path):
+    """Mistral CPT: embed_tokens / lm_head in target_modules (trained whole), use_rslora, UnslothTrainer with
+    embedding_learning_rate; the merged model (and the GGUF) carry the trained embeddings and head."""
+    from fastft.unsloth import UnslothTrainer, UnslothTrainingArguments
+
+    model, tokenizer = FastLanguageModel.from_pretrained(model_name="tiny-mistral", max_seq_length=128)
+    model = _peft(model, r=8, target_modules=[*TARGETS, "embed_tokens", "lm_head"], use_rslora=True)
+    eos = tokenizer.eos_token
+    dataset = Dataset.from_list([{"text": f"Article {i}: {_qa(i)[0]} {_qa(i)[1]}.{eos}"} for i in range(N)])
+    trainer = UnslothTrainer(
+        model=model,
+        tokenizer=tokenizer,
+        train_dataset=dataset,
+        dataset_text_field="text",
+        max_seq_length=128,
+        dataset_num_proc=1,
+        args=UnslothTrainingArguments(**_args(learning_rate=5e-3), embedding_learning_rate=1e-3),
+    )
+    trainer.train()
+    _losses(trainer)
+    trained = model.get_base_model().model.embed_tokens.modules_to_save["default"].weight.detach().clone()
+    original = model.get_base_model().model.embed_tokens.original_module.weight
+    assert not torch.equal(trained, original)
+    model.save_pretrained("lora_model")
+    model.save_pretrained_merged("model", tokenizer, save_method="merged_16bit")
+    merged, _, _ = _reload_merged(tmp_path / "model")
+    assert torch.equal(merged.model.embed_tokens.weight, trained.to(merged.dtype))
+    f16 = model.save_pretrained_gguf("gguf", tokenizer, quantization_method="f16", check=False)
+    assert _gguf_tensors(f16.path) > 0
