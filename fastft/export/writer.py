@@ -162,17 +162,15 @@ def _nbytes(shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int]:
     return byte_shape, int(np.prod(byte_shape))
 
 
-def _tensor_shapes(base) -> list[tuple[str, tuple[int, ...]]]:
-    """(key, logical shape) of every state-dict tensor, in order, without computing any (NF4 weights report
-    their unpacked shape)."""
-    from fastft.models.export import _QUANT_STATE, _clean
+def _tensor_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, logical shape) of every tensor of the merged model, in order, without computing any (NF4 weights
+    report their unpacked shape)."""
+    from fastft.models.export import merged_keys
 
     shapes = []
-    for key, value in base.state_dict(keep_vars=True).items():
-        if "lora_" in key or _QUANT_STATE.search(key):
-            continue
+    for key, value in merged_keys(model):
         state = getattr(value, "quant_state", None)
-        shapes.append((_clean(key), tuple(state.shape) if state is not None else tuple(value.shape)))
+        shapes.append((key, tuple(state.shape) if state is not None else tuple(value.shape)))
     return shapes
 
 
@@ -240,7 +238,7 @@ def write_gguf(
     factors = rope_freq_factors(config)
     if factors is not None:
         plan("rope_freqs.weight", tuple(factors.shape))
-    for key, shape in _tensor_shapes(base):
+    for key, shape in _tensor_shapes(model):
         for name, gguf_shape in tensor_layout(config, family, key, shape):
             plan(name, gguf_shape)
 

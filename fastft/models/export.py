@@ -46,21 +46,27 @@ def save_adapter(model: PeftModel, path: str | os.PathLike, tokenizer=None, over
     return replace_folder_atomically(write, path, overwrite=overwrite, kind="adapter", by="save_adapter")
 
 
-def merged_state_dict(model: PeftModel, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every LoRA delta added in fp32, cast to `dtype`."""
+def merged_state_dict(
+    model: PeftModel, dtype: torch.dtype = torch.bfloat16, dequantize: bool = False
+) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every LoRA delta added in fp32, cast to `dtype`. A 4-bit base is
+    refused unless `dequantize`: then each NF4 weight is dequantised exactly and its delta added to that
+    (what Unsloth's ``save_pretrained_merged`` does; the original 16-bit weights are not recovered)."""
     base = model.get_base_model()
-    if is_quantised(base):
+    if is_quantised(base) and not (dequantize and not getattr(base, "is_loaded_in_8bit", False)):
         raise ValueError(
             "Merging into a 4/8-bit base is lossy and not supported: load the base in 16-bit with "
             "load_model(name, load_in_4bit=False), attach the saved adapter with "
-            "peft.PeftModel.from_pretrained(base, adapter_folder), then merge."
+            "peft.PeftModel.from_pretrained(base, adapter_folder), then merge; or, for a 4-bit base, pass "
+            "dequantize=True to merge into its dequantised weights."
         )
     return {key: value.to(dtype) for key, value in merged_tensors(model)}
 
 
 def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The merged weights one tensor at a time, in state-dict order: (key without PEFT's levels, CPU tensor).
-    An adapted weight comes as fp32 W + the active adapters' (alpha/r)·B·A; any other tensor as stored (the
+    An adapted weight comes as fp32 W + the active adapters' (alpha/r)·B·A, a module trained whole
+    (``modules_to_save``) as its trained copy; any other tensor as stored (the
     model's own tensor, not a copy, on a CPU model). An NF4 base weight is dequantised exactly
     (bitsandbytes' own dequantisation) before its delta is added. Only one merged tensor exists at a time,
     so a caller that writes each before asking for the next never holds a second copy of the model.
@@ -78,10 +84,7 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             lora_of[_clean(f"{name}.base_layer.{getattr(module, 'parameter_name', 'weight')}")] = module
-    for key, value in base.state_dict(keep_vars=True).items():
-        if "lora_" in key or _QUANT_STATE.search(key):
-            continue
-        key = _clean(key)
+    for key, value in merged_keys(model):
         if getattr(value, "quant_state", None) is not None:  # bitsandbytes Params4bit
             import bitsandbytes.functional as bnbf
 
@@ -96,6 +99,30 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
         yield key, value
 
 
+def merged_keys(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base's state-dict tensors that the merged model keeps, as stored (NF4 packed, no delta added), under
+    their merged keys: without PEFT's levels, without LoRA's and bitsandbytes' own tensors, and a module trained
+    whole (``modules_to_save``) as its active trained copy under the module's own key."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    state = base.state_dict(keep_vars=True)
+    active = set(getattr(model, "active_adapters", None) or ["default"])
+    for key, value in state.items():
+        if "lora_" in key or _QUANT_STATE.search(key):
+            continue
+        whole = _MODULES_TO_SAVE.search(key)
+        if whole is not None:
+            if whole.group(1) not in active:
+                continue
+            key = key.replace(whole.group(0), ".")
+        elif ".original_module." in key:
+            if any(key.replace(".original_module.", f".modules_to_save.{name}.") in state for name in active):
+                continue
+            key = key.replace(".original_module.", ".")
+        yield _clean(key), value
+
+
+# PEFT's trained copy of a module trained whole (ModulesToSaveWrapper): ".modules_to_save.<adapter>."
+_MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.([^.]+)\.")
 # the keys bitsandbytes adds beside a 4-bit weight (absmax, quant_map, nested_*, quant_state.*)
 _QUANT_STATE = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\..*)$")
 
@@ -111,17 +138,23 @@ def save_merged(
     tokenizer=None,
     dtype: torch.dtype = torch.bfloat16,
     overwrite: bool = False,
+    dequantize: bool = False,
 ) -> Path:
     """Write the merged model in `dtype` (16-bit by default) as safetensors that plain
     ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads, plus the tokenizer.
-    `overwrite` as in `save_adapter`."""
+    `overwrite` as in `save_adapter`; `dequantize` as in `merged_state_dict` (a 4-bit base)."""
     from transformers import AutoModelForCausalLM
 
     if not isinstance(model, PeftModel):
         raise TypeError("save_merged needs a model with LoRA adapters (from fastft.add_lora).")
     check_destination(recover_folder(path), overwrite)  # before the merge's work, not after
-    state = merged_state_dict(model, dtype)
+    state = merged_state_dict(model, dtype, dequantize=dequantize)
     config = model.get_base_model().config
+    if getattr(config, "quantization_config", None) is not None:  # the merged weights are 16-bit
+        import copy
+
+        config = copy.deepcopy(config)
+        del config.quantization_config
     with torch.device("meta"):
         clean = AutoModelForCausalLM.from_config(config, dtype=dtype)
     clean.load_state_dict(state, strict=False, assign=True)

@@ -538,6 +538,13 @@ def standardize_data_formats(
 standardize_sharegpt = standardize_data_formats  # Unsloth made the two one function
 
 
+def remove_special_tokens(tokenizer, prompt: str) -> str:
+    """Unsloth's ``remove_special_tokens``: `prompt` without a leading BOS token (text rendered by a chat template
+    that writes the BOS, about to be tokenized again, which would add a second one)."""
+    bos = tokenizer.bos_token
+    return prompt[len(bos) :] if bos and prompt.startswith(bos) else prompt
+
+
 def _message_keys(messages: list[dict], column: str) -> tuple[str, str]:
     keys = {k for m in messages for k, v in m.items() if v is not None}
     for pair in (("role", "content"), ("from", "value")):
@@ -668,8 +675,9 @@ def apply_chat_template(
     """Give `tokenizer` the chat template written by example in `chat_template`, and add a ``text`` column of
     each row's ``conversations`` rendered with it (Unsloth's function of this name, from its Ollama notebooks).
 
-    `chat_template` shows two exchanges: ``{INPUT}`` / ``{OUTPUT}`` twice each, ``{SYSTEM}`` optionally once
-    before them (filled with `default_system_message` when a conversation has no system message). The
+    `chat_template` shows two exchanges: ``{INPUT}`` / ``{OUTPUT}`` twice each, or one (as the Ollama notebook
+    writes it; split as Unsloth splits it, at the turn separator the reply shares with the user turn),
+    ``{SYSTEM}`` optionally once before them (filled with `default_system_message` when a conversation has no system message). The
     tokenizer's EOS is added after ``{OUTPUT}`` when the example ends a reply with no EOS (or
     `extra_eos_tokens`) of its own. The user and reply markers are kept on the tokenizer, so a later
     ``train_on_responses_only(trainer)`` uses them. fastft writes no Ollama Modelfile here:
@@ -696,7 +704,11 @@ def apply_chat_template(
 
 def _split_example(template: str, tokenizer, extra_eos_tokens) -> tuple[str, str, str]:
     """(system part, user part ending after ``{INPUT}`` and its end marker, reply part) of a two-example
-    template."""
+    template, or of a one-example template (as the Ollama notebook writes it: `_split_single`)."""
+    eos_tokens = [t for t in [tokenizer.eos_token, *(_as_list(extra_eos_tokens))] if t]
+    if template.count("{INPUT}") == 1 and template.count("{OUTPUT}") == 1:
+        system_part, input_part, output_part = _split_single(template)
+        return system_part, input_part, _with_eos(output_part, eos_tokens)
     if template.count("{INPUT}") != 2 or template.count("{OUTPUT}") != 2:
         raise ValueError(
             "apply_chat_template: the chat_template must show two exchanges, {INPUT} and {OUTPUT} twice each, "
@@ -714,19 +726,48 @@ def _split_example(template: str, tokenizer, extra_eos_tokens) -> tuple[str, str
             "apply_chat_template: the two exchanges in chat_template differ; write the second exactly as the first."
         )
     system_part = template[: start - len(unit)]
-    eos_tokens = [t for t in [tokenizer.eos_token, *(_as_list(extra_eos_tokens))] if t]
     input_end = (
         re.search(r"\{INPUT\}\s*(?:" + "|".join(re.escape(t) for t in eos_tokens) + r")?", unit).end()
         if eos_tokens
         else unit.index("{INPUT}") + 7
     )
-    input_part, output_part = unit[:input_end], unit[input_end:]
-    if (
-        not any(output_part[output_part.index("{OUTPUT}") + 8 :].startswith(t) for t in eos_tokens)
-        and eos_tokens
+    return system_part, unit[:input_end], _with_eos(unit[input_end:], eos_tokens)
+
+
+def _with_eos(output_part: str, eos_tokens: list[str]) -> str:
+    """The reply part with the EOS after ``{OUTPUT}`` unless the example ends replies with one already."""
+    if eos_tokens and not any(
+        output_part[output_part.index("{OUTPUT}") + 8 :].startswith(t) for t in eos_tokens
     ):
         output_part = output_part.replace("{OUTPUT}", "{OUTPUT}" + eos_tokens[0], 1)
-    return system_part, input_part, output_part
+    return output_part
+
+
+def _split_single(template: str) -> tuple[str, str, str]:
+    """A one-exchange template split as Unsloth splits it: the reply part runs from after ``{INPUT}`` (and the
+    text that ends a reply, when it ends the input too) to the end; the user part starts at the longest
+    beginning of the reply part that also appears before ``{INPUT}`` (the turn separator, e.g. ``"\n\n### "``);
+    what precedes it is the system part."""
+    input_at, output_at = template.index("{INPUT}"), template.index("{OUTPUT}")
+    ending = template[output_at + len("{OUTPUT}") :]
+    input_end = input_at + len("{INPUT}")
+    if ending and template.startswith(ending, input_end):
+        input_end += len(ending)
+    reply = template[input_end:]
+    separator = ""
+    for length in range(1, len(reply) + 1):
+        found = template.find(reply[:length], 0, input_at)
+        if found == -1 or found + length >= input_at:
+            break
+        separator = reply[:length]
+    if output_at < input_at or not separator:
+        raise ValueError(
+            "apply_chat_template: with one exchange, chat_template must show the user turn's opening again before "
+            "the reply (e.g. '### Instruction:\n{INPUT}\n\n### Response:\n{OUTPUT}'), or show two exchanges, "
+            "{INPUT} and {OUTPUT} twice each."
+        )
+    start = template.rfind(separator, 0, input_at)
+    return template[:start], template[start:input_end], reply
 
 
 def _as_list(value) -> list[str]:
@@ -757,8 +798,12 @@ def _example_template(tokenizer, system_part: str, input_part: str, output_part:
                 "{%- set loop_messages = messages[1:] -%}",
                 "{%- else -%}{{- " + around(system_part, "{SYSTEM}", default) + " -}}{%- endif -%}",
             ]
-        else:
-            parts.append("{{- " + literal(system_part) + " -}}")
+        else:  # fixed text: a system message has no place, and is passed over (Unsloth's template's intent)
+            parts += [
+                "{{- " + literal(system_part) + " -}}",
+                "{%- if messages and messages[0]['role'] == 'system' -%}{%- set loop_messages = messages[1:] -%}"
+                "{%- endif -%}",
+            ]
     reply_open, reply_rest = output_part.split("{OUTPUT}", 1)
     parts += [
         "{%- for message in loop_messages -%}",
@@ -783,6 +828,7 @@ __all__ = [
     "ResponseParts",
     "apply_chat_template",
     "get_chat_template",
+    "remove_special_tokens",
     "response_labels",
     "response_parts",
     "standardize_data_formats",

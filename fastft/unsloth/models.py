@@ -26,7 +26,27 @@ from fastft.models.lora import add_lora
 from fastft.unsloth import generation, saving
 
 # Unsloth arguments that fastft accepts and ignores because they do not apply here.
-_IGNORED_LOAD = {"device_map", "fix_tokenizer", "use_exact_model_name"}
+_IGNORED_LOAD = {
+    "device_map",
+    "device_map_planner_kwargs",
+    "fix_tokenizer",
+    "use_exact_model_name",
+    "float32_mixed_precision",  # fastft picks the precision from the device (fp32 on the CPU)
+    "offload_embedding",
+    "unsloth_tiled_mlp",
+    "text_only",  # fastft loads text models only
+    "random_state",  # get_peft_model's random_state seeds the adapters
+    "use_gradient_checkpointing",  # get_peft_model's use_gradient_checkpointing applies
+}
+# Unsloth loading options fastft does not have: refused when set (to anything but their default), with the way
+_UNSUPPORTED_LOAD = {
+    "rope_scaling": "fastft loads the model's own RoPE settings; extend the context with a model trained for it",
+    "resize_model_vocab": "fastft never resizes the vocabulary; add tokens to the tokenizer and train embed_tokens / "
+    "lm_head with modules_to_save",
+    "revision": "fastft loads the hub's default revision; download the revision you want and pass its folder",
+    "qat_scheme": "fastft has no quantisation-aware training; train 16-bit or QLoRA (load_in_4bit=True)",
+    "load_in_fp8": "fastft has no FP8 LoRA; use load_in_4bit=True (QLoRA) or 16-bit",
+}
 # vLLM's arguments (Unsloth's fast_inference): accepted, with one notice
 _VLLM_LOAD = (
     "fast_inference",
@@ -35,7 +55,7 @@ _VLLM_LOAD = (
     "float8_kv_cache",
     "disable_log_stats",
 )
-_IGNORED_PEFT = {"max_seq_length"}
+_IGNORED_PEFT = {"max_seq_length", "temporary_location"}
 # Unsloth arguments that would change which layers train: refused when set, never dropped.
 _UNSUPPORTED_PEFT = {"layers_to_transform": "target_modules", "layers_pattern": "target_modules"}
 # Modules Unsloth's continued-pretraining notebooks list in target_modules: trained whole (modules_to_save).
@@ -65,6 +85,16 @@ class FastLanguageModel:
                 "full_finetuning=False and get_peft_model(...); to train the embeddings or the head whole, pass "
                 "modules_to_save=['embed_tokens', 'lm_head'] there."
             )
+        if kwargs.pop("load_in_16bit", False) and (load_in_4bit or load_in_8bit):
+            raise ValueError(
+                "from_pretrained: load_in_16bit=True with load_in_4bit / load_in_8bit: choose one precision "
+                "(load_in_16bit=True alone loads 16-bit weights, as does leaving all three off)."
+            )
+        for name, instead in _UNSUPPORTED_LOAD.items():
+            if kwargs.pop(name, None) not in (None, False):
+                raise ValueError(
+                    f"from_pretrained: {name} is not supported by fastft: {instead}; leave it unset."
+                )
         _drop_ignored(kwargs, _IGNORED_LOAD, "from_pretrained")
         _vllm_notice(kwargs)
         model, tokenizer = load_model(
@@ -77,7 +107,7 @@ class FastLanguageModel:
             trust_remote_code=trust_remote_code,
             **kwargs,
         )
-        return bind(model, tokenizer), tokenizer
+        return bind(model, tokenizer), adapt_tokenizer(tokenizer)
 
     @staticmethod
     def get_peft_model(
@@ -103,6 +133,11 @@ class FastLanguageModel:
             raise ValueError(
                 "loftq_config: fastft does not initialise adapters with LoftQ; leave loftq_config=None (adapters "
                 "start at zero, as with Unsloth's default)."
+            )
+        if kwargs.pop("init_lora_weights", True) is not True:
+            raise ValueError(
+                "init_lora_weights: fastft initialises adapters as PEFT's default (B = 0, so training starts from the "
+                "base model), as Unsloth's init_lora_weights=True does; leave it True."
             )
         _drop_ignored(kwargs, _IGNORED_PEFT, "get_peft_model")
         for name, instead in _UNSUPPORTED_PEFT.items():
@@ -215,6 +250,34 @@ def bind(model, tokenizer=None):
     for function in (generation.fast_generate, generation.save_lora, generation.load_lora):
         object.__setattr__(model, function.__name__, types.MethodType(function, model))
     return model
+
+
+def adapt_tokenizer(tokenizer):
+    """This tokenizer's ``apply_chat_template`` as the notebooks call it (transformers 4, datasets 3), bound to
+    this instance (no class is patched); returns the tokenizer.
+
+    - a column of conversations as `datasets` 4+ returns it (``dataset["conversations"]`` is a lazy
+      `datasets.Column`, not a list, as the Qwen3 notebooks pass it) is a batch, as a list is;
+    - ``tokenize=True`` without ``return_dict`` returns the token ids (transformers 4's default), not
+      transformers 5's `BatchEncoding`: the notebooks pass the result to ``model.generate(input_ids=...)``.
+      TRL and fastft always pass ``return_dict`` or ``tokenize=False``, so nothing of theirs changes."""
+    import collections.abc
+
+    if "apply_chat_template" in vars(tokenizer):
+        return tokenizer
+    method = type(tokenizer).apply_chat_template
+
+    def apply_chat_template(self, conversation, *args, **kwargs):
+        if isinstance(conversation, collections.abc.Sequence) and not isinstance(
+            conversation, (list, tuple, str)
+        ):
+            conversation = list(conversation)
+        if not args and kwargs.get("tokenize", True) and "return_dict" not in kwargs:
+            kwargs["return_dict"] = False
+        return method(self, conversation, *args, **kwargs)
+
+    object.__setattr__(tokenizer, "apply_chat_template", types.MethodType(apply_chat_template, tokenizer))
+    return tokenizer
 
 
 def _vllm_notice(kwargs: dict) -> None:

@@ -59,8 +59,19 @@ def save_pretrained_merged(
     if save_method == "lora":
         return save_adapter(model, save_directory, tokenizer, overwrite=overwrite)
     if save_method == "merged_16bit":
+        from fastft.runtime.state import is_quantised
+
         dtype = torch.float16 if getattr(model, "dtype", None) == torch.float16 else torch.bfloat16
-        return save_merged(model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite)
+        if is_quantised(model):
+            warnings.warn(
+                "save_pretrained_merged: the base is 4-bit, so the adapter is merged into its dequantised NF4 "
+                "weights, as Unsloth does (the original 16-bit weights are not recovered). For a merge on them, "
+                "load the adapter folder with load_in_4bit=False and save again.",
+                stacklevel=2,
+            )
+        return save_merged(
+            model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite, dequantize=True
+        )
     if save_method == "mxfp4":
         raise ValueError(
             "save_method='mxfp4': fastft does not write MXFP4 checkpoints. Use save_method='merged_16bit' (the "
@@ -123,6 +134,8 @@ def save_pretrained_gguf(
         target = folder / f"model.{name.upper()}.gguf"
         results.append(save_gguf(model, target, tokenizer, name, check=check, overwrite=overwrite))
         _point_modelfile(model, tokenizer, folder, target.name)
+    # Unsloth keeps the Modelfile on the tokenizer; its Ollama notebooks print tokenizer._ollama_modelfile
+    tokenizer._ollama_modelfile = (folder / "Modelfile").read_text(encoding="utf-8")
     return results[0] if isinstance(quantization_method, str) else results
 
 
@@ -159,9 +172,40 @@ def push_to_hub_gguf(
     )
 
 
+def save_pretrained_ggml(model, save_directory=None, tokenizer=None, **kwargs):
+    """Refused: Unsloth's LoRA-to-GGML conversion (llama.cpp's adapter format) is not written by fastft."""
+    raise NotImplementedError(
+        "save_pretrained_ggml converts the LoRA adapter to llama.cpp's adapter format, which fastft does not write. "
+        "Use model.save_pretrained_gguf(dir, tokenizer) for the merged model as GGUF, or model.save_pretrained(dir) "
+        "for the PEFT adapter (llama.cpp's convert_lora_to_gguf.py converts that folder)."
+    )
+
+
+def push_to_hub_ggml(model, *args, **kwargs):
+    """Refused, as `save_pretrained_ggml` (and uploading needs network access and a token)."""
+    save_pretrained_ggml(model)
+
+
+def save_pretrained_torchao(model, save_directory=None, tokenizer=None, **kwargs):
+    """Refused: fastft writes no torchao-quantised checkpoints."""
+    raise NotImplementedError(
+        "save_pretrained_torchao writes a torchao-quantised checkpoint, which fastft does not. Use "
+        "model.save_pretrained_merged(dir, tokenizer, save_method='merged_16bit') (vLLM and transformers quantise "
+        "it on load), or save_pretrained_gguf(dir, tokenizer, quantization_method='q8_0') for an 8-bit file."
+    )
+
+
 def bind(model):
     """Give `model` (one instance) Unsloth's saving methods; returns it."""
-    for function in (save_pretrained_merged, save_pretrained_gguf, push_to_hub_merged, push_to_hub_gguf):
+    for function in (
+        save_pretrained_merged,
+        save_pretrained_gguf,
+        push_to_hub_merged,
+        push_to_hub_gguf,
+        save_pretrained_ggml,
+        push_to_hub_ggml,
+        save_pretrained_torchao,
+    ):
         object.__setattr__(model, function.__name__, types.MethodType(function, model))
     return model
 

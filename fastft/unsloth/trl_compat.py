@@ -20,6 +20,8 @@ Configs (`transformers.TrainingArguments` and TRL's ``*Config``):
 - ``max_seq_length`` is ``max_length``;
 - ``max_prompt_length`` / DPO's ``max_completion_length``, gone from TRL 1.x (whose trainers truncate whole
   sequences to ``max_length``), are accepted with a warning saying so;
+- `GRPOConfig`: a ``per_device_train_batch_size`` that is not a multiple of ``num_generations`` becomes
+  ``num_generations``, as Unsloth sets it (TRL 1.x refuses it), with a warning;
 - `GRPOConfig`'s ``vllm_sampling_params`` (Unsloth's) sets ``top_p``, ``top_k``, ``min_p``,
   ``repetition_penalty`` and ``temperature`` from a `fastft.unsloth.SamplingParams`, and ``use_vllm=True``
   becomes False with a warning (fastft has no vLLM; TRL generates through transformers).
@@ -156,6 +158,8 @@ def config_arguments(config_cls, kwargs: dict, where: str) -> dict:
         kwargs["bf16"] = False
     if "vllm_sampling_params" in kwargs and "vllm_sampling_params" not in fields:
         _sampling_into(kwargs, kwargs.pop("vllm_sampling_params"), fields, where)
+    if "num_generations" in fields and not {"generation_batch_size", "steps_per_generation"} & kwargs.keys():
+        _batch_of_whole_groups(config_cls, kwargs, where)
     if kwargs.get("use_vllm") and "use_vllm" in fields:
         kwargs["use_vllm"] = False
         warnings.warn(
@@ -164,6 +168,21 @@ def config_arguments(config_cls, kwargs: dict, where: str) -> dict:
             stacklevel=4,
         )
     return kwargs
+
+
+def _batch_of_whole_groups(config_cls, kwargs: dict, where: str) -> None:
+    """Unsloth's GRPO rule: ``per_device_train_batch_size`` not a multiple of ``num_generations`` (the notebooks'
+    batch of 1 with 4 generations, which TRL 1.x refuses) becomes ``num_generations``, said once."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    generations = kwargs.get("num_generations", defaults["num_generations"])
+    batch = kwargs.get("per_device_train_batch_size", defaults["per_device_train_batch_size"])
+    if generations and batch % generations:
+        kwargs["per_device_train_batch_size"] = generations
+        warnings.warn(
+            f"{where}: per_device_train_batch_size={batch} is not a multiple of num_generations={generations}; it "
+            f"is set to {generations}, as Unsloth does (each batch holds whole groups of completions).",
+            stacklevel=5,
+        )
 
 
 def _bf16_device() -> bool:

@@ -145,3 +145,63 @@ def test_save_pretrained_gguf_twice_keeps_both_files_and_a_merged_model_beside(t
     assert sorted(p.name for p in folder.iterdir()) == before and not (tmp_path / "new").exists()
     with pytest.raises(ValueError, match="merged_16bit"):
         model.save_pretrained_merged(tmp_path / "mx", tokenizer, save_method="mxfp4")
+
+
+def test_every_argument_of_unsloths_from_pretrained_is_taken_applied_or_refused():
+    """Unsloth's full FastLanguageModel.from_pretrained signature: the ones that do not apply are accepted with
+    a notice, the ones fastft cannot honour are refused naming the way, never a bare TypeError."""
+    with pytest.warns(UserWarning, match="does not apply in fastft"):
+        model, _ = FastLanguageModel.from_pretrained(
+            model_name="tiny-llama",
+            max_seq_length=64,
+            load_in_16bit=True,
+            device_map="sequential",
+            device_map_planner_kwargs=None,
+            fix_tokenizer=True,
+            use_gradient_checkpointing="unsloth",
+            use_exact_model_name=False,
+            offload_embedding=False,
+            float32_mixed_precision=None,
+            random_state=3407,
+            unsloth_tiled_mlp=False,
+            text_only=False,
+            rope_scaling=None,
+            resize_model_vocab=None,
+            revision=None,
+            qat_scheme=None,
+            load_in_fp8=False,
+        )
+    assert not getattr(model, "is_loaded_in_4bit", False)
+    for name, value in [
+        ("rope_scaling", {"type": "linear", "factor": 2.0}),
+        ("revision", "v1"),
+        ("load_in_fp8", True),
+        ("qat_scheme", "int4"),
+        ("resize_model_vocab", 600),
+    ]:
+        with pytest.raises(ValueError, match=f"{name} is not supported by fastft"):
+            FastLanguageModel.from_pretrained("tiny-llama", **{name: value})
+    with pytest.raises(ValueError, match="choose one precision"):
+        FastLanguageModel.from_pretrained("tiny-llama", load_in_16bit=True, load_in_4bit=True)
+    for method in ("save_pretrained_ggml", "push_to_hub_ggml", "save_pretrained_torchao"):
+        with pytest.raises(NotImplementedError, match="save_pretrained_gguf|save_pretrained_merged"):
+            getattr(model, method)("folder", None)
+
+
+def test_get_peft_model_takes_the_rest_of_unsloths_signature():
+    from fastft.unsloth.chat_templates import remove_special_tokens
+
+    model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=64)
+    with pytest.raises(ValueError, match="leave it True"):
+        FastLanguageModel.get_peft_model(model, r=4, init_lora_weights="gaussian")
+    with pytest.warns(UserWarning, match="'temporary_location' does not apply"):
+        model = FastLanguageModel.get_peft_model(
+            model, r=4, init_lora_weights=True, temporary_location="_unsloth_temporary_saved_buffers"
+        )
+    assert all(float(p.abs().max()) == 0 for n, p in model.named_parameters() if "lora_B" in n)
+    bos = tokenizer.bos_token or "<|im_start|>"
+    tokenizer.bos_token = bos
+    assert (
+        remove_special_tokens(tokenizer, bos + "Hi") == "Hi"
+        and remove_special_tokens(tokenizer, "Hi") == "Hi"
+    )

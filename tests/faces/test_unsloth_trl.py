@@ -135,6 +135,16 @@ def test_configs_take_the_removed_arguments_with_their_meaning():
         GRPOConfig(output_dir="x", vllm_sampling_params=object())
     with pytest.raises(TypeError, match="presence_penalty"):
         SamplingParams(presence_penalty=1.0)
+    # the GRPO notebooks' batch of 1 with 4 generations: Unsloth makes the batch one whole group
+    with pytest.warns(UserWarning, match="set to 4, as Unsloth does"):
+        grpo = GRPOConfig(output_dir="x", per_device_train_batch_size=1, num_generations=4)
+    assert grpo.per_device_train_batch_size == 4 and grpo.generation_batch_size % 4 == 0
+    assert (
+        GRPOConfig(
+            output_dir="x", per_device_train_batch_size=6, num_generations=3
+        ).per_device_train_batch_size
+        == 6
+    )
 
 
 def test_alpaca_sft_with_the_old_top_level_arguments(tmp_path):
