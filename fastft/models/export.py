@@ -105,7 +105,8 @@ def merged_keys(model) -> Iterator[tuple[str, torch.Tensor]]:
     whole (``modules_to_save``) as its active trained copy under the module's own key."""
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     state = base.state_dict(keep_vars=True)
-    active = set(getattr(model, "active_adapters", None) or ["default"])
+    # a PeftModel's active adapters (a property there; on a plain transformers model a method of its own)
+    active = set(model.active_adapters) if isinstance(model, PeftModel) else {"default"}
     for key, value in state.items():
         if "lora_" in key or _QUANT_STATE.search(key):
             continue
