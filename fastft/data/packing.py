@@ -198,9 +198,11 @@ class PackedDataset:
             "stats_values": np.array(list(asdict(self.data.stats).values()), dtype=np.int64),
         }
         pair_stats = getattr(self, "pair_stats", None)  # `PackedPairs`: load_packed gives back pairs
-        if pair_stats is not None:
-            arrays["pair_stats_names"] = np.array(list(asdict(pair_stats)))
-            arrays["pair_stats_values"] = np.array(list(asdict(pair_stats).values()), dtype=np.int64)
+        if pair_stats is not None:  # its counts, and the rows left out as one array of their own
+            counts = asdict(pair_stats)
+            arrays["pair_identical_rows"] = np.asarray(counts.pop("identical_rows", ()), dtype=np.int64)
+            arrays["pair_stats_names"] = np.array(list(counts))
+            arrays["pair_stats_values"] = np.array(list(counts.values()), dtype=np.int64)
         path = os.fspath(path)
         if not path.endswith(".npz"):
             path += ".npz"
@@ -250,7 +252,10 @@ def load_packed(path: str | os.PathLike) -> PackedDataset:
             from fastft.data.pairs import PackedPairs, PairStats
 
             names, values = stored["pair_stats_names"].tolist(), stored["pair_stats_values"].tolist()
-            return PackedPairs(data, bins, max_seq_length, PairStats(**dict(zip(names, values, strict=True))))
+            counts = dict(zip(names, values, strict=True))
+            if "pair_identical_rows" in stored:
+                counts["identical_rows"] = tuple(stored["pair_identical_rows"].tolist())
+            return PackedPairs(data, bins, max_seq_length, PairStats(**counts))
         return PackedDataset(data, bins, max_seq_length)
 
 

@@ -124,8 +124,10 @@ def test_packed_data_saved_and_loaded_gives_the_same_batches(tmp_path):
     rows = [
         {"prompt": f"What is {i} plus {i}?", "chosen": f"{2 * i}", "rejected": f"Maybe {2 * i + 1}."}
         for i in range(7)
-    ]
-    pairs = fastft.pack_pairs(rows, state.tokenizer, 64)
+    ] + [{"prompt": "What is 1 plus 1?", "chosen": "2", "rejected": "2"}]  # left out, and named, in the stats
+    with pytest.warns(UserWarning, match="left out"):
+        pairs = fastft.pack_pairs(rows, state.tokenizer, 64)
+    assert pairs.pair_stats.identical_rows == (7,)
     back = load_packed(pairs.save(tmp_path / "pairs"))
     assert isinstance(back, PackedPairs) and back.pair_stats == pairs.pair_stats and back.bins == pairs.bins
     assert type(load_packed(tmp_path / "data.npz")) is not PackedPairs
