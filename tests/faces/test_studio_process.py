@@ -95,7 +95,8 @@ def test_a_child_process_run_outlives_its_studio_stops_and_resumes_to_the_same_l
     assert isinstance(run, ProcessRun), _text(panel.status)
     assert run.pid and pid_alive(run.pid) and run.pid != os.getpid()
     _until(lambda: run.step >= 2, what="the worker's first steps")
-    panel.refresh()  # as the panel's ticker does every second
+    # as the panel's ticker does every second, until the worker's status (rewritten every second) has its threads
+    _until(lambda: panel.refresh() or "CPU threads" in _text(panel.where), what="the worker's status")
     where = _text(panel.where)
     assert f"pid {run.pid}" in where and str(folder / "worker.log") in where and "CPU threads 1" in where
 

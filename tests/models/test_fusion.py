@@ -38,6 +38,7 @@ GPT_OSS_NOT_FUSED = ("the attention and RMSNorm of gpt_oss (transformers' module
 # name: (scope, activation, moe, experts, fused, not_fused)
 EXPECTED = {
     "tiny-llama": ("decoder", "swiglu", False, 0, DENSE, ()),
+    "tiny-llama3": ("decoder", "swiglu", False, 0, DENSE, ()),
     "tiny-qwen3": ("decoder", "swiglu", False, 0, DENSE, ()),
     "tiny-mistral": ("decoder", "swiglu", False, 0, DENSE, ()),
     "tiny-moe": ("decoder", "swiglu", True, 8, _moe(8), ()),

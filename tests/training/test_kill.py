@@ -100,7 +100,7 @@ def _install_trap(target: str, after: int, fired_dir) -> None:
         checkpoint_module.torch.save = save
     elif target == "marker":
         real_marker = atomic._write_marker
-        atomic._write_marker = lambda folder, kind: _die() if due() else real_marker(folder, kind)
+        atomic._write_marker = lambda *marker: _die() if due() else real_marker(*marker)
     elif target == "rename":
         real_replace = os.replace
 
