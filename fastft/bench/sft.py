@@ -1,10 +1,12 @@
 """`fastft bench sft`: supervised fine-tuning on realistic packed chat data, every system side by side.
 
-The user's workload, not a microbenchmark: chats of 1 to 3 turns whose user and assistant turns have
-log-normal token lengths (median `--user-median` and `--assistant-median`, sigma `--sigma`, plus 5 template
-tokens per turn), trained on the assistant tokens only, packed best-fit into micro-batches of
-`--max-seq-length` tokens. Random weights of a catalog architecture (`fastft bench step`'s checkpoints),
-LoRA r=16 on the seven projections (and the experts of an MoE model). Systems, each in its own process:
+The user's workload, not a microbenchmark, on one or more data shapes (`--shapes`, `fastft.bench.chat_shapes`):
+``short`` (1 to 3 turns, user turns median 120 tokens, answers 220), ``multi-turn`` (rows of median about 550
+tokens, p90 about 1,450) and ``documents`` (2,048 to 4,000 tokens, every token trained): real text from
+fastft's docstrings in Llama-3.1's chat template, tokenised with the ``tiny-llama3`` preset's tokenizer,
+trained on the answers only, packed best-fit into micro-batches of `--max-seq-length` tokens. Every system
+gets the same rows. Random weights of a catalog architecture (`fastft bench step`'s checkpoints), LoRA r=16
+on the seven projections (and the experts of an MoE model). Systems:
 
 * ``fastft``      -- `load_model` + `add_lora` + fastft's `Trainer` (what `fastft.train` runs): packed
   micro-batches padded to one shape and replayed as a CUDA graph, offloaded checkpointing.
@@ -12,30 +14,43 @@ LoRA r=16 on the seven projections (and the experts of an MoE model). Systems, e
   one-import switch from Unsloth (TRL's ``gradient_checkpointing=True`` keeps fastft's offloaded
   checkpointing: `fastft.models.lora.set_gradient_checkpointing` routes the model's switches).
 * ``unsloth``     -- ``FastLanguageModel`` + ``get_peft_model(use_gradient_checkpointing="unsloth")`` under
-  the same ``SFTTrainer(packing=True)`` (TRL's ``gradient_checkpointing`` off: Unsloth's own is on).
-* ``hf``          -- transformers + PEFT (SDPA, gradient checkpointing) under the same trainer.
+  the same ``SFTTrainer(packing=True)`` (TRL's ``gradient_checkpointing`` off: Unsloth's own is on), at
+  matched settings (below).
+* ``hf``          -- transformers + PEFT (SDPA, gradient checkpointing) under the same trainer, matched.
+* ``unsloth-defaults``, ``hf-defaults`` -- the same two with their own defaults: what a user of the library
+  gets. ``SFTConfig`` is given only the workload (steps, one pack of `--max-seq-length` tokens a micro-batch,
+  ``packing=True``, bf16, a constant learning rate) and the library picks the rest: the optimizer (Unsloth's
+  patched config: bitsandbytes' 8-bit AdamW; TRL's: transformers' default), TRL's gradient checkpointing
+  switch, and torch's attention backends as they come (cuDNN attention on). Each result records the optimizer
+  and checkpointing its trainer ran with.
 
-The baselines run with torch's cuDNN attention off unless ``--baseline-cudnn-attention on``: on packed
-rows Unsloth (on torch < 2.12, without flash-attn or xformers) calls SDPA once per packed segment, and
-cuDNN builds a plan for every new segment length; measured on an H200 (torch 2.11), Unsloth + TRL ran
-2,996 tokens/s with cuDNN and 4,670 without, so the baselines get their faster setting. fastft's own
-attention backend is its own choice (``attention`` in the result).
+Matched settings (``unsloth``, ``hf``; ``settings: "matched"`` in the result): the same optimizer as fastft
+and the same packing, pack length and micro-batch, and torch's cuDNN attention off unless
+``--baseline-cudnn-attention on``, so SDPA runs FlashAttention-2, the kernel of fastft's varlen attention
+(transformers' SDPA path on packed rows takes a mask, so HF + PEFT runs torch's memory-efficient kernel;
+without the flash-attn package transformers has no varlen path). On packed rows Unsloth (on torch < 2.12,
+without flash-attn or xformers) calls SDPA once per packed segment, and cuDNN builds a plan for every new
+segment length; measured on an H200 (torch 2.11), Unsloth + TRL ran 2,996 tokens/s with cuDNN and 4,670
+without. So Unsloth's speed depends on the segments per pack: the record gives each shape's row lengths and
+packing (``shapes``), and the table fastft's ratio to each baseline per shape and its range over the shapes.
 
-Every system trains with the same optimizer: AdamW with fp32 states (fastft's `Trainer` runs torch's fused
-AdamW; the TRL systems get ``optim="adamw_torch_fused"``, ``"adamw_torch"`` on a CPU). Unsloth's patched
-``SFTConfig`` would otherwise default to bitsandbytes' 8-bit AdamW, whose states take a quarter of the bytes:
-on Llama-3.1-8B r=16, 81 MiB against 320, which until 2026-12-06 made Unsloth's recorded peaks 0.23 GiB lower
-than its run with fastft's optimizer (`fastft.vram.measure.resident_memory`, the bench's ``--snapshot``).
+The matched optimizer: AdamW with fp32 states (fastft's `Trainer` runs torch's fused AdamW; the TRL systems
+get ``optim="adamw_torch_fused"``, ``"adamw_torch"`` on a CPU). Unsloth's patched ``SFTConfig`` would
+otherwise default to bitsandbytes' 8-bit AdamW, whose states take a quarter of the bytes: on Llama-3.1-8B
+r=16, 81 MiB against 320, which until 2026-12-06 made Unsloth's recorded peaks 0.23 GiB lower than its run
+with fastft's optimizer (`fastft.vram.measure.resident_memory`, the bench's ``--snapshot``).
 
-Every system sees the same chats in its own packing. After `--warmup` steps, `--steps` steps are timed
-(wall clock between ``torch.cuda.synchronize()`` calls); the report gives real tokens per second (padding
-slots not counted), trained tokens per second, the median and the slowest step, and the peak of
-``torch.cuda.max_memory_allocated``. A step's time is the wall clock: for TRL's trainers between
-synchronised step ends, for fastft's between the arrivals of consecutive steps' events on the host (each
-after its CUDA events completed), so a host stall counts; fastft's device-side step times are kept beside
-(``device_step_seconds``).
+One process per system family and workload loads the model once and runs each of its systems (matched first)
+on each shape in turn (``--process-per-run``: a process per system, workload and shape). After `--warmup`
+steps, `--steps` steps are timed (wall clock between ``torch.cuda.synchronize()`` calls); the report gives
+real tokens per second (padding slots not counted), trained tokens per second, the median and the slowest
+step, and the peak of ``torch.cuda.max_memory_allocated`` (with ``resident_gib_before``, what the process
+held when the run began). A step's time is the wall clock: for TRL's trainers between synchronised step
+ends, for fastft's between the arrivals of consecutive steps' events on the host (each after its CUDA events
+completed), so a host stall counts; fastft's device-side step times are kept beside (``device_step_seconds``).
 
-    fastft bench sft --systems fastft,fastft-trl,unsloth,hf --workloads bf16,nf4 --unsloth-path /tmp/site_unsloth
+    fastft bench sft --systems fastft,unsloth,unsloth-defaults,hf-defaults --workloads bf16,nf4 \
+        --shapes short,multi-turn,documents --unsloth-path /tmp/site_unsloth
     fastft bench sft --model Qwen/Qwen3-30B-A3B --layers 12 --workloads bf16
 """
 
@@ -49,7 +64,16 @@ import sys
 import time
 from pathlib import Path
 
-SYSTEMS = ("fastft", "fastft-trl", "unsloth", "hf")
+SYSTEMS = ("fastft", "fastft-trl", "unsloth", "unsloth-defaults", "hf", "hf-defaults")
+BASELINES = ("unsloth", "unsloth-defaults", "hf", "hf-defaults")
+# The systems one worker process runs on one loaded model (matched before own defaults: see the docstring).
+FAMILIES = {
+    "fastft": "fastft",
+    "fastft-trl": "fastft-trl",
+    "unsloth": "unsloth",
+    "unsloth-defaults": "unsloth",
+}
+FAMILIES.update({"hf": "hf", "hf-defaults": "hf"})
 TEMPLATE_TOKENS = 5  # a turn's header and end tokens (role, separators), trained only on assistant turns' end
 
 # Every system's optimizer (module docstring): TRL's name for it, and what the record says.
@@ -105,7 +129,7 @@ def _packed(rows, max_length: int):
 # ------------------------------------------------------------------------------------------------ workers
 
 
-def _model(args, device):
+def _model(args, family: str, device):
     import torch
 
     from fastft.bench.step import _fastft_model, _hf_model, _unsloth_model
@@ -114,7 +138,7 @@ def _model(args, device):
     if args.workload.endswith(
         "fp16"
     ):  # what a T4 computes in: fastft's trainer with its device-side loss scale
-        if args.system != "fastft":
+        if family != "fastft":
             raise SystemExit(
                 f"--workloads {args.workload}: fp16 compute is measured for the fastft system only"
             )
@@ -126,9 +150,9 @@ def _model(args, device):
             device,
             dtype=torch.float16,
         )
-    if args.system in ("fastft", "fastft-trl"):
+    if family in ("fastft", "fastft-trl"):
         return _fastft_model(args.folder, precision, seq, "auto", device)
-    if args.system == "hf":
+    if family == "hf":
         return _hf_model(args.folder, precision, False, device)
     return _unsloth_model(args.folder, precision, seq)
 
@@ -187,7 +211,7 @@ def _run_fastft(model, rows, args, device):
     )
 
 
-def _run_trl(model, rows, args, device):
+def _run_trl(model, rows, args, device, system: str):
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -206,7 +230,15 @@ def _run_trl(model, rows, args, device):
         {"input_ids": [ids.tolist() for ids, _ in rows], "labels": [labels.tolist() for _, labels in rows]}
     )
     cuda = device.type == "cuda"
-    config = SFTConfig(
+    matched = {}
+    if not system.endswith("-defaults"):  # matched settings; own defaults leave these to the library
+        matched = dict(
+            # TRL's default (on) unless --trl-gradient-checkpointing off; Unsloth checkpoints its own way
+            gradient_checkpointing=system != "unsloth" and args.trl_gradient_checkpointing == "on",
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+            optim=TRL_OPTIMIZER if cuda else "adamw_torch",  # every system's optimizer (module docstring)
+        )
+    config = SFTConfig(  # the workload and the harness: the same for every system
         output_dir=args.scratch,
         max_steps=args.warmup + args.steps,
         per_device_train_batch_size=1,
@@ -220,13 +252,13 @@ def _run_trl(model, rows, args, device):
         bf16=cuda,
         use_cpu=not cuda,
         dataloader_num_workers=0,
-        # TRL's default (on) unless --trl-gradient-checkpointing off; Unsloth checkpoints its own way
-        gradient_checkpointing=args.system != "unsloth" and args.trl_gradient_checkpointing == "on",
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        optim=TRL_OPTIMIZER if cuda else "adamw_torch",  # every system's optimizer (module docstring)
         seed=3407,
+        **matched,
     )
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset)
+    ran_with = dict(
+        optimizer=str(trainer.args.optim), gradient_checkpointing=trainer.args.gradient_checkpointing
+    )
     counts = []
     collate = trainer.data_collator
 
@@ -263,6 +295,7 @@ def _run_trl(model, rows, args, device):
         trained=sum(trained for _, trained in timed),
         padding=0,
         step_seconds=[b - a for a, b in zip(marks[first:last], marks[first + 1 : last + 1], strict=True)],
+        **ran_with,
         **({"live_at_peak": snapshot.live} if snapshot else {}),
     )
 
@@ -277,46 +310,97 @@ def _tile_every_mlp(rows: int, intermediate: int) -> None:
     tiling.TILE_BYTES = rows * intermediate * 2
 
 
-def run_worker(args) -> dict:
+def _load_rows(folder: Path, shape: str) -> list:
+    """A shape's rows as the driver saved them (`_save_rows`)."""
+    import numpy as np
+
+    with np.load(folder / f"{shape}.npz") as saved:
+        ids, labels, offsets = saved["input_ids"], saved["labels"], saved["offsets"]
+    return [(ids[a:b], labels[a:b]) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+def _save_rows(folder: Path, shape: str, rows: list) -> None:
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    offsets = np.cumsum([0] + [len(ids) for ids, _ in rows])
+    np.savez(
+        folder / f"{shape}.npz",
+        input_ids=np.concatenate([ids for ids, _ in rows]),
+        labels=np.concatenate([labels for _, labels in rows]),
+        offsets=offsets,
+    )
+
+
+def _settings_label(system: str) -> str:
+    if system in ("fastft", "fastft-trl"):
+        return "fastft"
+    return "own defaults" if system.endswith("-defaults") else "matched"
+
+
+def run_worker(args):
+    """Load one system family's model once and yield a result for each of its systems (`args.system`,
+    comma-separated) on each shape (`args.shapes`), the systems in the given order, each over every shape; a
+    run that fails yields its error and the next one runs."""
+    import gc
+    import traceback
+
     import torch
 
-    if args.system == "unsloth":
+    systems = args.system.split(",")
+    family = FAMILIES[systems[0]]
+    if family == "unsloth":
         import unsloth  # noqa: F401 - first, so it patches transformers and TRL before they load
     torch.manual_seed(0)
     device = torch.device(args.device)
-    baseline = args.system in ("unsloth", "hf")
-    if baseline and args.baseline_cudnn_attention == "off":
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    baseline = family in ("unsloth", "hf")
     if not baseline:  # this worker's models (read when they are patched and at each call)
         from fastft.bench.common import set_memory_trades
 
         set_memory_trades(args.adapter_copies, args.dh_slice_mib)
-    model = _model(args, device)
+    model = _model(args, family, device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if args.mlp_tile_rows and not baseline:
         _tile_every_mlp(args.mlp_tile_rows, base.config.intermediate_size)
-    rows = chat_rows(
-        args.chats,
-        base.config.vocab_size,
-        args.user_median,
-        args.assistant_median,
-        args.sigma,
-        args.max_seq_length,
-        args.seed,
-    )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    run = _run_fastft if args.system == "fastft" else _run_trl
-    measured = run(model, rows, args, device)
+    for system in systems:
+        for shape in args.shapes.split(","):
+            record = dict(
+                system=system, workload=args.workload, shape=shape, settings=_settings_label(system)
+            )
+            try:
+                if baseline:  # matched: cuDNN attention as asked; own defaults: torch's default (on)
+                    own = system.endswith("-defaults")
+                    cudnn = "on" if own else args.baseline_cudnn_attention
+                    torch.backends.cuda.enable_cudnn_sdp(cudnn == "on")
+                    record["cudnn_attention"] = cudnn
+                else:
+                    record["cudnn_attention"] = "fastft's choice"
+                rows = _load_rows(Path(args.rows), shape)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
+                    record["resident_gib_before"] = torch.cuda.memory_allocated(device) / 2**30
+                if system == "fastft":
+                    measured = _run_fastft(model, rows, args, device)
+                else:
+                    measured = _run_trl(model, rows, args, device, system)
+                yield record | _summary(measured, device)
+            except Exception as error:  # noqa: BLE001 - reported in the record; the next run goes on
+                tail = traceback.format_exc().strip().splitlines()[-3:]
+                yield record | {"error": f"{type(error).__name__}: {error}"[:300], "traceback": tail}
+
+
+def _summary(measured: dict, device) -> dict:
+    import torch
+
     steps = measured.pop("step_seconds")
     seconds = measured.pop("seconds")
     peak = measured.pop("peak_bytes", 0)
     if device.type == "cuda":
         peak = max(peak, torch.cuda.max_memory_allocated(device))
     median = statistics.median(steps)
-    result = dict(
-        system=args.system,
-        workload=args.workload,
+    return dict(
         tokens_per_s=measured["tokens"] / seconds,
         trained_tokens_per_s=measured["trained"] / seconds,
         step_ms=1000 * median,
@@ -324,37 +408,72 @@ def run_worker(args) -> dict:
         slowest_over_median=max(steps) / median,
         peak_gib=peak / 2**30 if device.type == "cuda" else None,
         padding_share=measured["padding"] / (measured["tokens"] + measured["padding"]),
-        cudnn_attention=args.baseline_cudnn_attention if baseline else "fastft's choice",
         **{key: value for key, value in measured.items() if key not in ("tokens", "trained", "padding")},
     )
-    return result
 
 
 # ------------------------------------------------------------------------------------------------ driver
 
 
+LABELS = {
+    "unsloth": "Unsloth (matched)",
+    "unsloth-defaults": "Unsloth (own defaults)",
+    "hf": "HF+PEFT (matched)",
+    "hf-defaults": "HF+PEFT (own defaults)",
+}
+
+
+def _ratios(results: list[dict]) -> list[dict]:
+    """fastft's tokens/s over each baseline's, per workload and shape, and the range over the shapes."""
+    done = {(r["workload"], r["shape"], r["system"]): r for r in results if "error" not in r}
+    ratios = []
+    for workload in dict.fromkeys(r["workload"] for r in results):
+        shapes = list(dict.fromkeys(r["shape"] for r in results if r["workload"] == workload))
+        for system in ("fastft", "fastft-trl"):
+            for baseline in BASELINES:
+                per_shape = {
+                    shape: done[workload, shape, system]["tokens_per_s"]
+                    / done[workload, shape, baseline]["tokens_per_s"]
+                    for shape in shapes
+                    if (workload, shape, system) in done and (workload, shape, baseline) in done
+                }
+                if per_shape:
+                    ratios.append(
+                        dict(
+                            workload=workload,
+                            system=system,
+                            baseline=baseline,
+                            against=LABELS[baseline],
+                            per_shape=per_shape,
+                            low=min(per_shape.values()),
+                            high=max(per_shape.values()),
+                        )
+                    )
+    return ratios
+
+
 def _table(results: list[dict]) -> str:
     from fastft.bench.common import markdown_table
 
-    by_workload = {}
-    for result in results:
-        by_workload.setdefault(result["workload"], {})[result["system"]] = result
+    done = {(r["workload"], r["shape"], r["system"]): r for r in results if "error" not in r}
+    present = [b for b in BASELINES if any(r["system"] == b for r in results)]
     rows = []
-    for workload, systems in by_workload.items():
-        for system, result in systems.items():
-            if "error" in result:
-                rows.append(dict(workload=workload, system=system, note=result["error"][:160]))
-                continue
-            row = dict(result)
-            for baseline in ("unsloth", "hf"):
-                other = systems.get(baseline)
-                if other and "error" not in other and baseline != system:
-                    row[f"vs_{baseline}"] = f"{result['tokens_per_s'] / other['tokens_per_s']:.2f}x"
-            graph = result.get("graph")
-            row["note"] = f"graph {graph['replays']} replays" if graph else ""
-            rows.append(row)
+    for result in results:
+        row = dict(result, system=LABELS.get(result["system"], result["system"]))
+        if "error" in result:
+            rows.append(dict(row, note=result["error"][:160]))
+            continue
+        for baseline in present:
+            other = done.get((result["workload"], result["shape"], baseline))
+            if other and baseline != result["system"]:
+                row[f"vs_{baseline}"] = f"{result['tokens_per_s'] / other['tokens_per_s']:.2f}x"
+        graph = result.get("graph")
+        row["note"] = f"graph {graph['replays']} replays" if graph else ""
+        rows.append(row)
+    vs = [(f"vs_{b}", f"vs {LABELS[b]}") for b in BASELINES if b in present or b == "hf"]
     columns = [
         ("workload", "workload"),
+        ("shape", "shape"),
         ("system", "system"),
         ("tokens_per_s", "tokens/s"),
         ("trained_tokens_per_s", "trained tokens/s"),
@@ -362,17 +481,53 @@ def _table(results: list[dict]) -> str:
         ("slowest_over_median", "slowest / median"),
         ("peak_gib", "peak GiB"),
         ("padding_share", "padding share"),
-        ("vs_unsloth", "vs Unsloth"),
-        ("vs_hf", "vs HF+PEFT"),
+        ("optimizer", "optimizer"),
+        ("cudnn_attention", "cuDNN attention"),
+        *vs,
         ("note", "note"),
     ]
     return markdown_table(rows, columns)
 
 
-def _write(path: str, args, results: list[dict]) -> str:
+def _ratio_table(ratios: list[dict], shapes: list[str]) -> str:
+    from fastft.bench.common import markdown_table
+
+    rows = [
+        dict(
+            r,
+            **{shape: f"{value:.2f}x" for shape, value in r["per_shape"].items()},
+            range=f"{r['low']:.2f}x–{r['high']:.2f}x" if len(r["per_shape"]) > 1 else f"{r['low']:.2f}x",
+        )
+        for r in ratios
+    ]
+    columns = [("workload", "workload"), ("system", "system"), ("against", "against")]
+    columns += [(shape, shape) for shape in shapes] + [("range", "range over shapes")]
+    return markdown_table(rows, columns)
+
+
+def _shape_table(shapes: dict[str, dict]) -> str:
+    from fastft.bench.common import markdown_table
+
+    columns = [
+        ("shape", "shape"),
+        ("rows", "rows"),
+        ("row_tokens_median", "row tokens median"),
+        ("row_tokens_p90", "p90"),
+        ("trained_share", "trained share"),
+        ("tokens_per_pack", "tokens per pack"),
+        ("segments_per_pack", "segments per pack"),
+        ("segments_per_pack_p90", "segments p90"),
+    ]
+    return markdown_table([dict(stats, shape=name) for name, stats in shapes.items()], columns)
+
+
+def _write(path: str, args, shapes: dict[str, dict], results: list[dict]) -> str:
     from fastft.bench.common import environment
 
-    table = _table(results)
+    ratios = _ratios(results)
+    text = "\n\n".join(
+        [_shape_table(shapes), _table(results)] + ([_ratio_table(ratios, list(shapes))] if ratios else [])
+    )
     keys = _DATA_SETTINGS + (
         "model",
         "layers",
@@ -384,18 +539,87 @@ def _write(path: str, args, results: list[dict]) -> str:
         "adapter_copies",
         "dh_slice_mib",
         "snapshot",
+        "process_per_run",
     )
     settings = {key: getattr(args, key) for key in keys}
     settings["optimizer"] = OPTIMIZER
-    output = {"benchmark": "sft", "settings": settings, "environment": environment(), "results": results}
+    output = {
+        "benchmark": "sft",
+        "settings": settings,
+        "environment": environment(),
+        "shapes": shapes,
+        "results": results,
+        "ratios": ratios,
+    }
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(output, indent=2) + "\n")
-    out.with_suffix(".md").write_text(table + "\n")
-    return table
+    out.with_suffix(".md").write_text(text + "\n")
+    return text
 
 
-_DATA_SETTINGS = ("chats", "user_median", "assistant_median", "sigma", "max_seq_length", "seed")
+_DATA_SETTINGS = (
+    "shapes",
+    "chats",
+    "documents",
+    "user_median",
+    "assistant_median",
+    "sigma",
+    "max_seq_length",
+    "seed",
+)
+
+
+def _shape_rows(args, shape: str) -> list:
+    """The rows of `shape` for this run: `--chats` chats or `--documents` documents, the turn options over
+    a chat shape's own."""
+    from fastft.bench.chat_shapes import SHAPES, shape_rows
+
+    if SHAPES[shape].kind == "documents":
+        return shape_rows(shape, args.documents, args.max_seq_length, args.seed)
+    given = {key: getattr(args, key) for key in ("user_median", "assistant_median", "sigma")}
+    overrides = {key: value for key, value in given.items() if value is not None}
+    return shape_rows(shape, args.chats, args.max_seq_length, args.seed, **overrides)
+
+
+def _check_vocabulary(folder: Path, rows_by_shape: dict[str, list]) -> None:
+    """The shapes' token ids (the tiny-llama3 tokenizer's) must be rows of the model's embedding."""
+    from fastft.bench.chat_shapes import TOKENIZER_PRESET
+
+    config = json.loads((folder / "config.json").read_text())
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    largest = max(int(ids.max()) for rows in rows_by_shape.values() for ids, _ in rows)
+    if vocab is not None and largest >= vocab:
+        raise SystemExit(
+            f"--model {folder.name}: its vocabulary has {vocab} tokens, but the data shapes are tokenised with "
+            f"the {TOKENIZER_PRESET} preset's tokenizer (ids up to {largest}): bench a model with a larger "
+            f"vocabulary (any catalog model, or --model {TOKENIZER_PRESET})"
+        )
+
+
+def _run_worker_process(argv: list[str], env: dict, timeout: float) -> tuple[list[dict], str]:
+    """One worker process's results (a JSON line each; on a timeout, those it finished before it) and what
+    stopped it, for the runs it did not report."""
+    import subprocess
+
+    command = [sys.executable, "-m", "fastft.bench.sft", *argv]
+    try:
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr, failure = completed.stdout, completed.stderr, f"exit code {completed.returncode}"
+    except subprocess.TimeoutExpired as expired:
+        stdout, stderr, failure = expired.stdout or "", "", f"timed out after {timeout:.0f} s"
+    stdout = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout
+    results = []
+    for line in stdout.splitlines():  # the worker's lines among the trainers' logs
+        try:
+            result = json.loads(line) if line.startswith("{") else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(result, dict) and "system" in result and "shape" in result:
+            results.append(result)
+    if not failure.startswith("timed out"):
+        failure = " | ".join((stderr or stdout).strip().splitlines()[-6:]) or failure
+    return results, failure
 
 
 def _ensure_checkpoint(args) -> Path:
@@ -421,6 +645,7 @@ def _ensure_checkpoint(args) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fastft.bench.chat_shapes import SHAPES, parse_shapes, row_stats
     from fastft.bench.common import add_memory_trade_options, memory_trade_argv
 
     parser = argparse.ArgumentParser(
@@ -440,24 +665,56 @@ def main(argv: list[str] | None = None) -> int:
         default="bf16,nf4",
         help="bf16, nf4 (the base's precision; bf16 compute), fp16, nf4-fp16 (fp16 compute: the fastft system only)",
     )
-    parser.add_argument("--chats", type=int, default=3000)
-    parser.add_argument("--user-median", type=float, default=120.0, help="median tokens of a user turn")
-    parser.add_argument("--assistant-median", type=float, default=220.0, help="median tokens of an answer")
-    parser.add_argument("--sigma", type=float, default=0.7, help="log-normal sigma of the turn lengths")
+    parser.add_argument(
+        "--shapes",
+        "--shape",
+        default="short",
+        help=f"data shapes, comma-separated, each run in turn into one record: {', '.join(SHAPES)} "
+        "(fastft.bench.chat_shapes)",
+    )
+    parser.add_argument("--chats", type=int, default=3000, help="rows of a chat shape")
+    parser.add_argument("--documents", type=int, default=500, help="rows of the documents shape")
+    parser.add_argument(
+        "--user-median", type=float, default=None, help="median tokens of a user turn (default: the shape's)"
+    )
+    parser.add_argument(
+        "--assistant-median",
+        type=float,
+        default=None,
+        help="median tokens of an answer (default: the shape's)",
+    )
+    parser.add_argument(
+        "--sigma",
+        type=float,
+        default=None,
+        help="log-normal sigma of the turn lengths (default: the shape's)",
+    )
     parser.add_argument("--max-seq-length", type=int, default=4096, help="tokens per packed micro-batch")
-    parser.add_argument("--seed", type=int, default=0, help="the chats' seed")
+    parser.add_argument("--seed", type=int, default=0, help="the rows' seed")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--folder", default="/dev/shm/fastft-bench-step", help="the random checkpoints")
     parser.add_argument(
         "--unsloth-path", default=None, help="site folder put first on PYTHONPATH for Unsloth"
     )
-    parser.add_argument("--timeout", type=float, default=300, help="seconds per system and workload")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300,
+        help="seconds per system, workload and shape (a process's limit: this times its runs)",
+    )
+    parser.add_argument(
+        "--process-per-run",
+        action="store_true",
+        help="a process per system, workload and shape (default: one per system family and workload, which "
+        "loads the model once)",
+    )
     parser.add_argument(
         "--baseline-cudnn-attention",
         choices=("on", "off"),
         default="off",
-        help="torch's cuDNN attention for unsloth and hf (off: their faster setting on packed rows)",
+        help="torch's cuDNN attention for unsloth and hf at matched settings (off: their faster setting on "
+        "packed rows; their -defaults runs keep torch's default, on)",
     )
     parser.add_argument(
         "--trl-gradient-checkpointing",
@@ -484,13 +741,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--rows", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", default="/tmp/fastft-bench-sft", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(run_worker(args)), flush=True)
+        for result in run_worker(args):
+            print(json.dumps(result), flush=True)
         return 0
 
-    from fastft.bench.step import _run_in_process, _worker_env
+    from fastft.bench.step import _worker_env
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -499,47 +758,97 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if any(w not in ("bf16", "nf4", "fp16", "nf4-fp16") for w in workloads):
         parser.error(f"--workloads {args.workloads}: from bf16, nf4, fp16, nf4-fp16")
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as error:
+        parser.error(str(error))
+    args.shapes = ",".join(shapes)
     if args.snapshot and (args.device != "cuda" or args.warmup < 2):
         parser.error("--snapshot records a CUDA allocator: --device cuda and --warmup 2 or more")
     folder = _ensure_checkpoint(args)
+    rows_folder = Path(args.scratch) / "rows"
+    rows_by_shape = {shape: _shape_rows(args, shape) for shape in shapes}
+    _check_vocabulary(folder, rows_by_shape)
+    stats = {}
+    for shape, rows in rows_by_shape.items():
+        _save_rows(rows_folder, shape, rows)
+        stats[shape] = {"description": SHAPES[shape].describe(), **row_stats(rows, args.max_seq_length)}
+        print(
+            f"{shape:>10}: {len(rows):,} rows, median {stats[shape]['row_tokens_median']:,.0f} tokens, p90 "
+            f"{stats[shape]['row_tokens_p90']:,.0f}, {stats[shape]['segments_per_pack']:.2f} segments and "
+            f"{stats[shape]['tokens_per_pack']:,.0f} tokens per pack",
+            file=sys.stderr,
+            flush=True,
+        )
+    # one process per system family (matched systems before their -defaults), or one per run
+    families: dict[str, list[str]] = {}
+    for system in sorted(systems, key=lambda s: s.endswith("-defaults")):
+        families.setdefault(FAMILIES[system], []).append(system)
+    if args.process_per_run:
+        jobs = [([system], [shape]) for group in families.values() for system in group for shape in shapes]
+    else:
+        jobs = [(group, shapes) for group in families.values()]
     results = []
     for workload in workloads:
-        for system in systems:
-            argv_worker = ["--worker", "--system", system, "--workload", workload, "--folder", str(folder)]
-            for key in _DATA_SETTINGS + (
+        for group, job_shapes in jobs:
+            argv_worker = ["--worker", "--system", ",".join(group), "--workload", workload]
+            argv_worker += [
+                "--shapes",
+                ",".join(job_shapes),
+                "--folder",
+                str(folder),
+                "--rows",
+                str(rows_folder),
+            ]
+            for key in (
+                "max_seq_length",
                 "warmup",
                 "steps",
                 "device",
                 "baseline_cudnn_attention",
                 "trl_gradient_checkpointing",
                 "mlp_tile_rows",
+                "scratch",
             ):
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
             argv_worker += memory_trade_argv(args)
             argv_worker += ["--snapshot"] if args.snapshot else []
             started = time.perf_counter()
-            result = _run_in_process(
-                argv_worker, _worker_env(system, args.unsloth_path), args.timeout, module="fastft.bench.sft"
+            runs = len(group) * len(job_shapes)
+            reported, failure = _run_worker_process(
+                argv_worker, _worker_env(FAMILIES[group[0]], args.unsloth_path), args.timeout * runs
             )
-            result.setdefault("system", system)
-            result.setdefault("workload", workload)
-            result["wall_s"] = time.perf_counter() - started
-            results.append(result)
-            _write(args.out, args, results)  # a later timeout keeps what was measured
-            summary = result.get("error") or (
-                f"{result['tokens_per_s']:,.0f} tok/s, slowest step {result['slowest_over_median']:.2f}x the "
-                f"median, {result['peak_gib'] or 0:.1f} GiB"
-            )
-            print(f"{workload:>5} {system:>10}: {summary}", file=sys.stderr, flush=True)
-            for site in result.get("live_at_peak", {}).get("sites", [])[:10]:
-                print(
-                    f"      {site['bytes'] / 2**20:9.1f} MiB  {site['tensors']:4d}  {site['site']}",
-                    file=sys.stderr,
-                )
-            for owner, nbytes in result.get("live_at_peak", {}).get("resident_before", {}).items():
-                print(f"      {nbytes / 2**20:9.1f} MiB  before the step: {owner}", file=sys.stderr)
-    print(_write(args.out, args, results))
+            wall = time.perf_counter() - started
+            by_run = {(r.get("system"), r.get("shape")): r for r in reported}
+            for system in group:
+                for shape in job_shapes:
+                    result = by_run.get((system, shape)) or dict(
+                        system=system, shape=shape, settings=_settings_label(system), error=failure
+                    )
+                    result.setdefault("workload", workload)
+                    result["process_wall_s"] = wall
+                    results.append(result)
+                    _print_run(result)
+            _write(args.out, args, stats, results)  # a later timeout keeps what was measured
+    print(_write(args.out, args, stats, results))
     return 0
+
+
+def _print_run(result: dict) -> None:
+    summary = result.get("error") or (
+        f"{result['tokens_per_s']:,.0f} tok/s, slowest step {result['slowest_over_median']:.2f}x the "
+        f"median, {result['peak_gib'] or 0:.1f} GiB"
+    )
+    label = LABELS.get(result["system"], result["system"])
+    print(
+        f"{result['workload']:>5} {result['shape']:>10} {label:>22}: {summary}", file=sys.stderr, flush=True
+    )
+    for site in result.get("live_at_peak", {}).get("sites", [])[:10]:
+        print(
+            f"      {site['bytes'] / 2**20:9.1f} MiB  {site['tensors']:4d}  {site['site']}", file=sys.stderr
+        )
+    for owner, nbytes in result.get("live_at_peak", {}).get("resident_before", {}).items():
+        print(f"      {nbytes / 2**20:9.1f} MiB  before the step: {owner}", file=sys.stderr)
 
 
 if __name__ == "__main__":
