@@ -203,12 +203,17 @@ def _run_fastft(model, rows, args, device):
         step_seconds=wall if len(wall) >= 2 else [e.step_seconds for e in timed],
         device_step_seconds=[e.step_seconds for e in timed],
         graph=result.cuda_graph,
+        optimizer=_optimizer_name(trainer.optimizer),
         attention=result.attention,
         # every step's, the warm-up's included (each `train` call restarts the allocator's peak; a replay's
         # activations live in the graph's pool, which the trainer's events count from the capture)
         peak_bytes=max(e.peak_memory_bytes for e in result.steps),
         **({"live_at_peak": snapshot.live} if snapshot else {}),
     )
+
+
+def _optimizer_name(optimizer) -> str:
+    return type(optimizer).__name__ + (" (fused)" if optimizer.defaults.get("fused") else "")
 
 
 def _run_trl(model, rows, args, device, system: str):
@@ -256,8 +261,10 @@ def _run_trl(model, rows, args, device, system: str):
         **matched,
     )
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset)
+    optim = trainer.args.optim
     ran_with = dict(
-        optimizer=str(trainer.args.optim), gradient_checkpointing=trainer.args.gradient_checkpointing
+        optimizer=str(getattr(optim, "value", optim)),
+        gradient_checkpointing=trainer.args.gradient_checkpointing,
     )
     counts = []
     collate = trainer.data_collator
@@ -576,10 +583,17 @@ def _shape_rows(args, shape: str) -> list:
     from fastft.bench.chat_shapes import SHAPES, shape_rows
 
     if SHAPES[shape].kind == "documents":
-        return shape_rows(shape, args.documents, args.max_seq_length, args.seed)
-    given = {key: getattr(args, key) for key in ("user_median", "assistant_median", "sigma")}
-    overrides = {key: value for key, value in given.items() if value is not None}
-    return shape_rows(shape, args.chats, args.max_seq_length, args.seed, **overrides)
+        rows = shape_rows(shape, args.documents, args.max_seq_length, args.seed)
+    else:
+        given = {key: getattr(args, key) for key in ("user_median", "assistant_median", "sigma")}
+        overrides = {key: value for key, value in given.items() if value is not None}
+        rows = shape_rows(shape, args.chats, args.max_seq_length, args.seed, **overrides)
+    if not rows:
+        raise SystemExit(
+            f"--shapes {shape}: --max-seq-length {args.max_seq_length} cuts every chat before its first answer; "
+            "give a longer --max-seq-length or a smaller --user-median"
+        )
+    return rows
 
 
 def _check_vocabulary(folder: Path, rows_by_shape: dict[str, list]) -> None:

@@ -165,7 +165,7 @@ def test_the_benches_switch_fastft_s_two_memory_trades_for_an_a_b(tmp_path, monk
     out = tmp_path / "sft.json"
     code = sft.main(
         [
-            "--model", "tiny-llama", "--systems", "fastft", "--workloads", "bf16", "--device", "cpu",
+            "--model", "tiny-llama3", "--systems", "fastft", "--workloads", "bf16", "--device", "cpu",
             "--chats", "12", "--user-median", "8", "--assistant-median", "12", "--max-seq-length", "128",
             "--warmup", "1", "--steps", "1", "--folder", str(tmp_path / "checkpoints"), "--out", str(out),
             "--adapter-copies", "on", "--dh-slice-mib", "0",
@@ -340,7 +340,7 @@ def test_sft_bench_runs_fastft_and_its_trl_switch_on_a_preset(tmp_path):
     out = tmp_path / "sft.json"
     code = sft.main(
         [
-            "--model", "tiny-llama", "--systems", "fastft,fastft-trl", "--workloads", "bf16", "--device", "cpu",
+            "--model", "tiny-llama3", "--systems", "fastft,fastft-trl", "--workloads", "bf16", "--device", "cpu",
             "--chats", "40", "--user-median", "10", "--assistant-median", "16", "--max-seq-length", "192",
             "--warmup", "1", "--steps", "4", "--folder", str(tmp_path / "checkpoints"), "--out", str(out),
         ]
