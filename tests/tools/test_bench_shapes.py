@@ -59,7 +59,7 @@ def test_chat_shapes_are_real_text_in_llama3_s_template_trained_on_the_answers_o
         edges = np.flatnonzero(np.diff(trained.astype(int))) + 1
         runs = [
             tokenizer.decode(part)
-            for part, kept in zip(np.split(ids, edges), np.split(trained, edges))
+            for part, kept in zip(np.split(ids, edges), np.split(trained, edges), strict=True)
             if kept[0]
         ]
         expected = [answer + "<|eot_id|>" for answer in answers][: len(runs)]
