@@ -689,19 +689,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chats", type=int, default=3000, help="rows of a chat shape")
     parser.add_argument("--documents", type=int, default=500, help="rows of the documents shape")
     parser.add_argument(
-        "--user-median", type=float, default=None, help="median tokens of a user turn (default: the shape's)"
+        "--user-median",
+        type=float,
+        default=None,
+        help="median tokens of a user turn (None: the chat shape's own)",
     )
     parser.add_argument(
         "--assistant-median",
         type=float,
         default=None,
-        help="median tokens of an answer (default: the shape's)",
+        help="median tokens of an answer (None: the chat shape's own)",
     )
     parser.add_argument(
         "--sigma",
         type=float,
         default=None,
-        help="log-normal sigma of the turn lengths (default: the shape's)",
+        help="log-normal sigma of the turn lengths (None: the chat shape's own)",
     )
     parser.add_argument("--max-seq-length", type=int, default=4096, help="tokens per packed micro-batch")
     parser.add_argument("--seed", type=int, default=0, help="the rows' seed")
