@@ -1,8 +1,8 @@
 """`fastft bench sft`: supervised fine-tuning on realistic packed chat data, every system side by side.
 
 The user's workload, not a microbenchmark, on one or more data shapes (`--shapes`, `fastft.bench.chat_shapes`):
-``short`` (1 to 3 turns, user turns median 120 tokens, answers 220), ``multi-turn`` (rows of median about 550
-tokens, p90 about 1,450) and ``documents`` (2,048 to 4,000 tokens, every token trained): real text from
+``short`` (1 to 3 turns, user turns median 120 tokens, answers 220), ``multi-turn`` (rows of median about 570
+tokens, p90 about 1,480) and ``documents`` (2,048 to 4,000 tokens, every token trained): real text from
 fastft's docstrings in Llama-3.1's chat template, tokenised with the ``tiny-llama3`` preset's tokenizer,
 trained on the answers only, packed best-fit into micro-batches of `--max-seq-length` tokens. Every system
 gets the same rows. Random weights of a catalog architecture (`fastft bench step`'s checkpoints), LoRA r=16
