@@ -6,9 +6,9 @@ length distribution of real text rendered with a real chat template, tokenised w
 preset's tokenizer (Llama-3.1's special tokens and chat template on the presets' byte-level BPE) and the
 same rows handed to every system:
 
-* ``short``      -- the turn lengths of the bench's random-token chats until 2026-12-07: 1 to 3 turns, user turns log-normal with median 120
-  tokens, answers 220 (sigma 0.7); trained on the answers. Rows: median about 880 tokens, p90 about 1,640
-  (the random-token chats of the same turn lengths: 816 and 1,594).
+* ``short``      -- the turn lengths of the bench's random-token chats until 2026-12-07: 1 to 3 turns, user
+  turns log-normal with median 120 tokens, answers 220 (sigma 0.7); trained on the answers. Rows: median
+  about 880 tokens, p90 about 1,640 (the random-token chats of the same turn lengths: 816 and 1,594).
 * ``multi-turn`` -- 1 to 3 turns with short questions and answers of widely spread length (medians 45 and
   115, sigma 1.2): rows of median about 570 tokens and p90 about 1,480, as in the independent measurement of
   issue 57 (row median 522, p90 1,497); trained on the answers. Its rows are shorter than ``short``'s but
