@@ -94,10 +94,9 @@ def parse_shapes(text: str) -> list[str]:
 @functools.cache
 def corpus() -> tuple[str, ...]:
     """The paragraphs (8 words or more, whitespace folded) of every docstring in fastft's sources."""
-    import fastft
-
+    package = Path(__file__).resolve().parents[1]  # fastft/
     paragraphs = []
-    for path in sorted(Path(fastft.__file__).parent.rglob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
@@ -106,7 +105,7 @@ def corpus() -> tuple[str, ...]:
                     if len(words) >= 8:
                         paragraphs.append(" ".join(words))
     if not paragraphs:
-        raise RuntimeError(f"no docstrings found under {Path(fastft.__file__).parent}: the shapes' text")
+        raise RuntimeError(f"no docstrings found under {package}: the shapes' text")
     return tuple(paragraphs)
 
 
