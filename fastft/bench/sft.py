@@ -216,6 +216,36 @@ def _optimizer_name(optimizer) -> str:
     return type(optimizer).__name__ + (" (fused)" if optimizer.defaults.get("fused") else "")
 
 
+def _trl_settings(system: str, args, cuda: bool) -> dict:
+    """`SFTConfig`'s arguments for `system`: the workload and the harness, the same for every system, and at
+    matched settings the optimizer and TRL's checkpointing switch (a ``-defaults`` system leaves both to its
+    library)."""
+    settings = dict(
+        output_dir=args.scratch,
+        max_steps=args.warmup + args.steps,
+        per_device_train_batch_size=1,
+        packing=True,
+        max_length=args.max_seq_length,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=cuda,
+        use_cpu=not cuda,
+        dataloader_num_workers=0,
+        seed=3407,
+    )
+    if not system.endswith("-defaults"):
+        settings.update(
+            # TRL's default (on) unless --trl-gradient-checkpointing off; Unsloth checkpoints its own way
+            gradient_checkpointing=system != "unsloth" and args.trl_gradient_checkpointing == "on",
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+            optim=TRL_OPTIMIZER if cuda else "adamw_torch",  # every system's optimizer (module docstring)
+        )
+    return settings
+
+
 def _run_trl(model, rows, args, device, system: str):
     import torch
     from datasets import Dataset
@@ -235,31 +265,7 @@ def _run_trl(model, rows, args, device, system: str):
         {"input_ids": [ids.tolist() for ids, _ in rows], "labels": [labels.tolist() for _, labels in rows]}
     )
     cuda = device.type == "cuda"
-    matched = {}
-    if not system.endswith("-defaults"):  # matched settings; own defaults leave these to the library
-        matched = dict(
-            # TRL's default (on) unless --trl-gradient-checkpointing off; Unsloth checkpoints its own way
-            gradient_checkpointing=system != "unsloth" and args.trl_gradient_checkpointing == "on",
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-            optim=TRL_OPTIMIZER if cuda else "adamw_torch",  # every system's optimizer (module docstring)
-        )
-    config = SFTConfig(  # the workload and the harness: the same for every system
-        output_dir=args.scratch,
-        max_steps=args.warmup + args.steps,
-        per_device_train_batch_size=1,
-        packing=True,
-        max_length=args.max_seq_length,
-        learning_rate=1e-5,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=cuda,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
-        seed=3407,
-        **matched,
-    )
+    config = SFTConfig(**_trl_settings(system, args, cuda))
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset)
     optim = trainer.args.optim
     ran_with = dict(

@@ -156,3 +156,28 @@ def test_sft_bench_refuses_a_model_whose_vocabulary_the_shapes_overflow(tmp_path
                 "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path / "sft.json"),
             ]
         )  # fmt: skip
+
+
+def test_own_defaults_leave_the_optimizer_and_checkpointing_to_the_library():
+    """`unsloth-defaults` and `hf-defaults` give TRL's `SFTConfig` only the workload; their matched twins
+    pin fastft's optimizer and the checkpointing switch (Unsloth's own checkpointing: TRL's off)."""
+    import argparse
+
+    from trl import SFTConfig
+
+    from fastft.bench.sft import TRL_OPTIMIZER, _trl_settings
+
+    args = argparse.Namespace(
+        scratch="/tmp/x", warmup=1, steps=2, max_seq_length=4096, trl_gradient_checkpointing="on"
+    )
+    matched = {system: _trl_settings(system, args, cuda=True) for system in ("unsloth", "hf", "fastft-trl")}
+    assert all(settings["optim"] == TRL_OPTIMIZER for settings in matched.values())
+    assert not matched["unsloth"]["gradient_checkpointing"] and matched["hf"]["gradient_checkpointing"]
+    for system in ("unsloth-defaults", "hf-defaults"):
+        own = _trl_settings(system, args, cuda=True)
+        assert not {"optim", "gradient_checkpointing", "gradient_checkpointing_kwargs"} & set(own)
+        # the workload is the same: one pack of the pack length a micro-batch
+        assert {k: v for k, v in matched["hf"].items() if k in own} == own
+        assert own["packing"] and own["per_device_train_batch_size"] == 1 and own["max_length"] == 4096
+    default = SFTConfig(output_dir="/tmp/x", use_cpu=True, bf16=False)
+    assert default.gradient_checkpointing  # what hf-defaults gets from TRL
