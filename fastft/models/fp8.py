@@ -10,8 +10,8 @@ What the weight-format registry points to, one function per question:
 - `is_fp8(model)`: whether a model's projections are FP8 (detection).
 - `BYTES_PER_PARAM` and `scale_bytes(out_features)`: the estimator's bytes (1 byte a weight, one fp32 scale
   per output channel).
-- `dequantized(module)` / `dequantized_state(key, value, state)`: the 16-bit weight for export (merge into
-  16-bit, GGUF).
+- `dequantized_weight(weight, scale)` and `fp8_scales(model)`: the weights dequantised for export (merge into 16-bit, and
+  GGUF from that, `fastft.models.export.merged_tensors`).
 
 Which projections: the linear layers LoRA can target (`fastft.models.lora.linear_layer_names`: attention
 q/k/v/o, MLP gate/up/down and their kin, shared experts), never the output head, MoE routers, norms or
@@ -117,7 +117,6 @@ def convert_to_fp8(model: torch.nn.Module, device: torch.device) -> torch.nn.Mod
             "named none); load it in 16-bit."
         )
     model.to(device)
-    model.config.fastft_weights = "fp8"
     return model
 
 
@@ -131,22 +130,21 @@ def scale_bytes(out_features: int) -> int:
     return SCALE_BYTES * out_features
 
 
-def dequantized(module: FP8Linear, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """An FP8 projection's weight in `dtype` (for a merge into 16-bit)."""
-    return module.dense_weight(dtype)
+def dequantized_weight(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """An FP8 weight times its channel scales, in `dtype` (fp32 for a merge: the LoRA delta is added in fp32)."""
+    return kernels.dequantize_weight(weight, scale, dtype)
 
 
-def dequantized_state(key: str, value: torch.Tensor, state: dict) -> torch.Tensor | None:
-    """A state-dict entry as export writes it: an FP8 ``weight`` dequantised to fp32 with its ``weight_scale``
-    from `state` (same prefix); None for the ``weight_scale`` itself (export leaves it out); else `value`."""
-    if key.endswith(".weight_scale"):
-        return None
-    if value.dtype == kernels.FP8_DTYPE and key.endswith(".weight"):
-        scale = state.get(key.removesuffix("weight") + "weight_scale")
-        if scale is None:
-            raise ValueError(f"FP8 weight {key!r} has no weight_scale beside it: cannot dequantise it")
-        return kernels.dequantize_weight(value.detach(), scale.detach(), torch.float32)
-    return value
+def fp8_scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{state-dict key of an FP8 weight: its scales}`` for every `FP8Linear` of `model` (the keys as
+    ``model.state_dict()`` names them)."""
+    return {
+        f"{name}.weight": module.weight_scale
+        for name, module in model.named_modules()
+        if isinstance(module, FP8Linear)
+    }
 
 
 __all__ = [
@@ -155,8 +153,8 @@ __all__ = [
     "FP8Linear",
     "check_fp8_device",
     "convert_to_fp8",
-    "dequantized",
-    "dequantized_state",
+    "dequantized_weight",
+    "fp8_scales",
     "fp8_targets",
     "is_fp8",
     "scale_bytes",
