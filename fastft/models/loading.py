@@ -201,16 +201,16 @@ def load_model(
     whole_number("max_seq_length", max_seq_length, minimum=2, fix="It is a token count, e.g. 2048.")
     consent(trust_remote_code)
     device = resolve_device(device)
-    dtype = _resolve_dtype(dtype, device)
-    quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype, device)
     if load_in_fp8:
         from fastft.models.fp8 import check_fp8_device
 
-        if quantization is not None:
+        if load_in_4bit or load_in_8bit:
             raise QuantizationError(
                 "Choose one of load_in_fp8=True, load_in_4bit=True or load_in_8bit=True, not several."
             )
         check_fp8_device(device)
+    dtype = _resolve_dtype(dtype, device)
+    quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype, device)
     # an FP8 model is read in 16-bit to the host and made FP8 on the device one projection at a time
     load_device = torch.device("cpu") if load_in_fp8 else device
     name = os.fspath(name_or_path)
