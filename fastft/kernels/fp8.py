@@ -16,7 +16,7 @@ transposed, and the input gradient's ``Wq`` is ``Wq^T`` made contiguous (a trans
 made in the backward and dropped after it).
 
 Where the FP8 GEMM runs: CUDA cards of compute capability 8.9 and newer (Ada's L4 / RTX 40xx, Hopper,
-Blackwell), with both GEMM widths multiples of 16 (`fp8_gemm_runs`). Elsewhere (the CPU, for tests and tiny
+Blackwell), with both GEMM widths multiples of 16 and a bf16 compute dtype (`fp8_gemm_runs`). Elsewhere (the CPU, for tests and tiny
 presets) the reference runs: the weight dequantised to the compute dtype and a plain matmul, activations not
 quantised. Loading refuses FP8 on CUDA cards without FP8 tensor cores (`fastft.models.fp8`).
 
@@ -169,11 +169,25 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype `x`'s matmuls compute in: the autocast dtype when autocast is on, else `x`'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def fp8_gemm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight^T`` with this FP8 ``weight [out, in]`` runs on FP8 tensor cores (`fp8_supported`,
-    both widths multiples of 16 as ``_scaled_mm`` needs); else the dequantised reference runs."""
+    """Whether ``x @ weight^T`` with this FP8 ``weight [out, in]`` runs on FP8 tensor cores: a card with them
+    (`fp8_supported`), both widths multiples of 16 and a bf16 output (what ``_scaled_mm`` with row-wise scales
+    takes); else the dequantised reference runs."""
     out_features, in_features = weight.shape
-    return x.is_cuda and in_features % 16 == 0 and out_features % 16 == 0 and fp8_supported(x.device)
+    return (
+        x.is_cuda
+        and in_features % 16 == 0
+        and out_features % 16 == 0
+        and compute_dtype(x) == torch.bfloat16
+        and fp8_supported(x.device)
+    )
 
 
 def scaled_mm(
@@ -224,9 +238,7 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, scale, bias):
-        dtype = (
-            torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        )
+        dtype = compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         y = fp8_forward(x2, weight, scale, dtype)
         if bias is not None:
@@ -248,7 +260,7 @@ def fp8_linear_reference(
 ) -> torch.Tensor:
     """The dequantised reference: ``x @ dequantize_weight(W)^T + b`` in the compute dtype (autograd's own
     backward gives the input gradient; the weight is not a leaf that needs one)."""
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    dtype = compute_dtype(x)
     dense = dequantize_weight(weight, scale, dtype)
     return F.linear(x.to(dtype), dense, None if bias is None else bias.to(dtype))
 
@@ -267,6 +279,7 @@ __all__ = [
     "E4M3_MAX",
     "FP8_DTYPE",
     "FP8LinearFunction",
+    "compute_dtype",
     "dequantize_weight",
     "fp8_forward",
     "fp8_gemm_runs",
