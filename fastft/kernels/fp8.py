@@ -26,6 +26,8 @@ the CPU the quantiser always runs its reference; the Triton kernel is tested on 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -166,7 +168,17 @@ def quantize_rows(
 
 def fp8_supported(device: torch.device) -> bool:
     """Whether `device` is a CUDA card with FP8 tensor cores (compute capability 8.9 or newer)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+    if device.type != "cuda":
+        return False
+    return (
+        _capability(torch.cuda.current_device() if device.index is None else device.index) >= MIN_CAPABILITY
+    )
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """A card's compute capability, asked once (every FP8 projection asks, each step)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

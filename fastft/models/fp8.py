@@ -69,10 +69,12 @@ class FP8Linear(torch.nn.Linear):
 def check_fp8_device(device: torch.device) -> None:
     """Raise `QuantizationError` where FP8 weights cannot run fast: a CUDA card without FP8 tensor cores.
     The CPU passes (the dequantised reference runs there: tests and tiny presets)."""
-    if device.type != "cuda" or kernels.fp8_supported(device):
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= kernels.MIN_CAPABILITY:
         return
     name = torch.cuda.get_device_name(device)
-    major, minor = torch.cuda.get_device_capability(device)
     raise QuantizationError(
         f"FP8 weights need FP8 tensor cores (compute capability 8.9 or newer: L4, RTX 40xx, H100, H200, "
         f"Blackwell); {name} is sm{major}{minor}. Load it in 16-bit (the default) or 4-bit "
