@@ -88,10 +88,11 @@ def _quantize_rows_kernel(
     BLOCK: tl.constexpr,
     SINGLE: tl.constexpr,
 ):
-    """One program per row: ``amax = max |x * c|``, ``q = x * c * (448 / amax)`` cast to e4m3, ``scale =
-    amax / 448``. ``SINGLE``: the row fits one block and is read once; else it is read twice (the second
+    """One program per row: ``amax = max |x * c|``, ``q = x * c * (448 / amax)`` cast to e4m3 (nearest, even),
+    ``scale = amax / 448``; both divisions correctly rounded (``div_rn``), as the reference's. ``SINGLE``: the row fits one block and is read once; else it is read twice (the second
     read mostly from L2)."""
     row = tl.program_id(0).to(tl.int64)
+    E4M3 = tl.full((), 448.0, tl.float32)
     x_row = X_ptr + row * stride_x
     q_row = Q_ptr + row * stride_q
     if SINGLE:
@@ -101,7 +102,7 @@ def _quantize_rows_kernel(
         if HAS_COLUMN_SCALE:
             x = x * tl.load(ColScale_ptr + cols, mask=mask, other=0.0)
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
-        q = tl.clamp(x * (448.0 / amax), -448.0, 448.0)
+        q = tl.clamp(x * tl.math.div_rn(E4M3, amax), -448.0, 448.0)
         tl.store(q_row + cols, q.to(Q_ptr.dtype.element_ty), mask=mask)
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -113,7 +114,7 @@ def _quantize_rows_kernel(
                 x = x * tl.load(ColScale_ptr + cols, mask=mask, other=0.0)
             acc = tl.maximum(acc, tl.abs(x))
         amax = tl.maximum(tl.max(acc, axis=0), 1e-12)
-        factor = 448.0 / amax
+        factor = tl.math.div_rn(E4M3, amax)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
@@ -122,7 +123,7 @@ def _quantize_rows_kernel(
                 x = x * tl.load(ColScale_ptr + cols, mask=mask, other=0.0)
             q = tl.clamp(x * factor, -448.0, 448.0)
             tl.store(q_row + cols, q.to(Q_ptr.dtype.element_ty), mask=mask)
-    tl.store(Scale_ptr + row, amax / 448.0)
+    tl.store(Scale_ptr + row, tl.math.div_rn(amax, E4M3))
 
 
 def quantize_rows(

@@ -5,6 +5,12 @@ on a GPU only (the interpreter's fp8 cast does not round to nearest): those test
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -190,6 +196,29 @@ def test_the_fp8_gemm_path_of_the_fused_functions_composes_lora_bias_and_tiles(m
     assert _rel(x.grad, xr.grad) < 0.05
     for got, want in zip(flat, ref_flat, strict=True):
         assert _rel(got.grad, want.grad) < 0.05
+
+
+def test_the_triton_quantiser_compiles_for_hopper():
+    """Without a GPU: the quantiser's launches (one-block and two-pass rows, with and without a column scale)
+    compiled for sm90 by `compile_targets.py` (its CI default targets, sm75 and sm86, have no FP8; with
+    ``FASTFT_EVERY_TARGET=1`` `test_kernel_targets.py` compiles it for sm89 too)."""
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    script = Path(__file__).with_name("compile_targets.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "90", "--only=fp8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert not [entry for entry in compiled if "error" in entry], compiled[:3]
+    assert {(e["kernel"], e["cc"]) for e in compiled} == {("_quantize_rows_kernel", 90)}
+    assert len(compiled) >= 4 and all(e.get("local") in (0, None) for e in compiled)  # no spills
 
 
 # ---------------------------------------------------------------------------------------------- GPU
