@@ -188,8 +188,8 @@ def _estimate_parser(sub) -> None:
     parser.add_argument(
         "--precision",
         default="bf16",
-        choices=["bf16", "fp16", "fp32", "nf4", "int8"],
-        help="base weights: 16/32-bit, NF4 (QLoRA) or 8-bit",
+        choices=["bf16", "fp16", "fp32", "nf4", "int8", "fp8"],
+        help="base weights: 16/32-bit, NF4 (QLoRA), 8-bit or FP8 (e4m3, per-channel scales)",
     )
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
     parser.add_argument("--targets", nargs="*", default=None, help="LoRA targets (default: all-linear)")

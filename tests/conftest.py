@@ -34,6 +34,7 @@ if _INTERPRETER_SET_HERE:
         "fused_linear_ce",
         "nf4",
         "lora",
+        "fp8",
         "grouped_gemm",
         "down_combine",
     ):

@@ -32,6 +32,7 @@ import warnings
 from dataclasses import dataclass
 
 MIN_CAPABILITY = 75  # Triton's oldest NVIDIA target (Turing)
+FP8_CAPABILITY = 89  # FP8 tensor cores and e4m3 conversions: Ada, Hopper, Blackwell
 NO_TRITON_VARIABLE = "FASTFT_NO_TRITON"
 
 
@@ -77,6 +78,7 @@ OPS = {
     "swiglu": "SwiGLU / GeGLU",
     "fused_linear_ce": "fused linear cross-entropy (its row kernel; the logits GEMMs are cuBLAS)",
     "nf4": "NF4 dequantisation",
+    "fp8": "FP8 row quantisation (the GEMMs are torch._scaled_mm)",
     "lora": "LoRA-fused projections and MLP",
     "grouped_gemm": "MoE grouped GEMMs",
     "down_combine": "MoE down projection + combine",
@@ -85,11 +87,13 @@ OPS = {
 
 def supports_dtypes(capability: int, dtypes) -> bool:
     """Whether kernels with operands of these dtypes (``torch.bfloat16`` or names like ``"bfloat16"``) run on
-    sm `capability`: Triton's targets, bf16 where the GPU computes in it (integer operands such as NF4's
-    packed bytes run everywhere)."""
+    sm `capability`: Triton's targets, bf16 where the GPU computes in it, FP8 (e4m3) from sm89 (integer
+    operands such as NF4's packed bytes run everywhere)."""
     if capability < MIN_CAPABILITY:
         return False
     names = {str(d).removeprefix("torch.") for d in dtypes}
+    if "float8_e4m3fn" in names and capability < FP8_CAPABILITY:
+        return False
     return "bfloat16" not in names or arch_of(capability).bf16
 
 

@@ -1,5 +1,5 @@
 """LoRA-fused projections with hand-derived backward: QKV (or any set of linears sharing an input), and
-the whole gated MLP (gate/up -> act -> down). Base weights are frozen, 16-bit or NF4.
+the whole gated MLP (gate/up -> act -> down). Base weights are frozen, 16-bit, NF4 or FP8.
 
 A LoRA linear with frozen base weight ``W [out, in]``, optional bias ``b``, adapters ``A [r, in]``,
 ``B [out, r]`` and scale ``s`` computes, for rows ``x [N, in]``::
@@ -50,6 +50,11 @@ projection (27% of a Llama layer's recompute FLOPs); see `LoraMLPFunction.forwar
 
 NF4 bases (bitsandbytes ``Params4bit``) are dequantised to the compute dtype on use, in the forward and
 again in the backward (nothing dequantised is kept between them), by `fastft.kernels.nf4`.
+
+FP8 bases (``FrozenLinear.scale`` set: an e4m3 weight with per-output-channel scales, `fastft.kernels.fp8`)
+run their base GEMMs on FP8 tensor cores where the card has them (activations and output gradients quantised
+per row on the fly; the LoRA GEMMs stay 16-bit and are added to the FP8 GEMM's output), else dequantised as
+NF4 is.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from . import fp8
 from .swiglu import gated_activation_backward, gated_activation_forward, gated_activation_reference
 from .tiling import dh_slice_rows, mlp_tile_rows
 
@@ -72,6 +78,7 @@ class FrozenLinear:
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     quant_state: object | None = None
+    scale: torch.Tensor | None = None  # an FP8 weight's per-output-channel scales, fp32 [out]
 
     @property
     def out_features(self) -> int:
@@ -80,12 +87,39 @@ class FrozenLinear:
         return self.weight.shape[0]
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as a dense ``[out, in]`` tensor of `dtype` (dequantised when NF4)."""
+        """The weight as a dense ``[out, in]`` tensor of `dtype` (dequantised when NF4 or FP8)."""
         if self.quant_state is not None:
             from .nf4 import dequantize_quant_state
 
             return dequantize_quant_state(self.weight, self.quant_state, dtype=dtype)
+        if self.scale is not None:
+            return fp8.dequantize_weight(self.weight, self.scale, dtype)
         return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+
+    def fp8_runs(self, x: torch.Tensor) -> bool:
+        """Whether this base's GEMMs with rows `x` run on FP8 tensor cores (an FP8 weight on a card that has
+        them, `fastft.kernels.fp8.fp8_gemm_runs`)."""
+        return self.scale is not None and fp8.fp8_gemm_runs(x, self.weight)
+
+    def times(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x2 W^T`` (no bias): on FP8 tensor cores where `fp8_runs`, else with the dense weight."""
+        if self.fp8_runs(x2):
+            return fp8.fp8_forward(x2, self.weight, self.scale, dtype)
+        return torch.mm(x2, self.dense(dtype).t())
+
+    def grad_operand(self, dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What `accumulate_grad` multiplies ``dy`` by, made once per backward: the dense weight, or (FP8 on
+        FP8 tensor cores) the fp8 weight transposed (`fastft.kernels.fp8.transposed`)."""
+        if self.fp8_runs(dy):
+            return fp8.transposed(self.weight)
+        return self.dense(dtype)
+
+    def accumulate_grad(self, dx, dy, operand, dtype: torch.dtype) -> torch.Tensor:
+        """``dx + dy W`` (``dy W`` when `dx` is None), with `operand` from `grad_operand`."""
+        if operand.dtype == fp8.FP8_DTYPE:
+            part = fp8.fp8_input_grad(dy, operand, self.scale, dtype)
+            return part if dx is None else dx.add_(part)
+        return _accumulate(dx, dy, operand)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -188,8 +222,15 @@ def _project(x2, base: FrozenLinear, xa, b_weight, scale, dtype, out=None) -> to
     memory-bound pass that reads and writes ``[N, out]``: 11.6 of 98 ms of an 8-layer Llama-3.1-8B step at
     2x2048 tokens on an H200 (torch profiler), for 168 such passes.
     """
-    weight = base.dense(dtype)
     bias = None if base.bias is None else base.bias.to(dtype)
+    if base.fp8_runs(x2):  # the FP8 GEMM writes its own output; the bias and LoRA term are added to it
+        y = base.times(x2, dtype)
+        if bias is not None:
+            y.add_(bias)
+        if b_weight is not None:
+            y.addmm_(_scaled(xa, scale), b_weight.t())
+        return y if out is None else out.copy_(y)
+    weight = base.dense(dtype)
     if b_weight is None:
         if out is None:
             return F.linear(x2, weight, bias)
@@ -318,7 +359,7 @@ class LoraLinearsFunction(torch.autograd.Function):
                         start += r
             if ctx.needs_input_grad[0]:
                 for base, dy in dys:
-                    dx = _accumulate(dx, dy, base.dense(dtype))
+                    dx = base.accumulate_grad(dx, dy, base.grad_operand(dy, dtype), dtype)
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return (dx, None, None, None, *grad_adapters)
@@ -377,11 +418,11 @@ class LoraMLPFunction(torch.autograd.Function):
                 grads["b_d"] = _scaled(_mm_in(dy.t(), ha, b_d.dtype), s_d, True)
             # dh in row slices (`fastft.kernels.tiling.DH_SLICE_BYTES`), each turned at once into h, dg, du
             # over itself and the saved g, u rows: two [N, I] tensors held, not three
-            down_weight = down.dense(dtype)
+            down_weight = down.grad_operand(dy, dtype)
             step = dh_slice_rows(dy.shape[0], g.shape[1], g.element_size())
             for rows in _tiles(dy.shape[0], step):
                 dh = None if dha is None else torch.mm(dha[rows], ca_d)
-                dh = _accumulate(dh, dy[rows], down_weight)
+                dh = down.accumulate_grad(dh, dy[rows], down_weight, dtype)
                 h, _, _ = _activate_backward(dh, g[rows], u[rows], ctx.kind)
                 if dha is not None:
                     part = _mm_in(dha[rows].t(), h, a_d.dtype)
@@ -408,8 +449,8 @@ class LoraMLPFunction(torch.autograd.Function):
                 for name, a_weight, _ in a_parts:
                     grads["a_" + name] = da[start : start + a_weight.shape[0]]
                     start += a_weight.shape[0]
-            dx = _accumulate(dx, dg, gate.dense(dtype))
-            dx = _accumulate(dx, du, up.dense(dtype))
+            dx = gate.accumulate_grad(dx, dg, gate.grad_operand(dg, dtype), dtype)
+            dx = up.accumulate_grad(dx, du, up.grad_operand(du, dtype), dtype)
         dx = dx.view(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         tensors = {"a_g": a_g, "b_g": b_g, "a_u": a_u, "b_u": b_u, "a_d": a_d, "b_d": b_d}
         adapter_grads = [
@@ -496,7 +537,7 @@ class LoraTiledMLPFunction(torch.autograd.Function):
                     del ha
                     dha = _scaled(torch.mm(dy, cb_d), s_d, True)
                     dh = torch.mm(dha, ca_d)
-                dh = _accumulate(dh, dy, down.dense(dtype))
+                dh = down.accumulate_grad(dh, dy, down.grad_operand(dy, dtype), dtype)
                 h, dg, du = _activate_backward(dh, g, u, ctx.kind)  # over dh, g, u
                 if dha is not None:
                     add("a_d", dha.t(), h)
@@ -513,7 +554,11 @@ class LoraTiledMLPFunction(torch.autograd.Function):
                 if dxa_parts:
                     dxa = torch.cat(dxa_parts, 1) if len(dxa_parts) > 1 else dxa_parts[0]
                     add("in_a", dxa.t(), xt)
-                if dx is not None:
+                if dx is not None and (gate.fp8_runs(dg) or up.fp8_runs(du)):
+                    part = None if dxa is None else torch.mm(dxa, in_a)
+                    part = gate.accumulate_grad(part, dg, gate.grad_operand(dg, dtype), dtype)
+                    dx[rows] = up.accumulate_grad(part, du, up.grad_operand(du, dtype), dtype)
+                elif dx is not None:
                     out = dx[rows]
                     if dxa is not None:
                         torch.mm(dxa, in_a, out=out).addmm_(dg, gate.dense(dtype))

@@ -68,7 +68,8 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     An adapted weight comes as fp32 W + the active adapters' (alpha/r)·B·A, a module trained whole
     (``modules_to_save``) as its trained copy; any other tensor as stored (the
     model's own tensor, not a copy, on a CPU model). An NF4 base weight is dequantised exactly
-    (bitsandbytes' own dequantisation) before its delta is added. Only one merged tensor exists at a time,
+    (bitsandbytes' own dequantisation) before its delta is added, an FP8 one (`fastft.models.fp8`) as its e4m3
+    values times its channel scales, in fp32. Only one merged tensor exists at a time,
     so a caller that writes each before asking for the next never holds a second copy of the model.
 
     `model` may also be a plain transformers model (no adapters): its own weights come out."""
@@ -84,11 +85,17 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             lora_of[_clean(f"{name}.base_layer.{getattr(module, 'parameter_name', 'weight')}")] = module
+    # imported here: fastft.models.fp8 imports triton, which a machine without it (macOS) cannot
+    from fastft.models.fp8 import dequantized_weight, fp8_scales
+
+    fp8_scale = {_clean(key): scale for key, scale in fp8_scales(base).items()}
     for key, value in merged_keys(model):
         if getattr(value, "quant_state", None) is not None:  # bitsandbytes Params4bit
             import bitsandbytes.functional as bnbf
 
             value = bnbf.dequantize_4bit(value.data, value.quant_state)
+        elif key in fp8_scale:  # an FP8 projection (fastft.models.fp8): e4m3 times its channel scales
+            value = dequantized_weight(value.detach(), fp8_scale[key])
         value = value.detach().to(device="cpu")
         module = lora_of.get(key)
         if module is not None:
@@ -108,7 +115,7 @@ def merged_keys(model) -> Iterator[tuple[str, torch.Tensor]]:
     # a PeftModel's active adapters (a property there; on a plain transformers model a method of its own)
     active = set(model.active_adapters) if isinstance(model, PeftModel) else {"default"}
     for key, value in state.items():
-        if "lora_" in key or _QUANT_STATE.search(key):
+        if "lora_" in key or _QUANT_STATE.search(key) or _is_fp8_scale(key, state):
             continue
         whole = _MODULES_TO_SAVE.search(key)
         if whole is not None:
@@ -126,6 +133,15 @@ def merged_keys(model) -> Iterator[tuple[str, torch.Tensor]]:
 _MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.([^.]+)\.")
 # the keys bitsandbytes adds beside a 4-bit weight (absmax, quant_map, nested_*, quant_state.*)
 _QUANT_STATE = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\..*)$")
+
+
+def _is_fp8_scale(key: str, state: dict) -> bool:
+    """Whether `key` is an FP8 projection's ``weight_scale`` (`fastft.models.fp8`), which the merged 16-bit
+    weight takes in: left out of the merged model."""
+    if not key.endswith(".weight_scale"):
+        return False
+    weight = state.get(key.removesuffix("_scale"))
+    return weight is not None and weight.dtype == torch.float8_e4m3fn
 
 
 def _clean(key: str) -> str:

@@ -1,7 +1,9 @@
 """`load_model`: an embedded preset, a local folder or a hub id → (model, tokenizer).
 
 Presets are built from their config with seeded weights. Folders and hub ids go through the
-real ``from_pretrained`` path (safetensors only, no remote code unless asked). 4-bit loading is
+real ``from_pretrained`` path (safetensors only, no remote code unless asked). FP8 loading
+(`load_in_fp8`) reads the 16-bit checkpoint to the host and makes each projection FP8 on the device, one at a
+time (`fastft.models.fp8`). 4-bit loading is
 NF4 with double quantisation through bitsandbytes; without CUDA its CPU backend quantises and
 dequantises (slowly, with a one-line notice), so a notebook runs anywhere. A preset asked for in 4/8-bit
 is saved to a temporary folder and loaded back through that same path, so there is one
@@ -42,7 +44,7 @@ class ModelInfo:
     source: str  # "preset", "local" or "hub"
     model_type: str
     dtype: torch.dtype
-    quantization: str | None  # None, "nf4" or "int8"
+    quantization: str | None  # None, "nf4", "int8" or "fp8"
     max_seq_length: int
 
 
@@ -180,6 +182,7 @@ def load_model(
     device: torch.device | str | None = None,
     trust_remote_code: bool = False,
     token: str | None = None,
+    load_in_fp8: bool = False,
 ):
     """Load a causal LM and its tokenizer, ready for `add_lora`.
 
@@ -190,13 +193,26 @@ def load_model(
     `dtype=None` picks bf16 on a GPU that has it (fp16 on older GPUs) and fp32 on the CPU.
     `max_seq_length` is the longest sequence the model will be trained on; it becomes the
     tokenizer's ``model_max_length``.
+    `load_in_fp8=True` stores the frozen projections (attention and MLP) as FP8 e4m3 with per-channel scales,
+    made from the 16-bit checkpoint at load; their GEMMs run on FP8 tensor cores (L4, RTX 40xx, H100 and newer;
+    refused on older cards; the CPU runs a dequantised reference). Norms, embeddings and the head stay 16-bit.
     Returns ``(model, tokenizer)``; ``model.fastft_info`` records how it was loaded.
     """
     whole_number("max_seq_length", max_seq_length, minimum=2, fix="It is a token count, e.g. 2048.")
     consent(trust_remote_code)
     device = resolve_device(device)
+    if load_in_fp8:
+        from fastft.models.fp8 import check_fp8_device
+
+        if load_in_4bit or load_in_8bit:
+            raise QuantizationError(
+                "Choose one of load_in_fp8=True, load_in_4bit=True or load_in_8bit=True, not several."
+            )
+        check_fp8_device(device)
     dtype = _resolve_dtype(dtype, device)
     quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype, device)
+    # an FP8 model is read in 16-bit to the host and made FP8 on the device one projection at a time
+    load_device = torch.device("cpu") if load_in_fp8 else device
     name = os.fspath(name_or_path)
 
     if name in PRESETS:
@@ -213,7 +229,7 @@ def load_model(
             with tempfile.TemporaryDirectory(prefix="fastft-preset-") as folder:
                 model.save_pretrained(folder)
                 model = _from_pretrained(folder, name, dtype, quantization, device, False, None)
-        else:
+        elif not load_in_fp8:
             model.to(device)
         # the name PEFT writes as the adapter's base_model_name_or_path, and load_model reads back
         model.config.name_or_path = model.name_or_path = name
@@ -221,21 +237,35 @@ def load_model(
         name
     ):  # a save killed half-way: finished or undone
         return _load_adapter_folder(
-            name, max_seq_length, load_in_4bit, load_in_8bit, dtype, device, trust_remote_code, token
+            name,
+            max_seq_length,
+            load_in_4bit,
+            load_in_8bit,
+            dtype,
+            device,
+            trust_remote_code,
+            token,
+            load_in_fp8,
         )
     elif Path(name).expanduser().is_dir():
         folder = str(Path(name).expanduser())
         source = "local"
-        model = _from_pretrained(folder, name, dtype, quantization, device, trust_remote_code, None)
+        model = _from_pretrained(folder, name, dtype, quantization, load_device, trust_remote_code, None)
         tokenizer = _load_tokenizer(folder, name, trust_remote_code, None)
     elif _looks_like_hub_id(name):
         source = "hub"
         offline = offline_reason() is not None  # then only the local cache is read: no retries
-        model = _from_pretrained(name, name, dtype, quantization, device, trust_remote_code, token, offline)
+        model = _from_pretrained(
+            name, name, dtype, quantization, load_device, trust_remote_code, token, offline
+        )
         tokenizer = _load_tokenizer(name, name, trust_remote_code, token, offline)
     else:
         raise UnknownModelError(_unknown_model_message(name))
 
+    if load_in_fp8:
+        from fastft.models.fp8 import convert_to_fp8
+
+        convert_to_fp8(model, device)
     _prepare_tokenizer(tokenizer, model, max_seq_length)
     max_positions = getattr(model.config, "max_position_embeddings", None)
     if max_positions and max_seq_length > max_positions:
@@ -249,7 +279,7 @@ def load_model(
         source=source,
         model_type=model.config.model_type,
         dtype=dtype,
-        quantization="nf4" if load_in_4bit else "int8" if load_in_8bit else None,
+        quantization="nf4" if load_in_4bit else "int8" if load_in_8bit else "fp8" if load_in_fp8 else None,
         max_seq_length=max_seq_length,
     )
     return model, tokenizer
@@ -261,7 +291,15 @@ def _is_adapter_folder(name: str) -> bool:
 
 
 def _load_adapter_folder(
-    name, max_seq_length, load_in_4bit, load_in_8bit, dtype, device, trust_remote_code, token
+    name,
+    max_seq_length,
+    load_in_4bit,
+    load_in_8bit,
+    dtype,
+    device,
+    trust_remote_code,
+    token,
+    load_in_fp8=False,
 ):
     """A LoRA adapter folder (`save_adapter`, PEFT's ``save_pretrained``): its base (``base_model_name_or_path``,
     a preset, folder or hub id) loaded as `load_model` loads it, the adapter attached trainable, and the
@@ -287,6 +325,7 @@ def _load_adapter_folder(
         device=device,
         trust_remote_code=trust_remote_code,
         token=token,
+        load_in_fp8=load_in_fp8,
     )
     if (folder / "tokenizer_config.json").is_file():
         tokenizer = _load_tokenizer(str(folder), name, trust_remote_code, None)

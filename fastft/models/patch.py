@@ -141,7 +141,8 @@ class _PatchState:
 
 
 def _frozen_base(linear: torch.nn.Module):
-    """`FrozenLinear` for an ``nn.Linear`` or bitsandbytes NF4 layer whose weight is frozen, else None."""
+    """`FrozenLinear` for an ``nn.Linear``, bitsandbytes NF4 or fastft FP8 layer whose weight is frozen, else
+    None."""
     from fastft.kernels.lora import FrozenLinear
 
     weight = getattr(linear, "weight", None)
@@ -155,6 +156,9 @@ def _frozen_base(linear: torch.nn.Module):
         if getattr(quant_state, "quant_type", None) != "nf4":
             return None
         return FrozenLinear(weight, bias, quant_state)
+    scale = getattr(linear, "weight_scale", None)
+    if scale is not None and type(linear).__name__ == "FP8Linear":  # fastft.models.fp8: e4m3 + channel scales
+        return FrozenLinear(weight, bias, scale=scale)
     if type(linear) is not torch.nn.Linear:  # 8-bit and other custom linears keep their own forward
         return None
     return FrozenLinear(weight, bias)

@@ -608,7 +608,7 @@ def _dtype_name(info) -> str:
     if info is None:
         return "?"
     if info.quantization:
-        return {"nf4": "4-bit NF4", "int8": "8-bit"}[info.quantization]
+        return {"nf4": "4-bit NF4", "int8": "8-bit", "fp8": "FP8 (e4m3)"}[info.quantization]
     return str(info.dtype).removeprefix("torch.")
 
 

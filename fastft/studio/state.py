@@ -38,12 +38,12 @@ __all__ = [
     "Worker",
 ]
 
-PRECISIONS = ("16-bit", "8-bit", "4-bit")
+PRECISIONS = ("16-bit", "8-bit", "4-bit", "FP8")
 
 
 @dataclass
 class LoadSettings:
-    """How the model is loaded: ``precision`` "16-bit" | "8-bit" | "4-bit", and ``max_seq_length``."""
+    """How the model is loaded: ``precision`` "16-bit" | "8-bit" | "4-bit" | "FP8", and ``max_seq_length``."""
 
     precision: str = "16-bit"
     max_seq_length: int = 256
@@ -56,12 +56,14 @@ class LoadSettings:
             kwargs["load_in_4bit"] = True
         elif self.precision == "8-bit":
             kwargs["load_in_8bit"] = True
+        elif self.precision == "FP8":
+            kwargs["load_in_fp8"] = True
         return kwargs
 
     @property
     def vram_precision(self) -> str | None:
-        """`fastft.estimate_vram`'s name for the precision: "nf4", "int8", or None (bf16 default)."""
-        return {"4-bit": "nf4", "8-bit": "int8"}.get(self.precision)
+        """`fastft.estimate_vram`'s name for the precision: "nf4", "int8", "fp8", or None (bf16 default)."""
+        return {"4-bit": "nf4", "8-bit": "int8", "FP8": "fp8"}.get(self.precision)
 
 
 @dataclass

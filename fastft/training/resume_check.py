@@ -11,7 +11,8 @@ A checkpoint records its run's settings (``trainer_state.json``: ``config`` and 
   ``reset_data=True`` goes on from the resumed step with this run's data and batches, with a warning;
 - ``objective`` (the loss's settings, gradient clipping): refused, or ``reset_objective=True`` goes on with
   this run's, with a warning;
-- ``fixed`` (the method, LoRA's alpha, dropout and variants; rank and targets are checked by
+- ``fixed`` (the method, LoRA's alpha, dropout and variants, the base weights' format: `weight_format`; rank
+  and targets are checked by
   `fastft.training.checkpoint.check_adapter_matches`): refused; a new run starts from the checkpoint's
   adapter instead (`fastft.load_adapter`).
 
@@ -70,7 +71,7 @@ OBJECTIVE_SETTINGS = (
     "reward_weights",
     "old_log_probs",
 )
-FIXED_SETTINGS = ("method", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "bias")
+FIXED_SETTINGS = ("method", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "bias", "weights")
 # each group's option that accepts its changes (the fixed group has none)
 GROUPS = {
     "optimizer": ("reset_optimizer", OPTIMIZER_SETTINGS),
@@ -116,6 +117,20 @@ def data_fingerprint(data) -> str | None:
         digest.update(json.dumps(data, sort_keys=True, default=str).encode("utf-8"))
         return digest.hexdigest()
     return None
+
+
+def weight_format(model) -> str:
+    """The format of `model`'s frozen base weights: "fp8" (`fastft.models.fp8`), "nf4" or "int8"
+    (bitsandbytes), else "16-bit" (bf16, fp16 and fp32 alike: a resume may change the compute dtype)."""
+    from fastft.models.fp8 import is_fp8
+    from fastft.runtime.state import base_model
+
+    base = base_model(model)
+    if getattr(base, "is_loaded_in_4bit", False):
+        return "nf4"
+    if getattr(base, "is_loaded_in_8bit", False):
+        return "int8"
+    return "fp8" if is_fp8(base) else "16-bit"
 
 
 def lora_settings(model) -> dict:

@@ -70,6 +70,7 @@ from fastft.training.resume_check import (
     compare,
     data_fingerprint,
     lora_settings,
+    weight_format,
 )
 from fastft.training.run_folder import RunLock, claim_folder, new_run_id, prune_own_checkpoints, resumed_run
 from fastft.training.timing import NULL_PROFILE, StepProfile
@@ -1154,12 +1155,13 @@ class Trainer:
         )
 
     def _run_signature(self) -> dict:
-        """What defines this run besides its config (`fastft.training.resume_check`): its data's fingerprint and
-        packing length, computed once."""
+        """What defines this run besides its config (`fastft.training.resume_check`): its data's fingerprint,
+        packing length and base weights' format, computed once."""
         if self._signature is None:
             self._signature = {
                 "data": data_fingerprint(self.train_data),
                 "max_seq_length": getattr(self.train_data, "max_seq_length", None),
+                "weights": weight_format(self.model),
             }
         return self._signature
 

@@ -77,7 +77,7 @@ class Profile:
     expert: int  # MoE expert activations (the expert weights' dtype)
     compute: int  # autocast compute dtype (fused kernels' saved inputs and intermediates)
     lora_copy: int  # transformers path: per-linear copy of a LoRA'd input (0: the input is saved as is)
-    quantized: str | None  # "nf4", "int8" or None
+    quantized: str | None  # "nf4", "int8", "fp8" or None
     fused_norms: bool = False
     fused_projections: bool = False
     fused_mlp: bool = False
@@ -100,12 +100,12 @@ class Profile:
             sizes = dict(param=2, residual=2, act=2, expert=2, compute=2, lora_copy=2, quantized=None)
         elif precision == "fp32":
             sizes = dict(param=4, residual=4, act=4, expert=4, compute=4, lora_copy=0, quantized=None)
-        elif precision in ("nf4", "int8") and upcast:
+        elif precision in ("nf4", "int8", "fp8") and upcast:
             sizes = dict(param=4, residual=4, act=4, expert=4, compute=2, lora_copy=2, quantized=precision)
-        elif precision in ("nf4", "int8"):
+        elif precision in ("nf4", "int8", "fp8"):
             sizes = dict(param=2, residual=2, act=2, expert=2, compute=2, lora_copy=2, quantized=precision)
         else:
-            raise ValueError(f"precision={precision!r}: use 'bf16', 'fp16', 'fp32', 'nf4' or 'int8'.")
+            raise ValueError(f"precision={precision!r}: use 'bf16', 'fp16', 'fp32', 'nf4', 'int8' or 'fp8'.")
         if residual is not None:
             sizes["residual"] = residual
             if sizes["quantized"]:

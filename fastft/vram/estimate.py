@@ -94,7 +94,8 @@ def estimate_vram(
     (only its config.json is read), a `transformers` config, or a loaded model (its real dtypes, 4/8-bit
     quantisation and attached LoRA are read). `seq_len`: the longest sequence (a packed bin);
     `batch_tokens`: tokens per micro-batch (default `seq_len`: one bin). `precision`: "bf16", "fp16",
-    "fp32", "nf4" (QLoRA, double quantisation) or "int8"; default bf16, or what a loaded model uses.
+    "fp32", "nf4" (QLoRA, double quantisation), "int8" or "fp8" (e4m3 projections, one fp32 scale per output
+    row); default bf16, or what a loaded model uses.
     `lora_r` (default 16) and `targets` ("all-linear" or short names such as ``["q_proj", "v_proj"]``).
     `checkpointing`: a `Checkpointing` or what it parses, as in `add_lora`: "none", "recompute" (each
     layer's input kept, the layer recomputed in backward) or "offload" (layer inputs in host memory, two
@@ -435,7 +436,7 @@ def _weights(inventory: ModelInventory, profile: Profile) -> tuple[int, int, str
     quantized = int(inventory.linear_params * per_weight)
     if profile.quantized == "nf4":
         constants = sum(_nf4_constants(linear.weight_params) for linear in inventory.linears)
-    else:  # int8: one fp32 scale per output row
+    else:  # int8 and fp8: one fp32 scale per output row (`fastft.models.fp8`)
         constants = sum(4 * linear.out_features for linear in inventory.linears)
     kept = (biases + rest) * profile.param
     others = "embeddings, head, norms" + (", experts" if inventory.expert_params else "")
@@ -452,7 +453,7 @@ def _nf4_constants(numel: int) -> int:
 def _constants_note(profile: Profile) -> str:
     if profile.quantized == "nf4":
         return f"absmax per {NF4_BLOCK} weights, double-quantised (8-bit + fp32 per {NF4_NESTED_BLOCK})"
-    if profile.quantized == "int8":
+    if profile.quantized in ("int8", "fp8"):
         return "one fp32 scale per output row"
     return "none (16/32-bit weights)"
 
@@ -666,6 +667,8 @@ def _backward_phase(run: ResolvedRun, stored: _Stored, adapters: _Adapters) -> _
     dequant = _dequant_bytes(inventory, profile)
     workspace_note = "gradients flowing through the layer in backward"
     dequant_note = "largest quantised linear, unpacked for its matmul" if dequant else "no quantised weights"
+    if profile.quantized == "fp8":
+        dequant_note = "largest FP8 linear, transposed for its input gradient"
     # An 8-bit projection's forward (re-run in backward under checkpointing) can outweigh the layer's
     # backward buffers: its outlier columns' weights are dequantised in fp32. The moment is then that
     # forward beside the gradient arriving at the layer.
@@ -719,6 +722,8 @@ def _dequant_bytes(inventory: ModelInventory, profile: Profile) -> int:
     if profile.quantized == "nf4":
         # dequantize_4bit → bf16 weight, and the fp32 absmax it first expands from the nested state
         return largest * 2 + 4 * math.ceil(largest / NF4_BLOCK)
+    if profile.quantized == "fp8":  # the input gradient's transposed e4m3 weight (`fastft.kernels.fp8`)
+        return largest
     return largest * profile.act  # int8: CB cast to the input's dtype for the input gradient
 
 

@@ -127,7 +127,7 @@ class ModelInventory:
 class LoadedModelState:
     """What a loaded model already holds on its device (its real dtypes), for the estimate to reuse."""
 
-    quantization: str | None  # "nf4", "int8" or None
+    quantization: str | None  # "nf4", "int8", "fp8" or None
     compute_dtype: torch.dtype  # dtype of the 16/32-bit base weights (what autocast runs in)
     weight_bytes: int  # base weights as stored (packed 4-bit, int8, 16/32-bit), LoRA excluded
     quant_constant_bytes: int  # absmax / scales of quantised weights
@@ -487,6 +487,9 @@ def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelS
             quantization = "nf4"
         elif kind == "Int8Params" or parameter.dtype == torch.int8:
             quantization = quantization or "int8"
+        elif parameter.dtype == torch.float8_e4m3fn:  # fastft.models.fp8: one fp32 scale per output row
+            quantization = quantization or "fp8"
+            constants += 4 * parameter.shape[0]
         else:
             dtypes[parameter.dtype] = dtypes.get(parameter.dtype, 0) + parameter.numel()
         weight_bytes += nbytes

@@ -23,7 +23,7 @@ from fastft.vram.gpus import GpuSpec, detect_gpu, get_gpu
 from fastft.vram.inventory import ModelInventory, inventory_of
 from fastft.vram.result import VramEstimateError
 
-PRECISIONS = ("bf16", "fp16", "fp32", "nf4", "int8")
+PRECISIONS = ("bf16", "fp16", "fp32", "nf4", "int8", "fp8")
 CHECKPOINTING = BY_MEMORY  # the kinds an estimate answers for (its "auto" is "offload": the GPU's)
 OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
 LOSSES = ("auto", "eager", "fused")
@@ -126,7 +126,8 @@ def resolve_run(
     )
     if loss == "auto":
         loss = "fused" if profile.fused_loss else "eager"
-    keep_if_fits = keep_attention is None and profile.quantized is not None
+    # a 4/8-bit base is the memory-first choice (`fastft.runtime.offload.default_keep`); FP8 is the speed one
+    keep_if_fits = keep_attention is None and profile.quantized in ("nf4", "int8")
     if keep_attention is None:  # `fastft.runtime.offload.default_keep`
         keep_attention = True
     return ResolvedRun(
@@ -169,6 +170,8 @@ def _resolve_precision(precision: str | None, loaded) -> str:
         "qlora": "nf4",
         "8bit": "int8",
         "8-bit": "int8",
+        "float8": "fp8",
+        "e4m3": "fp8",
         "bfloat16": "bf16",
     }
     precision = aliases.get(precision, precision)

@@ -63,6 +63,9 @@ def test_settings_map_to_api_arguments():
     state.load_settings.precision = "4-bit"
     assert state.load_settings.load_kwargs == {"max_seq_length": 256, "load_in_4bit": True}
     assert state.load_settings.vram_precision == "nf4"
+    state.load_settings.precision = "FP8"
+    assert state.load_settings.load_kwargs == {"max_seq_length": 256, "load_in_fp8": True}
+    assert state.load_settings.vram_precision == "fp8"
     lora = LoraSettings(r=8, alpha=16.0, target_modules=["q_proj"], gradient_checkpointing="recompute")
     assert lora.add_lora_kwargs == dict(
         r=8, alpha=16, dropout=0.0, target_modules=["q_proj"], gradient_checkpointing="recompute"

@@ -74,7 +74,7 @@ def _op(name: str):
 def _exercise(dtypes: tuple[torch.dtype, ...]) -> None:
     """Run each fused op forward and backward at real models' widths (a few tokens each)."""
     # `lora` and `down_combine` launch no kernels of their own: they call these ops' launchers
-    from fastft.kernels import fused_linear_ce, grouped_gemm, nf4, qk_norm_rope, rms_norm, rope, swiglu
+    from fastft.kernels import fp8, fused_linear_ce, grouped_gemm, nf4, qk_norm_rope, rms_norm, rope, swiglu
 
     generator = torch.Generator().manual_seed(0)
 
@@ -127,6 +127,11 @@ def _exercise(dtypes: tuple[torch.dtype, ...]) -> None:
                         extra = dict(nested_absmax_code=state.state2.code, nested_absmax_scale=state.state2.absmax,
                                      offset=state.offset)  # fmt: skip
                     nf4.dequantize_nf4(packed, state.absmax, shape=state.shape, dtype=dtype, **extra)
+        if dtype != torch.float32:  # FP8 projections: rows in one block, or (wider) in two passes
+            for width in (4096, 14336, 32001):
+                with _op(f"fp8_quantize_rows {width} {dtype}"):
+                    fp8.quantize_rows(rand(tokens, width, dtype=dtype))
+                    fp8.quantize_rows(rand(tokens, width, dtype=dtype), rand(width).abs())
         for n, k in ((1536, 2048), (16, 2048), (2048, 16)):  # the three regimes: wide, skinny_n, small_k
             with _op(f"grouped_mm {n}x{k} {dtype}"):
                 experts, top_k, rows = 4, 2, 16

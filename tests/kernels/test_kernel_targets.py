@@ -61,7 +61,9 @@ def test_every_kernel_compiles_for_every_target(compiled):
     by_target = defaultdict(set)
     for entry in compiled:
         by_target[entry["cc"]].add(entry["kernel"])
-    assert {cc: by_target[cc] for cc in TARGETS} == {cc: KERNELS for cc in TARGETS}
+    # the FP8 row quantiser from sm89 on (e4m3 conversions; older cards refuse FP8 weights)
+    expected = {cc: KERNELS | ({"_quantize_rows_kernel"} if cc >= 89 else set()) for cc in TARGETS}
+    assert {cc: by_target[cc] for cc in TARGETS} == expected
     # bf16 is compiled where the GPU computes in it; sm75 runs fp16 (bf16 takes the reference there)
     assert not [e for e in compiled if e["cc"] == 75 and "bfloat16" in e["op"]]
     assert [e for e in compiled if e["cc"] == TARGETS[1] and "bfloat16" in e["op"]]
