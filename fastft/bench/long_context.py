@@ -7,6 +7,14 @@ AdamW, fastft's checkpointing "auto" (offload at these lengths). The cap is
 ``torch.cuda.set_per_process_memory_fraction`` (24 GiB by default, standing in for an RTX 4090). A length
 counts only if `--steps` (2) full steps complete; tokens/s is the last step's.
 
+`--gpu NAME` stands in for a preset card (`fastft.vram.GPUS`, e.g. "t4"): the cap is what that card leaves
+PyTorch's allocator (its memory less its CUDA context, `GpuSpec.usable_bytes`: a T4's 15,095 MiB less 512),
+the compute dtype fp16 where the card has no bf16, and the prediction is `max_context(model, NAME)` itself,
+so the length trained is the card's answer. The answer depends on the host too: offloading pins the layer
+inputs in host memory, and where this host cannot pin them all (`host_memory="auto"`), some layers recompute
+instead and the answer is shorter (Llama-3.1-8B QLoRA on a T4: 65,536 asked with 16 GiB to pin, 69,632 with
+96 GiB); ``host_pinnable_gib`` records this host's.
+
 Trials, in order: each of `--lengths`; then `max_context`'s prediction for the cap (which must train), and
 the prediction + 5 % (whether it trains says if the prediction is within 5 % of the longest length that
 trains). `--snapshot L` records one step at L with ``torch.cuda.memory._record_memory_history`` and reports
@@ -181,29 +189,52 @@ def _site(frames: list[dict]) -> str:
     return "?"
 
 
+def stand_in(precision: str, cap_gib: float | None, card: str | None):
+    """``(gpu, cap_bytes, precision)`` of a run: the `GpuSpec` the estimate is asked for, the allocator cap and
+    the precision trained. With `card` (a preset name): the card itself, its usable bytes as the cap, and fp16
+    compute where it has no bf16 ("nf4" becomes "nf4-fp16"); else a `capped_gpu` of `cap_gib` (24 GiB when
+    None) that computes in bf16 unless `precision` says fp16."""
+    from fastft.vram import capped_gpu, get_gpu
+    from fastft.vram.measure import split_precision
+
+    base, compute = split_precision(precision)
+    if card is None:
+        cap = int((24.0 if cap_gib is None else cap_gib) * GiB)
+        # "nf4-fp16": a card without bf16 (a T4) computes in fp16; the estimate is asked for such a card
+        return dataclasses.replace(capped_gpu(cap), bf16=compute != torch.float16), cap, precision
+    if cap_gib is not None:
+        raise ValueError(
+            f"--gpu {card} sets the cap to what that card leaves the allocator; leave out --cap-gib {cap_gib:g} "
+            "(or leave out --gpu to cap at any size)."
+        )
+    gpu = get_gpu(card)
+    if not gpu.bf16 and compute == torch.bfloat16:  # a card without bf16 computes in fp16
+        precision = "fp16" if base == "bf16" else f"{base}-fp16"
+    return gpu, gpu.usable_bytes, precision
+
+
 def run(
     model: str,
     precision: str,
     lora_r: int,
-    cap_gib: float,
+    cap_gib: float | None,
     lengths: list[int],
     steps: int,
     snapshot: int | None,
     check_prediction: bool,
     granularity: int,
     save=None,
+    card: str | None = None,
 ) -> dict:
     """The trials; `save(result)` (if given) runs after each, so a call cut by its time limit keeps what
-    it measured."""
-    from fastft.vram import capped_gpu, estimate_vram, max_context
+    it measured. `card`: a preset the run stands in for (`stand_in`), which sets the cap."""
+    from fastft.runtime.host_memory import pinnable_bytes
+    from fastft.vram import estimate_vram, max_context
     from fastft.vram.measure import TrainingProbe, is_out_of_memory, split_precision
 
-    cap = int(cap_gib * GiB)
-    base_precision, compute = split_precision(precision)
-    # "nf4-fp16": a card without bf16 (a T4) computes in fp16; the estimate is asked for such a card
-    gpu = dataclasses.replace(capped_gpu(cap), bf16=compute != torch.float16)
+    gpu, cap, precision = stand_in(precision, cap_gib, card)
     trained_precision = precision
-    precision = base_precision
+    precision = split_precision(precision)[0]
     predicted = max_context(
         model, gpu, precision=precision, lora_r=lora_r, checkpointing="auto", multiple_of=granularity
     )
@@ -212,7 +243,9 @@ def run(
         "model": model,
         "precision": trained_precision,
         "lora_r": lora_r,
-        "cap_gib": cap_gib,
+        "cap_gib": cap / GiB,
+        "gpu": card,
+        "host_pinnable_gib": pinnable_bytes(0, None) / GiB,
         "predicted": predicted,
         "trials": [],
     }
@@ -276,8 +309,9 @@ def run(
 
 def report(result: dict) -> str:
     lines = [
-        f"{result['model']} {result['precision']} LoRA r={result['lora_r']}, cap {result['cap_gib']:g} GiB: "
-        f"max_context predicts {result['predicted']:,}",
+        f"{result['model']} {result['precision']} LoRA r={result['lora_r']}, cap {result['cap_gib']:g} GiB"
+        + (f" (a {result['gpu']}'s allocator room)" if result.get("gpu") else "")
+        + f": max_context predicts {result['predicted']:,}",
         "",
         "| length | trains 2 steps | tokens/s | peak GiB (allocated) | estimated GiB |",
         "| --- | --- | --- | --- | --- |",
@@ -324,7 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         help="nf4, int8, bf16, fp16; nf4-fp16: NF4 computed in fp16 (a T4's way)",
     )
     parser.add_argument("--lora-r", type=int, default=32)
-    parser.add_argument("--cap-gib", type=float, default=24.0)
+    parser.add_argument("--cap-gib", type=float, default=None, help="allocator cap (default 24 GiB)")
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        help="stand in for a preset card (t4, rtx4090, ...): its allocator room, its dtype",
+    )
     parser.add_argument("--lengths", type=int, nargs="*", default=[131072], help="lengths to try first")
     parser.add_argument("--steps", type=int, default=2, help="full steps a length must complete")
     parser.add_argument(
@@ -355,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         not args.no_prediction,
         args.granularity,
         save,
+        card=args.gpu,
     )
     result["seconds"] = time.perf_counter() - started
     print(report(result))

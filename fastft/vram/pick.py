@@ -51,10 +51,13 @@ class PickedSettings:
 
 def _card(gpu, memory_gib: float | None) -> GpuSpec | None:
     """The GPU to plan for: a preset by name, with `memory_gib` (what PyTorch reports) overriding its size;
-    only `memory_gib`: an unnamed card of that size (bf16 assumed); neither: the visible GPU, None without."""
+    only `memory_gib`: the visible GPU with that much memory (a share of it: two models side by side), else
+    an unnamed card of that size (bf16 assumed); neither: the visible GPU, None without."""
     if gpu is None and memory_gib is None:
         return detect_gpu()
-    spec = get_gpu(gpu) if gpu is not None else GpuSpec("custom", f"{memory_gib:g} GiB GPU", 0)
+    spec = (
+        get_gpu(gpu) if gpu is not None else (detect_gpu() or GpuSpec("custom", f"{memory_gib:g} GiB GPU", 0))
+    )
     if memory_gib is not None:
         spec = GpuSpec(spec.name, spec.label, int(memory_gib * GiB), spec.context_bytes, spec.bf16, "given")
     return spec
@@ -73,11 +76,15 @@ def pick_settings(
     """The largest model of `ladder` that the estimator says trains at `context` tokens per bin on `gpu` (a
     preset name such as "t4", "rtx4090", "a100-40gb", a `GpuSpec`, or None: the visible GPU), with as many
     bins per micro-batch (a power of two up to `most_bins`) as still fit; `memory_gib` overrides the card's
-    memory. When no model fits `context`, the smallest model at the longest context that fits. Without a GPU:
-    the embedded tiny-llama in fp32. Prints `PickedSettings.why` when `say`."""
+    memory (given alone, the visible card's). When no model fits `context`, the smallest model at the longest
+    context that fits. `gpus` (default: the visible GPUs when none is named, else 1): above 1, each rank of a
+    DDP run (``fastft launch``) trains these settings, estimated per GPU. Without a GPU: the embedded
+    tiny-llama in fp32. Prints `PickedSettings.why` when `say`."""
     card = _card(gpu, memory_gib)
     if gpus is None:
-        gpus = _visible_gpus() if gpu is None and memory_gib is None else 1
+        gpus = _visible_gpus() if gpu is None else 1
+    if card is not None:
+        gpus = max(gpus, 1)  # a card given by name or memory on a machine without one: plan for one
     if card is None:
         model, length = CPU_SETTINGS
         picked = PickedSettings(
@@ -88,10 +95,12 @@ def pick_settings(
             print(picked.why)
         return picked
     dtype = "bf16" if card.bf16 else "fp16"
+    # each rank of a DDP run holds the whole model and its own micro-batches, plus the gradients' buckets
+    per_rank = {"world_size": gpus, "sharding": "ddp"} if gpus > 1 else {}
     chosen = fallback = None
     for model, four_bit in ladder:
         precision = "nf4" if four_bit else dtype
-        longest = max_context(model, card, precision=precision)
+        longest = max_context(model, card, precision=precision, **per_rank)
         if longest >= context:
             chosen = (model, four_bit, precision, context, longest)
             break
@@ -104,7 +113,7 @@ def pick_settings(
             "more memory than its preset, or a smaller ladder=[(model, load_in_4bit), ...]."
         )
     model, four_bit, precision, length, longest = chosen
-    bins = _most_bins(model, card, precision, length, most_bins)
+    bins = _most_bins(model, card, precision, length, most_bins, per_rank)
     where = f"{card.label} ({card.capacity_gib:.2f} GiB{', no bf16: fp16' if not card.bf16 else ''})"
     ranks = f", on each of {gpus} GPUs (fastft launch --gpus {gpus})" if gpus > 1 else ""
     why = (
@@ -120,14 +129,14 @@ def pick_settings(
     return picked
 
 
-def _most_bins(model: str, card: GpuSpec, precision: str, length: int, most: int) -> int:
+def _most_bins(model: str, card: GpuSpec, precision: str, length: int, most: int, per_rank: dict) -> int:
     """The largest power of two up to `most` whose micro-batch (that many bins of `length` tokens) fits."""
     from fastft.vram.estimate import estimate_vram
 
     bins = 1
     while (
         bins * 2 <= most
-        and estimate_vram(model, length, length * bins * 2, precision=precision, gpu=card).fits
+        and estimate_vram(model, length, length * bins * 2, precision=precision, gpu=card, **per_rank).fits
     ):
         bins *= 2
     return bins

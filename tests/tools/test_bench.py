@@ -849,3 +849,23 @@ def test_step_ab_alternates_two_trees_abba_and_reads_the_ratio_against_each_side
         step_ab.main([*argv, "--rounds", "1"])
     assert f"--before {before}: its fastft does not import" in capsys.readouterr().err
     assert not (tmp_path / "order.log").exists()
+
+
+def test_a_card_stand_in_caps_at_the_card_s_allocator_room_in_its_dtype_and_asks_for_the_card_itself():
+    """`fastft bench long-context --gpu t4`: the cap is what a T4 leaves PyTorch's allocator (its memory less the
+    CUDA context), not the 15 GiB the first stand-in capped at (0.76 GiB more than a T4 has), the compute is
+    fp16, and the estimate is asked for the "t4" preset, so the length trained is `max_context(..., "t4")`."""
+    from fastft.bench.long_context import stand_in
+    from fastft.vram import GPUS
+
+    t4 = GPUS["t4"]
+    gpu, cap, precision = stand_in("nf4", None, "t4")
+    assert gpu == t4 and cap == t4.capacity_bytes - t4.context_bytes < 15 * 2**30
+    assert precision == "nf4-fp16"
+    assert stand_in("bf16", None, "t4")[2] == "fp16" and stand_in("nf4-fp16", None, "t4")[2] == "nf4-fp16"
+    assert stand_in("nf4", None, "rtx4090")[2] == "nf4"  # a card with bf16 computes in bf16
+    gpu, cap, precision = stand_in("nf4-fp16", 15.0, None)  # a bare cap: no context, fp16 as asked
+    assert cap == 15 * 2**30 and gpu.usable_bytes == cap and not gpu.bf16 and precision == "nf4-fp16"
+    assert stand_in("nf4", None, None)[1] == 24 * 2**30
+    with pytest.raises(ValueError, match="--cap-gib"):
+        stand_in("nf4", 15.0, "t4")

@@ -4,6 +4,7 @@ that the estimator says fit, in the dtype the card computes in, and says what it
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,74 @@ def test_a_gpu_that_only_emulates_bf16_loads_in_fp16(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert default_dtype("cuda") == torch.float16  # said once
+
+
+# -- the notebooks' parameters cells, run as on each card ----------------------------------------------------
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+
+
+def _parameters(path: Path) -> str:
+    import nbformat
+
+    cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    return next(c.source for c in cells if "parameters" in c.metadata.get("tags", []))
+
+
+PICKING = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb") if "pick_settings(" in _parameters(p))
+
+
+def _on_card(monkeypatch, card: str, gpus: int) -> None:
+    """This process as one with `gpus` of `card` visible: what the parameters cell sees of the GPU (its name,
+    memory and bf16 as `detect_gpu` and `torch.cuda.get_device_properties` report them)."""
+    import types
+
+    import torch
+
+    import fastft.vram.pick as pick
+    from fastft.vram.gpus import GpuSpec
+
+    spec = GPUS[card]
+    seen = GpuSpec("detected", spec.label, spec.capacity_bytes, bf16=spec.bf16, source="test")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    props = types.SimpleNamespace(
+        name=spec.label, total_memory=spec.capacity_bytes, major=7 if not spec.bf16 else 9
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+    monkeypatch.setattr(pick, "detect_gpu", lambda: seen)
+
+
+def test_every_notebook_picks_its_settings():
+    """Every tutorial's parameters cell picks its model and settings on a GPU with `pick_settings`."""
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == PICKING and len(PICKING) == 7
+
+
+@pytest.mark.parametrize("notebook", PICKING)
+@pytest.mark.parametrize("card", (*CARDS, "2×t4"))
+def test_a_notebook_s_parameters_cell_picks_settings_the_estimator_says_fit_on_each_card(
+    notebook, card, monkeypatch, capsys
+):
+    """The parameters cell, run as on that card (its name and memory; "2×t4": Kaggle's two T4s, each rank of
+    ``fastft launch`` training the settings), picks a model, context and micro-batch whose estimate fits the
+    card (per GPU), in the card's dtype, sets the notebook's variables from them and says what it picked."""
+    gpus = 2 if card.startswith("2×") else 1
+    card = card.removeprefix("2×")
+    _on_card(monkeypatch, card, gpus)
+    namespace: dict = {}
+    exec(_parameters(NOTEBOOKS / notebook), namespace)
+    picked = namespace["SETTINGS"]
+    assert picked.gpus == gpus and picked.dtype == ("bf16" if GPUS[card].bf16 else "fp16")
+    assert namespace["MODEL"] == picked.model and namespace["MAX_SEQ_LENGTH"] == picked.max_seq_length
+    bins = namespace.get("MICRO_BATCH_BINS", picked.micro_batch_bins)
+    assert bins == picked.micro_batch_bins
+    estimate = estimate_vram(
+        picked.model,
+        picked.max_seq_length,
+        picked.max_seq_length * bins,
+        precision="nf4" if picked.load_in_4bit else picked.dtype,
+        gpu=picked.card,
+        world_size=gpus,
+    )
+    assert estimate.fits and picked.card.capacity_bytes <= GPUS[card].capacity_bytes
+    assert capsys.readouterr().out.strip() == picked.why

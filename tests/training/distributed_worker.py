@@ -25,11 +25,15 @@ ROWS = list(generate(96, seed=21))
 
 
 def run(out: Path, config: dict) -> dict:
-    """Train with `config` (TrainConfig fields, plus "checkpointing", "dropout" and "eval": held-out rows)."""
+    """Train with `config` (TrainConfig fields, plus "checkpointing", "dropout", "eval": held-out rows, and
+    "fp16_overflow": ``[rank, step]``, fp16's loss scale on the CPU with one rank's gradient shard made infinite
+    at that step, `_overflow_on_one_rank`)."""
     torch.set_num_threads(1)
     config = dict(config)
     checkpointing, dropout = config.pop("checkpointing", "none"), config.pop("dropout", 0.0)
     held_out = config.pop("eval", False)
+    overflow = config.pop("fp16_overflow", None)
+    scaler_steps = _overflow_on_one_rank(*overflow) if overflow else []
     writes = _count_checkpoint_writes()
     model, tokenizer = fastft.load_model("tiny-llama", max_seq_length=128, device="cpu")
     model = fastft.add_lora(
@@ -64,10 +68,40 @@ def run(out: Path, config: dict) -> dict:
     # a fixed attention backend: "auto" times the backends and may pick another one run to run
     settings = dict(learning_rate=3e-3, micro_batch_bins=2, seed=5, attention="sdpa_masked") | config
     result = fastft.train(model, tokenizer, data, eval_data, progress=False, **settings)
-    return _summarise(out, model, result, writes)
+    return _summarise(out, model, result, writes, scaler_steps)
 
 
-def _summarise(out: Path, model, result, writes: list[str]) -> dict:
+def _overflow_on_one_rank(rank: int, step: int) -> list[dict]:
+    """The trainer's fp16 path (autocast in fp16, `fastft.training.loss_scale.LossScaler`) on the CPU, and on
+    rank `rank` one element of its own gradient shard set to inf before the unscale of optimizer step `step`
+    (1-based): an overflow only that rank sees, as an FSDP2 shard can. Returns the list each step's
+    ``found_inf`` and scale are appended to, as the scaler leaves them (read on the host: a test)."""
+    from fastft.training.loss_scale import LossScaler
+    from fastft.training.trainer import Trainer
+
+    Trainer._autocast_dtype = lambda self: torch.float16
+    here = int(os.environ.get("RANK", 0))
+    seen: list[dict] = []
+    unscale, update = LossScaler.unscale_, LossScaler.update
+
+    def unscale_(self, parameters, all_reduce=None):
+        parameters = list(parameters)
+        if here == rank and len(seen) + 1 == step:
+            grad = next(p.grad for p in parameters if p.grad is not None and p.grad.numel())
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local.view(-1)[0] = float("inf")
+        return unscale(self, parameters, all_reduce)
+
+    def recorded_update(self):
+        found = float(self.found_inf)
+        update(self)
+        seen.append({"found_inf": found, "scale": float(self.scale)})
+
+    LossScaler.unscale_, LossScaler.update = unscale_, recorded_update
+    return seen
+
+
+def _summarise(out: Path, model, result, writes: list[str], scaler_steps: list[dict] = ()) -> dict:
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     weights = {n: (w.full_tensor() if hasattr(w, "full_tensor") else w) for n, w in weights.items()}
     rank = int(os.environ.get("RANK", 0))
@@ -84,7 +118,9 @@ def _summarise(out: Path, model, result, writes: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if is_main_process():
         torch.save(summary, out / "result.pt")
-    (out / f"rank-{rank}.json").write_text(json.dumps({"checkpoints": result.checkpoints, "writes": writes}))
+    (out / f"rank-{rank}.json").write_text(
+        json.dumps({"checkpoints": result.checkpoints, "writes": writes, "scaler": list(scaler_steps)})
+    )
     return summary
 
 

@@ -74,6 +74,17 @@ def test_two_ddp_ranks_with_gradient_accumulation_equal_one_process(tmp_path):
     _assert_same_run(distributed, single, weights_rtol=5e-5)
 
 
+def test_an_overflow_in_one_fsdp2_rank_s_shard_skips_the_step_on_every_rank(tmp_path):
+    """fp16's loss scale under FSDP2 (2 gloo ranks, tiny-llama, fp16 autocast on the CPU): each rank unscales its
+    own gradient shard, so an inf only rank 1's shard holds is found by rank 1 alone; the flag is all-reduced
+    (max) before the step, so both ranks skip step 2 and halve the scale, and the ranks stay one model."""
+    _two_ranks(tmp_path, max_steps=3, distributed="fsdp", fp16_overflow=[1, 2])
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text())["scaler"] for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert [step["found_inf"] for step in ranks[0]] == [0.0, 1.0, 0.0]
+    assert [step["scale"] for step in ranks[0]] == [2.0**16, 2.0**15, 2.0**15]
+
+
 def test_two_fsdp2_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
     config = dict(max_steps=3, checkpointing="recompute", eval=True)
     distributed = _two_ranks(tmp_path / "fsdp", distributed="fsdp", **config)
