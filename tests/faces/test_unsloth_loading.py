@@ -169,6 +169,10 @@ def test_save_pretrained_merged_into_the_adapter_folder_keeps_the_adapter(tmp_pa
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     listed = json.loads((folder / MARKER).read_text())["files"]
     assert "model.safetensors" in listed and "adapter_model.safetensors" not in listed
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)  # what the warning says: the adapter goes on top
+    assert getattr(reloaded, "_hf_peft_config_loaded", False)
     other = tmp_path / "other"
     model.save_pretrained(other)
     (other / "config.json").write_text("{}")  # the user's own config.json
