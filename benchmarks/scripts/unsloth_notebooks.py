@@ -52,7 +52,7 @@ NOTEBOOKS = {
     "llama31-alpaca": {
         "notebook": "nb/Llama3.1_(8B)-Alpaca.ipynb",
         "model": "meta-llama/Llama-3.1-8B",
-        "tiny": "tiny-llama3",
+        "tiny": "tiny-llama",
         "max_seq_length": 2048,
         "r": 16,
     },
