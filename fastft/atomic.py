@@ -68,15 +68,17 @@ def written_by_fastft(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
-def check_destination(destination: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Raise `FolderInTheWayError` unless saving to `destination` destroys nothing fastft did not write."""
+def check_destination(destination: str | os.PathLike, overwrite: bool = False, beside: bool = False) -> Path:
+    """Raise `FolderInTheWayError` unless saving to `destination` destroys nothing fastft did not write.
+    With `beside`, a folder fastft did not write is taken too: the save adds its files beside the folder's
+    own, and `replace_folder_atomically` refuses it if one of them would replace a file there."""
     destination = expand(destination)
     if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
         raise FolderInTheWayError(
             f"{destination} is a file{' (a link)' if destination.is_symlink() else ''}, not a folder: fastft "
             "saves a folder there and never moves a file away. Pick another path (a new folder name)."
         )
-    if destination.is_dir() and not overwrite and not written_by_fastft(destination):
+    if destination.is_dir() and not overwrite and not beside and not written_by_fastft(destination):
         contents = sorted(path.name for path in destination.iterdir())
         if contents:
             shown = ", ".join(contents[:5]) + (", …" if len(contents) > 5 else "")
@@ -159,6 +161,7 @@ def replace_folder_atomically(
     kind: str = "folder",
     by: str | None = None,
     replace_previous: bool = True,
+    beside: bool = False,
 ) -> Path:
     """Call ``write(tmp_folder)`` then move the result to `destination` in one rename.
 
@@ -166,13 +169,16 @@ def replace_folder_atomically(
     anything else raises `FolderInTheWayError` before a byte is written. In a folder fastft wrote, only
     the files its manifest lists (unchanged) are replaced, and only by files of the same name, or left out
     with `replace_previous` when an earlier whole-model save wrote them; everything else is carried into
-    the new folder (module doc). A file the save writes whose name the user's file holds raises
+    the new folder (module doc). With `beside`, a folder fastft did not write is taken the same way: all of
+    it is carried into the new folder (Unsloth's merged save beside an adapter that peft wrote). A file
+    the user's file of the same name and the same bytes is replaced (nothing is lost); one whose name the
+    user's file holds with other bytes raises
     `FolderInTheWayError` naming it, with `destination` as it was. The manifest records each written file as written by `by` (the function's name). An existing
     folder is swapped out and removed only after the new folder is in place. A full disk raises
     `DiskFullError`, a folder that cannot be written `PermissionError`, both naming `destination`.
     """
     destination = recover_folder(expand(destination))
-    check_destination(destination, overwrite)
+    check_destination(destination, overwrite, beside)
     destination.parent.mkdir(parents=True, exist_ok=True)
     tmp = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -305,7 +311,7 @@ def _carry_over(
             continue
         ours = _ours(entry, entry.name, listed or {})
         if entry.name in new:
-            if ours is None:
+            if ours is None and not _same_file(entry, tmp / entry.name):
                 in_the_way.append(entry.name)
             else:
                 left_out.add(entry.name)
@@ -317,7 +323,9 @@ def _carry_over(
     if in_the_way:
         shown = ", ".join(in_the_way[:5]) + (", …" if len(in_the_way) > 5 else "")
         why = (
-            "its manifest comes from an earlier fastft, which did not list its files"
+            "fastft did not write them"
+            if not written_by_fastft(destination)
+            else "its manifest comes from an earlier fastft, which did not list its files"
             if listed is None
             else "fastft did not write them, or they changed since it did"
         )
@@ -329,6 +337,16 @@ def _carry_over(
     for entry in keep:
         _link_copy(entry, tmp / entry.name)
     return carried, left_out
+
+
+def _same_file(old: Path, new: Path) -> bool:
+    """Whether `old` and `new` are plain files with the same bytes (replacing one by the other loses nothing)."""
+    if old.is_symlink() or not old.is_file() or not new.is_file():
+        return False
+    try:
+        return old.stat().st_size == new.stat().st_size and sha256_of(old) == sha256_of(new)
+    except OSError:
+        return False
 
 
 def _link_copy(source: Path, target: Path) -> None:

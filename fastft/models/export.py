@@ -156,15 +156,17 @@ def save_merged(
     dtype: torch.dtype = torch.bfloat16,
     overwrite: bool = False,
     dequantize: bool = False,
+    beside: bool = False,
 ) -> Path:
     """Write the merged model in `dtype` (16-bit by default) as safetensors that plain
     ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads, plus the tokenizer.
-    `overwrite` as in `save_adapter`; `dequantize` as in `merged_state_dict` (a 4-bit base)."""
+    `overwrite` as in `save_adapter`; `dequantize` as in `merged_state_dict` (a 4-bit base); `beside` writes
+    into a folder fastft did not write, keeping every file there (`fastft.atomic.replace_folder_atomically`)."""
     from transformers import AutoModelForCausalLM
 
     if not isinstance(model, PeftModel):
         raise TypeError("save_merged needs a model with LoRA adapters (from fastft.add_lora).")
-    check_destination(recover_folder(path), overwrite)  # before the merge's work, not after
+    check_destination(recover_folder(path), overwrite, beside)  # before the merge's work, not after
     state = merged_state_dict(model, dtype, dequantize=dequantize)
     config = model.get_base_model().config
     if getattr(config, "quantization_config", None) is not None:  # the merged weights are 16-bit
@@ -186,4 +188,6 @@ def save_merged(
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 
-    return replace_folder_atomically(write, path, overwrite=overwrite, kind="merged", by="save_merged")
+    return replace_folder_atomically(
+        write, path, overwrite=overwrite, kind="merged", by="save_merged", beside=beside
+    )

@@ -48,7 +48,9 @@ def save_pretrained_merged(
     model, save_directory, tokenizer=None, save_method: str = "merged_16bit", **kwargs
 ):
     """Unsloth's ``save_pretrained_merged``: ``"merged_16bit"`` writes the merged 16-bit model
-    (`fastft.save_merged`), ``"lora"`` the adapter (`fastft.save_adapter`). Returns the folder."""
+    (`fastft.save_merged`), ``"lora"`` the adapter (`fastft.save_adapter`). Returns the folder. As Unsloth
+    does, the merged files may go into a folder that holds other files (the adapter ``model.save_pretrained``
+    wrote there): they are kept, and a file of the same name with other bytes is refused, naming it."""
     import torch
 
     from fastft.models.export import save_adapter, save_merged
@@ -69,9 +71,20 @@ def save_pretrained_merged(
                 "load the adapter folder with load_in_4bit=False and save again.",
                 stacklevel=2,
             )
-        return save_merged(
-            model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite, dequantize=True
+        # beside=True: Unsloth writes the merged files into the folder `model.save_pretrained` filled with the
+        # adapter (gpt-oss notebook); fastft keeps every file there and refuses to replace one that differs
+        folder = save_merged(
+            model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite, dequantize=True, beside=True
         )
+        if (folder / "adapter_config.json").is_file():
+            warnings.warn(
+                f"save_pretrained_merged: {folder} now holds the merged model beside the adapter saved there "
+                "(kept, as Unsloth keeps it). transformers' AutoModelForCausalLM.from_pretrained on that folder "
+                "loads the merged weights and then applies the adapter on top, a second time; to serve the "
+                "merged model, save it into a folder of its own (save_pretrained_merged('merged', ...)).",
+                stacklevel=2,
+            )
+        return folder
     if save_method == "mxfp4":
         raise ValueError(
             "save_method='mxfp4': fastft does not write MXFP4 checkpoints. Use save_method='merged_16bit' (the "

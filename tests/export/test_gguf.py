@@ -4,6 +4,7 @@ against the merged model; broken exports (a wrong EOS id, a dropped chat templat
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import gguf
@@ -13,7 +14,7 @@ import torch
 
 import fastft
 from fastft.export import GGUFCheckError, save_gguf, save_ollama
-from fastft.export.check import check_gguf, default_prompts
+from fastft.export.check import TOLERANCES, check_gguf, default_prompts
 from fastft.export.families import UnsupportedArchitectureError, pairs_from_halves
 from fastft.export.reference import GGUFModel, read_metadata
 from fastft.export.writer import GGUFExportError, _encode, write_gguf
@@ -107,6 +108,27 @@ def test_reference_forward_equals_transformers_on_an_untrained_preset_in_f32(tmp
             want = model(ids[None]).logits[0]
         got = GGUFModel(path).logits(ids)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_q8_0_of_untrained_near_uniform_presets_passes_and_a_corrupted_file_fails(tmp_path):
+    """An untrained model's logits are near-uniform: q8_0's small error flips its near-ties, which the check
+    passes over (a correct file passes); a file missing a layer's MLP keeps every decided top-1 of
+    tiny-qwen3 and its greedy answers, yet its logits move by a tenth of their spread: it fails."""
+    prompts = default_prompts(2)
+    for name in ("tiny-mistral", "tiny-qwen3"):
+        model, tokenizer = fastft.load_model(name)
+        path = write_gguf(model, tmp_path / f"{name}.gguf", tokenizer, "q8_0").path
+        check = check_gguf(path, model, tokenizer, "q8_0", prompts=prompts, max_new_tokens=12)
+        assert check.passed, check.table()
+        assert check.logit_error < TOLERANCES["q8_0"]["logit_error"]
+        if name == "tiny-mistral":
+            assert check.near_ties > 0  # its near-ties are what flipped under the old all-positions count
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.model.layers[0].mlp.down_proj.weight.zero_()  # a dropped tensor
+    path = write_gguf(broken, tmp_path / "broken.gguf", tokenizer, "q8_0").path
+    check = check_gguf(path, model, tokenizer, "q8_0", prompts=prompts, max_new_tokens=12)
+    assert not check.passed and "logit" in " ".join(check.failures), check.table()
 
 
 def test_rope_pair_permutation_maps_halves_to_adjacent_pairs():

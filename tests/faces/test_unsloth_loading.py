@@ -147,6 +147,40 @@ def test_save_pretrained_gguf_twice_keeps_both_files_and_a_merged_model_beside(t
         model.save_pretrained_merged(tmp_path / "mx", tokenizer, save_method="mxfp4")
 
 
+def test_save_pretrained_merged_into_the_adapter_folder_keeps_the_adapter(tmp_path):
+    """gpt-oss notebook: model.save_pretrained("finetuned_model") (peft's files, no fastft manifest), then
+    save_pretrained_merged("finetuned_model", ...): the merged model lands beside the adapter, whose files are
+    kept byte for byte (the manifest lists only what the merge wrote); a user's file of a name the merge
+    writes, with other bytes, refuses the save and stays."""
+    import json
+
+    from fastft.atomic import MARKER, FolderInTheWayError
+
+    model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=64)
+    model = _trained(_peft(model))
+    folder = tmp_path / "finetuned_model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)  # the same bytes the merge writes: replaced, nothing lost
+    adapter = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.warns(UserWarning, match="applies the adapter on top"):
+        model.save_pretrained_merged(folder, tokenizer, save_method="merged_16bit")
+    for name, data in adapter.items():
+        assert (folder / name).read_bytes() == data, name
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    listed = json.loads((folder / MARKER).read_text())["files"]
+    assert "model.safetensors" in listed and "adapter_model.safetensors" not in listed
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)  # what the warning says: the adapter goes on top
+    assert getattr(reloaded, "_hf_peft_config_loaded", False)
+    other = tmp_path / "other"
+    model.save_pretrained(other)
+    (other / "config.json").write_text("{}")  # the user's own config.json
+    with pytest.raises(FolderInTheWayError, match="config.json"):
+        model.save_pretrained_merged(other, tokenizer, save_method="merged_16bit")
+    assert (other / "config.json").read_text() == "{}" and not (other / "model.safetensors").exists()
+
+
 def test_every_argument_of_unsloths_from_pretrained_is_taken_applied_or_refused():
     """Unsloth's full FastLanguageModel.from_pretrained signature: the ones that do not apply are accepted with
     a notice, the ones fastft cannot honour are refused naming the way, never a bare TypeError."""
