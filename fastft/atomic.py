@@ -170,9 +170,9 @@ def replace_folder_atomically(
     the files its manifest lists (unchanged) are replaced, and only by files of the same name, or left out
     with `replace_previous` when an earlier whole-model save wrote them; everything else is carried into
     the new folder (module doc). With `beside`, a folder fastft did not write is taken the same way: all of
-    it is carried into the new folder (Unsloth's merged save beside an adapter that peft wrote). A file
-    the user's file of the same name and the same bytes is replaced (nothing is lost); one whose name the
-    user's file holds with other bytes raises
+    it is carried into the new folder (Unsloth's merged save beside an adapter that peft wrote), and a
+    file there with the same name and bytes as one the save writes is replaced (nothing is lost). A file
+    the save writes whose name the user's file holds (with other bytes, under `beside`) raises
     `FolderInTheWayError` naming it, with `destination` as it was. The manifest records each written file as written by `by` (the function's name). An existing
     folder is swapped out and removed only after the new folder is in place. A full disk raises
     `DiskFullError`, a folder that cannot be written `PermissionError`, both naming `destination`.
@@ -187,7 +187,7 @@ def replace_folder_atomically(
         files = {name: file_record(tmp / name, by or kind, replace_previous) for name in _files_under(tmp)}
         left_out: set[str] = set()
         if destination.is_dir() and not overwrite:
-            carried, left_out = _carry_over(destination, tmp, set(files), replace_previous)
+            carried, left_out = _carry_over(destination, tmp, set(files), replace_previous, beside)
             files.update(carried)
         _fsync_tree(tmp)
         # the manifest comes last: a leftover folder that has it was completely written
@@ -297,7 +297,7 @@ def _ours(entry: Path, name: str, listed: dict[str, dict]) -> dict[str, dict] | 
 
 
 def _carry_over(
-    destination: Path, tmp: Path, written: set[str], replace_previous: bool
+    destination: Path, tmp: Path, written: set[str], replace_previous: bool, beside: bool = False
 ) -> tuple[dict[str, dict], set[str]]:
     """Link every entry of `destination` this save must keep into `tmp` (module doc); returns the manifest
     records of the kept files fastft wrote (unchanged) and the names left out. Raises `FolderInTheWayError`,
@@ -311,7 +311,7 @@ def _carry_over(
             continue
         ours = _ours(entry, entry.name, listed or {})
         if entry.name in new:
-            if ours is None and not _same_file(entry, tmp / entry.name):
+            if ours is None and not (beside and _same_file(entry, tmp / entry.name)):
                 in_the_way.append(entry.name)
             else:
                 left_out.add(entry.name)
