@@ -21,7 +21,7 @@ Tiling starts where a tile would be as large as the untiled tensor: larger ``[N,
 default caching allocator could not place in step 1 of a fresh process. Under a cap it held free memory
 as fragments smaller than the MLP's next ``[N, I]`` request: Llama-3.2-1B at 50,176 tokens under 8 GiB failed
 a 0.77 GiB request with about as much free; with expandable segments it trained (H100, 2026-12-06,
-`benchmarks/long_context_tiled_2026-12-06.json`). The threshold was 1 GiB before.
+`benchmarks/results/long-context/several_bf16+nf4_h100_2026-12-06_tiled.json`). The threshold was 1 GiB before.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ TILE_ROW_MULTIPLE = 64
 # writes ``dg``/``du`` over the saved ``g``/``u``. The untiled backward then holds two ``[N, I]`` tensors
 # where it held three (Llama-3.1-8B at 4,096 tokens: 84 MiB less at the step's peak). The price: one pair of
 # runs on an H100 read 1.4 % of an NF4 2 x 2,048 step for 0.074 GiB of its peak
-# (`benchmarks/step_nf4_causes_h100_2026-12-06.json`), but later runs put sliced and whole within the
-# 0.7 % that one tree moves between processes (`benchmarks/step_variants_h100_2026-12-06.json`; column
+# (`benchmarks/results/step/llama3.1-8b_nf4_h100_2026-12-06_kernel-totals.json`), but later runs put sliced and whole within the
+# 0.7 % that one tree moves between processes (`benchmarks/results/step/llama3.1-8b_bf16+nf4_h100_2026-12-06_variants.json`; column
 # slices were no better). `fastft bench step|sft --dh-slice-mib N` (0: whole) is the A/B, and
-# `benchmarks/step_ab.py` the way to read a percent.
+# `benchmarks/scripts/step_ab.py` the way to read a percent.
 DH_SLICE_BYTES = 32 << 20
 
 
