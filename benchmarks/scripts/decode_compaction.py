@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fastft.bench.step import _fastft_model, save_random_checkpoint
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 from fastft.training.decode import StaticDecoder
 
 out = Path(os.environ.get("OUT", "/tmp/out"))

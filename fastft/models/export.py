@@ -18,7 +18,7 @@ import torch
 
 from fastft.atomic import check_destination, recover_folder, replace_folder_atomically
 from fastft.data.hub import hub_offline_while_importing
-from fastft.runtime.state import is_quantised
+from fastft.runtime.model_state import is_quantised
 
 with hub_offline_while_importing():  # bitsandbytes, which peft imports, asks the hub for a kernel
     from peft import PeftModel

@@ -26,8 +26,8 @@ import torch
 from fastft.checks import real_number, whole_number
 from fastft.data.hub import hub_offline_while_importing
 from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.model_state import is_quantised, model_state
 from fastft.runtime.offload import disable_offload, enable_offload
-from fastft.runtime.state import is_quantised, model_state
 
 with hub_offline_while_importing():  # bitsandbytes, which peft imports, asks the hub for a kernel
     from peft import LoraConfig, PeftModel, get_peft_model

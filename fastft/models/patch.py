@@ -68,7 +68,7 @@ from fastft.kernels import tiling
 from fastft.models import fusion
 from fastft.models.moe import moe_block_forward, moe_block_info
 from fastft.runtime.context import ATTENTION, OUTPUT_PROJECTION, attach_layer_contexts, layer_context
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # what the fused attention forward reads
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # and the fused MLP forward

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from fastft.data.batch import PackedBatch
 from fastft.runtime.checkpointing import KEEP_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, KeptTensors, attach_layer_contexts, layer_context
-from fastft.runtime.state import model_state, state_of
+from fastft.runtime.model_state import model_state, state_of
 
 IMPLEMENTATION = "fastft_packed"
 # Each backend and the kernels it runs (run summaries name them: `describe_backend`).

@@ -62,6 +62,7 @@ from fastft.runtime.context import ATTENTION, ROUTING, attach_layer_contexts, ke
 from fastft.runtime.copies import CudaCopies
 from fastft.runtime.host_budget import layers_that_fit, pinned_bytes
 from fastft.runtime.host_memory import HOST_BUDGET_FRACTION, HostSlabs, host_memory_available, pinnable_bytes
+from fastft.runtime.model_state import base_model, is_quantised, model_state, state_of
 from fastft.runtime.offload_layer import (
     Call,
     OffloadedLayer,
@@ -74,7 +75,6 @@ from fastft.runtime.offload_layer import (
     storage_order,
     unflatten,
 )
-from fastft.runtime.state import base_model, is_quantised, model_state, state_of
 
 
 class KeepPolicy:

@@ -18,7 +18,7 @@ import ipywidgets as widgets
 
 from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
 from fastft.runtime.checkpointing import Checkpointing
-from fastft.runtime.state import state_of
+from fastft.runtime.model_state import state_of
 from fastft.studio.model_facts import (
     ModelFacts,
     facts_html,

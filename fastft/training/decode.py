@@ -47,7 +47,7 @@ import warnings
 
 import torch
 
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 from fastft.training.graph import GraphCaptureWarning, _warmup_stream
 
 # decoders whose layers write their KV through `cache.update(key, value, layer_idx, ...)`, rotate with the

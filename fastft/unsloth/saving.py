@@ -59,7 +59,7 @@ def save_pretrained_merged(
     if save_method == "lora":
         return save_adapter(model, save_directory, tokenizer, overwrite=overwrite)
     if save_method == "merged_16bit":
-        from fastft.runtime.state import is_quantised
+        from fastft.runtime.model_state import is_quantised
 
         dtype = torch.float16 if getattr(model, "dtype", None) == torch.float16 else torch.bfloat16
         if is_quantised(model):

@@ -467,7 +467,7 @@ def _quant_constant_bytes(parameter: torch.Tensor) -> int:
 def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelState:
     import torch
 
-    from fastft.runtime.state import state_of
+    from fastft.runtime.model_state import state_of
 
     quantization = None
     weight_bytes = constants = lora_params = lora_bytes = 0

@@ -36,7 +36,7 @@ def resident_memory(
     for a side-by-side), and on any device; `device` defaults to the first parameter's."""
     import torch
 
-    from fastft.runtime.state import base_model, model_state
+    from fastft.runtime.model_state import base_model, model_state
 
     parameters = list(model.parameters())
     if device is None:

@@ -564,7 +564,7 @@ def test_resident_memory_itemises_what_a_run_holds_between_steps(monkeypatch):
     module buffers, fastft's compute copies and offload buffers, each storage counted once."""
     import fastft
     from fastft.kernels.lora import AdapterComputeCopies
-    from fastft.runtime.state import base_model, model_state
+    from fastft.runtime.model_state import base_model, model_state
     from fastft.vram.measure import resident_memory
 
     model, _ = fastft.load_model("tiny-llama")
