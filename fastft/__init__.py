@@ -95,7 +95,7 @@ _EXPORTS = {
     "FastLanguageModel": "fastft.unsloth.models",
     "FastModel": "fastft.unsloth.models",
     "is_bfloat16_supported": "fastft.unsloth.models",
-    "Checkpointing": "fastft.runtime.checkpointing",
+    "Checkpointing": "fastft.runtime.activation_checkpointing",
     # data
     "load_dataset": "fastft.data.loading",
     "list_bundled": "fastft.data.loading",

@@ -25,7 +25,7 @@ import torch
 
 from fastft.checks import real_number, whole_number
 from fastft.data.hub import hub_offline_while_importing
-from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.activation_checkpointing import Checkpointing
 from fastft.runtime.model_state import is_quantised, model_state
 from fastft.runtime.offload import disable_offload, enable_offload
 
@@ -176,7 +176,7 @@ def add_lora(
     `target_modules` is "all-linear" (every linear layer but the output head and MoE routers, and on
     MoE models the experts) or a list of short layer names such as ``["q_proj", "v_proj"]``; on MoE
     models ``"experts"`` adapts every expert's gate/up and down weights (rank `r` per expert).
-    `gradient_checkpointing` is a `fastft.runtime.checkpointing.Checkpointing` or what it parses: "auto"
+    `gradient_checkpointing` is a `fastft.runtime.activation_checkpointing.Checkpointing` or what it parses: "auto"
     (default: "offload" on CUDA, "recompute" elsewhere), "offload", "recompute" (True), "none" (False), or
     Unsloth's "unsloth" (= "offload").
     `seed` makes the adapters' initialisation reproducible without touching the global RNG.

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from fastft.data.batch import PackedBatch
-from fastft.runtime.checkpointing import KEEP_FROM_LENGTH
+from fastft.runtime.activation_checkpointing import KEEP_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, KeptTensors, attach_layer_contexts, layer_context
 from fastft.runtime.model_state import model_state, state_of
 
@@ -180,7 +180,7 @@ def _sdpa_uniform(query, key, value, length, scaling, kept: KeptTensors | None =
 
 # -- attention kept for the recompute ------------------------------------------------------------
 # What a layer keeps under offloaded checkpointing, and from which length (`KEEP_FROM_LENGTH`, with the
-# measurements behind it), is written beside the checkpointing modes in `fastft.runtime.checkpointing`.
+# measurements behind it), is written beside the checkpointing modes in `fastft.runtime.activation_checkpointing`.
 
 
 @dataclass(frozen=True)

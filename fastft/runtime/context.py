@@ -97,7 +97,7 @@ class KeptTensors:
     ) -> KeptTensors:
         """For a layer's forward: `store(name, tensors)` copies them beside its input (False: declined);
         the attention output only for sequences of `from_length` tokens and more (and never below
-        `fastft.runtime.checkpointing.KEEP_FROM_LENGTH`)."""
+        `fastft.runtime.activation_checkpointing.KEEP_FROM_LENGTH`)."""
         return cls(names, store=store, from_length=from_length)
 
     @classmethod

@@ -57,7 +57,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fastft.runtime import keep_fit
-from fastft.runtime.checkpointing import KEEP_QUANTISED_FROM_LENGTH
+from fastft.runtime.activation_checkpointing import KEEP_QUANTISED_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, ROUTING, attach_layer_contexts, keep_names, layer_context
 from fastft.runtime.copies import CudaCopies
 from fastft.runtime.host_budget import layers_that_fit, pinned_bytes
@@ -86,7 +86,7 @@ class KeepPolicy:
     `from_length` tokens and the VRAM estimate for that many tokens with the attention kept still fits the
     device (`fastft.vram.estimate_vram` with ``keep_attention=None`` decides, as it does for
     `max_context`): the quantised bases' default (`default_keep`, and the measurements in
-    `fastft.runtime.checkpointing`). Each token count is estimated once (host arithmetic, no device sync)."""
+    `fastft.runtime.activation_checkpointing`). Each token count is estimated once (host arithmetic, no device sync)."""
 
     def __init__(
         self,
@@ -511,7 +511,7 @@ def default_keep(model: torch.nn.Module) -> bool | KeepPolicy:
     tokens and more and only where the estimate with them still fits the device (`KeepPolicy`). Below that
     the attention forward is cheap and keeping costs two device buffers (Llama-3.1-8B at 2 x 2,048 tokens:
     +94 MB of peak, about 1.3 % of a QLoRA step's 7 GiB, for 3 % of its time); above it the recompute of the
-    attention forward is a sixth of the step (the measurements in `fastft.runtime.checkpointing`).
+    attention forward is a sixth of the step (the measurements in `fastft.runtime.activation_checkpointing`).
     ``enable_offload(keep_attention=True)`` keeps everything on a quantised base too."""
     if not is_quantised(model):
         return True

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
-from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
-from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
+from fastft.runtime.activation_checkpointing import Checkpointing
 from fastft.runtime.model_state import state_of
 from fastft.studio.model_facts import (
     ModelFacts,

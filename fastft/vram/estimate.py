@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from fastft.kernels import tiling
-from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.activation_checkpointing import Checkpointing
 from fastft.runtime.host_budget import layers_that_fit, pinnable_bytes, pinned_bytes
 from fastft.vram import activations as act
 from fastft.vram.activations import Profile

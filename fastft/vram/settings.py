@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fastft.runtime.checkpointing import (
+from fastft.runtime.activation_checkpointing import (
     BY_MEMORY,
     KEEP_FROM_LENGTH,
     KEEP_QUANTISED_FROM_LENGTH,

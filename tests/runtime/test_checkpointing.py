@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastft.runtime.checkpointing import BY_MEMORY, KINDS, Checkpointing, CheckpointingError
+from fastft.runtime.activation_checkpointing import BY_MEMORY, KINDS, Checkpointing, CheckpointingError
 from fastft.runtime.model_state import model_state
 
 

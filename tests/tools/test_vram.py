@@ -448,7 +448,7 @@ def test_estimate_fits_and_training_share_one_checkpointing_default():
 
     from fastft.cli import build_parser
     from fastft.models.lora import add_lora
-    from fastft.runtime.checkpointing import Checkpointing
+    from fastft.runtime.activation_checkpointing import Checkpointing
 
     training = inspect.signature(add_lora).parameters["gradient_checkpointing"].default
     assert inspect.signature(estimate_vram).parameters["checkpointing"].default == training == "auto"
