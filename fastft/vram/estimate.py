@@ -1,7 +1,7 @@
 """`estimate_vram`: will this LoRA/QLoRA run fit on that GPU, and what takes the memory?
 
 The estimate is a sum of named components, each an explicit formula over the architecture (see
-`fastft.vram.activations` for the activations). A training step has two memory peaks, and the larger wins:
+`fastft.vram.activation_bytes` for the activations). A training step has two memory peaks, and the larger wins:
 
 - **loss**: every stored activation plus the logits and the loss's buffers (and the final norm's saved
   input, which the loss's backward frees before any layer's), just before backward starts;
@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 from fastft.kernels import tiling
 from fastft.runtime.activation_checkpointing import Checkpointing
 from fastft.runtime.host_budget import layers_that_fit, pinnable_bytes, pinned_bytes
-from fastft.vram import activations as act
-from fastft.vram.activations import Profile
+from fastft.vram import activation_bytes as act
+from fastft.vram.activation_bytes import Profile
 from fastft.vram.gpus import DEFAULT_CONTEXT_BYTES, GiB, GpuSpec, MiB
 from fastft.vram.inventory import ModelInventory
 from fastft.vram.result import VramComponent, VramEstimate, VramEstimateError, VramSettings, _count

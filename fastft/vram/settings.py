@@ -17,8 +17,8 @@ from fastft.runtime.activation_checkpointing import (
     Checkpointing,
     CheckpointingError,
 )
-from fastft.vram import activations as act
-from fastft.vram.activations import Profile
+from fastft.vram import activation_bytes as act
+from fastft.vram.activation_bytes import Profile
 from fastft.vram.gpus import GpuSpec, detect_gpu, get_gpu
 from fastft.vram.inventory import ModelInventory, inventory_of
 from fastft.vram.result import VramEstimateError

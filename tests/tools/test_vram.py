@@ -28,7 +28,7 @@ from fastft.vram import (
     max_context,
     measure,
 )
-from fastft.vram import activations as act
+from fastft.vram import activation_bytes as act
 from fastft.vram.gpus import GiB, MiB
 from fastft.vram.inventory import inventory_of
 
