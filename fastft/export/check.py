@@ -229,7 +229,7 @@ def merged_reference(model, quantization: str):
     `reference_dtype`, computed in fp32 on the CPU (one extra copy of the weights)."""
     from transformers import AutoModelForCausalLM
 
-    from fastft.models.export import merged_tensors
+    from fastft.models.hf_save import merged_tensors
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config

@@ -227,7 +227,7 @@ class ExportPanel(Panel):
         self.worker.start(lambda: self._job(self._save_adapter, folder))
 
     def _save_adapter(self, folder: str) -> str:
-        from fastft.models.export import save_adapter
+        from fastft.models.hf_save import save_adapter
 
         path = save_adapter(self.state.model, folder, self.state.tokenizer)
         self.last_saved = str(path)
@@ -258,7 +258,7 @@ class ExportPanel(Panel):
         self.worker.start(lambda: self._job(self._merge, folder))
 
     def _merge(self, folder: str) -> str:
-        from fastft.models.export import save_merged
+        from fastft.models.hf_save import save_merged
 
         path = save_merged(self.state.model, folder, self.state.tokenizer)
         self.last_saved = str(path)

@@ -51,7 +51,7 @@ def save_pretrained_merged(
     (`fastft.save_merged`), ``"lora"`` the adapter (`fastft.save_adapter`). Returns the folder."""
     import torch
 
-    from fastft.models.export import save_adapter, save_merged
+    from fastft.models.hf_save import save_adapter, save_merged
 
     _refuse_push(kwargs, "save_pretrained_merged", "push_to_hub_merged")
     overwrite = bool(kwargs.pop("overwrite", False))
