@@ -49,6 +49,8 @@ import sys
 import time
 from pathlib import Path
 
+from fastft.runtime.model_state import base_model
+
 SYSTEMS = ("fastft", "fastft-trl", "unsloth", "hf")
 TEMPLATE_TOKENS = 5  # a turn's header and end tokens (role, separators), trained only on assistant turns' end
 
@@ -292,7 +294,7 @@ def run_worker(args) -> dict:
 
         set_memory_trades(args.adapter_copies, args.dh_slice_mib)
     model = _model(args, device)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     if args.mlp_tile_rows and not baseline:
         _tile_every_mlp(args.mlp_tile_rows, base.config.intermediate_size)
     rows = chat_rows(

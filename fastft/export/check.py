@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from fastft.export.reference import GGUFModel, read_metadata
+from fastft.runtime.model_state import base_model
 
 # top-1 next-token agreement over every checked position, and whether greedy answers must all match
 TOLERANCES: dict[str, dict[str, float | bool]] = {
@@ -231,7 +232,7 @@ def merged_reference(model, quantization: str):
 
     from fastft.models.hf_save import merged_tensors
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = base.config
     dtype = reference_dtype(quantization)
     with torch.device("meta"):
@@ -286,7 +287,7 @@ def check_gguf(
     prompts = list(prompts) if prompts is not None and not isinstance(prompts, str) else prompts
     check_prompts(prompts)
     path = Path(path)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     check = ExportCheck(path=path, quantization=quantization)
     check.problems = check_metadata(path, tokenizer, base.config)
     exported = GGUFModel(path)

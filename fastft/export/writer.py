@@ -46,6 +46,7 @@ from fastft.export.families import (
     tensor_layout,
 )
 from fastft.export.vocab import build_vocab
+from fastft.runtime.model_state import base_model
 
 # what fastft quantises itself (with the gguf package), and llama.cpp's K-quants (through llama-quantize)
 QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -192,7 +193,7 @@ def write_gguf(
     quantization = normalise_quantization(quantization)
     if quantization in K_QUANTS:
         raise GGUFExportError(f"write_gguf writes {', '.join(QUANTIZATIONS)}; save_gguf makes K-quants.")
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = base.config
     family = family_of(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))

@@ -26,7 +26,7 @@ import torch
 from fastft.checks import real_number, whole_number
 from fastft.data.hub import hub_offline_while_importing
 from fastft.runtime.activation_checkpointing import Checkpointing
-from fastft.runtime.model_state import is_quantised, model_state
+from fastft.runtime.model_state import base_model, is_quantised, model_state
 from fastft.runtime.offload import disable_offload, enable_offload
 
 with hub_offline_while_importing():  # bitsandbytes, which peft imports, asks the hub for a kernel
@@ -190,7 +190,7 @@ def add_lora(
     gradient_checkpointing = Checkpointing.parse(gradient_checkpointing)
     check_lora_arguments(model, r, alpha, dropout, target_modules, bias, seed)
 
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     target_modules = mlp_targets_as_experts(base, target_modules)
     targets = resolve_targets(base, target_modules)
     warn_rank_above_width(base, targets, r)
@@ -460,7 +460,7 @@ def set_gradient_checkpointing(model: torch.nn.Module, mode: Checkpointing | boo
     """
     checkpointing = Checkpointing.parse(mode).resolved(cuda=torch.cuda.is_available())
     mode = checkpointing.checkpoints
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     options = {"use_reentrant": False}
     for name in _ROUTED:  # transformers' own switches below (theirs call each other), then routed again
         base.__dict__.pop(name, None)
@@ -545,7 +545,7 @@ _ROUTED = (
 
 
 def is_checkpointing(model: torch.nn.Module) -> bool:
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     flag = getattr(type(base), "is_activation_checkpointing", None)
     return bool(base.is_activation_checkpointing if flag is not None else base.is_gradient_checkpointing)
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from fastft.data.batch import PackedBatch
 from fastft.runtime.activation_checkpointing import KEEP_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, KeptTensors, attach_layer_contexts, layer_context
-from fastft.runtime.model_state import model_state, state_of
+from fastft.runtime.model_state import base_model, model_state, state_of
 
 IMPLEMENTATION = "fastft_packed"
 # Each backend and the kernels it runs (run summaries name them: `describe_backend`).
@@ -624,7 +624,7 @@ def patch_packed_attention(model: torch.nn.Module, backend: str | Callable = "au
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
     return decoder if decoder is not None and hasattr(decoder, "layers") else None
 

@@ -19,7 +19,7 @@ import ipywidgets as widgets
 from fastft.models.facts import ModelFacts, model_choices, model_facts
 from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
 from fastft.runtime.activation_checkpointing import Checkpointing
-from fastft.runtime.model_state import state_of
+from fastft.runtime.model_state import base_model, state_of
 from fastft.studio.facts_html import facts_html, fusion_text, parameter_count_text, unknown_model_hint
 from fastft.studio.notices import (
     LABEL_STYLE,
@@ -384,7 +384,7 @@ class ModelPanel(Panel):
         from fastft.models.patch import patch_report
 
         model = self.state.model
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_model(model)
         self.linear_layers = linear_layer_names(base)
         chosen = getattr(getattr(state_of(model), "lora", None), "target_modules", None)
         self._set_targets(self.linear_layers, chosen)

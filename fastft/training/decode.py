@@ -47,7 +47,7 @@ import warnings
 
 import torch
 
-from fastft.runtime.model_state import model_state
+from fastft.runtime.model_state import base_model, model_state
 from fastft.training.graph import GraphCaptureWarning, _warmup_stream
 
 # decoders whose layers write their KV through `cache.update(key, value, layer_idx, ...)`, rotate with the
@@ -58,7 +58,7 @@ _FINISHED_CHECK_EVERY = 16
 
 
 def _config(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return base, base.config
 
 

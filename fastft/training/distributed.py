@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from fastft.checks import SettingError
+from fastft.runtime.model_state import base_model
 
 SHARDINGS = ("ddp", "fsdp")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
@@ -326,7 +327,7 @@ def shard_model(model: torch.nn.Module, parallel: Distributed) -> None:
     # The root is the decoder, not the causal LM: fastft's loss calls the decoder and then the fused
     # cross-entropy on the head's weight directly (no head forward, so no FSDP hook would gather it). The
     # output head stays replicated (frozen, vocab x hidden), and a tied embedding with it.
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     head = base.get_output_embeddings()
     tied = {head.weight} if head is not None and head.weight is base.get_input_embeddings().weight else set()
     fully_shard(base.get_decoder(), mesh=mesh, ignored_params=tied or None)
