@@ -99,8 +99,7 @@ class AdapterComputeCopies:
 
     The fused functions need each fp32 adapter in the compute dtype where they use it: in the forward, again
     in an activation-checkpointing recompute, and in the backward. Cast there, that is about 40 small cast
-    launches per decoder layer and step (110 us of GPU time per Llama-3.1-8B layer on an H200 at 2x2048
-    tokens, 1 % of the step). `refresh` writes every copy at once (``torch._foreach_copy_``) at the start of a
+    launches per decoder layer and step (docs/journal.md, "Measurements once quoted in code comments"). `refresh` writes every copy at once (``torch._foreach_copy_``) at the start of a
     training forward (`fastft.patch` calls it from a pre-hook on the decoder), and `compute_weight` hands a
     function the copy while the weight is unchanged since -- its version counter has not moved -- or else
     casts as before, so a weight the optimizer (or anything else in place) has changed is never read stale.
@@ -224,8 +223,8 @@ def _in_recompute() -> bool:
 def _discarded_output(rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A recompute's MLP output, whose values are never read: ``[rows, columns]`` over one element (stride 0).
     It holds no ``[rows, columns]`` memory; the residual add that reads it makes the layer's output. At the
-    end of a long layer's recompute that is one ``[N, hidden]`` tensor less (Qwen2.5-1.5B at 105,472 tokens:
-    0.30 GiB, at the moment its step 1 ran out under 6 GiB)."""
+    end of a long layer's recompute that is one ``[N, hidden]`` tensor less, at the moment a long-context step
+    1 is nearest its cap (docs/journal.md, "Design history", "The allocator")."""
     return torch.empty((1, 1), dtype=dtype, device=device).expand(rows, columns)
 
 

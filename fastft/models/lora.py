@@ -528,9 +528,9 @@ def drop_input_gradients(base: torch.nn.Module) -> None:
     gradient. fastft's checkpointing is non-reentrant or offloaded: the layers' LoRA weights build the graph.
     With the hook, the embeddings' output becomes a leaf of the graph, held to the end of backward: under
     offloading, where every other layer input lives in host memory, that is one ``[tokens, hidden]`` 16-bit
-    tensor on the device through the whole step (Llama-3.1-8B at 159,744 tokens: 1.22 GiB; the held-out
-    long-context set's peaks measured 2.0–2.2 bytes per hidden value per token above the estimate, this
-    tensor), and the first layer computes an input gradient nothing reads."""
+    tensor on the device through the whole step (the held-out long-context set's peaks stood this tensor
+    above the estimate: docs/journal.md, "Long context as BENCHMARKS.md recorded it"), and the first layer
+    computes an input gradient nothing reads."""
     for module in base.modules():
         if getattr(module, "_require_grads_hooks", None) or hasattr(module, "_require_grads_hook"):
             module.disable_input_require_grads()

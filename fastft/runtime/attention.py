@@ -16,9 +16,8 @@ Backends (all causal within each sequence, sliding windows honoured, GQA without
 - ``sdpa_segments``: SDPA with ``is_causal`` per sequence, reading host lengths (no mask at all).
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch; CUDA). A bin whose
   sequences all have one length (fixed-length blocks, or one long sequence) runs as a ``[n, heads, len, dim]``
-  batch through SDPA's causal kernel instead, which PyTorch sends to cuDNN's fused attention on Hopper:
-  forward + backward 1.49× faster than FlashAttention-2 at 2×2048 and 1.69× at 1×16384 on the H200
-  (BENCHMARKS.md, "Attention kernels"; `fastft bench attention`); elsewhere PyTorch picks FlashAttention-2.
+  batch through SDPA's causal kernel instead, which PyTorch sends to cuDNN's fused attention on Hopper,
+  faster than FlashAttention-2 (BENCHMARKS.md, "Attention kernels"); elsewhere PyTorch picks FlashAttention-2.
 - ``flash_attn``: ``flash_attn_varlen_func`` when the flash-attn package is installed (CUDA).
 - ``flex``: ``flex_attention`` with a document-causal BlockMask built once per batch.
 ``"auto"`` follows the whole-step measurements recorded in BENCHMARKS.md (`choose_backend`):
@@ -152,7 +151,7 @@ def _token_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     ``squeeze``, not ``t[0]``: autograd answers an index with a zero-filled copy of the whole gradient,
     transposed into head-major memory, which the projection's backward then copies back (six copies and
-    three fills per layer, ~0.16 ms of a ~10 ms Llama-3.1-8B layer's step on the H200).
+    three fills per layer; docs/journal.md, "Measurements once quoted in code comments").
     """
     return t.squeeze(0).transpose(0, 1).to(dtype)
 
@@ -701,11 +700,9 @@ def describe_backend(model: torch.nn.Module) -> str | None:
 def choose_backend(model: torch.nn.Module, batch: PackedBatch) -> str:
     """The backend this model uses for packed batches (resolved once, on the first batch).
 
-    "auto" follows whole-training-step measurements (BENCHMARKS.md, `fastft bench packing`): on an
-    H200, Qwen3-8B, 8k-token bins of chat-length sequences, ``varlen`` ran the step 1.63× faster
-    than transformers' packed SDPA path, ``sdpa_masked`` 1.03×, ``sdpa_segments`` 0.72× and
-    ``flex`` 0.24× (its BlockMask is rebuilt for every new bin length). Timing attention alone
-    ranked them differently, so no per-run probe decides. Without ``varlen``: flash-attn, then
+    "auto" follows whole-training-step measurements (BENCHMARKS.md, "Packing: metadata once per batch";
+    the backends' ranking: docs/journal.md, "Measurements once quoted in code comments"): ``varlen`` ran the step fastest, ``flex`` slowest (its BlockMask
+    is rebuilt for every new bin length). Timing attention alone ranked them differently, so no per-run probe decides. Without ``varlen``: flash-attn, then
     SDPA with a dense mask while it stays small, else SDPA per sequence.
     """
     return _resolve_for(model_state(model).attention, batch)

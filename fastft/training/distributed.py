@@ -53,10 +53,8 @@ SHARDINGS = ("ddp", "fsdp")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 # What does not run under FSDP2, and why (checked when the trainer starts; each refusal names its fix).
-# `python -m fastft.bench.fsdp_limits` forces each past the refusal under torchrun. The quantised base was
-# measured there (one NCCL rank on an H100, 2026-12-06, benchmarks/results/fsdp-limits/llama3.2-1b_bf16+nf4_h100_2026-12-06_1rank.json):
-# `fully_shard` itself raises; the graph's capture, once 16-bit FSDP2 trained, in the session after
-# (benchmarks/results/fsdp-limits/llama3.2-1b_bf16+nf4_h100_2026-12-06_1rank-after-fix.json).
+# `python -m fastft.bench.fsdp_limits` forces each past the refusal under torchrun; what each did there is in
+# BENCHMARKS.md, "Several GPUs".
 FSDP_LIMITS = {
     "cuda_graph": "FSDP2 all-gathers each layer's weights in its forward pre-hook and frees them after, from "
     "Python hooks with allocations of their own that a captured graph would not repeat, so the step runs "
