@@ -184,8 +184,7 @@ def _project(x2, base: FrozenLinear, xa, b_weight, scale, dtype, out=None) -> to
     The low-rank term goes first, into the output (``(scale xa) B^T``, K = r: one write of ``[N, out]``),
     and the base GEMM then accumulates into it (``addmm_``, beta = 1: the read of the output happens in the
     epilogue of a compute-bound GEMM). Adding the LoRA term after the base GEMM instead costs a separate
-    memory-bound pass that reads and writes ``[N, out]``: 11.6 of 98 ms of an 8-layer Llama-3.1-8B step at
-    2x2048 tokens on an H200 (torch profiler), for 168 such passes.
+    memory-bound pass that reads and writes ``[N, out]``, a tenth of a short step (docs/journal.md, "Measurements once quoted in code comments").
     """
     weight = base.dense(dtype)
     bias = None if base.bias is None else base.bias.to(dtype)

@@ -509,9 +509,8 @@ def default_keep(model: torch.nn.Module) -> bool | KeepPolicy:
     outputs, routing orders) from `KEEP_FROM_LENGTH` tokens on. On 4- and 8-bit bases, the memory-first
     choice: the attention output and routing orders, only for sequences of `KEEP_QUANTISED_FROM_LENGTH`
     tokens and more and only where the estimate with them still fits the device (`KeepPolicy`). Below that
-    the attention forward is cheap and keeping costs two device buffers (Llama-3.1-8B at 2 x 2,048 tokens:
-    +94 MB of peak, about 1.3 % of a QLoRA step's 7 GiB, for 3 % of its time); above it the recompute of the
-    attention forward is a sixth of the step (the measurements in `fastft.runtime.activation_checkpointing`).
+    the attention forward is cheap and keeping costs two device buffers for a few percent of the step; above
+    it the recompute of the attention forward is a sixth of the step (docs/journal.md, "Measurements once quoted in code comments").
     ``enable_offload(keep_attention=True)`` keeps everything on a quantised base too."""
     if not is_quantised(model):
         return True
