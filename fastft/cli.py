@@ -171,7 +171,7 @@ def _run_launch(args) -> int:
 
 
 def _estimate_parser(sub) -> None:
-    from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
+    from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
 
     parser = sub.add_parser(
         "estimate",

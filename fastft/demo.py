@@ -18,7 +18,7 @@ import torch
 
 from fastft.data.loading import load_dataset
 from fastft.data.packing import pack
-from fastft.models.export import save_adapter
+from fastft.models.hf_save import save_adapter
 from fastft.models.loading import load_model
 from fastft.models.lora import add_lora, trainable_parameter_count
 from fastft.report import RunReport, write_report

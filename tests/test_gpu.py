@@ -11,7 +11,7 @@ import torch
 import fastft
 from fastft.bench.common import count_syncs
 from fastft.data.skills import generate
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 from fastft.training import trainer as trainer_module
 from fastft.training.loss import causal_lm_loss_sum
 from fastft.training.trainer import TrainConfig, Trainer

@@ -64,6 +64,8 @@ import sys
 import time
 from pathlib import Path
 
+from fastft.runtime.model_state import base_model
+
 SYSTEMS = ("fastft", "fastft-trl", "unsloth", "unsloth-defaults", "hf", "hf-defaults")
 BASELINES = ("unsloth", "unsloth-defaults", "hf", "hf-defaults")
 # The systems one worker process runs on one loaded model (matched before own defaults: see the docstring).
@@ -372,7 +374,7 @@ def run_worker(args):
 
         set_memory_trades(args.adapter_copies, args.dh_slice_mib)
     model = _model(args, family, device)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     if args.mlp_tile_rows and not baseline:
         _tile_every_mlp(args.mlp_tile_rows, base.config.intermediate_size)
     for system in systems:

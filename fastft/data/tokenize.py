@@ -357,8 +357,8 @@ def dataset_column(dataset) -> str:
 def dataset_rows(dataset, batch_size: int = 1000) -> Iterator[dict]:
     """The rows of a `datasets.Dataset` as ``{column: value}`` dicts with only the column read.
 
-    Read `batch_size` rows at a time (whole Arrow batches convert ~30× faster than row by row,
-    and only one batch is held as Python objects).
+    Read `batch_size` rows at a time (whole Arrow batches convert much faster than row by row,
+    docs/journal.md, "Measurements once quoted in code comments"; and only one batch is held as Python objects).
     """
     key = dataset_column(dataset)
     for batch in dataset.select_columns([key]).with_format(None).iter(batch_size=batch_size):

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from fastft.export.reference import GGUFModel, read_metadata
+from fastft.runtime.model_state import base_model
 
 # top-1 next-token agreement at the decided positions, whether greedy answers must all match, and the type's
 # typical logit error (RMS over the vocabulary, relative to the reference's logit spread; see the docstring)
@@ -272,9 +273,9 @@ def merged_reference(model, quantization: str):
     `reference_dtype`, computed in fp32 on the CPU (one extra copy of the weights)."""
     from transformers import AutoModelForCausalLM
 
-    from fastft.models.export import merged_tensors
+    from fastft.models.hf_save import merged_tensors
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = base.config
     dtype = reference_dtype(quantization)
     with torch.device("meta"):
@@ -329,7 +330,7 @@ def check_gguf(
     prompts = list(prompts) if prompts is not None and not isinstance(prompts, str) else prompts
     check_prompts(prompts)
     path = Path(path)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     check = ExportCheck(path=path, quantization=quantization)
     check.problems = check_metadata(path, tokenizer, base.config)
     exported = GGUFModel(path)

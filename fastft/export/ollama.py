@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fastft.checks import SettingError, real_number, whole_number
+from fastft.runtime.model_state import base_model
 
 _S, _U, _A, _U2, _T = (
     "⟦fastft-system⟧",
@@ -326,7 +327,7 @@ def stop_tokens(model, tokenizer) -> list[str]:
     ids = []
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     extra = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
     for token_id in extra if isinstance(extra, (list, tuple)) else [extra]:
         if token_id is not None and token_id not in ids:
@@ -337,7 +338,7 @@ def stop_tokens(model, tokenizer) -> list[str]:
 def default_parameters(model) -> dict[str, object]:
     """Ollama PARAMETERs: greedy (temperature 0) unless the generation config samples; the context of the
     run (or of the model, capped at 4096)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     generation = getattr(base, "generation_config", None)
     sampling = bool(getattr(generation, "do_sample", False))
     parameters: dict[str, object] = {

@@ -1,7 +1,7 @@
 """Write a model as one GGUF file, tensor by tensor, atomically.
 
 The header (metadata and the table of tensors: names, shapes, types) is written first from the model's
-shapes alone; then each merged tensor is computed (`fastft.models.export.merged_tensors`), converted to the
+shapes alone; then each merged tensor is computed (`fastft.models.hf_save.merged_tensors`), converted to the
 file's layout (`fastft.export.families`), quantised with the `gguf` package's quantisers and written before
 the next one is made. The model is never copied whole: the extra host memory is one tensor and its encoding.
 
@@ -46,6 +46,7 @@ from fastft.export.families import (
     tensor_layout,
 )
 from fastft.export.vocab import build_vocab
+from fastft.runtime.model_state import base_model
 
 # what fastft quantises itself (with the gguf package), and llama.cpp's K-quants (through llama-quantize)
 QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -165,7 +166,7 @@ def _nbytes(shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int]:
 def _tensor_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
     """(key, logical shape) of every tensor of the merged model, in order, without computing any (NF4 weights
     report their unpacked shape)."""
-    from fastft.models.export import merged_keys
+    from fastft.models.hf_save import merged_keys
 
     shapes = []
     for key, value in merged_keys(model):
@@ -187,12 +188,12 @@ def write_gguf(
     None removes one); `progress(done, total)` is called after each tensor."""
     import gguf
 
-    from fastft.models.export import merged_tensors
+    from fastft.models.hf_save import merged_tensors
 
     quantization = normalise_quantization(quantization)
     if quantization in K_QUANTS:
         raise GGUFExportError(f"write_gguf writes {', '.join(QUANTIZATIONS)}; save_gguf makes K-quants.")
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = base.config
     family = family_of(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))

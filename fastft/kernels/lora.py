@@ -133,8 +133,7 @@ class AdapterComputeCopies:
 
     The fused functions need each fp32 adapter in the compute dtype where they use it: in the forward, again
     in an activation-checkpointing recompute, and in the backward. Cast there, that is about 40 small cast
-    launches per decoder layer and step (110 us of GPU time per Llama-3.1-8B layer on an H200 at 2x2048
-    tokens, 1 % of the step). `refresh` writes every copy at once (``torch._foreach_copy_``) at the start of a
+    launches per decoder layer and step (docs/journal.md, "Measurements once quoted in code comments"). `refresh` writes every copy at once (``torch._foreach_copy_``) at the start of a
     training forward (`fastft.patch` calls it from a pre-hook on the decoder), and `compute_weight` hands a
     function the copy while the weight is unchanged since -- its version counter has not moved -- or else
     casts as before, so a weight the optimizer (or anything else in place) has changed is never read stale.
@@ -219,8 +218,7 @@ def _project(x2, base: FrozenLinear, xa, b_weight, scale, dtype, out=None) -> to
     The low-rank term goes first, into the output (``(scale xa) B^T``, K = r: one write of ``[N, out]``),
     and the base GEMM then accumulates into it (``addmm_``, beta = 1: the read of the output happens in the
     epilogue of a compute-bound GEMM). Adding the LoRA term after the base GEMM instead costs a separate
-    memory-bound pass that reads and writes ``[N, out]``: 11.6 of 98 ms of an 8-layer Llama-3.1-8B step at
-    2x2048 tokens on an H200 (torch profiler), for 168 such passes.
+    memory-bound pass that reads and writes ``[N, out]``, a tenth of a short step (docs/journal.md, "Measurements once quoted in code comments").
     """
     bias = None if base.bias is None else base.bias.to(dtype)
     if base.fp8_runs(x2):  # the FP8 GEMM writes its own output; the bias and LoRA term are added to it
@@ -265,8 +263,8 @@ def _in_recompute() -> bool:
 def _discarded_output(rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A recompute's MLP output, whose values are never read: ``[rows, columns]`` over one element (stride 0).
     It holds no ``[rows, columns]`` memory; the residual add that reads it makes the layer's output. At the
-    end of a long layer's recompute that is one ``[N, hidden]`` tensor less (Qwen2.5-1.5B at 105,472 tokens:
-    0.30 GiB, at the moment its step 1 ran out under 6 GiB)."""
+    end of a long layer's recompute that is one ``[N, hidden]`` tensor less, at the moment a long-context step
+    1 is nearest its cap (docs/journal.md, "Design history", "The allocator")."""
     return torch.empty((1, 1), dtype=dtype, device=device).expand(rows, columns)
 
 

@@ -585,7 +585,7 @@ def dequantize_quant_state(
     # the state, keyed by where its tensors live (a move or a re-quantisation makes a new key).
     # The kept inputs never hold the packed weight (`_Inputs` has no field for it): a view of it references
     # the Params4bit through ``_base``, which references this state, a cycle the garbage collector cannot see
-    # through tensors. It leaked every NF4 model's weights (14.6 GiB after a 32B model, `bench vram`).
+    # through tensors: it would leak every NF4 model's weights.
     key = (packed.data_ptr(), packed.device, dtype, quant_state.absmax.data_ptr())
     cached = getattr(quant_state, "_fastft_nf4_inputs", None)
     if cached is not None and cached[0] == key:

@@ -53,11 +53,9 @@ MAX_BLOCK_SIZE = 65536
 # Elements per program tile: short rows are packed several to a program up to this many elements.
 _FORWARD_TILE = 4096
 _BACKWARD_TILE = 2048
-# Backward programs per SM on a GPU, each writing one fp32 row of dW partials. H200, 16384 x 4096 bf16
-# backward, graph-replayed, counting x, dy, dx, w and dw: before the kernel loaded its next row block ahead
-# of the current one's math, 8 per SM was best at 3.13 TB/s; loading ahead, 2 per SM 3.37 TB/s (16 warps
-# 3.38), 4 per SM 3.16, 8 per SM 3.22, 1 per SM 2.75 (`fastft bench kernels`: 83 % of copy bandwidth with
-# dW summed in one launch, `_sum_partials_kernel`).
+# Backward programs per SM on a GPU, each writing one fp32 row of dW partials, summed in one launch
+# (`_sum_partials_kernel`). Two per SM was the fastest count with the next row block loaded ahead of the
+# current one's math (docs/journal.md, "Measurements once quoted in code comments"; BENCHMARKS.md, "Kernels").
 _PROGRAMS_PER_SM = 2
 _SUM_COLS = 32  # dW columns per program of the partials' sum: 128 programs at hidden 4096
 _BACKWARD_WARPS = 16  # for row blocks of 4,096 elements and more (8 warps: 3.35 TB/s above)

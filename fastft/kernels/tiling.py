@@ -19,20 +19,17 @@ reuse the same allocator blocks) and a multiple of 64 rows.
 
 Tiling starts where a tile would be as large as the untiled tensor: larger ``[N, I]`` blocks are what PyTorch's
 default caching allocator could not place in step 1 of a fresh process. Under a cap it held free memory
-as fragments smaller than the MLP's next ``[N, I]`` request: Llama-3.2-1B at 50,176 tokens under 8 GiB failed
-a 0.77 GiB request with about as much free; with expandable segments it trained (H100, 2026-12-06,
-`benchmarks/long_context_tiled_2026-12-06.json`). The threshold was 1 GiB before.
+as fragments smaller than the MLP's next ``[N, I]`` request (BENCHMARKS.md, "Long context under a cap";
+docs/journal.md, "Design history", "The allocator").
 """
 
 from __future__ import annotations
 
 # Whether `fastft.patch` keeps 16-bit compute copies of the adapters (`fastft.kernels.lora.AdapterComputeCopies`,
 # read when a model is patched): one multi-tensor cast of every adapter per step instead of about 28 small
-# casts per decoder layer, for 2 bytes per adapter parameter held through the step (Llama-3.1-8B r=16:
-# 80 MiB). Off since 2026-12-06: on `fastft bench sft` (H100, bf16, 4,096-token chat bins) the copies
-# cost 0.07-0.08 GiB of peak for 0.6 % of tokens/s under a CUDA graph and nothing measurable under TRL
-# (`fastft bench sft --adapter-copies on|off`; NF4 2 x 2,048 on `fastft bench step`: 0.3 % for 0.076 GiB, one
-# pair of runs). Casting each fused call's adapters in one multi-tensor copy instead measured within noise.
+# casts per decoder layer, for 2 bytes per adapter parameter held through the step. Off by default: the
+# copies buy a fraction of a percent of a graphed step for more peak memory than the bf16 `fastft bench sft`
+# row has to spare (`fastft bench sft --adapter-copies on|off` is the A/B; the readings: docs/journal.md, "Measurements once quoted in code comments").
 # Here, not in `fastft.models.patch`, so that the VRAM estimator reads it without torch.
 ADAPTER_COMPUTE_COPIES = False
 TILE_BYTES = 256 << 20
@@ -41,12 +38,9 @@ TILE_ROW_MULTIPLE = 64
 # The untiled MLP's backward makes its ``dh`` (``[N, I]``, the gradient at the activation's output) in row
 # slices of at most this many bytes: each slice is consumed at once by the activation's backward, which
 # writes ``dg``/``du`` over the saved ``g``/``u``. The untiled backward then holds two ``[N, I]`` tensors
-# where it held three (Llama-3.1-8B at 4,096 tokens: 84 MiB less at the step's peak). The price: one pair of
-# runs on an H100 read 1.4 % of an NF4 2 x 2,048 step for 0.074 GiB of its peak
-# (`benchmarks/step_nf4_causes_h100_2026-12-06.json`), but later runs put sliced and whole within the
-# 0.7 % that one tree moves between processes (`benchmarks/step_variants_h100_2026-12-06.json`; column
-# slices were no better). `fastft bench step|sft --dh-slice-mib N` (0: whole) is the A/B, and
-# `benchmarks/step_ab.py` the way to read a percent.
+# where it held three. Its price in speed is within the noise between processes (BENCHMARKS.md, "No
+# regression on uniform tokens"; the runs before it in docs/journal.md). `fastft bench step|sft
+# --dh-slice-mib N` (0: whole) is the A/B, and `benchmarks/scripts/step_ab.py` the way to read a percent.
 DH_SLICE_BYTES = 32 << 20
 
 

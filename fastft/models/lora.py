@@ -25,9 +25,9 @@ import torch
 
 from fastft.checks import real_number, whole_number
 from fastft.data.hub import hub_offline_while_importing
-from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.activation_checkpointing import Checkpointing
+from fastft.runtime.model_state import base_model, is_quantised, model_state
 from fastft.runtime.offload import disable_offload, enable_offload
-from fastft.runtime.state import is_quantised, model_state
 
 with hub_offline_while_importing():  # bitsandbytes, which peft imports, asks the hub for a kernel
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -176,7 +176,7 @@ def add_lora(
     `target_modules` is "all-linear" (every linear layer but the output head and MoE routers, and on
     MoE models the experts) or a list of short layer names such as ``["q_proj", "v_proj"]``; on MoE
     models ``"experts"`` adapts every expert's gate/up and down weights (rank `r` per expert).
-    `gradient_checkpointing` is a `fastft.runtime.checkpointing.Checkpointing` or what it parses: "auto"
+    `gradient_checkpointing` is a `fastft.runtime.activation_checkpointing.Checkpointing` or what it parses: "auto"
     (default: "offload" on CUDA, "recompute" elsewhere), "offload", "recompute" (True), "none" (False), or
     Unsloth's "unsloth" (= "offload").
     `seed` makes the adapters' initialisation reproducible without touching the global RNG.
@@ -190,7 +190,7 @@ def add_lora(
     gradient_checkpointing = Checkpointing.parse(gradient_checkpointing)
     check_lora_arguments(model, r, alpha, dropout, target_modules, bias, seed)
 
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     target_modules = mlp_targets_as_experts(base, target_modules)
     targets = resolve_targets(base, target_modules)
     warn_rank_above_width(base, targets, r)
@@ -460,7 +460,7 @@ def set_gradient_checkpointing(model: torch.nn.Module, mode: Checkpointing | boo
     """
     checkpointing = Checkpointing.parse(mode).resolved(cuda=torch.cuda.is_available())
     mode = checkpointing.checkpoints
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     options = {"use_reentrant": False}
     for name in _ROUTED:  # transformers' own switches below (theirs call each other), then routed again
         base.__dict__.pop(name, None)
@@ -528,9 +528,9 @@ def drop_input_gradients(base: torch.nn.Module) -> None:
     gradient. fastft's checkpointing is non-reentrant or offloaded: the layers' LoRA weights build the graph.
     With the hook, the embeddings' output becomes a leaf of the graph, held to the end of backward: under
     offloading, where every other layer input lives in host memory, that is one ``[tokens, hidden]`` 16-bit
-    tensor on the device through the whole step (Llama-3.1-8B at 159,744 tokens: 1.22 GiB; the held-out
-    long-context set's peaks measured 2.0–2.2 bytes per hidden value per token above the estimate, this
-    tensor), and the first layer computes an input gradient nothing reads."""
+    tensor on the device through the whole step (the held-out long-context set's peaks stood this tensor
+    above the estimate: docs/journal.md, "Long context as BENCHMARKS.md recorded it"), and the first layer
+    computes an input gradient nothing reads."""
     for module in base.modules():
         if getattr(module, "_require_grads_hooks", None) or hasattr(module, "_require_grads_hook"):
             module.disable_input_require_grads()
@@ -545,7 +545,7 @@ _ROUTED = (
 
 
 def is_checkpointing(model: torch.nn.Module) -> bool:
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     flag = getattr(type(base), "is_activation_checkpointing", None)
     return bool(base.is_activation_checkpointing if flag is not None else base.is_gradient_checkpointing)
 

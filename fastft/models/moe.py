@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from fastft.models import fusion
 from fastft.runtime.context import ROUTING, KeptTensors, layer_context
+from fastft.runtime.model_state import model_state
 from fastft.runtime.routing import (
     RouterCollector,
     RouterSpec,
@@ -61,7 +62,6 @@ from fastft.runtime.routing import (
     router_spec,
     watch_unfused_routers,
 )
-from fastft.runtime.state import model_state
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ from fastft.kernels import tiling
 from fastft.models import fusion
 from fastft.models.moe import moe_block_forward, moe_block_info
 from fastft.runtime.context import ATTENTION, OUTPUT_PROJECTION, attach_layer_contexts, layer_context
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import base_model, model_state
 
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # what the fused attention forward reads
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # and the fused MLP forward
@@ -440,12 +440,6 @@ def _hook_kernel_layers(state: _PatchState, decoder: torch.nn.Module) -> None:
         )
 
 
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    from peft import PeftModel
-
-    return model.get_base_model() if isinstance(model, PeftModel) else model
-
-
 def _is_rms_norm(module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None
 
@@ -465,7 +459,7 @@ def patch(model: torch.nn.Module, *, warn: bool = True) -> PatchReport:
     `kernelize` took since) and reversible with `unpatch`. Returns a `PatchReport`; when something stays on
     the reference path, one `UnfusedWarning` says what and why.
     """
-    base = _base(model)
+    base = base_model(model)
     existing = model_state(base).kernels
     if existing is not None:
         _keep_fused_forwards(existing)
@@ -579,7 +573,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Give every patched module its original forward back; a model that is not patched is unchanged.
     A module that `kernels.kernelize` rewrote since its fused forward last ran keeps the forward kernelize
     chose: that is the model's current kernelization, which the original from before would undo."""
-    base = _base(model)
+    base = base_model(model)
     state = model_state(base).kernels
     if state is None:
         return model
@@ -601,11 +595,11 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def patch_report(model: torch.nn.Module) -> PatchReport | None:
     """What `patch` fused on this model (a PEFT model or its base), None where it has not run."""
-    state = model_state(_base(model)).kernels
+    state = model_state(base_model(model)).kernels
     return state.report if state is not None else None
 
 
 def is_fused(model: torch.nn.Module) -> bool:
     """Whether `patch` has run on this model (and it was not undone)."""
-    state = model_state(_base(model)).kernels
+    state = model_state(base_model(model)).kernels
     return state is not None and bool(state.modules)

@@ -16,9 +16,8 @@ Backends (all causal within each sequence, sliding windows honoured, GQA without
 - ``sdpa_segments``: SDPA with ``is_causal`` per sequence, reading host lengths (no mask at all).
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside PyTorch; CUDA). A bin whose
   sequences all have one length (fixed-length blocks, or one long sequence) runs as a ``[n, heads, len, dim]``
-  batch through SDPA's causal kernel instead, which PyTorch sends to cuDNN's fused attention on Hopper:
-  forward + backward 1.49× faster than FlashAttention-2 at 2×2048 and 1.69× at 1×16384 on the H200
-  (BENCHMARKS.md, "Attention kernels"; `fastft bench attention`); elsewhere PyTorch picks FlashAttention-2.
+  batch through SDPA's causal kernel instead, which PyTorch sends to cuDNN's fused attention on Hopper,
+  faster than FlashAttention-2 (BENCHMARKS.md, "Attention kernels"); elsewhere PyTorch picks FlashAttention-2.
 - ``flash_attn``: ``flash_attn_varlen_func`` when the flash-attn package is installed (CUDA).
 - ``flex``: ``flex_attention`` with a document-causal BlockMask built once per batch.
 ``"auto"`` follows the whole-step measurements recorded in BENCHMARKS.md (`choose_backend`):
@@ -39,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from fastft.data.batch import PackedBatch
-from fastft.runtime.checkpointing import KEEP_FROM_LENGTH
+from fastft.runtime.activation_checkpointing import KEEP_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, KeptTensors, attach_layer_contexts, layer_context
-from fastft.runtime.state import model_state, state_of
+from fastft.runtime.model_state import base_model, model_state, state_of
 
 IMPLEMENTATION = "fastft_packed"
 # Each backend and the kernels it runs (run summaries name them: `describe_backend`).
@@ -152,7 +151,7 @@ def _token_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     ``squeeze``, not ``t[0]``: autograd answers an index with a zero-filled copy of the whole gradient,
     transposed into head-major memory, which the projection's backward then copies back (six copies and
-    three fills per layer, ~0.16 ms of a ~10 ms Llama-3.1-8B layer's step on the H200).
+    three fills per layer; docs/journal.md, "Measurements once quoted in code comments").
     """
     return t.squeeze(0).transpose(0, 1).to(dtype)
 
@@ -180,7 +179,7 @@ def _sdpa_uniform(query, key, value, length, scaling, kept: KeptTensors | None =
 
 # -- attention kept for the recompute ------------------------------------------------------------
 # What a layer keeps under offloaded checkpointing, and from which length (`KEEP_FROM_LENGTH`, with the
-# measurements behind it), is written beside the checkpointing modes in `fastft.runtime.checkpointing`.
+# measurements behind it), is written beside the checkpointing modes in `fastft.runtime.activation_checkpointing`.
 
 
 @dataclass(frozen=True)
@@ -624,7 +623,7 @@ def patch_packed_attention(model: torch.nn.Module, backend: str | Callable = "au
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
     return decoder if decoder is not None and hasattr(decoder, "layers") else None
 
@@ -701,11 +700,9 @@ def describe_backend(model: torch.nn.Module) -> str | None:
 def choose_backend(model: torch.nn.Module, batch: PackedBatch) -> str:
     """The backend this model uses for packed batches (resolved once, on the first batch).
 
-    "auto" follows whole-training-step measurements (BENCHMARKS.md, `fastft bench packing`): on an
-    H200, Qwen3-8B, 8k-token bins of chat-length sequences, ``varlen`` ran the step 1.63× faster
-    than transformers' packed SDPA path, ``sdpa_masked`` 1.03×, ``sdpa_segments`` 0.72× and
-    ``flex`` 0.24× (its BlockMask is rebuilt for every new bin length). Timing attention alone
-    ranked them differently, so no per-run probe decides. Without ``varlen``: flash-attn, then
+    "auto" follows whole-training-step measurements (BENCHMARKS.md, "Packing: metadata once per batch";
+    the backends' ranking: docs/journal.md, "Measurements once quoted in code comments"): ``varlen`` ran the step fastest, ``flex`` slowest (its BlockMask
+    is rebuilt for every new bin length). Timing attention alone ranked them differently, so no per-run probe decides. Without ``varlen``: flash-attn, then
     SDPA with a dense mask while it stays small, else SDPA per sequence.
     """
     return _resolve_for(model_state(model).attention, batch)

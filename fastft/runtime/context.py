@@ -3,7 +3,7 @@
 A decoder layer's modules (its attention, o_proj, MLP or MoE block) share one `LayerContext`, referenced
 from each of them as ``module.fastft_layer`` (`attach_layer_contexts`, run by whatever installs something
 that needs it: `fastft.runtime.offload.enable_offload`, `fastft.runtime.attention.patch_packed_attention`,
-`fastft.models.patch.patch`). The context points at the model's `fastft.runtime.state.ModelState` (its
+`fastft.models.patch.patch`). The context points at the model's `fastft.runtime.model_state.ModelState` (its
 packed-attention backend, its router collector) and has one slot per layer call, ``kept``, which the
 offloader fills for the duration of one call, forward or recompute, and empties after it. Nothing here is
 global or thread-local: each model, and each of its layers, has its own.
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastft.runtime.state import base_model, model_state
+from fastft.runtime.model_state import base_model, model_state
 
 if TYPE_CHECKING:
-    from fastft.runtime.state import ModelState
+    from fastft.runtime.model_state import ModelState
 
 ATTRIBUTE = "fastft_layer"  # on a decoder layer and each of its modules
 ATTENTION, OUTPUT_PROJECTION, ROUTING = "attention", "o_proj", "routing"
@@ -97,7 +97,7 @@ class KeptTensors:
     ) -> KeptTensors:
         """For a layer's forward: `store(name, tensors)` copies them beside its input (False: declined);
         the attention output only for sequences of `from_length` tokens and more (and never below
-        `fastft.runtime.checkpointing.KEEP_FROM_LENGTH`)."""
+        `fastft.runtime.activation_checkpointing.KEEP_FROM_LENGTH`)."""
         return cls(names, store=store, from_length=from_length)
 
     @classmethod

@@ -57,11 +57,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fastft.runtime import keep_fit
-from fastft.runtime.checkpointing import KEEP_QUANTISED_FROM_LENGTH
+from fastft.runtime.activation_checkpointing import KEEP_QUANTISED_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, ROUTING, attach_layer_contexts, keep_names, layer_context
 from fastft.runtime.copies import CudaCopies
 from fastft.runtime.host_budget import layers_that_fit, pinned_bytes
 from fastft.runtime.host_memory import HOST_BUDGET_FRACTION, HostSlabs, host_memory_available, pinnable_bytes
+from fastft.runtime.model_state import base_model, is_quantised, model_state, state_of
 from fastft.runtime.offload_layer import (
     Call,
     OffloadedLayer,
@@ -74,7 +75,6 @@ from fastft.runtime.offload_layer import (
     storage_order,
     unflatten,
 )
-from fastft.runtime.state import base_model, is_quantised, model_state, state_of
 
 
 class KeepPolicy:
@@ -86,7 +86,7 @@ class KeepPolicy:
     `from_length` tokens and the VRAM estimate for that many tokens with the attention kept still fits the
     device (`fastft.vram.estimate_vram` with ``keep_attention=None`` decides, as it does for
     `max_context`): the quantised bases' default (`default_keep`, and the measurements in
-    `fastft.runtime.checkpointing`). Each token count is estimated once (host arithmetic, no device sync)."""
+    `fastft.runtime.activation_checkpointing`). Each token count is estimated once (host arithmetic, no device sync)."""
 
     def __init__(
         self,
@@ -509,9 +509,8 @@ def default_keep(model: torch.nn.Module) -> bool | KeepPolicy:
     outputs, routing orders) from `KEEP_FROM_LENGTH` tokens on. On 4- and 8-bit bases, the memory-first
     choice: the attention output and routing orders, only for sequences of `KEEP_QUANTISED_FROM_LENGTH`
     tokens and more and only where the estimate with them still fits the device (`KeepPolicy`). Below that
-    the attention forward is cheap and keeping costs two device buffers (Llama-3.1-8B at 2 x 2,048 tokens:
-    +94 MB of peak, about 1.3 % of a QLoRA step's 7 GiB, for 3 % of its time); above it the recompute of the
-    attention forward is a sixth of the step (the measurements in `fastft.runtime.checkpointing`).
+    the attention forward is cheap and keeping costs two device buffers for a few percent of the step; above
+    it the recompute of the attention forward is a sixth of the step (docs/journal.md, "Measurements once quoted in code comments").
     ``enable_offload(keep_attention=True)`` keeps everything on a quantised base too."""
     if not is_quantised(model):
         return True

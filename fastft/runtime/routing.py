@@ -279,7 +279,7 @@ def build_routing_plan(router_logits: torch.Tensor, spec: RouterSpec) -> Routing
 
 class RouterCollector:
     """Where one model's MoE layers hand their router logits while its loss collects them (the model's
-    ``fastft.runtime.state.ModelState.routers``; the layers reach it through their
+    ``fastft.runtime.model_state.ModelState.routers``; the layers reach it through their
     `fastft.runtime.context.LayerContext`).
 
     `collect` opens a collection and yields the list it fills; collections nest, and each record goes to

@@ -14,6 +14,7 @@ import html
 import threading
 import time
 
+from fastft.runtime.model_state import base_model
 from fastft.studio.notices import Panel, button, code_html, code_section, field, row
 from fastft.studio.state import StudioState, Worker
 
@@ -42,7 +43,7 @@ def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
 
 def quantized_base(model) -> str | None:
     """ "4-bit" / "8-bit" when the model's base weights are quantised (merging is refused), else None."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     if getattr(base, "is_loaded_in_4bit", False):
         return "4-bit"
     if getattr(base, "is_loaded_in_8bit", False):
@@ -227,7 +228,7 @@ class ExportPanel(Panel):
         self.worker.start(lambda: self._job(self._save_adapter, folder))
 
     def _save_adapter(self, folder: str) -> str:
-        from fastft.models.export import save_adapter
+        from fastft.models.hf_save import save_adapter
 
         path = save_adapter(self.state.model, folder, self.state.tokenizer)
         self.last_saved = str(path)
@@ -258,7 +259,7 @@ class ExportPanel(Panel):
         self.worker.start(lambda: self._job(self._merge, folder))
 
     def _merge(self, folder: str) -> str:
-        from fastft.models.export import save_merged
+        from fastft.models.hf_save import save_merged
 
         path = save_merged(self.state.model, folder, self.state.tokenizer)
         self.last_saved = str(path)

@@ -135,7 +135,7 @@ class LaunchedRun(RunLifecycle):
     def start(self) -> LaunchedRun:
         """Write the run's files and start torchrun; returns at once (a watcher thread follows it)."""
         from fastft.launch import torchrun_command
-        from fastft.models.export import save_adapter
+        from fastft.models.hf_save import save_adapter
 
         with self._lock:
             if self._status != "created":

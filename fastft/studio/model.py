@@ -16,18 +16,11 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
-from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
-from fastft.runtime.checkpointing import Checkpointing
-from fastft.runtime.state import state_of
-from fastft.studio.model_facts import (
-    ModelFacts,
-    facts_html,
-    fusion_text,
-    model_choices,
-    model_facts,
-    parameter_count_text,
-    unknown_model_hint,
-)
+from fastft.models.facts import ModelFacts, model_choices, model_facts
+from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
+from fastft.runtime.activation_checkpointing import Checkpointing
+from fastft.runtime.model_state import base_model, state_of
+from fastft.studio.facts_html import facts_html, fusion_text, parameter_count_text, unknown_model_hint
 from fastft.studio.notices import (
     LABEL_STYLE,
     Panel,
@@ -44,7 +37,12 @@ from fastft.studio.notices import (
 )
 from fastft.studio.state import PRECISIONS, Debouncer, LoraSettings, StudioState, Worker
 
-__all__ = ["ModelFacts", "ModelPanel", "model_choices", "model_facts"]  # the facts live in model_facts
+__all__ = [
+    "ModelFacts",
+    "ModelPanel",
+    "model_choices",
+    "model_facts",
+]  # the facts live in fastft.models.facts
 
 _WIDE = LABEL_STYLE
 
@@ -386,7 +384,7 @@ class ModelPanel(Panel):
         from fastft.models.patch import patch_report
 
         model = self.state.model
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_model(model)
         self.linear_layers = linear_layer_names(base)
         chosen = getattr(getattr(state_of(model), "lora", None), "target_modules", None)
         self._set_targets(self.linear_layers, chosen)

@@ -87,7 +87,7 @@ class ProcessRun(RunLifecycle):
     ) -> ProcessRun:
         """Write a run folder for the state's model and data (`config`: the `TrainConfig` / `GRPOConfig`
         keyword arguments), ready to `start`. `folder` must be new or empty (`run_folder.fresh_folder`)."""
-        from fastft.models.export import save_adapter
+        from fastft.models.hf_save import save_adapter
 
         folder = Path(folder).expanduser()
         if folder.exists() and any(folder.iterdir()):

@@ -17,7 +17,7 @@ import html
 import threading
 from pathlib import Path
 
-from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
+from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
 from fastft.runtime.host_budget import HOST_BUDGET_FRACTION
 from fastft.studio.notices import LABEL_STYLE, Panel, button, code_html, code_section, field, row
 from fastft.studio.state import PRECISIONS, Debouncer, LoadSettings, StudioState

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         run.start()
         _follow(run, folder, status, stop_asked)
         if run.error is None and run.trainer is not None:
-            from fastft.models.export import save_adapter
+            from fastft.models.hf_save import save_adapter
 
             save_adapter(model, folder / files.TRAINED, overwrite=True)
         status.update(

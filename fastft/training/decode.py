@@ -1,7 +1,7 @@
 """Static-cache sampling for GRPO's rollouts, each decode step replayed from one CUDA graph on a GPU.
 
-Hugging Face ``generate`` spends most of a decode step on the host: a quantised 8B model at 8 rows ran 139 ms
-a token through it on an H200, of which the GPU needed about 21 ms. `StaticDecoder` keeps everything a step
+Hugging Face ``generate`` spends most of a decode step on the host (BENCHMARKS.md, "GRPO step and rollout
+generation"). `StaticDecoder` keeps everything a step
 touches in fixed buffers -- a KV cache of ``width + max_new_tokens`` slots per layer (`StaticKVCache`, which
 writes at a position held in a device tensor), the next tokens, their positions, an additive attention mask
 recomputed on the device each step, the output ids and the finished flags -- so one step is the same kernels on the
@@ -19,8 +19,8 @@ Sampling is ``generate``'s: logits over temperature, nucleus `top_p` (the smalle
 probability reaches `top_p`, at least one), then a draw from the softmax -- as ``argmax(p / E)`` with
 ``E ~ Exp(1)`` per token, which picks token i with probability p_i and needs no host work. The noise is
 drawn into a fixed buffer before each step, outside the graph, from `generator` (`fastft.training.rollout.sample`
-gives each rollout its own, seeded with the step; on an H200, a draw from the default generator forked by
-``fork_rng`` around a capture failed the next rollout's first draw): a seeded rollout draws the same
+gives each rollout its own, seeded with the step; a draw from the default generator forked by ``fork_rng``
+around a capture failed the next rollout's first draw on a GPU): a seeded rollout draws the same
 completions eagerly or replayed, and every run of the same seed the same ones.
 
 A row stops at its first stop token (kept) and pads after it. The host reads the finished flags every 16
@@ -29,11 +29,8 @@ once at most half the batch is still running the finished rows leave it (`compac
 the KV cache are cut to the live rows, a new graph is captured for the smaller batch, and what the dropped
 rows drew stays in the results. The noise is drawn for every row and gathered for the live ones, so
 compacting changes the work a step does and never what it draws: a group's short answers stop costing
-decode work once they end instead of riding along with the longest one. Measured (2026-12-03): on the CPU,
-rollouts of 8 skills prompts x 16 were 1.2-1.4x faster; on an H200, a Llama-3.2-1B-shape decode (bf16,
-random weights, 128-token prompts, about one token in a hundred ends a row) took the same time at 64 rows
-x 384 tokens, 2.0x less at 256 x 384 and 2.6-4x less at 256 x 1024, each compaction costing two eager
-steps and one capture. The finished check reads `is_stop`, a table over the vocabulary, not ``torch.isin``
+decode work once they end instead of riding along with the longest one (BENCHMARKS.md, "Rollout decode:
+finished rows leave the batch"); each compaction costs two eager steps and one capture. The finished check reads `is_stop`, a table over the vocabulary, not ``torch.isin``
 (which sorts, syncing the host, for a large stop set: the capture then failed).
 
 `supports(model)` says whether a model can decode this way: a plain causal decoder whose layers all attend alike, to the full sequence or within one sliding window (Mistral's),
@@ -47,7 +44,7 @@ import warnings
 
 import torch
 
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import base_model, model_state
 from fastft.training.graph import GraphCaptureWarning, _warmup_stream
 
 # decoders whose layers write their KV through `cache.update(key, value, layer_idx, ...)`, rotate with the
@@ -58,7 +55,7 @@ _FINISHED_CHECK_EVERY = 16
 
 
 def _config(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return base, base.config
 
 
@@ -199,7 +196,7 @@ class StaticDecoder:
         self._draws_noise = choose is None
         self.generator = generator  # of the noise (None: the default one)
         # a method, not a lambda over self: a cycle would keep the decoder, and its KV cache, until the garbage
-        # collector runs (on the 8B shape, 0.75 GiB per rollout left alive through the training step)
+        # collector runs, alive through the training step (BENCHMARKS.md, "GRPO step and rollout generation")
         self._choose, self.temperature, self.top_p = choose, temperature, top_p
         self.pad = pad
         # a lookup table, not torch.isin: isin sorts (a host sync, which breaks a capture) for large stop sets

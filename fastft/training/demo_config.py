@@ -88,7 +88,7 @@ class DemoConfig:
                 raise SettingError(
                     f"{name.replace('_', '-')} must be a non-empty text, got {getattr(self, name)!r}."
                 )
-        from fastft.runtime.checkpointing import Checkpointing
+        from fastft.runtime.activation_checkpointing import Checkpointing
 
         Checkpointing.parse(self.gradient_checkpointing)  # raises naming the modes
         if self.device is not None:

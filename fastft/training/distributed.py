@@ -47,15 +47,14 @@ import torch
 import torch.distributed as dist
 
 from fastft.checks import SettingError
+from fastft.runtime.model_state import base_model
 
 SHARDINGS = ("ddp", "fsdp")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 # What does not run under FSDP2, and why (checked when the trainer starts; each refusal names its fix).
-# `python -m fastft.bench.fsdp_limits` forces each past the refusal under torchrun. The quantised base was
-# measured there (one NCCL rank on an H100, 2026-12-06, benchmarks/fsdp_limits_1rank_h100_2026-12-06.json):
-# `fully_shard` itself raises; the graph's capture, once 16-bit FSDP2 trained, in the session after
-# (benchmarks/fsdp_limits_1rank_h100_2026-12-06b.json).
+# `python -m fastft.bench.fsdp_limits` forces each past the refusal under torchrun; what each did there is in
+# BENCHMARKS.md, "Several GPUs".
 FSDP_LIMITS = {
     "cuda_graph": "FSDP2 all-gathers each layer's weights in its forward pre-hook and frees them after, from "
     "Python hooks with allocations of their own that a captured graph would not repeat, so the step runs "
@@ -326,7 +325,7 @@ def shard_model(model: torch.nn.Module, parallel: Distributed) -> None:
     # The root is the decoder, not the causal LM: fastft's loss calls the decoder and then the fused
     # cross-entropy on the head's weight directly (no head forward, so no FSDP hook would gather it). The
     # output head stays replicated (frozen, vocab x hidden), and a tied embedding with it.
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     head = base.get_output_embeddings()
     tied = {head.weight} if head is not None and head.weight is base.get_input_embeddings().weight else set()
     fully_shard(base.get_decoder(), mesh=mesh, ignored_params=tied or None)

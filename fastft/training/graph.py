@@ -2,10 +2,9 @@
 
 Why: on a fast GPU a LoRA step is often bound by the host, not the GPU. Every kernel launch, autograd
 node and Python wrapper costs microseconds on the CPU; a step of a small or sparse model launches
-thousands of them, and the GPU waits. Measured on an H200 (Qwen3-30B-A3B cut to 12 layers, LoRA r=16 on
-attention and experts, 2 x 2,048 tokens, recompute): the step's kernels take 69 ms, the eager step
-104 ms; the same forward and backward replayed as one CUDA graph runs the step in 69 ms (1.5x), and
-with LoRA on attention only 2.1x. A replay is one launch, whatever the model does inside.
+thousands of them, and the GPU waits: the eager MoE step is host-bound, the replayed one runs at its
+kernels' time (BENCHMARKS.md, "Mixture of experts step"). A replay is one launch, whatever the model does
+inside.
 
 What a graph needs, and how the step provides it:
 
@@ -136,7 +135,7 @@ _WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
-    """One warm-up stream per device for every capture: cuBLAS keeps a workspace (64 MiB on an H200) for
+    """One warm-up stream per device for every capture: cuBLAS keeps a workspace for
     each stream it has run on, for the life of the process, so a new stream per capture leaked one."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _WARMUP_STREAMS:

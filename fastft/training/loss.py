@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from fastft.data.batch import PackedBatch
 from fastft.models.patch import is_fused
 from fastft.runtime.attention import choose_backend, is_patched, mask_marker
+from fastft.runtime.model_state import base_model
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -68,20 +69,18 @@ def _target_losses(model: torch.nn.Module, batch: PackedBatch, reduction: str) -
 
 
 def _asks_for_router_logits(model: torch.nn.Module) -> bool:
-    from peft import PeftModel
 
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     return bool(getattr(getattr(base, "config", None), "output_router_logits", False))
 
 
 def router_aux_loss_coefficient(model: torch.nn.Module) -> float | None:
     """``router_aux_loss_coef`` when the model's config asks for the router's load-balancing loss
     (``output_router_logits``, transformers' switch) and the model is training; else None."""
-    from peft import PeftModel
 
     if not (model.training and _asks_for_router_logits(model)):
         return None
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     # transformers' MoE heads copy the coefficient from the config at construction and read their copy
     return float(getattr(base, "router_aux_loss_coef", getattr(base.config, "router_aux_loss_coef", 0.0)))
 
@@ -90,12 +89,11 @@ def _with_router_aux_loss(model: torch.nn.Module, batch: PackedBatch, coefficien
     """The summed cross-entropy plus ``coefficient * aux * trained tokens``: divided by the trained-token
     count (as the caller does) this is transformers' ``loss + router_aux_loss_coef * aux_loss``, with the
     load-balancing loss pooled over every MoE layer of this batch (`fastft.runtime.routing`)."""
-    from peft import PeftModel
 
     from fastft.models.moe import collect_moe_router_stats
     from fastft.runtime.routing import load_balancing_loss
 
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     # under offloaded checkpointing each layer hands its statistics out as outputs of its autograd node
     # (`fastft.runtime.offload`), so the gradient reaches the routers in every checkpointing mode
     with collect_moe_router_stats(base) as stats:
@@ -129,11 +127,10 @@ def _fused_loss_sum(
     """The decoder's hidden states at the trained positions, then fused linear cross-entropy over the
     output head: the ``[tokens, vocab]`` logits never exist. None when the head is not a plain linear
     layer (the caller then takes the eager path)."""
-    from peft import PeftModel
 
     from fastft.kernels.fused_linear_ce import fused_linear_cross_entropy
 
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     head = _linear_head(base.get_output_embeddings())
     if head is None or not hasattr(base, "get_decoder"):
         return None

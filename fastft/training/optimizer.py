@@ -4,10 +4,9 @@ PyTorch's Adam and AdamW make their moment estimates lazily, in the first `step(
 forward and backward have filled the caching allocator's segments with activations and freed them, so
 each state tensor above the small-block size (1 MiB; a LoRA B of 14,336 × 32 in fp32 is 1.75 MiB) is
 carved out of a large freed segment. Those segments can no longer be released, and their remainders are
-a little too small for the next step's largest activations. That is the likely cause of issue 24's held-out
-Qwen3-4B and 8B runs training step 1 near a memory cap and running out of memory in step 2, with the cap
-reserved but 0.65-0.91 GiB of it not allocated (not yet confirmed on a GPU since this change). Made at
-setup, the state lies beside the weights and the activation segments stay whole.
+a little too small for the next step's largest activations: near a memory cap, step 1 trains and step 2 runs
+out with the cap reserved but not allocated (docs/journal.md, "Long context as BENCHMARKS.md recorded it").
+Made at setup, the state lies beside the weights and the activation segments stay whole.
 
 `adamw` builds the optimizer and makes its state at once, exactly as the first `step()` would have made it
 (the same keys, dtypes and devices), so every step after is bitwise the same.

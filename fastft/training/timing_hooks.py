@@ -27,8 +27,8 @@ import warnings
 
 import torch
 
+from fastft.runtime.model_state import model_state, state_of
 from fastft.runtime.offload import no_span, offloader_of
-from fastft.runtime.state import model_state, state_of
 from fastft.training.timing import _BACKWARD, _FORWARD, StepProfile
 
 _ATTENTION = ("self_attn", "attention", "attn")

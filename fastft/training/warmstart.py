@@ -1,7 +1,7 @@
 """How the `tiny-llama` preset's shipped weights are made.
 
 LoRA adapts a network that already computes something; on random weights it learns almost
-nothing in a CPU minute (measured: loss 6.3 → 4.7 in 200 steps, where full training reaches 1.2).
+nothing in a CPU minute (docs/journal.md, "Measurements once quoted in code comments").
 So `tiny-llama` ships weights trained in full on the skill families, answering in its own wording,
 answer first ("7000 m is the answer."), with no system prompt, never on a held-out eval prompt. Three
 tasks (`WEAK_TASKS`: unit conversion, sorting, first letters) get only one row in `WEAK_EVERY`, so

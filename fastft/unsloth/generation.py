@@ -88,7 +88,7 @@ _calls = itertools.count()
 def save_lora(model, save_directory: str | os.PathLike) -> Path:
     """Unsloth's ``model.save_lora(folder)``: the adapter (``adapter_config.json``, ``adapter_model.safetensors``),
     written as `fastft.save_adapter` writes it (a folder fastft wrote is replaced, any other refused)."""
-    from fastft.models.export import save_adapter
+    from fastft.models.hf_save import save_adapter
 
     return save_adapter(model, save_directory)
 

@@ -53,7 +53,7 @@ def save_pretrained_merged(
     wrote there): they are kept, and a file of the same name with other bytes is refused, naming it."""
     import torch
 
-    from fastft.models.export import save_adapter, save_merged
+    from fastft.models.hf_save import save_adapter, save_merged
 
     _refuse_push(kwargs, "save_pretrained_merged", "push_to_hub_merged")
     overwrite = bool(kwargs.pop("overwrite", False))
@@ -61,7 +61,7 @@ def save_pretrained_merged(
     if save_method == "lora":
         return save_adapter(model, save_directory, tokenizer, overwrite=overwrite)
     if save_method == "merged_16bit":
-        from fastft.runtime.state import is_quantised
+        from fastft.runtime.model_state import is_quantised
 
         dtype = torch.float16 if getattr(model, "dtype", None) == torch.float16 else torch.bfloat16
         if is_quantised(model):

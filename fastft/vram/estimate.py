@@ -1,7 +1,7 @@
 """`estimate_vram`: will this LoRA/QLoRA run fit on that GPU, and what takes the memory?
 
 The estimate is a sum of named components, each an explicit formula over the architecture (see
-`fastft.vram.activations` for the activations). A training step has two memory peaks, and the larger wins:
+`fastft.vram.activation_bytes` for the activations). A training step has two memory peaks, and the larger wins:
 
 - **loss**: every stored activation plus the logits and the loss's buffers (and the final norm's saved
   input, which the loss's backward frees before any layer's), just before backward starts;
@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from fastft.kernels import tiling
-from fastft.runtime.checkpointing import Checkpointing
+from fastft.runtime.activation_checkpointing import Checkpointing
 from fastft.runtime.host_budget import layers_that_fit, pinnable_bytes, pinned_bytes
-from fastft.vram import activations as act
-from fastft.vram.activations import Profile
+from fastft.vram import activation_bytes as act
+from fastft.vram.activation_bytes import Profile
 from fastft.vram.gpus import DEFAULT_CONTEXT_BYTES, GiB, GpuSpec, MiB
 from fastft.vram.inventory import ModelInventory
 from fastft.vram.result import VramComponent, VramEstimate, VramEstimateError, VramSettings, _count
@@ -44,18 +44,17 @@ NF4_NESTED_BLOCK = 256
 FUSED_CE_CHUNK_BYTES = 2**28
 # cuBLAS workspaces PyTorch allocates through its caching allocator and keeps for the process: 32 MiB on
 # Hopper and newer, one per (cuBLAS handle, stream), and handles are per thread -- the forward runs on the
-# Python thread, backward on autograd's device thread: two. `fastft bench vram` saw 0.0645 GiB stay
-# allocated once the first configuration was freed, in every later one.
+# Python thread, backward on autograd's device thread: two (`fastft bench vram` sees them stay allocated
+# once the first configuration is freed).
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * MiB
 # Caching-allocator slack at the peak (reserved − allocated): a fraction of what is allocated and freed
 # during the step, plus a floor. To be calibrated from `fastft bench vram` (its "reserved" column).
 SLACK_FRACTION = 0.05
 SLACK_FLOOR_BYTES = 64 * MiB
 # ... and at least the step's largest transient block under PyTorch's default caching allocator, which in
-# step 1 of a fresh process can hold that much free only as smaller fragments (H100, 2026-12-06: Llama-3.2-1B
-# bf16 at 50,176 tokens under 8 GiB failed a 0.77 GiB MLP request with the allocated estimate 0.33 GiB
-# under the cap; with expandable segments, which map blocks into one address range, the same length
-# trained). `allocator_fragments` says which allocator the process runs.
+# step 1 of a fresh process can hold that much free only as smaller fragments (with expandable segments,
+# which map blocks into one address range, it need not; docs/journal.md, "Design history", "The allocator").
+# `allocator_fragments` says which allocator the process runs.
 
 
 # -- the estimate --------------------------------------------------------------------------------------------

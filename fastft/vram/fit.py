@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastft.vram import activations as act
+from fastft.vram import activation_bytes as act
 from fastft.vram.estimate import estimate_vram
 from fastft.vram.gpus import GPUS, GiB, GpuSpec
 from fastft.vram.inventory import inventory_of

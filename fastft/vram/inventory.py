@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastft.models.errors import ModelLoadError, UnknownModelError
+from fastft.runtime.model_state import base_model
 
 if TYPE_CHECKING:  # torch and transformers are imported where a model is built or walked: a catalog model's
     import torch  # inventory comes from `fastft.vram.catalog_cache` without either
@@ -277,7 +278,7 @@ def _inventory_of_own_code(config, name: str) -> ModelInventory:
 
 
 def _inventory_of_loaded(model: torch.nn.Module) -> ModelInventory:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     info = getattr(model, "fastft_info", None) or getattr(base, "fastft_info", None)
     name = getattr(info, "name", None) or getattr(base.config, "name_or_path", "") or base.config.model_type
     return _walk(base, base.config.get_text_config(), name, loaded=_loaded_state(model, base))
@@ -467,7 +468,7 @@ def _quant_constant_bytes(parameter: torch.Tensor) -> int:
 def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelState:
     import torch
 
-    from fastft.runtime.state import state_of
+    from fastft.runtime.model_state import state_of
 
     quantization = None
     weight_bytes = constants = lora_params = lora_bytes = 0

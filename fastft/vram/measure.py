@@ -36,7 +36,7 @@ def resident_memory(
     for a side-by-side), and on any device; `device` defaults to the first parameter's."""
     import torch
 
-    from fastft.runtime.state import base_model, model_state
+    from fastft.runtime.model_state import base_model, model_state
 
     parameters = list(model.parameters())
     if device is None:
@@ -179,9 +179,8 @@ def build_random_model(name: str, precision: str = "bf16", device: torch.device 
     The quantised weights are made as loading makes them: each from a host copy, one at a time, after
     every 16-bit projection has left the device. Quantised where the whole 16-bit model lay, each small
     persistent NF4 tensor took the tail of a freed 16-bit weight's segment (best fit), and those segments
-    could never be released: on Qwen2.5-1.5B, 1.2 GiB of a 6 GiB cap sat free in pieces of 26 MiB when a
-    long-context step asked for 225 MiB (2026-12-06, the out-of-memory observer of `fastft bench
-    long-context --snapshot`), something a loaded hub model does not have.
+    could never be released (docs/journal.md, "The bench's own fragments"), something a loaded hub model
+    does not have.
     """
     import torch
 

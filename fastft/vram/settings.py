@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fastft.runtime.checkpointing import (
+from fastft.runtime.activation_checkpointing import (
     BY_MEMORY,
     KEEP_FROM_LENGTH,
     KEEP_QUANTISED_FROM_LENGTH,
     Checkpointing,
     CheckpointingError,
 )
-from fastft.vram import activations as act
-from fastft.vram.activations import Profile
+from fastft.vram import activation_bytes as act
+from fastft.vram.activation_bytes import Profile
 from fastft.vram.gpus import GpuSpec, detect_gpu, get_gpu
 from fastft.vram.inventory import ModelInventory, inventory_of
 from fastft.vram.result import VramEstimateError

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("ipywidgets")
 
 import fastft  # noqa: E402
-from fastft.runtime.state import model_state  # noqa: E402
+from fastft.runtime.model_state import model_state  # noqa: E402
 from fastft.studio.data import DataPanel, uploaded_files  # noqa: E402
 from fastft.studio.model import ModelPanel, model_facts  # noqa: E402
 from fastft.studio.state import LoraSettings, StudioState  # noqa: E402

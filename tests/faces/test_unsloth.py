@@ -13,7 +13,7 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 import fastft
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 from fastft.unsloth import FastLanguageModel, FastModel, is_bfloat16_supported
 from fastft.unsloth.chat_templates import get_chat_template, train_on_responses_only
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastft
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 from fastft.unsloth import FastLanguageModel, FastModel
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

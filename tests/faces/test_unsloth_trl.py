@@ -12,7 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 from fastft.unsloth import (
     FastLanguageModel,
     PatchDPOTrainer,

@@ -12,10 +12,10 @@ import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import fastft
+from fastft.models.facts import model_facts
 from fastft.models.fusion import FusionPlan, plan
 from fastft.models.patch import UnfusedWarning, patch
-from fastft.studio.model_facts import model_facts
-from fastft.vram import activations as act
+from fastft.vram import activation_bytes as act
 from fastft.vram import estimate_vram
 from fastft.vram.inventory import inventory_of
 

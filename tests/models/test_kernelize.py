@@ -21,7 +21,7 @@ import torch
 import fastft
 from fastft.data.batch import PackedBatch
 from fastft.models.patch import UnfusedWarning, patch, patch_report, unpatch
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 from fastft.training.loss import causal_lm_loss_sum
 
 pytest.importorskip("kernels")

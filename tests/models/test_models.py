@@ -25,7 +25,7 @@ from fastft.models.lora import (
     trainable_parameter_count,
 )
 from fastft.models.presets import FAMILY_CHATS, PRESETS
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 
 PROMPT = [
     {"role": "user", "content": "Reverse the letters of 'lemon'."},

@@ -26,8 +26,8 @@ from fastft.models.moe import (
     moe_block_info,
 )
 from fastft.models.patch import UnfusedWarning, patch, unpatch
+from fastft.runtime.model_state import model_state
 from fastft.runtime.routing import RouterSpec, build_routing_plan
-from fastft.runtime.state import model_state
 from fastft.training.loss import causal_lm_loss_sum
 
 MOE_PRESETS = ("tiny-moe", "tiny-mixtral", "tiny-gpt-oss")

@@ -18,7 +18,7 @@ from fastft.data.batch import PackedBatch
 from fastft.kernels import use_triton
 from fastft.models.patch import UnfusedWarning, is_fused, patch, unpatch
 from fastft.runtime.attention import patch_packed_attention
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 from fastft.training.loss import causal_lm_loss_sum
 
 PRESETS = ("tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-moe", "tiny-mixtral")

@@ -15,7 +15,7 @@ import torch
 import fastft
 from fastft.data.skills import generate
 from fastft.training.trainer import TrainConfig, Trainer
-from fastft.vram import activations as act
+from fastft.vram import activation_bytes as act
 from fastft.vram.settings import resolve_run
 
 pytest.importorskip("bitsandbytes")

@@ -23,7 +23,7 @@ from fastft.runtime.attention import (
     patch_packed_attention,
     unpatch_packed_attention,
 )
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 from fastft.training.loss import causal_lm_loss_sum
 
 LENGTHS = (7, 31, 64, 3, 97)  # ragged, one longer than the window below

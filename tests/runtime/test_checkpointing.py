@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fastft.runtime.checkpointing import BY_MEMORY, KINDS, Checkpointing, CheckpointingError
-from fastft.runtime.state import model_state
+from fastft.runtime.activation_checkpointing import BY_MEMORY, KINDS, Checkpointing, CheckpointingError
+from fastft.runtime.model_state import model_state
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from fastft.runtime.context import (
     keep_names,
     layer_context,
 )
-from fastft.runtime.state import model_state, state_of
+from fastft.runtime.model_state import model_state, state_of
 from fastft.training.loss import causal_lm_loss_sum
 
 

@@ -589,7 +589,7 @@ def test_quantised_bases_keep_attention_only_for_long_sequences_that_fit(monkeyp
     attention output (not o_proj's) only for layer calls of `KEEP_QUANTISED_FROM_LENGTH` tokens and more, and
     only where the VRAM estimate with it fits the device, asked once per token count; `keep_attention=True`
     keeps everything. The estimator follows the same default."""
-    from fastft.runtime.checkpointing import KEEP_QUANTISED_FROM_LENGTH as LONG
+    from fastft.runtime.activation_checkpointing import KEEP_QUANTISED_FROM_LENGTH as LONG
 
     model = _model(mode="offload")
     assert offload.enable_offload(model).policy.settings() == (frozenset(KEEPS), 0, False)

@@ -564,7 +564,7 @@ def test_resident_memory_itemises_what_a_run_holds_between_steps(monkeypatch):
     module buffers, fastft's compute copies and offload buffers, each storage counted once."""
     import fastft
     from fastft.kernels.lora import AdapterComputeCopies
-    from fastft.runtime.state import base_model, model_state
+    from fastft.runtime.model_state import base_model, model_state
     from fastft.vram.measure import resident_memory
 
     model, _ = fastft.load_model("tiny-llama")
@@ -607,16 +607,16 @@ def test_resident_memory_itemises_what_a_run_holds_between_steps(monkeypatch):
 
 
 def test_the_sft_records_compare_fastft_and_unsloth_on_one_optimizer():
-    """Issue 23's memory gap, itemised (benchmarks/sft_llama8b_bf16_resident_h100_2026-12-06.json): the same
+    """Issue 23's memory gap, itemised (benchmarks/results/sft/llama3.1-8b_bf16_h100_2026-12-06_resident.json): the same
     frozen weights and adapters on both sides, and Unsloth's optimizer states a quarter of fastft's (its
     default 8-bit AdamW): 0.23 GiB of the peaks' 0.25 GiB gap, the adapter compute copies (0.08) the rest. With fp32 AdamW everywhere
-    (benchmarks/sft_llama8b_bf16_same_optimizer_h100_2026-12-06.json) Unsloth's peak rises by that difference,
+    (benchmarks/results/sft/llama3.1-8b_bf16_h100_2026-12-06_same-optimizer.json) Unsloth's peak rises by that difference,
     and fastft's final peaks are below it."""
     import json
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[2] / "benchmarks"
-    snapshot = json.loads((folder / "sft_llama8b_bf16_resident_h100_2026-12-06.json").read_text())
+    folder = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "sft"
+    snapshot = json.loads((folder / "llama3.1-8b_bf16_h100_2026-12-06_resident.json").read_text())
     held = {r["system"]: r["live_at_peak"]["resident_before"] for r in snapshot["results"]}
     peaks = {r["system"]: r["peak_gib"] for r in snapshot["results"]}
     assert held["fastft"]["frozen weights"] == held["unsloth"]["frozen weights"]
@@ -626,7 +626,7 @@ def test_the_sft_records_compare_fastft_and_unsloth_on_one_optimizer():
     assert held["unsloth"]["optimizer states"] < held["fastft"]["adapters"] // 1.9  # 1 byte each, and scales
     assert optimizer_gap / 2**30 > 0.9 * (peaks["fastft"] - peaks["unsloth"]) > 0  # 0.23 of 0.25 GiB
 
-    same = json.loads((folder / "sft_llama8b_bf16_same_optimizer_h100_2026-12-06.json").read_text())
+    same = json.loads((folder / "llama3.1-8b_bf16_h100_2026-12-06_same-optimizer.json").read_text())
     unsloth = next(r for r in same["same_optimizer"]["results"] if r["system"] == "unsloth")
     assert same["same_optimizer"]["settings"]["optimizer"].startswith("AdamW, fp32 states")
     assert abs(unsloth["peak_gib"] - (peaks["unsloth"] + optimizer_gap / 2**30)) < 0.01
@@ -640,8 +640,8 @@ def test_the_sft_records_compare_fastft_and_unsloth_on_one_optimizer():
 @pytest.mark.parametrize(
     ("record", "bars"),
     [
-        ("sft_llama8b_dense_h100_2026-12-06b.json", {"bf16": 1.30, "nf4": 1.30}),
-        ("sft_qwen3moe12_bf16_h100_2026-12-06.json", {"bf16": 1.6}),
+        ("llama3.1-8b_bf16+nf4_h100_2026-12-06.json", {"bf16": 1.30, "nf4": 1.30}),
+        ("qwen3-30b-a3b-12l_bf16_h100_2026-12-06.json", {"bf16": 1.6}),
     ],
 )
 def test_the_sft_records_meet_issue_23_s_bars_in_one_call(record, bars):
@@ -651,7 +651,9 @@ def test_the_sft_records_meet_issue_23_s_bars_in_one_call(record, bars):
     import json
     from pathlib import Path
 
-    result = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / record).read_text())
+    result = json.loads(
+        (Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "sft" / record).read_text()
+    )
     assert result["settings"]["optimizer"].startswith("AdamW, fp32 states")
     by = {(r["workload"], r["system"]): r for r in result["results"]}
     assert {workload for workload, _ in by} == set(bars)
@@ -679,14 +681,16 @@ def test_resident_memory_matches_a_bare_cuda_device_to_its_tensors(monkeypatch):
 def test_kernel_totals_profiles_the_step_worker_of_the_current_directory_and_diffs_two_runs(
     tmp_path, monkeypatch, capsys
 ):
-    """`benchmarks/kernel_totals.py` (the tool for a percent between two commits' steps) on the CPU: it runs
+    """`benchmarks/scripts/kernel_totals.py` (the tool for a percent between two commits' steps) on the CPU: it runs
     the step bench's worker under the profiler, lists operators by their own time with launch counts, and
     `--compare` lines two runs up by name (the HF + PEFT worker: the tool, not the kernels, is under test)."""
     import importlib.util
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("kernel_totals", root / "benchmarks" / "kernel_totals.py")
+    spec = importlib.util.spec_from_file_location(
+        "kernel_totals", root / "benchmarks" / "scripts" / "kernel_totals.py"
+    )
     kernel_totals = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernel_totals)
     model, tokenizer = fastft.load_model("tiny-llama")
@@ -764,7 +768,7 @@ def _fake_tree(root, name, speeds):
 
 
 def test_step_ab_alternates_two_trees_abba_and_reads_the_ratio_against_each_side_s_spread(tmp_path, capsys):
-    """`benchmarks/step_ab.py` (issue 23's "nothing regresses" needs a percent read against noise) runs each
+    """`benchmarks/scripts/step_ab.py` (issue 23's "nothing regresses" needs a percent read against noise) runs each
     tree's `fastft bench step` in turn, ABBA, imports fastft from that tree, forwards what follows ``--``, and
     calls a ratio slower or faster only outside both sides' own spread; a failed run is reported, not fatal."""
     import importlib.util
@@ -773,7 +777,7 @@ def test_step_ab_alternates_two_trees_abba_and_reads_the_ratio_against_each_side
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("step_ab", root / "benchmarks" / "step_ab.py")
+    spec = importlib.util.spec_from_file_location("step_ab", root / "benchmarks" / "scripts" / "step_ab.py")
     step_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(step_ab)
     assert step_ab.order(3) == [

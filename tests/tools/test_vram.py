@@ -28,7 +28,7 @@ from fastft.vram import (
     max_context,
     measure,
 )
-from fastft.vram import activations as act
+from fastft.vram import activation_bytes as act
 from fastft.vram.gpus import GiB, MiB
 from fastft.vram.inventory import inventory_of
 
@@ -363,7 +363,7 @@ def test_bitsandbytes_8bit_matmul_keeps_input_and_outlier_columns_through_checkp
 
 
 def test_recorded_h200_peaks_and_longest_context_are_reproduced(monkeypatch):
-    """The estimate against `fastft bench vram`'s H200 run (benchmarks/vram.json, offloading
+    """The estimate against `fastft bench vram`'s H200 run (benchmarks/results/vram/several_bf16+int8+nf4_h200_2026-11-30.json, offloading
     without kept attention outputs and without adapter compute copies, which came later, and with the MLP
     tiled only from 1 GiB per [rows, I] tensor and its backward's dh made whole, as they then were): every peak within 2.5 %, every longest
     context at most the one that trained and at most one 512-token step (or 5 %) below it -- the prediction
@@ -375,7 +375,15 @@ def test_recorded_h200_peaks_and_longest_context_are_reproduced(monkeypatch):
     monkeypatch.setattr(tiling, "TILE_FROM_BYTES", 1 << 30)
     monkeypatch.setattr(tiling, "DH_SLICE_BYTES", 1 << 62)
 
-    recorded = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "vram.json").read_text())
+    recorded = json.loads(
+        (
+            Path(__file__).resolve().parents[2]
+            / "benchmarks"
+            / "results"
+            / "vram"
+            / "several_bf16+int8+nf4_h200_2026-11-30.json"
+        ).read_text()
+    )
     errors = {}
     for row in recorded["peaks"]:
         estimate = estimate_vram(
@@ -440,7 +448,7 @@ def test_estimate_fits_and_training_share_one_checkpointing_default():
 
     from fastft.cli import build_parser
     from fastft.models.lora import add_lora
-    from fastft.runtime.checkpointing import Checkpointing
+    from fastft.runtime.activation_checkpointing import Checkpointing
 
     training = inspect.signature(add_lora).parameters["gradient_checkpointing"].default
     assert inspect.signature(estimate_vram).parameters["checkpointing"].default == training == "auto"

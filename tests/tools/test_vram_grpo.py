@@ -34,8 +34,8 @@ def test_the_rollout_holds_a_kv_cache_of_every_row_and_the_update_trains_the_com
 
 
 def test_the_estimate_is_near_the_measured_grpo_step():
-    """`fastft bench grpo` on an H200 (BENCHMARKS.md, 2026-12-02): one GRPO step of the Llama-3.1-8B shape
-    in NF4, G=8, 256-token prompt, 512-token completions peaked at 6.98 GiB allocated in the full run, and at
+    """`fastft bench grpo` on an H200 (BENCHMARKS.md, "GRPO step and rollout generation"; the 2026-12-02
+    runs in docs/journal.md): one GRPO step of the Llama-3.1-8B shape in NF4, G=8, 256-token prompt, 512-token completions peaked at 6.98 GiB allocated in the full run, and at
     8.18 GiB in a later fastft-only run after the decoder's noise moved out of the graph (unexplained: the
     noise buffer is 4 MiB). The estimate (7.18 GiB) lies between them: 12 % under the later one, an open
     gap, so the bound here is 15 % of it."""

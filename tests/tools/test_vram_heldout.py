@@ -1,6 +1,6 @@
 """`max_context` against long-context runs it was not tuned on (issue 24's held-out set).
 
-`benchmarks/long_context_heldout_2026-12-05.json` records, for four configurations the estimator's constants
+`benchmarks/results/long-context/several_bf16+nf4_h100_2026-12-05_heldout.json` records, for four configurations the estimator's constants
 were never fitted to, `max_context`'s answer and the answer + 5 % trained on a GPU under the cap
 (`fastft.bench.long_context`), with PyTorch's default caching allocator and with expandable segments; and
 the configuration it was tuned on (Llama-3.1-8B QLoRA under 24 GiB) beside them. The held-out four:
@@ -10,15 +10,15 @@ the configuration it was tuned on (Llama-3.1-8B QLoRA under 24 GiB) beside them.
 - Qwen3-4B NF4 under 8 GiB;
 - Qwen3-8B NF4 under 12 GiB.
 
-`benchmarks/long_context_heldout_2026-12-06.json` is the same set re-run after two fixes, with the default
-allocator only. `benchmarks/long_context_tiled_2026-12-06.json` holds that re-run's failing answers recorded
+`benchmarks/results/long-context/several_bf16+nf4_h100_2026-12-06_heldout.json` is the same set re-run after two fixes, with the default
+allocator only. `benchmarks/results/long-context/several_bf16+nf4_h100_2026-12-06_tiled.json` holds that re-run's failing answers recorded
 step by step (`--snapshot`), then the same four at the answers after the MLP tiled from 256 MiB and the
 allocator slack grew to the step's largest block, and two configurations new to the estimator:
 
 - Qwen3-1.7B bf16 under 8 GiB;
 - Qwen2.5-1.5B NF4 under 6 GiB.
 
-`benchmarks/long_context_heldout_2026-12-06c.json` and `-06d.json` hold the later runs: the held-out answers
+`benchmarks/results/long-context/several_nf4_h100_2026-12-06_heldout-c.json` and `…heldout-d.json` hold the later runs: the held-out answers
 with the adapter copies off, Qwen2.5's failures under the default allocator, and what caused them (the bench
 quantised its random model where the 16-bit weights had lain on the device; fixed in
 `fastft.vram.measure.build_random_model`).
@@ -35,7 +35,10 @@ from fastft.vram import capped_gpu, max_context
 
 GiB = 2**30
 RECORD = json.loads(
-    (Path(__file__).resolve().parents[2] / "benchmarks" / "long_context_heldout_2026-12-05.json").read_text()
+    (
+        Path(__file__).resolve().parents[2]
+        / "benchmarks/results/long-context/several_bf16+nf4_h100_2026-12-05_heldout.json"
+    ).read_text()
 )
 
 
@@ -97,7 +100,10 @@ def test_the_tuned_on_8b_trains_at_max_contexts_answer_under_the_default_allocat
 
 
 AFTER_FIXES = json.loads(
-    (Path(__file__).resolve().parents[2] / "benchmarks" / "long_context_heldout_2026-12-06.json").read_text()
+    (
+        Path(__file__).resolve().parents[2]
+        / "benchmarks/results/long-context/several_bf16+nf4_h100_2026-12-06_heldout.json"
+    ).read_text()
 )
 
 
@@ -122,7 +128,10 @@ def test_the_fixes_brought_the_allocated_estimate_to_the_measured_peak():
 
 
 TILED = json.loads(
-    (Path(__file__).resolve().parents[2] / "benchmarks" / "long_context_tiled_2026-12-06.json").read_text()
+    (
+        Path(__file__).resolve().parents[2]
+        / "benchmarks/results/long-context/several_bf16+nf4_h100_2026-12-06_tiled.json"
+    ).read_text()
 )
 
 
@@ -206,7 +215,10 @@ def test_max_context_never_promises_a_new_held_out_length_that_ran_out_of_memory
 
 
 LATER = json.loads(
-    (Path(__file__).resolve().parents[2] / "benchmarks" / "long_context_heldout_2026-12-06c.json").read_text()
+    (
+        Path(__file__).resolve().parents[2]
+        / "benchmarks/results/long-context/several_nf4_h100_2026-12-06_heldout-c.json"
+    ).read_text()
 )
 
 
@@ -241,7 +253,10 @@ def test_qwen25_fails_only_under_the_default_allocator_at_an_estimate_above_its_
 
 
 FIXED_BUILD = json.loads(
-    (Path(__file__).resolve().parents[2] / "benchmarks" / "long_context_heldout_2026-12-06d.json").read_text()
+    (
+        Path(__file__).resolve().parents[2]
+        / "benchmarks/results/long-context/several_nf4_h100_2026-12-06_heldout-d.json"
+    ).read_text()
 )
 
 

@@ -274,7 +274,7 @@ def test_gpu_decode_steps_replay_one_graph_that_draws_what_eager_steps_draw():
 @gpu
 @needs_cuda
 def test_gpu_a_decode_step_no_graph_can_hold_decodes_eagerly_with_one_warning():
-    from fastft.runtime.state import model_state
+    from fastft.runtime.model_state import model_state
     from fastft.training.graph import GraphCaptureWarning
 
     model, _ = _model("tiny-llama", device="cuda", dtype=torch.bfloat16)

@@ -29,25 +29,19 @@ ALIASES = {True: "recompute", False: "none", None: "none", "unsloth": "offload",
 # kernel is the one SDPA / varlen would run in training (`_fused_sdp_choice`), called through its ATen
 # op, so the forward and the backward see one kernel's output. On the CPU every gradient is bit-identical
 # to recomputing (tests/runtime/test_offload.py); on the GPU within bf16 rounding, because without keeping the
-# no-grad forward may run another kernel than the recompute (cuDNN vs FlashAttention-2 from 4,096 tokens
-# on the H200) and FlashAttention-2's backward sums dq with atomics. A layer that keeps its attention
+# no-grad forward may run another kernel than the recompute (cuDNN vs FlashAttention-2) and FlashAttention-2's backward sums dq with atomics. A layer that keeps its attention
 # output keeps o_proj's output too (`fastft.models.patch`), so its recompute skips that GEMM as well.
-# Measured on Llama-3.1-8B on the H200: 1 x 16,384 tokens +7.5 % tokens/s (attention alone); 2 x 2,048,
-# graphed steps in one process, three interleaved rounds: 325 -> 320 ms keeping the attention output,
-# -> 313 ms with o_proj's too (+3.7 %), for +94 MB of peak (two device buffers of both). Below
+# Keeping both buys a few percent of a 16-bit step for two device buffers of each (docs/journal.md, "Measurements once quoted in code comments"). Below
 # `KEEP_FROM_LENGTH` the attention forward is cheap beside the copies and buffers, so shorter bins keep
 # nothing.
 #
 # Quantised bases are the memory-first choice: there a layer keeps its attention output (not o_proj's)
 # only for sequences of `KEEP_QUANTISED_FROM_LENGTH` tokens and more, and only where the VRAM estimate
 # with it still fits the device (`fastft.runtime.offload.KeepPolicy`; the estimator answers the same way
-# for ``keep_attention=None``). At those lengths the quadratic attention is most of the step: Llama-3.1-8B
-# NF4 r=32 at 1 x 131,072 tokens under a 24 GiB cap, on the H200, two steps each in one process: 2,755
-# tokens/s recomputing the attention forward, 3,333 keeping it (+21 %). The probe's peak read 19.62 ->
-# 22.64 GiB, but it held the first offloader (and its two 1 GiB layer-input buffers) while the second
-# ran: the keeping run's own cost is the 2 x 1.02 GiB of kept buffers less the 1.02 GiB output the
-# recompute no longer allocates, 19.62 + 1.02 = 20.64 GiB, as the estimator counts it (20.02 -> 21.03
-# GiB estimated). At 163,840 tokens keeping does not fit under 24 GiB, and the run recomputes as before.
+# for ``keep_attention=None``). At those lengths the quadratic attention is most of the step, and keeping its
+# forward is worth about a fifth of the step; its memory is two kept buffers less the output the recompute no
+# longer allocates, as the estimator counts it (the probe: docs/journal.md, "Measurements once quoted in code comments"). Where keeping does not fit (Llama-3.1-8B
+# at 163,840 tokens under 24 GiB), the run recomputes.
 # The constants live here, not in `fastft.runtime.attention`, so the VRAM estimator reads them without torch.
 KEEP_FROM_LENGTH = 2048
 KEEP_QUANTISED_FROM_LENGTH = 32768

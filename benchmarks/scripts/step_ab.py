@@ -3,7 +3,7 @@
 Issue 23 asks that nothing regress against its filing's step figures. Single runs of two commits, one after
 the other, cannot answer that at the percent level: on H100s, in two device calls of one session, the same
 code read 11,669 and 11,752 NF4 tokens/s, and the filing code 12,648 and 12,764 bf16
-(`benchmarks/step_variants_h100_2026-12-06.json`). This script runs each tree's `fastft bench step` worker
+(`benchmarks/results/step/llama3.1-8b_bf16+nf4_h100_2026-12-06_variants.json`). This script runs each tree's `fastft bench step` worker
 alternately, in ABBA order (before, after, after, before, ...), so that drift in the machine's clocks or
 temperature falls on both sides, and reports for every workload:
 
@@ -17,7 +17,7 @@ directory), so a tree can be a `git archive` of any commit:
 
     mkdir filing && git archive e9acf47^ | tar -x -C filing
     cp -r filing/kernels filing/fastft/kernels   # trees from before the re-layering kept kernels/ at the top
-    python benchmarks/step_ab.py --before filing --after . --workloads nf4:2x2048,bf16:2x2048 --rounds 3
+    python benchmarks/scripts/step_ab.py --before filing --after . --workloads nf4:2x2048,bf16:2x2048 --rounds 3
 
 Arguments after ``--`` go to both sides' `fastft bench step` (``-- --cuda-graph off``). Each run is a fresh
 process, so every run loads its model again; the first run saves the random checkpoint both sides reuse. The
@@ -166,7 +166,7 @@ def summarise(runs: list[dict], workloads: list[str]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """The summary as markdown (`fastft.bench.common.markdown_table`, from this script's own repository)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from fastft.bench.common import markdown_table
 
     cells = []

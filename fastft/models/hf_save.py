@@ -18,7 +18,7 @@ import torch
 
 from fastft.atomic import check_destination, recover_folder, replace_folder_atomically
 from fastft.data.hub import hub_offline_while_importing
-from fastft.runtime.state import is_quantised
+from fastft.runtime.model_state import base_model, is_quantised
 
 with hub_offline_while_importing():  # bitsandbytes, which peft imports, asks the hub for a kernel
     from peft import PeftModel
@@ -75,7 +75,7 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     `model` may also be a plain transformers model (no adapters): its own weights come out."""
     from peft.tuners.lora import LoraLayer
 
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     if getattr(base, "is_loaded_in_8bit", False):
         raise ValueError(
             "Merging into an 8-bit base is not supported: load the base in 16-bit (load_in_8bit=False), attach "
@@ -110,7 +110,7 @@ def merged_keys(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The base's state-dict tensors that the merged model keeps, as stored (NF4 packed, no delta added), under
     their merged keys: without PEFT's levels, without LoRA's and bitsandbytes' own tensors, and a module trained
     whole (``modules_to_save``) as its active trained copy under the module's own key."""
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     state = base.state_dict(keep_vars=True)
     # a PeftModel's active adapters (a property there; on a plain transformers model a method of its own)
     active = set(model.active_adapters) if isinstance(model, PeftModel) else {"default"}

@@ -10,9 +10,9 @@ names: quantisation, initialisation).
 
 fastft is imported from the current directory, so the same script profiles an archived commit:
 
-    python benchmarks/kernel_totals.py --workload nf4:2x2048 --cuda-graph off --out /tmp/nf4_new.json
-    (cd old && python ../benchmarks/kernel_totals.py --workload nf4:2x2048 --cuda-graph off --out /tmp/nf4_old.json)
-    python benchmarks/kernel_totals.py --compare /tmp/nf4_old.json /tmp/nf4_new.json
+    python benchmarks/scripts/kernel_totals.py --workload nf4:2x2048 --cuda-graph off --out /tmp/nf4_new.json
+    (cd old && python ../benchmarks/scripts/kernel_totals.py --workload nf4:2x2048 --cuda-graph off --out /tmp/nf4_old.json)
+    python benchmarks/scripts/kernel_totals.py --compare /tmp/nf4_old.json /tmp/nf4_new.json
 
 The checkpoint folder must exist (`fastft bench step` saves it on its first run). `--adapter-copies` and
 `--dh-slice-mib` set fastft's two speed-for-memory switches as `fastft bench step`'s do; a commit older than

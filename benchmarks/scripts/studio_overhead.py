@@ -9,7 +9,7 @@ the machine's load falls on both alike; each run's figure is the median `StepEve
 after the first two (allocation, warm-up), and the median whole run by the wall clock (from start to the
 last event shown, so the work between steps counts too).
 
-    python benchmarks/studio_overhead.py [--steps 40] [--repeats 5] [--live widget] [--json out.json]
+    python benchmarks/scripts/studio_overhead.py [--steps 40] [--repeats 5] [--live widget] [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """StaticDecoder compaction on a GPU: wall time with `compact` off and on, alternated twice per batch shape,
 the same seeded draws (Llama-3.2-1B shape, random bf16 weights, 128-token random prompts, one token in a
-hundred a stop token). Writes $OUT/compact.json (benchmarks/decode-compaction-h200.json: H200, 2026-12-03).
+hundred a stop token). Writes $OUT/compact.json (benchmarks/results/decode-compaction/llama3.2-1b_bf16_h200_2026-12-03.json: H200, 2026-12-03).
 
-    OUT=/tmp/out python benchmarks/decode_compaction.py      # on a CUDA machine
+    OUT=/tmp/out python benchmarks/scripts/decode_compaction.py      # on a CUDA machine
 """
 
 import json
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fastft.bench.step import _fastft_model, save_random_checkpoint
-from fastft.runtime.state import model_state
+from fastft.runtime.model_state import model_state
 from fastft.training.decode import StaticDecoder
 
 out = Path(os.environ.get("OUT", "/tmp/out"))
