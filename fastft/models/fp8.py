@@ -11,7 +11,7 @@ What the weight-format registry points to, one function per question:
 - `BYTES_PER_PARAM` and `scale_bytes(out_features)`: the estimator's bytes (1 byte a weight, one fp32 scale
   per output channel).
 - `dequantized_weight(weight, scale)` and `fp8_scales(model)`: the weights dequantised for export (merge into 16-bit, and
-  GGUF from that, `fastft.models.export.merged_tensors`).
+  GGUF from that, `fastft.models.hf_save.merged_tensors`).
 
 Which projections: the linear layers LoRA can target (`fastft.models.lora.linear_layer_names`: attention
 q/k/v/o, MLP gate/up/down and their kin, shared experts), never the output head, MoE routers, norms or

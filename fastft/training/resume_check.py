@@ -123,7 +123,7 @@ def weight_format(model) -> str:
     """The format of `model`'s frozen base weights: "fp8" (`fastft.models.fp8`), "nf4" or "int8"
     (bitsandbytes), else "16-bit" (bf16, fp16 and fp32 alike: a resume may change the compute dtype)."""
     from fastft.models.fp8 import is_fp8
-    from fastft.runtime.state import base_model
+    from fastft.runtime.model_state import base_model
 
     base = base_model(model)
     if getattr(base, "is_loaded_in_4bit", False):
