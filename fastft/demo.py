@@ -18,6 +18,7 @@ import torch
 
 from fastft.data.loading import load_dataset
 from fastft.data.packing import pack
+from fastft.grpo_demo import GRPOStage, run_grpo_stage
 from fastft.models.export import save_adapter
 from fastft.models.loading import load_model
 from fastft.models.lora import add_lora, trainable_parameter_count
@@ -25,7 +26,6 @@ from fastft.report import RunReport, write_report
 from fastft.training.cpu_threads import choose_training_threads
 from fastft.training.demo_config import DemoConfig
 from fastft.training.evaluate import AccuracyResult, evaluate_accuracy
-from fastft.grpo_demo import GRPOStage, run_grpo_stage
 from fastft.training.progress import ProgressBar
 from fastft.training.trainer import TrainConfig, Trainer, TrainResult
 

@@ -12,8 +12,8 @@ import fastft
 from fastft.bench.common import count_syncs
 from fastft.data.skills import generate
 from fastft.runtime.state import model_state
-from fastft.training.readout import PendingReadout
 from fastft.training.loss import causal_lm_loss_sum
+from fastft.training.readout import PendingReadout
 from fastft.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.gpu

@@ -18,8 +18,8 @@ from fastft.studio.run import RunPanel
 from fastft.studio.run_control import Run, explain
 from fastft.studio.state import LoadSettings, LoraSettings, PackSettings, StudioState
 from fastft.studio.vram import VramPanel
-from fastft.training.objectives import sft as sft_objective
 from fastft.training.events import StepEvent
+from fastft.training.objectives import sft as sft_objective
 from fastft.training.trainer import TrainConfig
 
 SEQ = 128

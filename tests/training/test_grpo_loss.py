@@ -7,8 +7,8 @@ import torch
 
 import fastft
 from fastft.runtime.attention import patch_packed_attention
-from fastft.training.objectives.grpo_loss import GRPOLoss, group_advantages, token_loss_sum
 from fastft.training.loss import target_losses
+from fastft.training.objectives.grpo_loss import GRPOLoss, group_advantages, token_loss_sum
 from fastft.training.objectives.preference import adapters_disabled
 from fastft.training.objectives.rollout import pack_completions
 

@@ -12,9 +12,9 @@ from host_syncs import SyncTrap
 import fastft
 from fastft.checks import SettingError
 from fastft.data.skills import generate
-from fastft.training.objectives import sft as sft_objective
 from fastft.training.checkpoint import list_checkpoints, read_checkpoint
 from fastft.training.events import StepEvent
+from fastft.training.objectives import sft as sft_objective
 from fastft.training.trainer import NonFiniteLossError, TrainConfig, Trainer
 
 ROWS = list(generate(120, seed=7))

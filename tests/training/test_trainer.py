@@ -9,9 +9,9 @@ import torch
 
 import fastft
 from fastft.data.skills import generate
-from fastft.training.objectives import sft as sft_objective
 from fastft.training.checkpoint import list_checkpoints
 from fastft.training.events import EvalEvent, StepEvent
+from fastft.training.objectives import sft as sft_objective
 from fastft.training.trainer import NonFiniteLossError, TrainConfig, Trainer, cosine_with_warmup
 
 ROWS = list(generate(240, seed=11))
