@@ -385,7 +385,9 @@ class Trainer:
 
     def queue_readout(self, values: torch.Tensor, info: dict) -> None:
         """Hand a step's device `values` (``[loss, grad_norm, *metrics]``, then under torchrun the global counts
-        of trained tokens, tokens, padding and pairs) and its host `info` to the events, read when ready."""
+        of trained tokens, tokens, padding and pairs) and its host `info` to the events, read when ready. `info`
+        holds ``step`` (1-based), ``lr``, ``trained``, ``tokens``, ``padding``, ``pairs``, ``micro_batches``,
+        ``replays``, ``epoch``, the stopped `StepTimer` ``timer`` and the profiler's ``timing`` (or None)."""
         self._pending.append(PendingReadout(values, info))
 
     def _found_inf_reduction(self):
