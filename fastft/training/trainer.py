@@ -179,7 +179,7 @@ class Trainer:
         warmup = self.config.warmup
         self.warmup_steps = int(warmup * self.max_steps) if isinstance(warmup, float) else int(warmup)
         if self.config.max_steps is None and self.warmup_steps >= self.max_steps and self.warmup_steps > 0:
-            warn_long_warmup(self.warmup_steps, self.max_steps, stacklevel=5)
+            warn_long_warmup(self.warmup_steps, self.max_steps)
 
     def _set_up_optimizer(self) -> None:
         """Autocast, the fp16 loss scaler, AdamW, the schedule and the step's CUDA graph."""

@@ -43,12 +43,12 @@ class HalfSFT(PackedObjective):
 
 
 def test_a_packed_objective_plugged_in_trains_and_evaluates_on_the_loop():
-    config = TrainConfig(max_steps=2, warmup=0, micro_batch_bins=2, grad_accum_steps=2, learning_rate=1e-3)
+    config = TrainConfig(max_steps=2, warmup=0, micro_batch_bins=1, grad_accum_steps=2, learning_rate=1e-3)
     losses = {}
     for objective in (None, HalfSFT()):  # None: the config's SFT objective
         model, tokenizer = _lora_model()
-        data = fastft.pack(ROWS, tokenizer, 128)
-        trainer = Trainer(model, tokenizer, data, data, config=config, objective=objective)
+        data, held_out = fastft.pack(ROWS[8:], tokenizer, 128), fastft.pack(ROWS[:8], tokenizer, 128)
+        trainer = Trainer(model, tokenizer, data, held_out, config=config, objective=objective)
         evaluated = trainer.evaluate().eval_loss
         result = trainer.train()
         losses[type(trainer.objective).__name__] = (evaluated, result.steps[0].loss)

@@ -10,10 +10,11 @@ checkpoints and exact resume. An objective is an `Objective` subclass that provi
 * ``units_per_step(trainer)``: how many of those units one optimizer step reads (default: the packed trainer's
   ``micro_batch_bins * grad_accum_steps * world_size``), and ``updates_per_step`` (optimizer updates per step,
   which the schedule counts);
-* ``train_step(trainer)``: one step. It reads its units with ``trainer.bins_for_step(trainer.step)``, runs the
-  forward and backward passes under ``trainer.autocast()``, calls ``trainer.update()`` (clip, optimizer and
-  schedule; returns the gradient norm) and ends with ``trainer.queue_readout(values, info)``: the device values
-  ``[loss, grad_norm, *metrics]`` and the step's host facts, read back without a host sync inside the step;
+* ``train_step(trainer)``: one step. It reads its units with ``trainer.units_for_step(trainer.step)`` (or,
+  packed, ``trainer.bins_for_step``), runs the forward and backward passes under ``trainer.autocast()``, calls
+  ``trainer.update()`` (clip, optimizer and schedule; returns the gradient norm) and ends with
+  ``trainer.queue_readout(values, info)``: the device values ``[loss, grad_norm, *metrics]`` and the step's
+  host facts (`Trainer.queue_readout` lists them), read back without a host sync inside the step;
 * ``event_fields(metrics, info)``: the `StepEvent` fields its metrics fill (``preference``, ``grpo``), and
   optionally ``start(trainer)`` (work before the first step: DPO's precomputed reference),
   ``check_world(trainer, world_size)`` (distributed settings it cannot run) and ``captures_graphs(config)``.
