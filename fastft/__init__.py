@@ -115,9 +115,9 @@ _EXPORTS = {
     "NonFiniteLossError": "fastft.training.trainer",
     "StepEvent": "fastft.training.events",
     "EvalEvent": "fastft.training.events",
-    "grpo": "fastft.training.grpo",
-    "GRPOConfig": "fastft.training.grpo",
-    "GRPOTrainer": "fastft.training.grpo",
+    "grpo": "fastft.training.objectives.grpo",
+    "GRPOConfig": "fastft.training.objectives.grpo",
+    "GRPOTrainer": "fastft.training.objectives.grpo",
     "evaluate_accuracy": "fastft.training.evaluate",
     "generate_answers": "fastft.training.evaluate",
     # tools

@@ -18,6 +18,7 @@ import torch
 
 from fastft.data.loading import load_dataset
 from fastft.data.packing import pack
+from fastft.grpo_demo import GRPOStage, run_grpo_stage
 from fastft.models.hf_save import save_adapter
 from fastft.models.loading import load_model
 from fastft.models.lora import add_lora, trainable_parameter_count
@@ -25,7 +26,6 @@ from fastft.report import RunReport, write_report
 from fastft.training.cpu_threads import choose_training_threads
 from fastft.training.demo_config import DemoConfig
 from fastft.training.evaluate import AccuracyResult, evaluate_accuracy
-from fastft.training.grpo_demo import GRPOStage, run_grpo_stage
 from fastft.training.progress import ProgressBar
 from fastft.training.trainer import TrainConfig, Trainer, TrainResult
 
@@ -241,7 +241,7 @@ def _run(config: DemoConfig, log, started_at: float | None) -> DemoResult:
 def _grpo(
     model, tokenizer, train_rows, questions, config: DemoConfig, after: AccuracyResult, log
 ) -> GRPOStage:
-    """``--method grpo``: GRPO from the SFT result (`fastft.training.grpo_demo`), with its own progress bar."""
+    """``--method grpo``: GRPO from the SFT result (`fastft.grpo_demo`), with its own progress bar."""
     log(
         f"GRPO from the SFT result: {config.grpo_steps} steps of {config.grpo_prompts_per_step} prompts × "
         f"{config.grpo_generations} completions …"
@@ -330,7 +330,7 @@ def skills_pairs(rows, seed: int) -> list[dict]:
 def chosen_over_rejected(model, pairs) -> float:
     """The share of `pairs` (`PackedPairs`) whose chosen answer the model finds likelier than the rejected
     one (summed log-probs; the reference plays no part, so the untrained model has its own score)."""
-    from fastft.training.preference import sequence_log_probs
+    from fastft.training.objectives.preference import sequence_log_probs
 
     device = next(model.parameters()).device
     was_training = model.training

@@ -12,8 +12,8 @@ import fastft
 from fastft.bench.common import count_syncs
 from fastft.data.skills import generate
 from fastft.runtime.model_state import model_state
-from fastft.training import trainer as trainer_module
 from fastft.training.loss import causal_lm_loss_sum
+from fastft.training.readout import PendingReadout
 from fastft.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.gpu
@@ -198,5 +198,5 @@ def test_demo_uses_the_gpu(tmp_path):
 
 def test_trainer_module_reads_scalars_without_blocking():
     values = torch.tensor([1.5, 2.5], device="cuda")
-    readout = trainer_module._PendingReadout(values, {})
+    readout = PendingReadout(values, {})
     assert readout.host.is_pinned() and readout.read() == [1.5, 2.5]

@@ -17,7 +17,7 @@ import torch
 
 from fastft.bench.step import _fastft_model, save_random_checkpoint
 from fastft.runtime.model_state import model_state
-from fastft.training.decode import StaticDecoder
+from fastft.training.objectives.decode import StaticDecoder
 
 out = Path(os.environ.get("OUT", "/tmp/out"))
 

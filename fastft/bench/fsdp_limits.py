@@ -116,7 +116,7 @@ def cuda_graph(checkpoint: str, steps: int, chats: int, device) -> dict:
         trainer = Trainer(model, None, _packed(rows, 4096), config=config)
         if graphs:  # what FSDP_LIMITS turns off, turned back on
             trainer.step_graph = StepGraph(
-                trainer.parameters, enabled=True, accumulators=[trainer._metric_sums]
+                trainer.parameters, enabled=True, accumulators=[trainer.metric_sums]
             )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", GraphCaptureWarning)

@@ -7,7 +7,7 @@ r=16 on the seven projections, the base in 16 bits or NF4 (QLoRA, the default). 
 (random weights rarely draw EOS, so nearly all run to the limit), one reward that varies between
 completions. Systems, each in its own process (its peak memory is its own):
 
-* ``fastft``   -- `fastft.training.grpo.GRPOTrainer`: one warm-up rollout, then one timed GRPO step
+* ``fastft``   -- `fastft.training.objectives.grpo.GRPOTrainer`: one warm-up rollout, then one timed GRPO step
   (rollout, packed completions, fused log-probs, update); the step's peak of
   ``torch.cuda.max_memory_allocated``, and the timed rollout's generated tokens per second.
 * ``trl``      -- TRL's ``GRPOTrainer`` (its defaults: gradient checkpointing on, no vLLM) on the same
@@ -74,7 +74,7 @@ def _run_fastft(args, device) -> dict:
 
     from fastft.bench.step import _fastft_model
     from fastft.models.remote_code import from_pretrained
-    from fastft.training.grpo import GRPOConfig, GRPOTrainer
+    from fastft.training.objectives.grpo import GRPOConfig, GRPOTrainer
 
     seq = args.prompt_tokens + args.completion_tokens
     model = _fastft_model(args.folder, args.workload, seq, "auto", device)

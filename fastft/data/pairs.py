@@ -76,7 +76,7 @@ class PackedPairs(PackedDataset):
     ):
         super().__init__(data, bins, max_seq_length)
         self.pair_stats = pair_stats
-        # per-sequence reference log-probs by base-model fingerprint (fastft.training.preference)
+        # per-sequence reference log-probs by base-model fingerprint (fastft.training.objectives.preference)
         self.reference_cache: dict = {}
 
     @property

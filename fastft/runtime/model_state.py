@@ -35,7 +35,7 @@ class ModelState:
     ``routers``: the `fastft.runtime.routing.RouterCollector` the model's MoE layers record their router
     logits into while the loss collects them (always present: it holds nothing between forwards).
     ``decode_graphs``: whether GRPO's rollouts replay their decode steps as CUDA graphs
-    (`fastft.training.decode`); False once a capture failed on this model, so later rollouts do not retry.
+    (`fastft.training.objectives.decode`); False once a capture failed on this model, so later rollouts do not retry.
     """
 
     lora: Any = None  # fastft.models.lora.LoraSettings (a higher layer's type)

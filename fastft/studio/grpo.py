@@ -3,7 +3,7 @@
 `GRPOControls` holds the widgets only GRPO has (completions per prompt, prompts per step, longest completion,
 temperature, KL coefficient, the bundled rewards to score with); `RunPanel` shows them when the method is GRPO.
 `grpo_figure` draws, over the steps and two by two, the mean reward and each reward function's, the KL to the reference, the
-mean completion length and the accuracy (numbers from ``StepEvent.grpo``, `fastft.training.grpo`).
+mean completion length and the accuracy (numbers from ``StepEvent.grpo``, `fastft.training.objectives.grpo`).
 `rollout_html` shows the latest rollout as the model wrote it: each prompt with its G completions, each
 completion's rewards, total and advantage.
 """
@@ -49,7 +49,7 @@ class GRPOControls:
     def __init__(self, style: dict, layout_of) -> None:
         import ipywidgets as widgets
 
-        from fastft.training.grpo import GRPOConfig
+        from fastft.training.objectives.grpo import GRPOConfig
 
         defaults = GRPOConfig()
         self.generations = widgets.BoundedIntText(
@@ -167,7 +167,7 @@ def _clip(text: str, limit: int) -> str:
 def rollout_html(
     rollout, reward_names: Sequence[str], group: int, step: int | None = None, prompts: int = 2
 ) -> str:
-    """The first `prompts` prompts of `rollout` (a `fastft.training.grpo.Rollout`, prompt-major, `group`
+    """The first `prompts` prompts of `rollout` (a `fastft.training.objectives.grpo.Rollout`, prompt-major, `group`
     completions each) with their completions, each completion's reward per function, total and advantage, as
     an HTML table ("" without a rollout)."""
     if rollout is None or not len(rollout.completions):

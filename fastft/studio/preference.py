@@ -1,7 +1,7 @@
 """The Run tab's preference curves: rewards of the chosen and rejected answers, their margin, and accuracy.
 
 Built from plain arrays like `fastft.report.figures.run_dashboard_figure` (a live plot sets the traces' data
-afterwards); the numbers are `StepEvent.preference`'s (`fastft.training.preference`).
+afterwards); the numbers are `StepEvent.preference`'s (`fastft.training.objectives.preference`).
 """
 
 from __future__ import annotations

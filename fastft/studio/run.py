@@ -130,7 +130,7 @@ class RunPanel(Panel):
         def wide():  # each control its own Layout: hiding one (per method) must not hide the others
             return field("18em", max_width="28em")
 
-        from fastft.training.preference import DEFAULT_BETA
+        from fastft.training.objectives.preference import DEFAULT_BETA
 
         self._default_beta = DEFAULT_BETA
         self.method = widgets.Dropdown(
@@ -369,7 +369,7 @@ class RunPanel(Panel):
         """The `TrainConfig` the controls describe, a `GRPOConfig` for GRPO (its errors name the field and
         the fix)."""
         if self.method.value == "grpo":
-            from fastft.training.grpo import GRPOConfig
+            from fastft.training.objectives.grpo import GRPOConfig
 
             return GRPOConfig(**self._config_kwargs())
         from fastft.training.trainer import TrainConfig

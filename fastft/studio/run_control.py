@@ -244,7 +244,7 @@ class Run(RunLifecycle):
         try:
             self._set_threads()
             if self.trainer is None and self.rewards is not None:
-                from fastft.training.grpo import GRPOTrainer
+                from fastft.training.objectives.grpo import GRPOTrainer
 
                 self.trainer = GRPOTrainer(
                     self.model, self.tokenizer, self.train_data, self.rewards, self.config

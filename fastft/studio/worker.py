@@ -83,7 +83,7 @@ def _config(spec: dict, folder: Path, resume_from: str | None):
             str(folder / resume_from) if not Path(resume_from).is_absolute() else resume_from
         )
     if spec.get("method") == "grpo":
-        from fastft.training.grpo import GRPOConfig
+        from fastft.training.objectives.grpo import GRPOConfig
 
         return GRPOConfig(**kwargs)
     from fastft.training.trainer import TrainConfig

@@ -11,7 +11,7 @@ from fastft.checks import SettingError, real_number, run_name, whole_number
 
 SFT_STEPS = 150
 # GRPO's demo starts from a short SFT run: from the full one (SFT_STEPS) GRPO of the demo's size left held-out
-# accuracy within the seeds' spread in every setting tried; from this point it raises it (fastft.training.grpo_demo)
+# accuracy within the seeds' spread in every setting tried; from this point it raises it (fastft.grpo_demo)
 GRPO_SFT_STEPS = 20
 
 
@@ -39,7 +39,7 @@ class DemoConfig:
     device: str | None = None
     progress: bool = True
     # "dpo": preference pairs made from the skills data instead of SFT (`fastft.demo.run_preference_demo`);
-    # "grpo": after SFT, GRPO with the exact-match reward (`fastft.training.grpo_demo`)
+    # "grpo": after SFT, GRPO with the exact-match reward (`fastft.grpo_demo`)
     method: str = "sft"
     dpo_steps: int = 40  # DPO's optimizer steps (more overshoots on the tiny preset: fastft.demo)
     grpo_steps: int = 80
@@ -104,7 +104,7 @@ class DemoConfig:
     def check_paths(self) -> None:
         """The run folder can be written and its adapter folder saved, before any model is loaded."""
         from fastft.atomic import check_destination
-        from fastft.training.trainer import check_writable
+        from fastft.training.run_folder import check_writable
 
         check_writable(self.run_dir)
         check_destination(self.run_dir / "adapter")

@@ -167,7 +167,8 @@ class Distributed:
             ]
         )
         dist.all_reduce(stats)
-        return stats[0], stats[1:5], int(stats[5]), int(stats[6])
+        n = metric_sums.numel()
+        return stats[0], stats[1 : 1 + n], int(stats[1 + n]), int(stats[2 + n])
 
     def save_once(self, folder, model, optimizer, scheduler, state: dict) -> None:
         """Rank 0 writes the checkpoint (atomically: `fastft.training.checkpoint.save_checkpoint`) with the

@@ -1,6 +1,6 @@
 """What the trainer tells the world: one `StepEvent` per optimizer step, one `EvalEvent` per evaluation.
 
-The trainer only emits; faces (progress bar, studio plots, report) subscribe.
+A run returns them all as a `TrainResult`. The trainer only emits; faces (progress bar, studio plots, report) subscribe.
 Events are plain frozen dataclasses of host numbers, safe to keep, plot or serialise.
 """
 
@@ -10,6 +10,10 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastft.training.timing import StepProfile
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,8 @@ class StepEvent:
     (`TrainConfig.static_shapes`). `graph_replays` counts the step's `micro_batches` that replayed a CUDA
     graph (`fastft.training.graph`). A preference run (`TrainConfig.method`) sets `preference`: the step's
     ``pairs`` and their mean ``rewards_chosen``, ``rewards_rejected``, ``margin`` and ``accuracy`` (the share
-    of pairs whose chosen answer has the higher reward; `fastft.training.preference`). A GRPO run
-    (`fastft.training.grpo`) sets `grpo`: the step's mean ``reward`` and ``reward_std``, ``reward/<function>``
+    of pairs whose chosen answer has the higher reward; `fastft.training.objectives.preference`). A GRPO run
+    (`fastft.training.objectives.grpo`) sets `grpo`: the step's mean ``reward`` and ``reward_std``, ``reward/<function>``
     per reward function, ``kl``, ``clip_ratio``, ``completion_length``, ``truncated`` and ``accuracy``.
     """
 
@@ -74,6 +78,27 @@ class EvalEvent:
 
 Event = StepEvent | EvalEvent
 Subscriber = Callable[[Event], None]
+
+
+@dataclass
+class TrainResult:
+    """Every event of a run; `profile` is the run's step profiler (``fastft.step_profile_figure(result.profile)``), None when off;
+    `cuda_graph` counts how its micro-batches ran (``captures``, ``replays``, ``eager``, ``drops``);
+    `attention` names the packed-attention backend the run resolved to and its kernels (None: the model's own
+    attention ran)."""
+
+    steps: list[StepEvent] = field(default_factory=list)
+    evals: list[EvalEvent] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    stopped_early: bool = False
+    seconds: float = 0.0
+    profile: StepProfile | None = field(default=None, repr=False, compare=False)
+    cuda_graph: dict[str, int] = field(default_factory=dict)
+    attention: str | None = None
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.steps[-1].loss if self.steps else None
 
 
 class EventLog:

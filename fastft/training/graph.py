@@ -134,7 +134,7 @@ LossFunction = Callable[[PackedBatch, torch.Tensor], torch.Tensor]
 _WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
     """One warm-up stream per device for every capture: cuBLAS keeps a workspace for
     each stream it has run on, for the life of the process, so a new stream per capture leaked one."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -237,7 +237,7 @@ class StepGraph:
                 parameter.grad = torch.zeros_like(parameter)
         # one pass on a side stream first (PyTorch's recipe: lazy initialisation and the allocator's
         # per-stream pools settle outside the capture); its gradients are discarded (they were zero)
-        side = _warmup_stream(batch.device)
+        side = warmup_stream(batch.device)
         side.wait_stream(torch.cuda.current_stream(batch.device))
         with torch.cuda.stream(side):
             self._backward(loss_fn(batch, divisor))

@@ -39,7 +39,7 @@ def target_losses(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """Cross-entropy (fp32) of each trained target of the batch, ``[num_targets]`` in the order of
     ``batch.target_ids`` (0 at an ignored pad target); the same forward as `causal_lm_loss_sum`, with the
     fused head where the model has one (no ``[tokens, vocab]`` logits). Its negation is each target's
-    log-probability (`fastft.training.preference` sums them per sequence)."""
+    log-probability (`fastft.training.objectives.preference` sums them per sequence)."""
     return _target_losses(model, batch, "none")
 
 

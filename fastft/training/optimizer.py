@@ -1,4 +1,4 @@
-"""The optimizer, with its state in device memory before the first step.
+"""The optimizer (with its state in device memory before the first step) and its learning-rate schedule.
 
 PyTorch's Adam and AdamW make their moment estimates lazily, in the first `step()`. By then the first
 forward and backward have filled the caching allocator's segments with activations and freed them, so
@@ -14,7 +14,9 @@ Made at setup, the state lies beside the weights and the activation segments sta
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import warnings
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -64,3 +66,23 @@ def make_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return optimizer
+
+
+def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """LR multiplier: linear warmup from 0 to 1, then cosine decay from 1 to `min_ratio`."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def advance_schedule(scheduler, steps: int) -> None:
+    """Move a fresh LR schedule to `steps` optimizer steps without stepping the optimizer."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*", category=UserWarning)
+        for _ in range(steps):
+            scheduler.step()

@@ -203,6 +203,30 @@ def accepted_message(folder: Path, differences: list[Difference], step: int) -> 
     )
 
 
+def optimizer_message(
+    folder: Path, differences: list[Difference], step: int, reset_optimizer: bool, learning_rate: float
+) -> str | None:
+    """The warning naming every optimizer or schedule setting that differs from the checkpoint's: which values
+    the resumed run trains with (the checkpoint's, or this config's with ``reset_optimizer``). None: none."""
+    differing = {d.name: (d.saved, d.now) for d in differences if d.group == "optimizer"}
+    if not differing:
+        return None
+    listed = ", ".join(f"{name} {old!r} → {new!r}" for name, (old, new) in differing.items())
+    if reset_optimizer:
+        message = (
+            f"Resumed from {folder} at step {step} with a fresh optimizer and this config's values: "
+            f"{listed} (learning rate now {learning_rate:.3g}). The Adam moments start again from zero."
+        )
+    else:
+        message = (
+            f"Resumed from {folder} at step {step} keeping the checkpoint's optimizer and schedule, so "
+            f"these new values are NOT used: {listed}. Pass reset_optimizer=True to train on with them."
+        )
+    if "seed" in differing and reset_optimizer:
+        message += " The data order follows this config's seed from here on; the resume is not exact."
+    return message
+
+
 def _accepted_by(config, group: str) -> bool:
     option = GROUPS[group][0]
     return option is not None and bool(getattr(config, option, False))

@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 from fastft.atomic import expand, remove_tree
+from fastft.checks import SettingError
 from fastft.training.checkpoint import list_checkpoints
 
 try:
@@ -209,3 +210,23 @@ def resumed_run(output_dir, resume_from: str | None) -> tuple[bool, str | None]:
     if not checkpoints:
         return False, None
     return True, readable[0] if readable else UNREADABLE
+
+
+def check_writable(output_dir: str | os.PathLike) -> Path:
+    """Create `output_dir` and prove a file can be written there, before any step runs."""
+    folder = expand(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise SettingError(
+            f"output_dir={str(folder)!r} is a file, not a folder: pick a folder path for checkpoints."
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".fastft-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise SettingError(
+            f"output_dir={str(folder)!r} cannot be written ({error.strerror or error}): pick a folder you can "
+            "write to."
+        ) from None
+    return folder

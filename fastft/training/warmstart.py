@@ -52,7 +52,7 @@ def pretrain(
     """
     from fastft.data.packing import pack
     from fastft.training.loss import causal_lm_loss_sum
-    from fastft.training.trainer import cosine_with_warmup
+    from fastft.training.optimizer import cosine_with_warmup
 
     torch.manual_seed(SEED)
     tokenizer = load_preset_tokenizer()

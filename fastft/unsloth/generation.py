@@ -7,7 +7,7 @@ returns, one `RequestOutput` per prompt with ``.outputs[i].text``. As in Unsloth
 weights and the adapter apart), ``lora_request=None`` samples the base model with the adapter switched off, and
 ``lora_request=model.load_lora(folder)`` samples with that saved adapter's weights (swapped in for the call,
 then the trained ones put back). Sampling that fastft's rollout engine covers (temperature > 0 with top-p only)
-runs there (`fastft.training.rollout.sample`, the static-cache decoder GRPO uses); top-k, min-p, repetition
+runs there (`fastft.training.objectives.rollout.sample`, the static-cache decoder GRPO uses); top-k, min-p, repetition
 penalty or greedy decoding (temperature 0) run through transformers' ``generate``.
 """
 
@@ -199,7 +199,7 @@ def _generate_one(model, tokenizer, text: str, params: SamplingParams) -> Reques
 def _rollout(model, tokenizer, ids, params, max_new):
     import numpy as np
 
-    from fastft.training.rollout import Sampling, sample
+    from fastft.training.objectives.rollout import Sampling, sample
 
     sampling = Sampling(
         num_generations=params.n, max_new_tokens=max_new, temperature=params.temperature, top_p=params.top_p

@@ -368,7 +368,7 @@ _SAMPLING_BYTES_PER_LOGIT = 2 + 4 + 4 + 8 + 4 + 2 + 4 + 4
 
 
 def _rollout_bytes(run: ResolvedRun, stored: _Stored, rollout: _Rollout) -> int:
-    """The rollout's peak above what lives through the step (`fastft.training.decode.StaticDecoder`): the
+    """The rollout's peak above what lives through the step (`fastft.training.objectives.decode.StaticDecoder`): the
     largest of the prefill (each prompt once: its KV cache, one layer's forward, the 4D mask, the last
     position's logits), the KV cache repeated for the group (both copies at once), and a decode step (every
     row's cache and the sampling buffers); on 4/8-bit bases one dequantised weight on top."""
@@ -396,7 +396,7 @@ def _rollout_bytes(run: ResolvedRun, stored: _Stored, rollout: _Rollout) -> int:
 
 
 def _with_log_prob_sums(run: ResolvedRun, loss_entry: tuple[int, str]) -> tuple[int, str]:
-    """Per-sequence summed log-probs (`fastft.training.preference.sequence_log_probs`): the per-target fp32
+    """Per-sequence summed log-probs (`fastft.training.objectives.preference.sequence_log_probs`): the per-target fp32
     log-probs, their trained mask and the int64 sequence of each target, beside the loss's own buffers."""
     logits, note = loss_entry
     return logits + 16 * run.trained, note + "; per-target log-probs summed per sequence (16 B a target)"

@@ -192,7 +192,7 @@ def test_a_crash_in_the_worker_shows_its_traceback_and_a_vanished_worker_is_fail
 
     # GRPO: the worker writes its latest rollout, the Run tab reads it back as it reads a trainer's
     from fastft.studio.grpo import rollout_html
-    from fastft.training.grpo import Rollout
+    from fastft.training.objectives.grpo import Rollout
 
     rollout = Rollout(
         prompts=["What is 2 plus 2?"],

@@ -18,8 +18,8 @@ from fastft.studio.run import RunPanel
 from fastft.studio.run_control import Run, explain
 from fastft.studio.state import LoadSettings, LoraSettings, PackSettings, StudioState
 from fastft.studio.vram import VramPanel
-from fastft.training import trainer as trainer_module
 from fastft.training.events import StepEvent
+from fastft.training.objectives import sft as sft_objective
 from fastft.training.trainer import TrainConfig
 
 SEQ = 128
@@ -152,7 +152,7 @@ def test_run_panel_trains_on_a_background_thread_and_plots_every_loss(tmp_path):
 def test_pause_says_pausing_until_the_step_ends_holds_the_steps_save_writes_a_checkpoint(
     tmp_path, monkeypatch
 ):
-    real_loss = trainer_module.causal_lm_loss_sum
+    real_loss = sft_objective.causal_lm_loss_sum
     calls, inside, release = {"n": 0}, threading.Event(), threading.Event()
 
     def gated(model, batch):  # step 3's forward waits for the test: Pause is clicked mid-step
@@ -162,7 +162,7 @@ def test_pause_says_pausing_until_the_step_ends_holds_the_steps_save_writes_a_ch
             release.wait(30)
         return real_loss(model, batch)
 
-    monkeypatch.setattr(trainer_module, "causal_lm_loss_sum", gated)
+    monkeypatch.setattr(sft_objective, "causal_lm_loss_sum", gated)
     panel = _run_panel(_studio_state(), 30, output_dir=str(tmp_path))
     panel.start_button.click()
     run = panel.run
@@ -197,14 +197,14 @@ def test_a_new_run_starts_with_an_empty_step_timing_chart(tmp_path, monkeypatch)
     panel.start_button.click()
     panel.wait(60)
     assert panel.timing_figure.figure.data and "forward" in panel.timing_table.value  # the first run's bars
-    real_loss, inside, release = trainer_module.causal_lm_loss_sum, threading.Event(), threading.Event()
+    real_loss, inside, release = sft_objective.causal_lm_loss_sum, threading.Event(), threading.Event()
 
     def held(model, batch):  # the second run's first step waits: its chart must not show the first run's
         inside.set()
         release.wait(30)
         return real_loss(model, batch)
 
-    monkeypatch.setattr(trainer_module, "causal_lm_loss_sum", held)
+    monkeypatch.setattr(sft_objective, "causal_lm_loss_sum", held)
     panel.steps.value = 2
     panel.start_button.click()
     assert inside.wait(60)
@@ -230,7 +230,7 @@ def test_stop_mid_run_keeps_the_last_checkpoint_on_disk(tmp_path):
 
 
 def test_nan_loss_shows_the_fix_keeps_the_good_checkpoint_and_ends_the_thread(tmp_path, monkeypatch):
-    real_loss = trainer_module.causal_lm_loss_sum
+    real_loss = sft_objective.causal_lm_loss_sum
     calls = {"n": 0}
 
     def poisoned(model, batch):
@@ -238,7 +238,7 @@ def test_nan_loss_shows_the_fix_keeps_the_good_checkpoint_and_ends_the_thread(tm
         loss = real_loss(model, batch)
         return loss * float("nan") if calls["n"] == 5 else loss
 
-    monkeypatch.setattr(trainer_module, "causal_lm_loss_sum", poisoned)
+    monkeypatch.setattr(sft_objective, "causal_lm_loss_sum", poisoned)
     panel = _run_panel(_studio_state(), 10, save_every=2, output_dir=str(tmp_path))
     panel.start_button.click()
     panel.wait(60)
@@ -256,7 +256,7 @@ def test_out_of_memory_is_shown_with_its_fix_and_the_kernel_lives_on(monkeypatch
     def out_of_memory(model, batch):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(trainer_module, "causal_lm_loss_sum", out_of_memory)
+    monkeypatch.setattr(sft_objective, "causal_lm_loss_sum", out_of_memory)
     panel = _run_panel(_studio_state(), 4, micro_batch_bins=4)
     panel.start_button.click()
     panel.wait(60)

@@ -41,7 +41,7 @@ def run(out: Path, config: dict) -> dict:
     )
     if config.get("method") == "grpo":  # GRPO on skills questions, each rank sampling its share
         from fastft.data.rewards import content_match, length_penalty
-        from fastft.training.grpo import grpo
+        from fastft.training.objectives.grpo import grpo
 
         config.pop("method")
         settings = (

@@ -1,4 +1,4 @@
-"""The static-cache decoder of GRPO's rollouts (`fastft.training.decode`): each step's logits equal a full
+"""The static-cache decoder of GRPO's rollouts (`fastft.training.objectives.decode`): each step's logits equal a full
 forward of the sequence so far (fp32, ragged left-padded prompts, every supported tiny architecture, LoRA
 patched in with non-zero adapters), stop tokens end rows, nucleus sampling keeps generate's token set, and a
 CUDA graph replays what the eager steps draw."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fastft
-from fastft.training.decode import StaticDecoder, nucleus_sample, supports
-from fastft.training.rollout import Sampling, sample, static_decoding
+from fastft.training.objectives.decode import StaticDecoder, nucleus_sample, supports
+from fastft.training.objectives.rollout import Sampling, sample, static_decoding
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -308,7 +308,7 @@ def test_gpu_a_grpo_run_samples_through_replayed_decode_steps():
     from fastft.data.rewards import exact_match
     from fastft.data.skills import generate
     from fastft.training.graph import GraphCaptureWarning
-    from fastft.training.grpo import GRPOConfig, GRPOTrainer
+    from fastft.training.objectives.grpo import GRPOConfig, GRPOTrainer
 
     model, tokenizer = _model("tiny-llama", device="cuda", dtype=torch.bfloat16)
     config = GRPOConfig(max_steps=2, prompts_per_step=2, num_generations=4, max_new_tokens=12, warmup=0)
@@ -328,7 +328,7 @@ def test_gpu_a_batch_that_compacts_captures_a_graph_for_its_smaller_size_and_dra
     """The finished flags read every step (on a GPU every 16: too coarse for rows this short), rows ending at
     ragged lengths: the batch compacts, captures a new graph for its smaller size and replays it, and draws
     the full batch's tokens."""
-    import fastft.training.decode as decode
+    import fastft.training.objectives.decode as decode
 
     monkeypatch.setattr(decode, "_FINISHED_CHECK_EVERY", 1)
     model, _ = _model("tiny-llama", device="cuda", dtype=torch.bfloat16)

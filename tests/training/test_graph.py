@@ -81,7 +81,7 @@ def test_a_run_shape_knows_the_attended_length_of_all_its_sequences():
     # the token-weighted mean of the bins' (28, 30 and 12): one decision for every replay of the run's graph
     assert packed.attended_length() == sum(n * n for n in lengths) // sum(lengths) == 3736 // 136 == 27
     trainer = Trainer(model, tokenizer, packed, config=TrainConfig(max_steps=1, warmup=0))
-    assert trainer._covering_shape().attended == 27
+    assert trainer.objective.covering_shape(trainer).attended == 27
 
 
 def test_policy_captures_after_warmup_at_a_step_start_and_replays_the_same_shape():

@@ -10,7 +10,7 @@ from fastft.checks import SettingError
 from fastft.data.rewards import RewardError, content_match, exact_match, format_reward, length_penalty
 from fastft.data.skills import generate
 from fastft.training.checkpoint import ResumeMismatchError
-from fastft.training.grpo import GRPOConfig, GRPOTrainer, grpo
+from fastft.training.objectives.grpo import GRPOConfig, GRPOTrainer, grpo
 
 ROWS = list(generate(16, seed=5))
 REWARDS = [content_match, length_penalty(limit=4, per_char=0.05), exact_match]
@@ -129,13 +129,13 @@ def test_the_sampled_tokens_log_probs_are_the_old_policys_as_a_training_pass_com
     trainer.train()  # the adapters' B matrices move off zero
     rollout = trainer.rollout(2)
     assert rollout.log_probs is not None and rollout.log_probs.shape == (8, 8)
-    from fastft.training.grpo import _sampled_log_probs
-    from fastft.training.rollout import pack_completions
+    from fastft.training.objectives.grpo import sampled_log_probs
+    from fastft.training.objectives.rollout import pack_completions
 
     for mb in pack_completions(rollout.prompt_ids, rollout.completion_ids, 48):  # several micro-batches
         with torch.no_grad():
-            recomputed = trainer._log_probs(mb.batch)
-        torch.testing.assert_close(_sampled_log_probs(rollout, mb), recomputed, rtol=1e-5, atol=1e-5)
+            recomputed = trainer.log_probs(mb.batch)
+        torch.testing.assert_close(sampled_log_probs(rollout, mb), recomputed, rtol=1e-5, atol=1e-5)
 
 
 def test_old_log_probs_kept_from_sampling_train_as_recomputed_ones_and_skip_the_extra_pass():

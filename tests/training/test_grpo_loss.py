@@ -7,10 +7,10 @@ import torch
 
 import fastft
 from fastft.runtime.attention import patch_packed_attention
-from fastft.training.grpo_loss import GRPOLoss, group_advantages, token_loss_sum
 from fastft.training.loss import target_losses
-from fastft.training.preference import adapters_disabled
-from fastft.training.rollout import pack_completions
+from fastft.training.objectives.grpo_loss import GRPOLoss, group_advantages, token_loss_sum
+from fastft.training.objectives.preference import adapters_disabled
+from fastft.training.objectives.rollout import pack_completions
 
 MAX_NEW = 9
 

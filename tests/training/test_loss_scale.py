@@ -213,7 +213,7 @@ def test_an_fp16_resume_through_a_skipped_step_equals_the_uninterrupted_run(fp16
 def test_a_grpo_run_in_fp16_scales_its_loss_and_skips_an_overflowing_update(monkeypatch):
     """GRPO updates through the same scaler (its own step: `num_iterations` updates per rollout)."""
     from fastft.data.rewards import content_match
-    from fastft.training.grpo import GRPOConfig, GRPOTrainer
+    from fastft.training.objectives.grpo import GRPOConfig, GRPOTrainer
 
     monkeypatch.setattr(GRPOTrainer, "_autocast_dtype", lambda self: torch.float16)
     model, tokenizer = fastft.load_model("tiny-llama")

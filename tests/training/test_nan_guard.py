@@ -12,9 +12,9 @@ from host_syncs import SyncTrap
 import fastft
 from fastft.checks import SettingError
 from fastft.data.skills import generate
-from fastft.training import trainer as trainer_module
 from fastft.training.checkpoint import list_checkpoints, read_checkpoint
 from fastft.training.events import StepEvent
+from fastft.training.objectives import sft as sft_objective
 from fastft.training.trainer import NonFiniteLossError, TrainConfig, Trainer
 
 ROWS = list(generate(120, seed=7))
@@ -54,14 +54,14 @@ def test_a_poisoned_weight_is_never_checkpointed_and_the_error_names_the_newest_
 
 def test_the_named_checkpoint_is_one_still_on_disk(tmp_path, monkeypatch):
     """With save_total_limit=1 the earlier checkpoints are pruned: the error names the newest that exists."""
-    real_loss = trainer_module.causal_lm_loss_sum
+    real_loss = sft_objective.causal_lm_loss_sum
     calls = {"n": 0}
 
     def poisoned(model, batch):
         calls["n"] += 1
         return real_loss(model, batch) * (float("nan") if calls["n"] == 7 else 1.0)
 
-    monkeypatch.setattr(trainer_module, "causal_lm_loss_sum", poisoned)
+    monkeypatch.setattr(sft_objective, "causal_lm_loss_sum", poisoned)
     trainer = _setup(max_steps=10, save_every=2, save_total_limit=1, output_dir=str(tmp_path))
     with pytest.raises(NonFiniteLossError, match="loss became nan at step 7") as error:
         trainer.train()

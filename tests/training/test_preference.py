@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import fastft
 from fastft.checks import SettingError
 from fastft.data.pairs import pack_pairs
-from fastft.training.preference import (
+from fastft.training.objectives.preference import (
     PreferenceLoss,
     adapters_disabled,
     pair_loss_sum,
@@ -466,7 +466,7 @@ def test_precomputed_reference_log_probs_give_the_on_the_fly_losses_and_skip_the
     assert precomputed.evals[-1].eval_loss == on_the_fly.evals[-1].eval_loss
     assert on_the_fly.steps[-1].preference["margin"] != 0  # the policy moved away from the reference
 
-    import fastft.training.preference as preference
+    import fastft.training.objectives.preference as preference
 
     calls = []
     original = preference.adapters_disabled

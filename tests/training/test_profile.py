@@ -24,7 +24,7 @@ from fastft.profile import (
 from fastft.report import RunReport, render_report
 from fastft.report.figures import GRAPH_NOTE, kernels_figure, phases_figure, timeline_figure
 from fastft.training import nvtx as ranges_module
-from fastft.training import trainer as trainer_module
+from fastft.training.objectives import sft as sft_objective
 from fastft.training.trainer import TrainConfig, Trainer
 
 ROWS = list(generate(160, seed=23))
@@ -246,7 +246,7 @@ def test_nvtx_ranges_follow_an_attached_tool(monkeypatch):
 
 
 def test_custom_phase_is_timed_inside_a_step_and_free_outside(monkeypatch):
-    real = trainer_module.causal_lm_loss_sum
+    real = sft_objective.causal_lm_loss_sum
     model, tokenizer = _lora_model()
     trainer = _trainer(model, tokenizer, max_steps=2)
     with trainer.profile.span("offload_wait"):  # no step running: a no-op
@@ -258,7 +258,7 @@ def test_custom_phase_is_timed_inside_a_step_and_free_outside(monkeypatch):
             torch.ones(64, 64) @ torch.ones(64, 64)
         return real(model, batch)
 
-    monkeypatch.setattr(trainer_module, "causal_lm_loss_sum", waiting)
+    monkeypatch.setattr(sft_objective, "causal_lm_loss_sum", waiting)
     phases = trainer.train().steps[-1].phases
     assert 0 < phases["offload_wait"] <= phases["forward"]
 
@@ -279,7 +279,7 @@ def test_the_attached_profile_times_the_offloaders_waits_and_detaching_hands_the
 
 
 def test_a_step_cut_short_leaves_nothing_open(monkeypatch):
-    real = trainer_module.causal_lm_loss_sum
+    real = sft_objective.causal_lm_loss_sum
     calls = {"n": 0}
 
     def failing(model, batch):
@@ -288,7 +288,7 @@ def test_a_step_cut_short_leaves_nothing_open(monkeypatch):
             raise RuntimeError("out of memory (simulated)")
         return real(model, batch)
 
-    monkeypatch.setattr(trainer_module, "causal_lm_loss_sum", failing)
+    monkeypatch.setattr(sft_objective, "causal_lm_loss_sum", failing)
     model, tokenizer = _lora_model()
     trainer = _trainer(model, tokenizer, max_steps=3)
     with pytest.raises(RuntimeError, match="simulated"):

@@ -266,4 +266,4 @@ def test_fixed_length_rows_are_left_unpadded_where_graphs_run_and_chat_data_is_p
     for data, pads in ((fixed, False), (chats, True)):
         trainer = Trainer(model, tokenizer, data, config=TrainConfig(max_steps=2, attention="sdpa_masked"))
         trainer.step_graph.policy.enabled = True  # as on CUDA
-        assert trainer._pads_batches(data.batch([0])) is pads
+        assert trainer.objective.pads_batches(trainer, data.batch([0])) is pads

@@ -9,9 +9,9 @@ import torch
 
 import fastft
 from fastft.data.skills import generate
-from fastft.training import trainer as trainer_module
 from fastft.training.checkpoint import list_checkpoints
 from fastft.training.events import EvalEvent, StepEvent
+from fastft.training.objectives import sft as sft_objective
 from fastft.training.trainer import NonFiniteLossError, TrainConfig, Trainer, cosine_with_warmup
 
 ROWS = list(generate(240, seed=11))
@@ -128,7 +128,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, name):
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_good_checkpoint(tmp_path, monkeypatch):
     model, tokenizer = _lora_model()
     data = fastft.pack(ROWS, tokenizer, 128)
-    real_loss = trainer_module.causal_lm_loss_sum
+    real_loss = sft_objective.causal_lm_loss_sum
     calls = {"n": 0}
 
     def poisoned(model, batch):
@@ -136,7 +136,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_good_checkpoint(tmp_p
         loss = real_loss(model, batch)
         return loss * float("nan") if calls["n"] == 6 else loss
 
-    monkeypatch.setattr(trainer_module, "causal_lm_loss_sum", poisoned)
+    monkeypatch.setattr(sft_objective, "causal_lm_loss_sum", poisoned)
     config = TrainConfig(max_steps=10, save_every=3, output_dir=str(tmp_path), save_total_limit=5)
     trainer = Trainer(model, tokenizer, data, config=config)
     with pytest.raises(NonFiniteLossError) as error:
@@ -223,7 +223,7 @@ def test_eval_loss_is_token_weighted_over_the_eval_set():
     total = 0.0
     with torch.no_grad():
         for i in range(len(eval_data)):
-            total += float(trainer_module.causal_lm_loss_sum(model, eval_data.batch([i])))
+            total += float(sft_objective.causal_lm_loss_sum(model, eval_data.batch([i])))
     assert event.eval_loss == pytest.approx(total / eval_data.stats.trained_tokens, rel=1e-5)
 
 

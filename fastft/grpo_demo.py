@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from fastft.data.rewards import exact_match
 from fastft.training.evaluate import AccuracyResult, evaluate_accuracy
-from fastft.training.grpo import GRPOConfig, GRPOTrainer
+from fastft.training.objectives.grpo import GRPOConfig, GRPOTrainer
 from fastft.training.trainer import TrainResult
 
 

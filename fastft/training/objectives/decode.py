@@ -18,9 +18,9 @@ it holds (a host read of a device counter that a graph would freeze at its captu
 Sampling is ``generate``'s: logits over temperature, nucleus `top_p` (the smallest set of tokens whose
 probability reaches `top_p`, at least one), then a draw from the softmax -- as ``argmax(p / E)`` with
 ``E ~ Exp(1)`` per token, which picks token i with probability p_i and needs no host work. The noise is
-drawn into a fixed buffer before each step, outside the graph, from `generator` (`fastft.training.rollout.sample`
-gives each rollout its own, seeded with the step; a draw from the default generator forked by ``fork_rng``
-around a capture failed the next rollout's first draw on a GPU): a seeded rollout draws the same
+drawn into a fixed buffer before each step, outside the graph, from `generator` (`fastft.training.objectives.rollout.sample`
+gives each rollout its own, seeded with the step; on an H200, a draw from the default generator forked by
+``fork_rng`` around a capture failed the next rollout's first draw): a seeded rollout draws the same
 completions eagerly or replayed, and every run of the same seed the same ones.
 
 A row stops at its first stop token (kept) and pads after it. The host reads the finished flags every 16
@@ -45,7 +45,7 @@ import warnings
 import torch
 
 from fastft.runtime.model_state import base_model, model_state
-from fastft.training.graph import GraphCaptureWarning, _warmup_stream
+from fastft.training.graph import GraphCaptureWarning, warmup_stream
 
 # decoders whose layers write their KV through `cache.update(key, value, layer_idx, ...)`, rotate with the
 # given position ids and read a 4D additive mask as it is; each is checked against a full forward in
@@ -372,7 +372,7 @@ class StaticDecoder:
         graphs = self.device.type == "cuda" and remaining > 3 and state.decode_graphs
         # a host read of the finished flags: free on the CPU, a sync on a GPU (there every 16 steps)
         check_every = _FINISHED_CHECK_EVERY if self.device.type == "cuda" else 1
-        side = _warmup_stream(self.device) if graphs else None
+        side = warmup_stream(self.device) if graphs else None
         try:
             done = warm = 0  # steps run; eager steps since the batch last changed shape
             while done < remaining:

@@ -22,6 +22,9 @@ Rewards are ``β (c - c0)`` and ``β (r - r0)`` for DPO (IPO included), ``β c̄
 SimPO (TRL's conventions); the margin is their difference and the accuracy the share of pairs whose
 chosen reward is the higher. The step loss is the mean over the step's pairs.
 
+`PreferenceObjective` runs these on the `Trainer`'s packed step (`fastft.training.objectives.packed`): its unit
+is the pair, its metrics the mean rewards, margin and accuracy (`StepEvent.preference`, `EvalEvent.preference`).
+
 With ``TrainConfig(precompute_reference=True)`` the adapter-disabled pass runs once over every bin before
 training (`cached_reference_log_probs`), and each step reads its sequences' reference log-probs from that
 cache instead of running the reference forward. The cache is kept with the data (`PackedPairs`), indexed by
@@ -38,7 +41,11 @@ import torch
 import torch.nn.functional as F
 
 from fastft.data.batch import PackedBatch
+from fastft.data.packing import PackedDataset
+from fastft.data.pairs import PackedPairs, pack_pairs
+from fastft.data.stream import PackedStream
 from fastft.training.loss import target_losses
+from fastft.training.objectives.packed import PackedObjective
 
 METHODS = ("sft", "dpo", "orpo", "simpo")
 DPO_LOSSES = ("sigmoid", "ipo", "robust")
@@ -243,3 +250,83 @@ def pair_loss_sum(
         [chosen_rewards.sum(), rejected_rewards.sum(), margin.sum(), (margin > 0).to(margin.dtype).sum()]
     )
     return losses.sum(), metrics.float()
+
+
+class PreferenceObjective(PackedObjective):
+    """A preference objective on packed pairs (`TrainConfig`'s ``method`` "dpo", "orpo" or "simpo"): the step
+    loss is the mean pair loss; the metrics fill `StepEvent.preference` and `EvalEvent.preference`."""
+
+    unit = "pair"
+    metrics = METRICS
+
+    def __init__(self, settings: PreferenceLoss, precompute_reference: bool = False):
+        super().__init__()
+        self.settings = settings
+        self.name = settings.method
+        self.precompute_reference = precompute_reference
+        self.references: dict | None = None  # "train" / "eval" → per-sequence reference log-probs
+
+    @classmethod
+    def from_config(cls, config) -> PreferenceObjective:
+        """The objective of a `TrainConfig` (``beta`` None: the method's default)."""
+        beta = config.beta if config.beta is not None else DEFAULT_BETA[config.method]
+        settings = PreferenceLoss(
+            config.method, config.dpo_loss, float(beta), config.label_smoothing, config.simpo_gamma
+        )
+        return cls(settings, config.precompute_reference)
+
+    def prepare(self, trainer, train_data, eval_data) -> tuple:
+        """Preference rows are packed with `pack_pairs`; `PackedPairs` stay as they are."""
+        train_data, eval_data = (
+            _as_pairs(train_data, trainer.tokenizer),
+            _as_pairs(eval_data, trainer.tokenizer),
+        )
+        return super().prepare(trainer, train_data, eval_data)
+
+    def captures_graphs(self, config) -> bool:
+        # a precomputed reference is a per-step input the graph does not copy in: those DPO runs stay eager
+        return not self.precompute_reference
+
+    def start(self, trainer) -> None:
+        """With ``precompute_reference``, the adapter-disabled pass over the train and eval pairs, once."""
+        if not self.precompute_reference or self.references is not None:
+            return
+        self.references = {"train": cached_reference_log_probs(trainer.model, trainer.train_data)}
+        if trainer.eval_data is not None:
+            self.references["eval"] = cached_reference_log_probs(trainer.model, trainer.eval_data)
+
+    def extra_input(self, trainer, split: str, bins: list) -> torch.Tensor | None:
+        """The precomputed reference log-probs of these bins' sequences, in batch order (None without)."""
+        if self.references is None or split not in self.references:
+            return None
+        data = trainer.train_data if split == "train" else trainer.eval_data
+        members = torch.as_tensor([row for b in bins for row in data.bins[b]])
+        return self.references[split][members.to(trainer.device, non_blocking=True)]
+
+    def loss_sum(self, model: torch.nn.Module, batch: PackedBatch, extra=None):
+        return pair_loss_sum(model, batch, self.settings, extra)
+
+    def event_fields(self, metrics: list[float], info: dict) -> dict:
+        return {"preference": preference_metrics(metrics, info["pairs"])}
+
+    def eval_fields(self, means: list[float], pairs: int) -> dict:
+        return {"preference": preference_metrics(means, pairs)}
+
+
+def preference_metrics(values: list[float], pairs: int) -> dict[str, float] | None:
+    """A step's or an evaluation's `METRICS` means with its pair count (None without values)."""
+    if not values:
+        return None
+    return {"pairs": pairs, **dict(zip(METRICS, values, strict=True))}
+
+
+def _as_pairs(data, tokenizer):
+    """Preference data as `PackedPairs` (rows are packed with `pack_pairs`); None stays None."""
+    if data is None or isinstance(data, PackedPairs):
+        return data
+    if isinstance(data, (PackedDataset, PackedStream)):
+        raise ValueError(
+            "A preference method trains on pairs: pass the preference rows, or fastft.pack_pairs(rows, tokenizer), "
+            "not a dataset packed for SFT."
+        )
+    return pack_pairs(data, tokenizer)

@@ -2,7 +2,7 @@
 
 Sampling is batched (every prompt of the step, left-padded, G rows each) on the LoRA-patched model: a
 patched layer sees the KV cache and runs the original forward (`fastft.models.patch`), so the completions
-come from the adapted policy. Supported decoders sample through `fastft.training.decode.StaticDecoder` (a
+come from the adapted policy. Supported decoders sample through `fastft.training.objectives.decode.StaticDecoder` (a
 static KV cache, each decode step one CUDA graph replay on a GPU); the others, or ``static_decode=False``,
 through Hugging Face ``generate`` with the same temperature and top-p. Its random numbers
 come from a generator seeded with ``(seed, step)`` (the static decoder's own; ``generate``'s forked off the global one): a step's completions are
@@ -28,7 +28,7 @@ import torch
 from fastft.data.batch import PackedBatch
 from fastft.data.packing import best_fit_decreasing
 from fastft.data.tokenize import IGNORE_INDEX
-from fastft.training.decode import StaticDecoder, supports
+from fastft.training.objectives.decode import StaticDecoder, supports
 
 
 def prompt_rows(prompts) -> list[dict]:
@@ -106,14 +106,14 @@ class Sampling:
 
 
 def static_decoding(model, asked: bool | None) -> bool:
-    """Whether a rollout samples through `fastft.training.decode.StaticDecoder` (`asked` None: wherever the
+    """Whether a rollout samples through `fastft.training.objectives.decode.StaticDecoder` (`asked` None: wherever the
     model supports it) or through ``generate`` (False, or an architecture it does not cover)."""
     if asked is False:
         return False
     if supports(model):
         return True
     if asked:
-        from fastft.training.decode import SUPPORTED_MODEL_TYPES
+        from fastft.training.objectives.decode import SUPPORTED_MODEL_TYPES
 
         raise ValueError(
             f"static_decode=True covers the decoders {', '.join(sorted(SUPPORTED_MODEL_TYPES))} with full "
