@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: random-weight models from the catalog, step timing, sync counting."""
+"""Shared benchmark plumbing: step timing, sync counting, the environment and tables (random-weight models:
+`fastft.models.random_model`)."""
 
 from __future__ import annotations
 
@@ -11,25 +12,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import torch
-
-
-def build_model(name: str, device: torch.device, dtype: torch.dtype):
-    """A catalog architecture with random weights (built on `device`), or an embedded preset."""
-    from transformers import AutoModelForCausalLM
-
-    from fastft.models.catalog import CATALOG
-    from fastft.models.loading import load_model
-    from fastft.models.presets import PRESETS
-
-    if name in PRESETS:
-        model, _ = load_model(name, dtype=dtype, device=device)
-        return model
-    if name not in CATALOG:
-        raise ValueError(f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}) or a catalog hub id")
-    config = CATALOG[name].to_config()
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model
 
 
 @dataclass

@@ -48,9 +48,10 @@ def quantised_base(model_name: str, tokens: int, device) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from fastft.models.lora import add_lora
+    from fastft.models.random_model import build_random_model
     from fastft.training.distributed import decoder_layers, full_tensor
     from fastft.training.loss import causal_lm_loss_sum
-    from fastft.vram.measure import build_random_model, synthetic_batch
+    from fastft.vram.measure import synthetic_batch
 
     model = add_lora(build_random_model(model_name, "nf4", device), r=16, alpha=16, seed=0)
     model.train()

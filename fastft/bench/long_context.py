@@ -195,8 +195,9 @@ def run(
 ) -> dict:
     """The trials; `save(result)` (if given) runs after each, so a call cut by its time limit keeps what
     it measured."""
+    from fastft.models.random_model import split_precision
     from fastft.vram import capped_gpu, estimate_vram, max_context
-    from fastft.vram.measure import TrainingProbe, is_out_of_memory, split_precision
+    from fastft.vram.measure import TrainingProbe, is_out_of_memory
 
     cap = int(cap_gib * GiB)
     base_precision, compute = split_precision(precision)

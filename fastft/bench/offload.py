@@ -33,9 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastft.bench.common import build_model, environment, markdown_table, time_steps
+from fastft.bench.common import environment, markdown_table, time_steps
 from fastft.data.batch import PackedBatch
 from fastft.models.lora import add_lora, set_gradient_checkpointing
+from fastft.models.random_model import random_model
 from fastft.runtime import attention
 from fastft.runtime.offload import enable_offload, offload_stats
 from fastft.training.loss import causal_lm_loss_sum
@@ -121,7 +122,7 @@ def _measure_model(
             return skipped("skipped (time budget)")
 
     started = time.perf_counter()
-    model = build_model(model_name, device, dtype)
+    model = random_model(model_name, device, dtype)
     model.config.use_cache = False
     extra = {} if fused is None else {"fused": fused}
     model = add_lora(model, r=lora_r, alpha=lora_r, gradient_checkpointing=True, seed=seed, **extra)

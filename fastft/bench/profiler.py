@@ -37,21 +37,12 @@ def random_packed_dataset(vocab: int, seq_len: int, sequences: int, seed: int = 
 
 
 def _model(name: str, layers: int | None, device: torch.device, dtype: torch.dtype, lora_r: int):
-    from fastft.bench.common import build_model
     from fastft.models.lora import add_lora
+    from fastft.models.random_model import random_model
 
     torch.manual_seed(0)
-    if layers is not None and not name.startswith("tiny-"):
-        from transformers import AutoModelForCausalLM
-
-        from fastft.models.catalog import CATALOG
-
-        config = CATALOG[name].to_config()
-        config.num_hidden_layers = layers
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    else:
-        model = build_model(name, device, dtype)
+    cut = {"num_hidden_layers": layers} if layers is not None and not name.startswith("tiny-") else {}
+    model = random_model(name, device, dtype, **cut)
     return add_lora(model, r=lora_r, alpha=lora_r, seed=1)
 
 

@@ -312,24 +312,13 @@ def save_random_checkpoint(model_id: str, folder: Path, layers: int | None = Non
     """The catalog architecture (cut to its first `layers` decoder layers if given) with random bf16
     weights, saved with a tokenizer (for Unsloth) to `folder`."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from fastft.bench.common import build_model
-    from fastft.models.catalog import CATALOG
     from fastft.models.presets import load_preset_tokenizer
+    from fastft.models.random_model import random_model
 
     torch.manual_seed(0)
-    if layers:
-        config = CATALOG[model_id].to_config()
-        config.num_hidden_layers = layers
-        for key in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the cut
-            value = getattr(config, key, None)
-            if isinstance(value, list) and key == "layer_types":
-                setattr(config, key, value[:layers])
-        with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    else:
-        model = build_model(model_id, torch.device("cuda"), torch.bfloat16)
+    cut = {"num_hidden_layers": layers} if layers else {}  # a per-layer layer_types list follows the cut
+    model = random_model(model_id, torch.device("cuda"), torch.bfloat16, **cut)
     with torch.no_grad():  # transformers' default init gives std 0.02: keep it, but make norms 1
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -218,6 +218,22 @@ class KernelFallbackWarning(UserWarning):
     """fastft's Triton kernels cannot run here: the ops named run their PyTorch references."""
 
 
+def triton_importable() -> bool:
+    """Whether the ``triton`` package imports (checked once)."""
+    global _IMPORTABLE
+    if _IMPORTABLE is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _IMPORTABLE = False
+        else:
+            _IMPORTABLE = True
+    return _IMPORTABLE
+
+
+_IMPORTABLE: bool | None = None
+
+
 def forced_off() -> bool:
     """``FASTFT_NO_TRITON=1``: every op runs its PyTorch reference."""
     return os.environ.get(NO_TRITON_VARIABLE, "") not in ("", "0")
@@ -274,8 +290,6 @@ def kernel_status(device=None, dtype=None) -> dict:
     """What the studio and a notebook show: ``{"triton": bool, "reason": str | None, "fallback": [op
     names]}`` for a device (None: the current CUDA device, or the CPU when there is none) and dtype."""
     import torch
-
-    from fastft.kernels import triton_importable
 
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

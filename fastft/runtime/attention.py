@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from fastft.data.batch import PackedBatch
 from fastft.runtime.checkpointing import KEEP_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, KeptTensors, attach_layer_contexts, layer_context
-from fastft.runtime.state import model_state, state_of
+from fastft.runtime.state import PackedAttentionState, model_state, state_of
 
 IMPLEMENTATION = "fastft_packed"
 # Each backend and the kernels it runs (run summaries name them: `describe_backend`).
@@ -61,19 +61,6 @@ _DENSE_MASK_LIMIT = 64 * 2**20  # entries of a [T, T] mask before the CPU defaul
 
 class AttentionBackendError(ValueError):
     pass
-
-
-@dataclass
-class PackedAttentionState:
-    """A model's packed attention (its ``model_state(model).attention``): the backend asked for (a name, or
-    a backend function), the implementation to restore, and the backend resolved from it (its name and
-    function), once known."""
-
-    requested: str | Callable
-    previous_implementation: str
-    resolved: str | None = None  # the backend actually used, once known
-    function: Callable | None = None  # and its function
-    hook: object = None  # the decoder's pre-hook for padding-free Hugging Face inputs (`_padding_free_hook`)
 
 
 # -- backends ------------------------------------------------------------------------------------
