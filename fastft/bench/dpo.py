@@ -92,10 +92,10 @@ def packed_pairs(rows, side_length: int):
 def _run_fastft(args, rows, device):
     import torch
 
-    from fastft.bench.step import _fastft_model
+    from fastft.bench.harness import fastft_model
     from fastft.training.trainer import TrainConfig, Trainer
 
-    model = _fastft_model(args.folder, args.workload, 2 * args.side_length, "auto", device)
+    model = fastft_model(args.folder, args.workload, 2 * args.side_length, "auto", device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     config = TrainConfig(
@@ -127,7 +127,7 @@ def _run_trl(args, rows, device):
     from transformers import AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from fastft.bench.step import _hf_model
+    from fastft.bench.baselines import hf_model
     from fastft.models.remote_code import from_pretrained
 
     class Clock(TrainerCallback):
@@ -146,7 +146,7 @@ def _run_trl(args, rows, device):
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)  # the timed pairs are known
 
-    model = _hf_model(args.folder, args.workload, False, device)
+    model = hf_model(args.folder, args.workload, False, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokenizer = from_pretrained(AutoTokenizer, args.folder)
@@ -337,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_worker(args)), flush=True)
         return 0
 
-    from fastft.bench.sft import _ensure_checkpoint
-    from fastft.bench.step import _run_in_process, _worker_env
+    from fastft.bench.harness import ensure_checkpoint, run_in_process, worker_env
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if unknown := [s for s in systems if s not in SYSTEMS]:
@@ -348,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workloads {args.workloads}: nf4 and/or bf16")
     if not 0 < args.prompt_length < args.side_length:
         parser.error(f"--prompt-length must be at least 1 and below --side-length ({args.side_length})")
-    folder = _ensure_checkpoint(args)
+    folder = ensure_checkpoint(args)
     results = []
     for workload in workloads:
         for system in systems:
@@ -357,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
             argv_worker += [f"--{key}" for key in _FLAGS if getattr(args, key)]
             started = time.perf_counter()
-            result = _run_in_process(
-                argv_worker, _worker_env(system, None), args.timeout, module="fastft.bench.dpo"
+            result = run_in_process(
+                argv_worker, worker_env(system, None), args.timeout, module="fastft.bench.dpo"
             )
             result.setdefault("system", system)
             result.setdefault("workload", workload)

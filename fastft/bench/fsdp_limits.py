@@ -101,20 +101,20 @@ def cuda_graph(checkpoint: str, steps: int, chats: int, device) -> dict:
     """fastft's Trainer under FSDP2 with its step graph on, beside the same run eager."""
     import torch
 
-    from fastft.bench.sft import _packed, chat_rows
-    from fastft.bench.step import _fastft_model
+    from fastft.bench.harness import fastft_model, packed
+    from fastft.bench.sft import chat_rows
     from fastft.training.graph import GraphCaptureWarning, StepGraph
     from fastft.training.trainer import TrainConfig, Trainer
 
     runs = {}
     for name, graphs in (("eager", False), ("graphed", True)):
-        model = _fastft_model(checkpoint, "bf16", 4096, "auto", device)
+        model = fastft_model(checkpoint, "bf16", 4096, "auto", device)
         vocab = model.get_input_embeddings().weight.shape[0]
         rows = chat_rows(chats, vocab, 120.0, 220.0, 0.7, 4096, 0)
         config = TrainConfig(
             max_steps=steps, warmup=0, learning_rate=1e-4, distributed="fsdp", seed=0, static_shapes=True
         )
-        trainer = Trainer(model, None, _packed(rows, 4096), config=config)
+        trainer = Trainer(model, None, packed(rows, 4096), config=config)
         if graphs:  # what FSDP_LIMITS turns off, turned back on
             trainer.step_graph = StepGraph(
                 trainer.parameters, enabled=True, accumulators=[trainer._metric_sums]
@@ -173,13 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     torch.cuda.empty_cache()
     if parallel.rank == 0:  # the random checkpoint the graph probe loads, once
-        from fastft.bench.sft import _ensure_checkpoint
+        from fastft.bench.harness import ensure_checkpoint
 
         args.layers = None
-        checkpoint = _ensure_checkpoint(args)
+        checkpoint = ensure_checkpoint(args)
     torch.distributed.barrier()
     if parallel.rank != 0:
-        from fastft.bench.step import checkpoint_folder
+        from fastft.bench.harness import checkpoint_folder
 
         checkpoint = checkpoint_folder(Path(args.folder), args.model, None)
     report["cuda_graph"] = cuda_graph(str(checkpoint), args.steps, args.chats, device)

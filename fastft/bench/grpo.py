@@ -72,12 +72,12 @@ def _reset_peak(device) -> None:
 def _run_fastft(args, device) -> dict:
     from transformers import AutoTokenizer
 
-    from fastft.bench.step import _fastft_model
+    from fastft.bench.harness import fastft_model
     from fastft.models.remote_code import from_pretrained
     from fastft.training.grpo import GRPOConfig, GRPOTrainer
 
     seq = args.prompt_tokens + args.completion_tokens
-    model = _fastft_model(args.folder, args.workload, seq, "auto", device)
+    model = fastft_model(args.folder, args.workload, seq, "auto", device)
     tokenizer = from_pretrained(AutoTokenizer, args.folder)
     vocab = _vocab(model, tokenizer)
     rows = [{"prompt_ids": ids} for ids in prompt_ids(args.prompts, args.prompt_tokens, vocab, args.seed)]
@@ -116,10 +116,10 @@ def _run_generate(args, device) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from fastft.bench.step import _hf_model
+    from fastft.bench.baselines import hf_model
     from fastft.models.remote_code import from_pretrained
 
-    model = _hf_model(args.folder, args.workload, False, device)
+    model = hf_model(args.folder, args.workload, False, device)
     model.config.use_cache = True
     model.eval()
     vocab = _vocab(model, from_pretrained(AutoTokenizer, args.folder))
@@ -151,10 +151,10 @@ def _run_trl(args, device) -> dict:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from fastft.bench.step import _hf_model
+    from fastft.bench.baselines import hf_model
     from fastft.models.remote_code import from_pretrained
 
-    model = _hf_model(args.folder, args.workload, False, device)
+    model = hf_model(args.folder, args.workload, False, device)
     tokenizer = from_pretrained(AutoTokenizer, args.folder)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -267,14 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_worker(args)), flush=True)
         return 0
 
-    from fastft.bench.sft import _ensure_checkpoint
-    from fastft.bench.step import _run_in_process, _worker_env
+    from fastft.bench.harness import ensure_checkpoint, run_in_process, worker_env
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
-    folder = _ensure_checkpoint(args)
+    folder = ensure_checkpoint(args)
     results = []
     for system in systems:
         worker = ["--worker", "--system", system, "--folder", str(folder)]
@@ -289,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
         started = time.perf_counter()
-        result = _run_in_process(worker, _worker_env(system, None), args.timeout, module="fastft.bench.grpo")
+        result = run_in_process(worker, worker_env(system, None), args.timeout, module="fastft.bench.grpo")
         result.setdefault("system", system)
         result["wall_s"] = time.perf_counter() - started
         results.append(result)

@@ -49,6 +49,9 @@ import sys
 import time
 from pathlib import Path
 
+from fastft.bench.baselines import hf_model, unsloth_model
+from fastft.bench.harness import ensure_checkpoint, fastft_model, packed, run_in_process, worker_env
+
 SYSTEMS = ("fastft", "fastft-trl", "unsloth", "hf")
 TEMPLATE_TOKENS = 5  # a turn's header and end tokens (role, separators), trained only on assistant turns' end
 
@@ -90,25 +93,11 @@ def chat_rows(
     return rows
 
 
-def _packed(rows, max_length: int):
-    from fastft.data.packing import PackedDataset, best_fit_decreasing
-    from fastft.data.tokenize import TokenizedData
-
-    data = TokenizedData(
-        input_ids=[ids for ids, _ in rows],
-        labels=[labels for _, labels in rows],
-        source_rows=list(range(len(rows))),
-    )
-    return PackedDataset(data, best_fit_decreasing(data.lengths, max_length), max_length)
-
-
 # ------------------------------------------------------------------------------------------------ workers
 
 
 def _model(args, device):
     import torch
-
-    from fastft.bench.step import _fastft_model, _hf_model, _unsloth_model
 
     precision, seq = args.workload.removesuffix("-fp16"), args.max_seq_length
     if args.workload.endswith(
@@ -118,7 +107,7 @@ def _model(args, device):
             raise SystemExit(
                 f"--workloads {args.workload}: fp16 compute is measured for the fastft system only"
             )
-        return _fastft_model(
+        return fastft_model(
             args.folder,
             "bf16" if precision == "fp16" else precision,
             seq,
@@ -127,10 +116,10 @@ def _model(args, device):
             dtype=torch.float16,
         )
     if args.system in ("fastft", "fastft-trl"):
-        return _fastft_model(args.folder, precision, seq, "auto", device)
+        return fastft_model(args.folder, precision, seq, "auto", device)
     if args.system == "hf":
-        return _hf_model(args.folder, precision, False, device)
-    return _unsloth_model(args.folder, precision, seq)
+        return hf_model(args.folder, precision, False, device)
+    return unsloth_model(args.folder, precision, seq)
 
 
 def _run_fastft(model, rows, args, device):
@@ -143,7 +132,7 @@ def _run_fastft(model, rows, args, device):
     trainer = Trainer(
         model,
         None,
-        _packed(rows, args.max_seq_length),
+        packed(rows, args.max_seq_length),
         config=TrainConfig(
             max_steps=args.warmup + args.steps,
             warmup=0,
@@ -398,28 +387,6 @@ def _write(path: str, args, results: list[dict]) -> str:
 _DATA_SETTINGS = ("chats", "user_median", "assistant_median", "sigma", "max_seq_length", "seed")
 
 
-def _ensure_checkpoint(args) -> Path:
-    import torch
-
-    from fastft.bench.step import checkpoint_folder, save_random_checkpoint
-    from fastft.models.presets import PRESETS
-
-    folder = checkpoint_folder(Path(args.folder), args.model, args.layers)
-    if (folder / "config.json").exists():
-        return folder
-    print(f"saving a random-weight {args.model} to {folder} ...", file=sys.stderr, flush=True)
-    if args.model in PRESETS:  # a tiny preset: the CPU smoke test of this benchmark
-        from fastft.models.loading import load_model
-
-        model, tokenizer = load_model(args.model)
-        model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
-    else:
-        save_random_checkpoint(args.model, folder, args.layers)
-        torch.cuda.empty_cache()
-    return folder
-
-
 def main(argv: list[str] | None = None) -> int:
     from fastft.bench.common import add_memory_trade_options, memory_trade_argv
 
@@ -490,8 +457,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_worker(args)), flush=True)
         return 0
 
-    from fastft.bench.step import _run_in_process, _worker_env
-
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -501,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workloads {args.workloads}: from bf16, nf4, fp16, nf4-fp16")
     if args.snapshot and (args.device != "cuda" or args.warmup < 2):
         parser.error("--snapshot records a CUDA allocator: --device cuda and --warmup 2 or more")
-    folder = _ensure_checkpoint(args)
+    folder = ensure_checkpoint(args)
     results = []
     for workload in workloads:
         for system in systems:
@@ -518,8 +483,8 @@ def main(argv: list[str] | None = None) -> int:
             argv_worker += memory_trade_argv(args)
             argv_worker += ["--snapshot"] if args.snapshot else []
             started = time.perf_counter()
-            result = _run_in_process(
-                argv_worker, _worker_env(system, args.unsloth_path), args.timeout, module="fastft.bench.sft"
+            result = run_in_process(
+                argv_worker, worker_env(system, args.unsloth_path), args.timeout, module="fastft.bench.sft"
             )
             result.setdefault("system", system)
             result.setdefault("workload", workload)
