@@ -4,6 +4,8 @@ in fastft's engine imports this module; the libraries are imported when a model 
 
 from __future__ import annotations
 
+import time
+
 from fastft.bench.harness import ATTENTION_TARGETS, EXPERT_PARAMETERS, TARGETS
 
 
@@ -72,3 +74,34 @@ def unsloth_model(folder: str, precision: str, seq: int, lora_targets: str = "al
         random_state=3407,
     )
     return model
+
+
+def trl_run_settings(cuda: bool) -> dict:
+    """The TRL trainer settings every TRL baseline shares: log each step, report and save nothing, no data
+    loader workers, bf16 on CUDA (the CPU in fp32)."""
+    return dict(
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=cuda,
+        use_cpu=not cuda,
+        dataloader_num_workers=0,
+    )
+
+
+def step_clock(device):
+    """A transformers `TrainerCallback` whose ``marks`` hold the wall time at each step's end, after a CUDA
+    sync on `device` (so every step's host stalls count)."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.marks = []
+
+        def on_step_end(self, train_args, state, control, **kwargs):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.marks.append(time.perf_counter())
+
+    return StepClock()

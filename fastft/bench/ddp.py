@@ -21,12 +21,13 @@ import sys
 import time
 from pathlib import Path
 
+from fastft.bench.harness import ensure_checkpoint, fastft_model, packed
+
 
 def run_worker(args) -> dict:
     """One rank of one launch: train, time the steps after the warmup, rank 0 returns the figures."""
     import torch
 
-    from fastft.bench.harness import fastft_model, packed
     from fastft.bench.sft import chat_rows
     from fastft.models.patch import is_fused, patch_report
     from fastft.runtime.offload import offload_stats
@@ -134,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
         return 0
     from fastft.bench.common import environment
-    from fastft.bench.harness import ensure_checkpoint
 
     checkpoint = ensure_checkpoint(args)
     skip = {"--out", "--gpus", "--timeout", "--folder", "--layers", "--model"}

@@ -30,6 +30,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from fastft.bench.harness import checkpoint_folder, ensure_checkpoint, fastft_model, packed
+
 
 def _error(stage: str, error: BaseException) -> dict:
     frames = traceback.extract_tb(error.__traceback__)
@@ -101,7 +103,6 @@ def cuda_graph(checkpoint: str, steps: int, chats: int, device) -> dict:
     """fastft's Trainer under FSDP2 with its step graph on, beside the same run eager."""
     import torch
 
-    from fastft.bench.harness import fastft_model, packed
     from fastft.bench.sft import chat_rows
     from fastft.training.graph import GraphCaptureWarning, StepGraph
     from fastft.training.trainer import TrainConfig, Trainer
@@ -173,14 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     torch.cuda.empty_cache()
     if parallel.rank == 0:  # the random checkpoint the graph probe loads, once
-        from fastft.bench.harness import ensure_checkpoint
-
         args.layers = None
         checkpoint = ensure_checkpoint(args)
     torch.distributed.barrier()
     if parallel.rank != 0:
-        from fastft.bench.harness import checkpoint_folder
-
         checkpoint = checkpoint_folder(Path(args.folder), args.model, None)
     report["cuda_graph"] = cuda_graph(str(checkpoint), args.steps, args.chats, device)
     if parallel.rank == 0:

@@ -21,11 +21,21 @@ completions. Systems, each in its own process (its peak memory is its own):
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
+
+from fastft.bench.baselines import hf_model, trl_run_settings
+from fastft.bench.harness import (
+    bench_parser,
+    ensure_checkpoint,
+    fastft_model,
+    parse_or_work,
+    run_system,
+    systems_of,
+    worker_options,
+)
 
 SYSTEMS = ("fastft", "trl", "generate")
 
@@ -72,7 +82,6 @@ def _reset_peak(device) -> None:
 def _run_fastft(args, device) -> dict:
     from transformers import AutoTokenizer
 
-    from fastft.bench.harness import fastft_model
     from fastft.models.remote_code import from_pretrained
     from fastft.training.grpo import GRPOConfig, GRPOTrainer
 
@@ -116,7 +125,6 @@ def _run_generate(args, device) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from fastft.bench.baselines import hf_model
     from fastft.models.remote_code import from_pretrained
 
     model = hf_model(args.folder, args.workload, False, device)
@@ -151,7 +159,6 @@ def _run_trl(args, device) -> dict:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from fastft.bench.baselines import hf_model
     from fastft.models.remote_code import from_pretrained
 
     model = hf_model(args.folder, args.workload, False, device)
@@ -172,12 +179,7 @@ def _run_trl(args, device) -> dict:
         learning_rate=1e-5,
         beta=0.0,
         top_k=0,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=cuda,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
+        **trl_run_settings(cuda),
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         seed=3407,
@@ -237,18 +239,7 @@ def _table(results: list[dict], summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fastft bench grpo",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog architecture or preset"
-    )
-    parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
-    parser.add_argument(
-        "--systems", default="fastft,trl,generate", help=f"comma-separated, from {','.join(SYSTEMS)}"
-    )
+    parser = bench_parser("grpo", __doc__, SYSTEMS, "fastft,trl,generate")
     parser.add_argument("--workload", choices=("bf16", "nf4"), default="nf4", help="the base's precision")
     parser.add_argument("--prompts", type=int, default=1, help="prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt (G)")
@@ -259,20 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per system")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/grpo.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--system", help=argparse.SUPPRESS)
-    parser.add_argument("--scratch", default="/tmp/fastft-bench-grpo", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(run_worker(args)), flush=True)
+    worker_options(parser, "grpo", workload=False)
+    args = parse_or_work(parser, argv, run_worker)
+    if args is None:
         return 0
 
-    from fastft.bench.harness import ensure_checkpoint, run_in_process, worker_env
-
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    systems = systems_of(parser, args.systems, SYSTEMS)
     folder = ensure_checkpoint(args)
     results = []
     for system in systems:
@@ -287,10 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             "device",
         ):
             worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-        started = time.perf_counter()
-        result = run_in_process(worker, worker_env(system, None), args.timeout, module="fastft.bench.grpo")
-        result.setdefault("system", system)
-        result["wall_s"] = time.perf_counter() - started
+        result = run_system(system, worker, "fastft.bench.grpo", args.timeout)
         results.append(result)
         print(f"{system:>9}: {result.get('error') or 'done'}", file=sys.stderr, flush=True)
     summary = summarise(results)

@@ -4,10 +4,12 @@ checkpoint they share, packed rows, and running a worker in its own process. The
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # torch, transformers and fastft's engine are imported in the functions: a bench's Unsloth worker imports this
@@ -140,3 +142,71 @@ def run_in_process(argv: list[str], env: dict, timeout: float, module: str) -> d
             return json.loads(line)
     tail = (completed.stderr or completed.stdout).strip().splitlines()[-6:]
     return {"error": " | ".join(tail) or f"exit code {completed.returncode}"}
+
+
+def bench_parser(
+    bench: str, doc: str, systems: tuple[str, ...], default_systems: str
+) -> argparse.ArgumentParser:
+    """A bench driver's parser with the options every one of them has: the model, its layer cut, the systems."""
+    parser = argparse.ArgumentParser(
+        prog=f"fastft bench {bench}",
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog architecture or preset"
+    )
+    parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
+    parser.add_argument(
+        "--systems", default=default_systems, help=f"comma-separated, from {','.join(systems)}"
+    )
+    return parser
+
+
+def worker_options(parser: argparse.ArgumentParser, bench: str, workload: bool = True) -> None:
+    """The hidden options a bench's driver passes to its worker process (``fastft.bench.<bench>``)."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    if workload:
+        parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", default=f"/tmp/fastft-bench-{bench}", help=argparse.SUPPRESS)
+
+
+def parse_or_work(
+    parser: argparse.ArgumentParser, argv: list[str] | None, run_worker
+) -> argparse.Namespace | None:
+    """The driver's options; in a worker process (``--worker``) None, after printing ``run_worker(args)`` as the
+    JSON line the driver reads (`run_in_process`)."""
+    args = parser.parse_args(argv)
+    if not args.worker:
+        return args
+    print(json.dumps(run_worker(args)), flush=True)
+    return None
+
+
+def workloads_of(parser: argparse.ArgumentParser, text: str, known: tuple[str, ...]) -> list[str]:
+    """The comma-separated workloads of `text`; an unknown one is a usage error naming the known ones."""
+    workloads = [w.strip() for w in text.split(",") if w.strip()]
+    if any(w not in known for w in workloads):
+        parser.error(f"--workloads {text}: from {', '.join(known)}")
+    return workloads
+
+
+def systems_of(parser: argparse.ArgumentParser, text: str, known: tuple[str, ...]) -> list[str]:
+    """The comma-separated systems of `text`; an unknown one is a usage error naming the known ones."""
+    systems = [s.strip() for s in text.split(",") if s.strip()]
+    if unknown := [s for s in systems if s not in known]:
+        parser.error(f"unknown systems {unknown}; choose from {known}")
+    return systems
+
+
+def run_system(
+    system: str, argv: list[str], module: str, timeout: float, unsloth_path: str | None = None
+) -> dict:
+    """`system`'s worker of bench `module` run in its own process (`run_in_process`): its result, with the
+    system's name and the wall time (``wall_s``)."""
+    started = time.perf_counter()
+    result = run_in_process(argv, worker_env(system, unsloth_path), timeout, module)
+    result.setdefault("system", system)
+    result["wall_s"] = time.perf_counter() - started
+    return result

@@ -41,7 +41,6 @@ after its CUDA events completed), so a host stall counts; fastft's device-side s
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -49,8 +48,18 @@ import sys
 import time
 from pathlib import Path
 
-from fastft.bench.baselines import hf_model, unsloth_model
-from fastft.bench.harness import ensure_checkpoint, fastft_model, packed, run_in_process, worker_env
+from fastft.bench.baselines import hf_model, step_clock, trl_run_settings, unsloth_model
+from fastft.bench.harness import (
+    bench_parser,
+    ensure_checkpoint,
+    fastft_model,
+    packed,
+    parse_or_work,
+    run_system,
+    systems_of,
+    worker_options,
+    workloads_of,
+)
 
 SYSTEMS = ("fastft", "fastft-trl", "unsloth", "hf")
 TEMPLATE_TOKENS = 5  # a turn's header and end tokens (role, separators), trained only on assistant turns' end
@@ -177,19 +186,9 @@ def _run_fastft(model, rows, args, device):
 
 
 def _run_trl(model, rows, args, device):
-    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.marks = []
-
-        def on_step_end(self, train_args, state, control, **kwargs):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            self.marks.append(time.perf_counter())
 
     dataset = Dataset.from_dict(
         {"input_ids": [ids.tolist() for ids, _ in rows], "labels": [labels.tolist() for _, labels in rows]}
@@ -203,12 +202,7 @@ def _run_trl(model, rows, args, device):
         max_length=args.max_seq_length,
         learning_rate=1e-5,
         lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=cuda,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
+        **trl_run_settings(cuda),
         # TRL's default (on) unless --trl-gradient-checkpointing off; Unsloth checkpoints its own way
         gradient_checkpointing=args.system != "unsloth" and args.trl_gradient_checkpointing == "on",
         gradient_checkpointing_kwargs={"use_reentrant": False},
@@ -240,7 +234,7 @@ def _run_trl(model, rows, args, device):
 
     if snapshot is not None:
         trainer.add_callback(Snapshot())
-    clock = Clock()
+    clock = step_clock(device)
     trainer.add_callback(clock)
     trainer.train()
     marks = clock.marks
@@ -390,18 +384,7 @@ _DATA_SETTINGS = ("chats", "user_median", "assistant_median", "sigma", "max_seq_
 def main(argv: list[str] | None = None) -> int:
     from fastft.bench.common import add_memory_trade_options, memory_trade_argv
 
-    parser = argparse.ArgumentParser(
-        prog="fastft bench sft",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog architecture or preset"
-    )
-    parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
-    parser.add_argument(
-        "--systems", default="fastft,fastft-trl,hf", help=f"comma-separated, from {','.join(SYSTEMS)}"
-    )
+    parser = bench_parser("sft", __doc__, SYSTEMS, "fastft,fastft-trl,hf")
     parser.add_argument(
         "--workloads",
         default="bf16,nf4",
@@ -448,22 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/sft.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--system", help=argparse.SUPPRESS)
-    parser.add_argument("--workload", help=argparse.SUPPRESS)
-    parser.add_argument("--scratch", default="/tmp/fastft-bench-sft", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(run_worker(args)), flush=True)
+    worker_options(parser, "sft")
+    args = parse_or_work(parser, argv, run_worker)
+    if args is None:
         return 0
 
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if any(w not in ("bf16", "nf4", "fp16", "nf4-fp16") for w in workloads):
-        parser.error(f"--workloads {args.workloads}: from bf16, nf4, fp16, nf4-fp16")
+    systems = systems_of(parser, args.systems, SYSTEMS)
+    workloads = workloads_of(parser, args.workloads, ("bf16", "nf4", "fp16", "nf4-fp16"))
     if args.snapshot and (args.device != "cuda" or args.warmup < 2):
         parser.error("--snapshot records a CUDA allocator: --device cuda and --warmup 2 or more")
     folder = ensure_checkpoint(args)
@@ -482,13 +456,8 @@ def main(argv: list[str] | None = None) -> int:
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
             argv_worker += memory_trade_argv(args)
             argv_worker += ["--snapshot"] if args.snapshot else []
-            started = time.perf_counter()
-            result = run_in_process(
-                argv_worker, worker_env(system, args.unsloth_path), args.timeout, module="fastft.bench.sft"
-            )
-            result.setdefault("system", system)
+            result = run_system(system, argv_worker, "fastft.bench.sft", args.timeout, args.unsloth_path)
             result.setdefault("workload", workload)
-            result["wall_s"] = time.perf_counter() - started
             results.append(result)
             _write(args.out, args, results)  # a later timeout keeps what was measured
             summary = result.get("error") or (

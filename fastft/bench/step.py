@@ -34,9 +34,10 @@ from fastft.bench.baselines import hf_model, unsloth_model
 from fastft.bench.harness import (
     checkpoint_folder,
     fastft_model,
-    run_in_process,
+    parse_or_work,
+    run_system,
     save_random_checkpoint,
-    worker_env,
+    systems_of,
 )
 
 SYSTEMS = ("fastft", "hf", "liger", "unsloth")
@@ -342,10 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-
-    if args.worker:
-        print(json.dumps(run_worker(args)), flush=True)
+    args = parse_or_work(parser, argv, run_worker)
+    if args is None:
         return 0
 
     import torch
@@ -353,10 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("fastft bench step needs a CUDA GPU (it trains an 8B-parameter architecture).", file=sys.stderr)
         return 2
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    systems = systems_of(parser, args.systems, SYSTEMS)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for workload in workloads:
         parse_workload(workload)
@@ -406,15 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.keep_attention,
             ]
             argv_worker += memory_trade_argv(args)
-            started = time.perf_counter()
-            result = run_in_process(
-                argv_worker, worker_env(system, args.unsloth_path), args.timeout, "fastft.bench.step"
-            )
-            result.setdefault("system", system)
+            result = run_system(system, argv_worker, "fastft.bench.step", args.timeout, args.unsloth_path)
             result.setdefault("workload", workload)
             result.setdefault("attention", attention)
             result["round"] = round_
-            result["wall_s"] = time.perf_counter() - started
             results.append(result)
             _write(args.out, args.model, environment(), results)  # a later timeout keeps what was measured
             summary = (
