@@ -26,10 +26,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from types import SimpleNamespace
 
-from fastft.studio.run_control import RunLifecycle
-from fastft.training.events import Event, StepEvent, read_events
+from fastft.studio.run_control import RunLifecycle, run_result
+from fastft.training.events import Event, read_events
 
 __all__ = ["LaunchedRun", "launch_choices"]
 
@@ -208,13 +207,7 @@ class LaunchedRun(RunLifecycle):
     @property
     def result(self):
         """What the studio reads of a finished run: the final loss, the checkpoints, the steps."""
-        steps = [e for e in self.events if isinstance(e, StepEvent)]
-        return SimpleNamespace(
-            final_loss=steps[-1].loss if steps else float("nan"),
-            checkpoints=self.checkpoints,
-            steps=steps,
-            attention=None,
-        )
+        return run_result(self.events, self.checkpoints)
 
     @property
     def elapsed_seconds(self) -> float:

@@ -29,8 +29,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from fastft.studio import run_folder as files
-from fastft.studio.run_control import RunLifecycle
-from fastft.training.events import Event, StepEvent, read_events
+from fastft.studio.run_control import RunLifecycle, run_result
+from fastft.training.events import Event, read_events
 
 __all__ = ["ProcessRun", "load_trained_adapter"]
 
@@ -302,14 +302,7 @@ class ProcessRun(RunLifecycle):
 
     @property
     def result(self):
-        steps = [e for e in self.events if isinstance(e, StepEvent)]
-        return SimpleNamespace(
-            final_loss=steps[-1].loss if steps else float("nan"),
-            checkpoints=self.checkpoints,
-            steps=steps,
-            attention=None,
-            seconds=self.elapsed_seconds,
-        )
+        return run_result(self.events, self.checkpoints, seconds=self.elapsed_seconds)
 
     @property
     def elapsed_seconds(self) -> float:

@@ -17,10 +17,11 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 from fastft.training.events import Event, StepEvent
 
-__all__ = ["Run", "RunLifecycle", "explain"]
+__all__ = ["Run", "RunLifecycle", "explain", "run_result"]
 
 _ACTIVE = ("starting", "running", "pausing", "paused", "stopping")
 
@@ -401,4 +402,17 @@ def explain(error: BaseException, run: Run | None = None) -> str:
     return (
         f"{type(error).__name__}{at}: {text}. The run stopped and the kernel is fine. "
         f"{_last_checkpoint_sentence(run)} The traceback is in run.traceback."
+    )
+
+
+def run_result(events: list, checkpoints: list[str], **extra) -> SimpleNamespace:
+    """What the studio reads of a finished run in another process: the final loss, the checkpoints, the steps
+    (and `extra`, such as its ``seconds``)."""
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    return SimpleNamespace(
+        final_loss=steps[-1].loss if steps else float("nan"),
+        checkpoints=checkpoints,
+        steps=steps,
+        attention=None,
+        **extra,
     )
