@@ -25,6 +25,9 @@ from fastft.kernels.capability import triton_importable
 if TYPE_CHECKING:  # torch is imported where used: the fusion plan reads `activations` without it
     import torch
 
+# Function-local imports: the CLI and the fusion plan read this module without torch or triton
+# (tests/models/test_fusion.py).
+
 
 def triton_available() -> bool:
     """Whether Triton can run here: on a CUDA GPU, or on the CPU under ``TRITON_INTERPRET=1``."""

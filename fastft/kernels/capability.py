@@ -31,6 +31,9 @@ import os
 import warnings
 from dataclasses import dataclass
 
+# Function-local imports: the CLI and the fusion plan read this module without torch or triton
+# (tests/models/test_fusion.py); Triton is Linux-only and the capability table is read without it.
+
 MIN_CAPABILITY = 75  # Triton's oldest NVIDIA target (Turing)
 NO_TRITON_VARIABLE = "FASTFT_NO_TRITON"
 
