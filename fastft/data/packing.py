@@ -16,10 +16,11 @@ import itertools
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from fastft.atomic import write_file_atomically
 from fastft.data.batch import PackedBatch
 from fastft.data.tokenize import (
     TokenizedData,
@@ -180,9 +181,6 @@ class PackedDataset:
         """Write the packed data to `path` (one ``.npz`` file of plain arrays, no pickle) so another process
         trains on exactly these bins: `load_packed` reads it back. Written under a temporary name and renamed
         into place. Returns the path written."""
-        from dataclasses import asdict
-
-        from fastft.atomic import write_file_atomically
 
         lengths = self.data.lengths
         arrays = {
