@@ -37,11 +37,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 
 from fastft.data.batch import PackedBatch
 from fastft.runtime.checkpointing import KEEP_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, KeptTensors, attach_layer_contexts, layer_context
 from fastft.runtime.state import PackedAttentionState, model_state, state_of
+
+# Function-local imports: torch and transformers submodules load where their feature is used (not every supported
+# version has each, and each costs its import).
 
 IMPLEMENTATION = "fastft_packed"
 # Each backend and the kernels it runs (run summaries name them: `describe_backend`).
@@ -564,7 +568,6 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
 
 def _register() -> None:
     """Add the ``fastft_packed`` name to transformers' registries (a new name; nothing is replaced)."""
-    from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(IMPLEMENTATION, _attention_forward)
