@@ -44,8 +44,9 @@ from fastft.runtime.checkpointing import KEEP_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, KeptTensors, attach_layer_contexts, layer_context
 from fastft.runtime.state import PackedAttentionState, model_state, state_of
 
-# Function-local imports: torch and transformers submodules load where their feature is used (not every supported
-# version has each, and each costs its import).
+# Function-local imports: flash-attn is optional (one attention backend); torch and transformers submodules load
+# where their feature is used (not every supported version has each, and each costs its import).
+
 
 IMPLEMENTATION = "fastft_packed"
 # Each backend and the kernels it runs (run summaries name them: `describe_backend`).

@@ -19,8 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from fastft.atomic import expand, recover_folder, remove_leftovers, remove_tree, replace_folder_atomically
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora); torch.distributed's checkpoint and FSDP
+# modules load only in a distributed run.
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 CHECKPOINT_FILES = (
@@ -169,7 +174,6 @@ def load_sharded(model: torch.nn.Module, optimizer, contents: dict) -> None:
 def read_checkpoint(folder, device: torch.device | str = "cpu") -> dict:
     """Every file of a checkpoint, read safely (safetensors, ``weights_only=True``, JSON); `CheckpointError`
     names the missing or unreadable file (torch's advice to load unsafely never reaches the user)."""
-    from safetensors.torch import load_file
 
     folder = recover_folder(folder)
     if not folder.is_dir():

@@ -49,6 +49,8 @@ import torch.distributed as dist
 from fastft.checks import SettingError
 from fastft.training.checkpoint import gather_sharded, save_checkpoint
 
+# Function-local imports: torch.distributed's checkpoint and FSDP modules load only in a distributed run.
+
 SHARDINGS = ("ddp", "fsdp")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 

@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+# Function-local imports: torch.distributed's checkpoint and FSDP modules load only in a distributed run.
+
 
 @dataclass(frozen=True)
 class StepEvent:

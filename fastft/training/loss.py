@@ -12,8 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from fastft.data.batch import PackedBatch
+from fastft.models.moe import collect_moe_router_stats
 from fastft.models.patch import is_fused
 from fastft.runtime.attention import choose_backend, is_patched, mask_marker
+from fastft.runtime.routing import load_balancing_loss
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora); tests replace these names on their modules, so
+# they are looked up when called.
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -91,9 +97,6 @@ def _with_router_aux_loss(model: torch.nn.Module, batch: PackedBatch, coefficien
     count (as the caller does) this is transformers' ``loss + router_aux_loss_coef * aux_loss``, with the
     load-balancing loss pooled over every MoE layer of this batch (`fastft.runtime.routing`)."""
     from peft import PeftModel
-
-    from fastft.models.moe import collect_moe_router_stats
-    from fastft.runtime.routing import load_balancing_loss
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     # under offloaded checkpointing each layer hands its statistics out as outputs of its autograd node

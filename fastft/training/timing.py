@@ -35,6 +35,7 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from html import escape
 
 import torch
 
@@ -543,7 +544,6 @@ class Table:
         )
 
     def _repr_html_(self) -> str:
-        from html import escape
 
         head = "".join(f"<th>{escape(c)}</th>" for c in self.columns)
         body = "".join(
