@@ -23,8 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from fastft.export.reference import GGUFModel, read_metadata
+from fastft.models.export import merged_tensors
+from fastft.training.evaluate import prompt_messages
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 # top-1 next-token agreement over every checked position, and whether greedy answers must all match
 TOLERANCES: dict[str, dict[str, float | bool]] = {
@@ -142,7 +147,6 @@ class ExportCheck:
 def default_prompts(count: int = 8) -> list[list[dict]]:
     """The first `count` held-out questions the demo and the studio evaluate on, as chat prompts."""
     from fastft.data.loading import load_dataset
-    from fastft.training.evaluate import prompt_messages
 
     rows = load_dataset(DEFAULT_PROMPTS)
     return [prompt_messages(rows[i]) for i in range(min(count, len(rows)))]
@@ -227,9 +231,6 @@ def reference_dtype(quantization: str) -> torch.dtype:
 def merged_reference(model, quantization: str):
     """The merged model as plain transformers runs it: LoRA added in fp32, its matrices rounded to
     `reference_dtype`, computed in fp32 on the CPU (one extra copy of the weights)."""
-    from transformers import AutoModelForCausalLM
-
-    from fastft.models.export import merged_tensors
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
