@@ -20,6 +20,10 @@ import gzip
 import json
 from pathlib import Path
 
+import transformers
+
+from fastft.models.catalog import CATALOG, architectures
+from fastft.models.presets import PRESETS
 from fastft.vram.inventory import (
     CACHE_FILE,
     ModelInventory,
@@ -35,16 +39,12 @@ from fastft.vram.inventory import (
 def known_models() -> list[str]:
     """The names the cache holds: every preset, then every catalog architecture entry (a base or instruct
     variant is served from its entry's, `cached_inventory`)."""
-    from fastft.models.catalog import architectures
-    from fastft.models.presets import PRESETS
 
     return [*PRESETS, *(spec.hub_id for spec in architectures())]
 
 
 def build_inventory(name: str) -> ModelInventory:
     """`name`'s inventory built on the meta device (what the cache stores; needs torch and transformers)."""
-    from fastft.models.catalog import CATALOG
-    from fastft.models.presets import PRESETS
 
     if name in PRESETS:
         return _inventory_of_config(PRESETS[name].make_config(PRESETS[name].vocab_size), name)
@@ -53,7 +53,6 @@ def build_inventory(name: str) -> ModelInventory:
 
 def write_cache(path: Path = CACHE_FILE) -> None:
     """Rebuild every preset's and catalog model's inventory and write the cache (after editing either)."""
-    import transformers
 
     models = {
         name: {"fingerprint": fingerprint(name), "inventory": inventory_to_dict(build_inventory(name))}

@@ -19,10 +19,16 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastft.models.errors import ModelLoadError, UnknownModelError
+from fastft.models.catalog import CATALOG, close_names
+from fastft.models.errors import ModelLoadError, RemoteCodeError, UnknownModelError
+from fastft.models.presets import PRESETS
+from fastft.models.remote_code import from_pretrained
 
 if TYPE_CHECKING:  # torch and transformers are imported where a model is built or walked: a catalog model's
     import torch  # inventory comes from the shipped cache (`cached_inventory`) without either
+
+# Function-local imports: `import fastft.vram` and `fastft estimate` run without torch or transformers
+# (tests/faces/test_cli.py).
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -153,8 +159,6 @@ _SCALAR_FIELDS = [f.name for f in fields(ModelInventory) if f.name not in ("line
 
 def fingerprint(name: str) -> str:
     """A digest of the spec of preset or catalog model `name`: what its inventory is built from."""
-    from fastft.models.catalog import CATALOG
-    from fastft.models.presets import PRESETS
 
     if name in PRESETS:
         preset = PRESETS[name]
@@ -202,7 +206,6 @@ def _entries() -> dict:
 def cached_inventory(name: str) -> ModelInventory | None:
     """The stored inventory of preset or catalog model `name`, or None when there is none for its spec. A
     catalog variant gets its entry's, under its own name and stated context (`VARIANT_FIELDS`)."""
-    from fastft.models.catalog import CATALOG
 
     variant = CATALOG[name] if name in CATALOG and CATALOG[name].variant_of else None
     stored = variant.variant_of if variant is not None else name
@@ -244,8 +247,6 @@ def inventory_of(model, trust_remote_code: bool = False) -> ModelInventory:
 
 @functools.lru_cache(maxsize=64)
 def _inventory_of_name(name: str, trust_remote_code: bool = False) -> ModelInventory:
-    from fastft.models.catalog import CATALOG, close_names
-    from fastft.models.presets import PRESETS
 
     if name in PRESETS:
         return cached_inventory(name) or _inventory_of_config(
@@ -275,8 +276,6 @@ def _fetch_config(name: str, path: Path, hint: str = "", trust_remote_code: bool
     from transformers import AutoConfig
 
     from fastft.data.hub import offline_fix, offline_reason
-    from fastft.models.errors import RemoteCodeError
-    from fastft.models.remote_code import from_pretrained
 
     source = str(path) if path.is_dir() else name
     offline = not path.is_dir() and offline_reason() is not None

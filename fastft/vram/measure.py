@@ -21,6 +21,9 @@ from fastft.vram.settings import resolve_checkpointing
 if TYPE_CHECKING:  # torch and numpy are imported where a step runs: `import fastft.vram` needs neither
     import torch
 
+# Function-local imports: `import fastft.vram` and `fastft estimate` run without torch or transformers
+# (tests/faces/test_cli.py); tests replace these names on their modules, so they are looked up when called.
+
 
 def resident_memory(
     model: torch.nn.Module, optimizer=None, device: torch.device | None = None
