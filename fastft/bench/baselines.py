@@ -7,6 +7,12 @@ from __future__ import annotations
 import time
 
 from fastft.bench.harness import ATTENTION_TARGETS, EXPERT_PARAMETERS, TARGETS
+from fastft.models.remote_code import from_pretrained
+
+# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
+# module and must import unsloth before transformers; peft imports bitsandbytes, which asks the hub for a kernel:
+# peft loads first under `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora); Unsloth is a competitor
+# the benches load only in its own worker.
 
 
 def hf_model(folder: str, precision: str, liger: bool, device, lora_targets: str = "all"):
@@ -15,8 +21,6 @@ def hf_model(folder: str, precision: str, liger: bool, device, lora_targets: str
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from fastft.models.remote_code import from_pretrained
 
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import torch
+import transformers
+
+from fastft.kernels import tiling
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora).
 
 
 @dataclass
@@ -103,7 +109,6 @@ def set_memory_trades(adapter_copies: str | None = None, dh_slice_mib: int | Non
     A/B runs of the benches): `adapter_copies` "on"/"off" sets `fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES`
     (read when a model is patched), `dh_slice_mib` sets `DH_SLICE_BYTES` (0: the untiled MLP's backward makes
     its ``dh`` whole). None keeps fastft's default. Returns both settings as they now stand."""
-    from fastft.kernels import tiling
 
     if adapter_copies is not None:
         if adapter_copies not in ("on", "off"):
@@ -142,7 +147,6 @@ def memory_trade_argv(args) -> list[str]:
 
 def environment() -> dict:
     import peft
-    import transformers
 
     info = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),

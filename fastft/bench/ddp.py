@@ -21,17 +21,19 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from fastft.bench.harness import ensure_checkpoint, fastft_model, packed
+from fastft.bench.sft import chat_rows
+from fastft.models.patch import is_fused, patch_report
+from fastft.runtime.offload import offload_stats
+from fastft.training.trainer import TrainConfig, Trainer
+
+# Function-local imports: imported after the environment they read is set (environment variables, offline mode).
 
 
 def run_worker(args) -> dict:
     """One rank of one launch: train, time the steps after the warmup, rank 0 returns the figures."""
-    import torch
-
-    from fastft.bench.sft import chat_rows
-    from fastft.models.patch import is_fused, patch_report
-    from fastft.runtime.offload import offload_stats
-    from fastft.training.trainer import TrainConfig, Trainer
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")

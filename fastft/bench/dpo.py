@@ -43,6 +43,11 @@ from fastft.bench.harness import (
     worker_options,
     workloads_of,
 )
+from fastft.models.remote_code import from_pretrained
+
+# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
+# module and must import unsloth before transformers; TRL is an optional dependency (the baselines and the facade's
+# trainers); tests replace these names on their modules, so they are looked up when called.
 
 SYSTEMS = ("fastft", "trl")
 BETA = 0.1
@@ -137,8 +142,6 @@ def _run_trl(args, rows, device):
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from fastft.models.remote_code import from_pretrained
-
     class TokenIdsDPOTrainer(DPOTrainer):
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset  # already TRL's tokenised columns (prompt_ids, chosen_ids, rejected_ids)
@@ -189,8 +192,6 @@ def _run_trl(args, rows, device):
 def run_worker(args) -> dict:
     import torch
     from transformers import AutoConfig
-
-    from fastft.models.remote_code import from_pretrained
 
     torch.manual_seed(0)
     device = torch.device(args.device)

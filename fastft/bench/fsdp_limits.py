@@ -30,7 +30,19 @@ import traceback
 import warnings
 from pathlib import Path
 
+import torch
+
 from fastft.bench.harness import checkpoint_folder, ensure_checkpoint, fastft_model, packed
+from fastft.bench.sft import chat_rows
+from fastft.models.lora import add_lora
+from fastft.models.random_model import build_random_model
+from fastft.training.distributed import decoder_layers, full_tensor, launched, setup
+from fastft.training.graph import GraphCaptureWarning, StepGraph
+from fastft.training.trainer import TrainConfig, Trainer
+from fastft.vram.measure import synthetic_batch
+
+# Function-local imports: torch.distributed's checkpoint and FSDP modules load only in a distributed run; tests
+# replace these names on their modules, so they are looked up when called.
 
 
 def _error(stage: str, error: BaseException) -> dict:
@@ -45,15 +57,10 @@ def _relative(a, b) -> float:
 
 def quantised_base(model_name: str, tokens: int, device) -> dict:
     """NF4 + LoRA: one batch unsharded, then sharded as `shard_model` would (its refusal skipped)."""
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fastft.models.lora import add_lora
-    from fastft.models.random_model import build_random_model
-    from fastft.training.distributed import decoder_layers, full_tensor
     from fastft.training.loss import causal_lm_loss_sum
-    from fastft.vram.measure import synthetic_batch
 
     model = add_lora(build_random_model(model_name, "nf4", device), r=16, alpha=16, seed=0)
     model.train()
@@ -101,11 +108,6 @@ def quantised_base(model_name: str, tokens: int, device) -> dict:
 
 def cuda_graph(checkpoint: str, steps: int, chats: int, device) -> dict:
     """fastft's Trainer under FSDP2 with its step graph on, beside the same run eager."""
-    import torch
-
-    from fastft.bench.sft import chat_rows
-    from fastft.training.graph import GraphCaptureWarning, StepGraph
-    from fastft.training.trainer import TrainConfig, Trainer
 
     runs = {}
     for name, graphs in (("eager", False), ("graphed", True)):
@@ -160,10 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="benchmarks/fsdp_limits.json")
     args = parser.parse_args(argv)
 
-    import torch
-
     from fastft.bench.common import environment
-    from fastft.training.distributed import launched, setup
 
     if not torch.cuda.is_available() or not launched():
         parser.error("run under torchrun on a CUDA GPU (see the module's docstring)")

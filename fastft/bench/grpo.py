@@ -36,6 +36,11 @@ from fastft.bench.harness import (
     systems_of,
     worker_options,
 )
+from fastft.models.remote_code import from_pretrained
+
+# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
+# module and must import unsloth before transformers; TRL is an optional dependency (the baselines and the facade's
+# trainers); tests replace these names on their modules, so they are looked up when called.
 
 SYSTEMS = ("fastft", "trl", "generate")
 
@@ -82,7 +87,6 @@ def _reset_peak(device) -> None:
 def _run_fastft(args, device) -> dict:
     from transformers import AutoTokenizer
 
-    from fastft.models.remote_code import from_pretrained
     from fastft.training.grpo import GRPOConfig, GRPOTrainer
 
     seq = args.prompt_tokens + args.completion_tokens
@@ -125,8 +129,6 @@ def _run_generate(args, device) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from fastft.models.remote_code import from_pretrained
-
     model = hf_model(args.folder, args.workload, False, device)
     model.config.use_cache = True
     model.eval()
@@ -158,8 +160,6 @@ def _run_trl(args, device) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
-
-    from fastft.models.remote_code import from_pretrained
 
     model = hf_model(args.folder, args.workload, False, device)
     tokenizer = from_pretrained(AutoTokenizer, args.folder)

@@ -12,6 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+from fastft.models.presets import PRESETS, load_preset_tokenizer
+
+# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
+# module and must import unsloth before transformers; tests replace these names on their modules, so they are looked
+# up when called.
+
 # torch, transformers and fastft's engine are imported in the functions: a bench's Unsloth worker imports this
 # module and must import unsloth before transformers (Unsloth patches it as it loads).
 
@@ -81,7 +87,6 @@ def save_random_checkpoint(model_id: str, folder: Path, layers: int | None = Non
     weights, saved with a tokenizer (for Unsloth) to `folder`."""
     import torch
 
-    from fastft.models.presets import load_preset_tokenizer
     from fastft.models.random_model import random_model
 
     torch.manual_seed(0)
@@ -102,7 +107,6 @@ def ensure_checkpoint(args) -> Path:
     import torch
 
     from fastft.models.loading import load_model
-    from fastft.models.presets import PRESETS
 
     folder = checkpoint_folder(Path(args.folder), args.model, args.layers)
     if (folder / "config.json").exists():

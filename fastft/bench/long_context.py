@@ -27,6 +27,10 @@ import torch
 
 from fastft.atomic import write_text_atomically
 from fastft.bench.common import environment
+from fastft.models.random_model import split_precision
+from fastft.vram.measure import TrainingProbe, is_out_of_memory
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 GiB = 2**30
 
@@ -195,9 +199,7 @@ def run(
 ) -> dict:
     """The trials; `save(result)` (if given) runs after each, so a call cut by its time limit keeps what
     it measured."""
-    from fastft.models.random_model import split_precision
     from fastft.vram import capped_gpu, estimate_vram, max_context
-    from fastft.vram.measure import TrainingProbe, is_out_of_memory
 
     cap = int(cap_gib * GiB)
     base_precision, compute = split_precision(precision)

@@ -35,6 +35,7 @@ import torch
 
 from fastft.bench.common import environment, markdown_table, time_steps
 from fastft.data.batch import PackedBatch
+from fastft.models.catalog import CATALOG
 from fastft.models.lora import add_lora, set_gradient_checkpointing
 from fastft.models.random_model import random_model
 from fastft.runtime import attention
@@ -77,7 +78,6 @@ def long_documents(tokens: int, vocab: int, rng: np.random.Generator) -> PackedB
 def estimated_step_seconds(model_name: str, batch: PackedBatch) -> float | None:
     """LoRA with recompute: 6·N FLOPs per token (forward, recompute, activation gradients) plus causal
     attention in four passes; None for presets (no budget needed)."""
-    from fastft.models.catalog import CATALOG
 
     spec = CATALOG.get(model_name)
     if spec is None:

@@ -60,6 +60,11 @@ from fastft.bench.harness import (
     worker_options,
     workloads_of,
 )
+from fastft.kernels import tiling
+
+# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
+# module and must import unsloth before transformers; TRL is an optional dependency (the baselines and the facade's
+# trainers); tests replace these names on their modules, so they are looked up when called.
 
 SYSTEMS = ("fastft", "fastft-trl", "unsloth", "hf")
 TEMPLATE_TOKENS = 5  # a turn's header and end tokens (role, separators), trained only on assistant turns' end
@@ -254,7 +259,6 @@ def _tile_every_mlp(rows: int, intermediate: int) -> None:
     """This worker's fused MLPs (16-bit compute, `intermediate` columns) run in tiles of at most `rows` rows at
     every length: the tiling rule's two constants, set in this process only (`fastft.kernels.tiling` reads
     them at each call)."""
-    from fastft.kernels import tiling
 
     tiling.TILE_FROM_BYTES = 0
     tiling.TILE_BYTES = rows * intermediate * 2

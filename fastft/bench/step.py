@@ -40,6 +40,10 @@ from fastft.bench.harness import (
     systems_of,
 )
 
+# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
+# module and must import unsloth before transformers; tests replace these names on their modules, so they are looked
+# up when called.
+
 SYSTEMS = ("fastft", "hf", "liger", "unsloth")
 DEFAULT_WORKLOADS = "bf16:2x2048,nf4:2x2048,bf16:1x16384"
 
