@@ -43,7 +43,6 @@ class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _demo_parser(sub) -> None:
-
     help_text = {
         "model": "embedded preset, local folder or hub id to fine-tune",
         "dataset": "training data: bundled:NAME, a .jsonl/.json/.csv/.parquet file or a hub id",
@@ -121,7 +120,6 @@ def _models_parser(sub) -> None:
 
 
 def _run_models(args) -> int:
-
     print("Embedded presets (no download):")
     for preset in PRESETS.values():
         print(f"  {preset.name:<14} {preset.description}")
@@ -134,7 +132,6 @@ def _run_models(args) -> int:
 
 
 def _bench_parser(sub) -> None:
-
     parser = sub.add_parser(
         "bench",
         help="benchmarks: fastft beside its baselines in one process (see BENCHMARKS.md)",
@@ -145,7 +142,6 @@ def _bench_parser(sub) -> None:
 
 
 def _run_bench(args) -> int:
-
     return importlib.import_module(BENCHMARKS[args.name]).main(args.options)
 
 
@@ -179,7 +175,6 @@ def _run_launch(args) -> int:
 
 
 def _estimate_parser(sub) -> None:
-
     parser = sub.add_parser(
         "estimate",
         help="estimate the GPU memory of LoRA/QLoRA training: breakdown, verdict, longest context",
@@ -256,7 +251,6 @@ def _host_gib(text: str) -> int | str | None:
 
 
 def _run_estimate(args) -> int:
-
     from fastft.vram import GPUS, VramEstimateError, estimate_vram, fits, max_context
 
     settings = dict(
@@ -324,7 +318,6 @@ def _export_parser(sub) -> None:
 
 
 def _run_export(args) -> int:
-
     from fastft.export import GGUFCheckError, save_ollama
     from fastft.export.check import default_prompts
     from fastft.models.loading import load_model
@@ -385,7 +378,6 @@ def _adapter_folder(run_dir):
 
 
 def build_parser() -> argparse.ArgumentParser:
-
     parser = argparse.ArgumentParser(
         prog="fastft", description="Fast, exact LoRA/QLoRA fine-tuning from a notebook or the shell."
     )

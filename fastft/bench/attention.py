@@ -130,7 +130,6 @@ def _time_method(method, qkv, inputs, upstream, device: torch.device, warmup: in
 
 
 def bench_case(case: str, head_dim: int, device: torch.device, warmup: int, reps: int) -> list[dict]:
-
     label, lengths, q_heads, kv_heads = parse_case(case)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

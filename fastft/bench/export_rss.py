@@ -57,7 +57,6 @@ def random_model(hub_id: str, dtype: torch.dtype, seed: int = 0, **shape):
 
 
 def run(hub_id: str, quantization: str, folder: Path, **shape) -> dict:
-
     started = time.perf_counter()
     model = random_model(hub_id, torch.bfloat16, **shape)
     built = time.perf_counter() - started

@@ -120,7 +120,6 @@ def _rope_cos_sin(run: KernelRun, seq: int, head_dim: int, theta: float = 500000
 
 
 def bench_rope(run: KernelRun) -> list[dict]:
-
     s, d, hq, hk = run.sizes.tokens, run.sizes.head_dim, run.sizes.q_heads, run.sizes.kv_heads
 
     def heads(n_heads: int, requires_grad: bool) -> torch.Tensor:
@@ -148,7 +147,6 @@ def bench_rope(run: KernelRun) -> list[dict]:
 
 
 def bench_swiglu(run: KernelRun) -> list[dict]:
-
     n, i = run.sizes.tokens, run.sizes.intermediate
     gate = run.randn(n, i, scale=2.0, requires_grad=True)
     up = run.randn(n, i, requires_grad=True)
@@ -190,7 +188,6 @@ def _nf4_reference_arguments(state) -> dict:
 
 
 def bench_nf4(run: KernelRun) -> list[dict]:
-
     rows, cols, blocksize = run.sizes.hidden, run.sizes.intermediate, run.sizes.nf4_blocksize
     weight = run.randn(rows, cols, scale=0.02)
     if run.bnb is not None and run.cuda:
@@ -220,7 +217,6 @@ def bench_nf4(run: KernelRun) -> list[dict]:
 
 
 def bench_flce(run: KernelRun) -> list[dict]:
-
     from fastft.kernels.fused_linear_ce import fused_linear_cross_entropy
 
     n, v, h = run.sizes.tokens, run.sizes.vocab, run.sizes.hidden
@@ -245,7 +241,6 @@ def bench_flce(run: KernelRun) -> list[dict]:
 
 
 def bench_lora_mlp(run: KernelRun) -> list[dict]:
-
     n, h, i, r = run.sizes.lora_tokens, run.sizes.hidden, run.sizes.intermediate, run.sizes.lora_r
     scale = 2.0  # alpha = 2 r
     x = run.randn(n, h, requires_grad=True)
@@ -288,7 +283,6 @@ BENCHES = {
 
 
 def _optional(module: str, notes: list[str]):
-
     try:
         return importlib.import_module(module)
     except Exception as error:  # any import failure means the baseline is skipped
@@ -297,7 +291,6 @@ def _optional(module: str, notes: list[str]):
 
 
 def _versions() -> dict:
-
     info = {}
     for name, dist in (
         ("triton", "triton"),

@@ -41,7 +41,6 @@ def random_packed_dataset(vocab: int, seq_len: int, sequences: int, seed: int = 
 
 
 def _model(name: str, layers: int | None, device: torch.device, dtype: torch.dtype, lora_r: int):
-
     torch.manual_seed(0)
     cut = {"num_hidden_layers": layers} if layers is not None and not name.startswith("tiny-") else {}
     model = random_model(name, device, dtype, **cut)
@@ -58,7 +57,6 @@ def run(
     lora_r: int = 16,
     nvtx: bool | None = None,
 ) -> dict:
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = load_preset_tokenizer()

@@ -114,7 +114,6 @@ def _seconds_guess(config: Config, tokens: int, steps: int) -> float:
 
 
 def _context_guess(config: Config, cap_gib: float, trials: int = 5) -> float:
-
     predicted = max_context(
         config.model,
         capped_gpu(int(cap_gib * GiB)),

@@ -179,7 +179,6 @@ def _looks_like_path(source: str) -> bool:
 
 
 def _load_hub(source: str, fmt: str | None, split: str) -> datasets.Dataset:
-
     target = source
     if not declared_offline() and offline_reason() is not None:
         # out of reach though not declared offline: `datasets` would retry for half a minute; read the
@@ -394,7 +393,6 @@ def _json_cell(cell: str, field: str, label: str, line: int) -> Any:
 
 
 def _iter_parquet(path: Path, label: str) -> Iterator[tuple[int, Any]]:
-
     try:
         table = pq.read_table(path)
     except Exception as e:  # not Parquet, truncated, unsupported encoding

@@ -168,7 +168,6 @@ def hyperparameters(config, family: Family) -> list[tuple[str, object, str]]:
 
 
 def _arch_name(family: Family) -> str:
-
     return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[family.arch]]
 
 

@@ -42,7 +42,6 @@ class GGUFModel:
     All tensors are dequantised to fp32 when the file is opened (the check runs on models that fit)."""
 
     def __init__(self, path: str | os.PathLike):
-
         reader = gguf.GGUFReader(path)
         self.meta = {name: field.contents() for name, field in reader.fields.items()}
         self.types = {t.name: t.tensor_type.name for t in reader.tensors}

@@ -100,7 +100,6 @@ def llama_quantize_path() -> str | None:
 
 
 def _ggml_type(name: str):
-
     return {
         "f32": gguf.GGMLQuantizationType.F32,
         "f16": gguf.GGMLQuantizationType.F16,
@@ -111,7 +110,6 @@ def _ggml_type(name: str):
 
 
 def _file_type(name: str) -> int:
-
     return {
         "f32": gguf.LlamaFileType.ALL_F32,
         "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -402,7 +400,6 @@ def remove_quietly(path: Path) -> None:
 
 
 def _fastft_version() -> str:
-
     try:
         return version("fastft")
     except PackageNotFoundError:

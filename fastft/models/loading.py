@@ -132,7 +132,6 @@ def _check_architecture(model_type: str, name: str, config) -> None:
 
 
 def _transformers_version() -> str:
-
     return transformers.__version__
 
 
@@ -311,7 +310,6 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def _unknown_model_message(name: str) -> str:
-
     close = close_names(name, list(PRESETS) + list(CATALOG))
     suggestion = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return (
@@ -383,7 +381,6 @@ def _keep_nf4_layout(model) -> None:
 
 
 def _raw_config(source, token) -> dict:
-
     try:
         return PretrainedConfig.get_config_dict(source, token=token)[0]
     except (OSError, ValueError):

@@ -89,7 +89,6 @@ class DataPanel(Panel):
     """
 
     def __init__(self, state: StudioState | None = None, *, live: str | None = None):
-
         self.state = state if state is not None else StudioState()
         self._worker = Worker("fastft-studio-data")
         self._fallback_tokenizer = None
@@ -387,7 +386,6 @@ class DataPanel(Panel):
         return True
 
     def _load_job(self, source: str, fmt: str) -> None:
-
         rows = fastft.load_dataset(source, format=fmt)
         state = self.state
         self._clear_stats()  # the last pack's numbers describe other rows
@@ -401,7 +399,6 @@ class DataPanel(Panel):
         self._show_rows()
 
     def _pack_job(self) -> None:
-
         state = self.state
         settings = state.pack_settings
         tokenizer = self._tokenizer()
@@ -417,7 +414,6 @@ class DataPanel(Panel):
     # ------------------------------------------------------------------------------------------ display
 
     def _show_rows(self) -> None:
-
         rows = self.state.rows
         self.row.max = max(len(rows) - 1, 0)
         self.row.value = min(self.row.value, self.row.max)
@@ -455,7 +451,6 @@ class DataPanel(Panel):
         self.preview.value = _segments_html(segments, self._tokenizer_note())
 
     def _show_stats(self, packed) -> None:
-
         stats = packed.stats
         t = stats.tokenize
         rows = [
@@ -508,7 +503,6 @@ class DataPanel(Panel):
         return ""
 
     def _apply_template(self, tokenizer) -> None:
-
         key = id(tokenizer)
         if key not in self._original_templates:
             self._original_templates[key] = getattr(tokenizer, "chat_template", None)

@@ -42,7 +42,6 @@ GGUF_CHOICES = [
 
 
 def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
-
     if not text:
         return ""
     return error_html(text, title) if kind == "error" else status_html(text, kind)
@@ -71,7 +70,6 @@ class ExportPanel(Panel):
     """
 
     def __init__(self, state: StudioState | None = None):
-
         self.state = state if state is not None else StudioState()
         self.worker = Worker("fastft-export")
         self.completion = ""
@@ -234,7 +232,6 @@ class ExportPanel(Panel):
         self.worker.start(lambda: self._job(self._save_adapter, folder))
 
     def _save_adapter(self, folder: str) -> str:
-
         path = save_adapter(self.state.model, folder, self.state.tokenizer)
         self.last_saved = str(path)
         self.state.mark_saved(str(path))  # loading another model will not save this adapter again
@@ -264,7 +261,6 @@ class ExportPanel(Panel):
         self.worker.start(lambda: self._job(self._merge, folder))
 
     def _merge(self, folder: str) -> str:
-
         path = save_merged(self.state.model, folder, self.state.tokenizer)
         self.last_saved = str(path)
         return f"Merged 16-bit model saved to {path}; transformers.AutoModelForCausalLM.from_pretrained loads it."
@@ -306,7 +302,6 @@ class ExportPanel(Panel):
         self.gguf_stage.value = f"{done}/{total} {what}"
 
     def _export_gguf(self, kind: str, target: str, quantization: str) -> str:
-
         save = save_gguf if kind == "gguf" else save_ollama
         self.gguf_stage.value = "writing…"
         try:

@@ -49,7 +49,6 @@ class GRPOControls:
     """The GRPO settings of the Run tab, as widgets (`widgets`) and as `GRPOConfig` fields (`config_kwargs`)."""
 
     def __init__(self, style: dict, layout_of) -> None:
-
         defaults = GRPOConfig()
         self.generations = widgets.BoundedIntText(
             value=defaults.num_generations, min=2, max=256, description="completions (G)", style=style,

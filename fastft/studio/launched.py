@@ -282,7 +282,6 @@ class _Code:
 
 
 def _train_call(config: dict, events: str) -> str:
-
     kwargs = {**config, "progress": False, "subscribers": _Code(f"[EventLog({py_repr(events)})]")}
     return call_code("result", "fastft.train", ["model", "tokenizer", "data"], kwargs)
 

@@ -181,7 +181,6 @@ class LiveFigure:
     """
 
     def __init__(self, figure, mode: str | None = None, *, probe_timeout: float = PROBE_TIMEOUT):
-
         requested = mode or frontend()
         if requested not in MODES:
             raise ValueError(f"mode={requested!r}: use one of {MODES}.")
@@ -280,7 +279,6 @@ class LiveFigure:
         self._show_output()
 
     def _show_output(self) -> None:
-
         if self._output is None:
             # no side margins: at 100 % width they would push the chart past the tab's edge
             self._output = widgets.Output(layout=widgets.Layout(width="100%", margin="2px 0"))

@@ -331,7 +331,6 @@ class ModelPanel(Panel):
         return str(path)
 
     def _apply_job(self) -> None:
-
         state = self.state
         lora = self._lora_settings()
         self._busy(True, "Re-applying LoRA adapters…")
@@ -383,7 +382,6 @@ class ModelPanel(Panel):
             self._refresh()
 
     def _show_loaded(self, notes: list[str] = ()) -> None:
-
         model = self.state.model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.linear_layers = linear_layer_names(base)

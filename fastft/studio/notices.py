@@ -195,13 +195,11 @@ class StatusLog:
     """
 
     def __init__(self, keep: int = 4):
-
         self.keep = keep
         self.widget = widgets.HTML("")
         self.lines: list[tuple[str, str, str, str | None]] = []  # (time, kind, text, title)
 
     def say(self, text: str, kind: str = "info", title: str | None = None) -> None:
-
         if not text:
             return
         if self.lines and self.lines[0][1] == "busy":

@@ -301,7 +301,6 @@ class ProcessRun(RunLifecycle):
 
     @property
     def checkpoints(self) -> list[str]:
-
         return [str(path) for path in list_checkpoints(self.folder)]
 
     @property

@@ -79,7 +79,6 @@ TRAIN_IN = {"process": "a child process", "kernel": "this kernel"}
 
 
 def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
-
     if not text:
         return ""
     return error_html(text, title) if kind == "error" else status_html(text, kind)
@@ -121,7 +120,6 @@ class RunPanel(Panel):
         max_points: int = 2000,
         processes: list[tuple[str, int]] | None = None,
     ):
-
         self.state = state if state is not None else StudioState()
         self.run: Run | None = None
         self.mode = live or frontend()
@@ -729,7 +727,6 @@ class RunPanel(Panel):
         return []
 
     def _update_checks(self) -> None:
-
         found = self.problems()
         self.checks.value = "".join(
             error_html(text, "Cannot start") if kind == "error" else status_html(text, "warn")
@@ -922,7 +919,6 @@ class RunPanel(Panel):
 
     # -- plots -----------------------------------------------------------------------------------------
     def _reset_plots(self, run: RunLifecycle) -> None:
-
         max_steps = run.max_steps
         try:
             cuda = next(run.model.parameters()).device.type == "cuda"
@@ -1118,7 +1114,6 @@ class RunPanel(Panel):
         self._update_where()
 
     def _draw_timing(self) -> None:
-
         run = self.run
         profile = getattr(getattr(run, "trainer", None), "profile", None)
         if profile is not None:

@@ -363,7 +363,6 @@ def _last_checkpoint_sentence(run: Run | None) -> str:
 
 
 def _is_oom(error: BaseException) -> bool:
-
     oom = getattr(torch.cuda, "OutOfMemoryError", ())
     return (oom and isinstance(error, oom)) or (
         isinstance(error, RuntimeError) and "out of memory" in str(error).lower()

@@ -77,7 +77,6 @@ class VramPanel(Panel):
     """
 
     def __init__(self, state: StudioState | None = None, *, live: str | None = None):
-
         from fastft.vram import GPUS, detect_gpu
 
         self.state = state if state is not None else StudioState()
@@ -291,7 +290,6 @@ class VramPanel(Panel):
             self._update()
 
     def _update(self) -> None:
-
         source = self._source()
         self.code_view.value = code_html(self.code())
         self.this_machine.value = this_machine_html(self.precision.value)
@@ -474,7 +472,6 @@ def _quick(name: str) -> bool:
 
 
 def _inventory(model):
-
     return inventory_of(model)
 
 

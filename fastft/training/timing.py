@@ -544,7 +544,6 @@ class Table:
         )
 
     def _repr_html_(self) -> str:
-
         head = "".join(f"<th>{escape(c)}</th>" for c in self.columns)
         body = "".join(
             "<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in self.cells()

@@ -167,7 +167,6 @@ def instrument(model: torch.nn.Module, profile) -> tuple[list, list[str]]:
 
 
 def _register(backbone: torch.nn.Module, profile, handles: list, names: list[str]) -> None:
-
     def time_module(module: torch.nn.Module, name: str, recompute: str | None, **extra) -> None:
         pre, post = _module_hooks(profile, name, recompute, **extra)
         handles.append(module.register_forward_pre_hook(pre))

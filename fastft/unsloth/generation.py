@@ -203,7 +203,6 @@ def _generate_one(model, tokenizer, text: str, params: SamplingParams) -> Reques
 
 
 def _rollout(model, tokenizer, ids, params, max_new):
-
     sampling = Sampling(
         num_generations=params.n, max_new_tokens=max_new, temperature=params.temperature, top_p=params.top_p
     )

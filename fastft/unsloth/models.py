@@ -232,7 +232,6 @@ def _has_vision_tower(model) -> bool:
 
 
 def _language_targets(model, attention: bool, mlp: bool) -> list[str]:
-
     if not (attention or mlp):
         raise ValueError(
             "finetune_attention_modules=False and finetune_mlp_modules=False leave nothing to train: set one "

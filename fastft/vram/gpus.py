@@ -140,7 +140,6 @@ def detect_gpu(index: int | None = None) -> GpuSpec | None:
 
 
 def _no_gpu_device_nodes() -> bool:
-
     if not sys.platform.startswith("linux"):
         return False  # elsewhere ask torch
     return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))

@@ -247,7 +247,6 @@ def inventory_of(model, trust_remote_code: bool = False) -> ModelInventory:
 
 @functools.lru_cache(maxsize=64)
 def _inventory_of_name(name: str, trust_remote_code: bool = False) -> ModelInventory:
-
     if name in PRESETS:
         return cached_inventory(name) or _inventory_of_config(
             PRESETS[name].make_config(PRESETS[name].vocab_size), name

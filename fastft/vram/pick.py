@@ -138,7 +138,6 @@ def _most_bins(model: str, card: GpuSpec, precision: str, length: int, most: int
 
 
 def _visible_gpus() -> int:
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
