@@ -10,10 +10,25 @@ so ``--help`` and ``--version`` answer at once (`tests/faces/test_cli.py` checks
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
 import sys
 import typing
 from dataclasses import fields
+from pathlib import Path
+
+from fastft import __version__
+from fastft.bench import BENCHMARKS
+from fastft.models.catalog import find_model
+from fastft.models.errors import ModelLoadError
+from fastft.models.presets import PRESETS
+from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
+from fastft.training.demo_config import GRPO_SFT_STEPS, SFT_STEPS, DemoConfig
+from fastft.vram.inventory import inventory_of
+
+# Function-local imports: the CLI's parser and light commands read this module without torch or transformers
+# (tests/faces/test_cli.py); tests replace these names on their modules, so they are looked up when called.
 
 
 class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -28,8 +43,6 @@ class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _demo_parser(sub) -> None:
-    from fastft.training.demo_config import GRPO_SFT_STEPS, SFT_STEPS, DemoConfig
-
     help_text = {
         "model": "embedded preset, local folder or hub id to fine-tune",
         "dataset": "training data: bundled:NAME, a .jsonl/.json/.csv/.parquet file or a hub id",
@@ -107,9 +120,6 @@ def _models_parser(sub) -> None:
 
 
 def _run_models(args) -> int:
-    from fastft.models.catalog import find_model
-    from fastft.models.presets import PRESETS
-
     print("Embedded presets (no download):")
     for preset in PRESETS.values():
         print(f"  {preset.name:<14} {preset.description}")
@@ -122,8 +132,6 @@ def _run_models(args) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from fastft.bench import BENCHMARKS
-
     parser = sub.add_parser(
         "bench",
         help="benchmarks: fastft beside its baselines in one process (see BENCHMARKS.md)",
@@ -134,10 +142,6 @@ def _bench_parser(sub) -> None:
 
 
 def _run_bench(args) -> int:
-    import importlib
-
-    from fastft.bench import BENCHMARKS
-
     return importlib.import_module(BENCHMARKS[args.name]).main(args.options)
 
 
@@ -171,7 +175,6 @@ def _run_launch(args) -> int:
 
 
 def _estimate_parser(sub) -> None:
-    from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
 
     parser = sub.add_parser(
         "estimate",
@@ -249,11 +252,7 @@ def _host_gib(text: str) -> int | str | None:
 
 
 def _run_estimate(args) -> int:
-    import json
-
-    from fastft.models.errors import ModelLoadError
     from fastft.vram import GPUS, VramEstimateError, estimate_vram, fits, max_context
-    from fastft.vram.inventory import inventory_of
 
     settings = dict(
         batch_tokens=args.batch_tokens,
@@ -320,8 +319,6 @@ def _export_parser(sub) -> None:
 
 
 def _run_export(args) -> int:
-    from pathlib import Path
-
     from fastft.export import GGUFCheckError, save_ollama
     from fastft.export.check import default_prompts
     from fastft.models.loading import load_model
@@ -382,8 +379,6 @@ def _adapter_folder(run_dir):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fastft import __version__
-
     parser = argparse.ArgumentParser(
         prog="fastft", description="Fast, exact LoRA/QLoRA fine-tuning from a notebook or the shell."
     )

@@ -10,6 +10,7 @@ micro-batch at one thread and at torch's default and keeps the faster count.
 from __future__ import annotations
 
 import json
+import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 
 from fastft.data.loading import load_dataset
 from fastft.data.packing import pack
+from fastft.data.pairs import pack_pairs
+from fastft.data.skills import VERBOSE_ANSWER
 from fastft.grpo_demo import GRPOStage, run_grpo_stage
 from fastft.models.hf_save import save_adapter
 from fastft.models.loading import load_model
@@ -26,6 +29,7 @@ from fastft.report import RunReport, write_report
 from fastft.training.cpu_threads import choose_training_threads
 from fastft.training.demo_config import DemoConfig
 from fastft.training.evaluate import AccuracyResult, evaluate_accuracy
+from fastft.training.objectives.preference import sequence_log_probs
 from fastft.training.progress import ProgressBar
 from fastft.training.trainer import TrainConfig, Trainer, TrainResult
 
@@ -304,9 +308,6 @@ def skills_pairs(rows, seed: int) -> list[dict]:
     """Preference pairs from skills rows: the prompt (system prompt and question), chosen = the bare right
     answer, rejected = the right answer in the preset's wordy pretraining style (even rows) or another
     row's answer (odd rows; wordy when it happens to be the same)."""
-    import random
-
-    from fastft.data.skills import VERBOSE_ANSWER
 
     rows = list(rows)
     rng = random.Random(seed)
@@ -330,7 +331,6 @@ def skills_pairs(rows, seed: int) -> list[dict]:
 def chosen_over_rejected(model, pairs) -> float:
     """The share of `pairs` (`PackedPairs`) whose chosen answer the model finds likelier than the rejected
     one (summed log-probs; the reference plays no part, so the untrained model has its own score)."""
-    from fastft.training.objectives.preference import sequence_log_probs
 
     device = next(model.parameters()).device
     was_training = model.training
@@ -354,7 +354,6 @@ def run_preference_demo(config: DemoConfig | None = None, log=print) -> DemoResu
     preset itself (which answers wordily, as it was pretrained). Measures the held-out chosen-over-rejected
     accuracy (`chosen_over_rejected`) and the skills accuracies (exact bare answer, and content) before and
     after `dpo_steps` steps; the reference log-probs are precomputed. Saves the adapter and summary.json."""
-    from fastft.data.pairs import pack_pairs
 
     config = config or DemoConfig(method="dpo")
     config.check_paths()

@@ -24,6 +24,10 @@ import sys
 import uuid
 from pathlib import Path
 
+import torch
+
+# Function-local imports: imported after the environment they read is set (environment variables, offline mode).
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -57,7 +61,6 @@ def check_launch(script: str | os.PathLike, processes: int) -> None:
         raise LaunchError(f"--gpus {processes!r}: give a whole number of processes, 1 or more.")
     if not Path(script).is_file():
         raise LaunchError(f"{script} is not a file: give the path of the Python script to run on every rank.")
-    import torch
 
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if available and processes > available:

@@ -3,6 +3,7 @@
 Every import in every module counts, function-local ones and ``importlib.import_module("fastft…")`` calls
 included: a lower layer never imports a higher one, so the folder tree is the dependency graph
 (docs/DESIGN.md, "Layers"). Widgets and plots belong to the faces, Hugging Face libraries above the kernels.
+No two files import each other, directly or through others (no import cycle, not even inside a layer).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ LAYERS = {
     "fastft.export": 4,
     "fastft.vram": 5,
     "fastft.profile": 5,
-    "fastft.bench": 5,
+    "fastft.bench": 6,  # a face: fastft beside its competitors; nothing of the engine or the tools imports it
     "fastft.report": 6,
     "fastft.studio": 6,
     "fastft.cli": 6,
@@ -69,6 +70,11 @@ def layer_of(module: str) -> int | None:
     return None if best is None else LAYERS[best]
 
 
+def is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def imports_of(path: Path) -> list[tuple[str, int]]:
     """Every module `path` imports (absolute names), with its line, wherever the import statement stands."""
     name = module_name(path)
@@ -83,7 +89,13 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            found.append((target, node.lineno))
+            # `from fastft.vram import activations` imports the module fastft.vram.activations
+            submodules = [
+                f"{target}.{alias.name}" for alias in node.names if is_module(f"{target}.{alias.name}")
+            ]
+            if len(submodules) < len(node.names) or target == "fastft":
+                found.append((target, node.lineno))
+            found += [(module, node.lineno) for module in submodules if target != "fastft"]
             # `from fastft import training` imports the module fastft.training
             found += [(f"{target}.{alias.name}", node.lineno) for alias in node.names if target == "fastft"]
         elif (
@@ -131,11 +143,85 @@ def test_no_layer_imports_a_library_of_a_higher_one():
     assert found == [], "\n".join(found)
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package → the modules of the package it imports (the longest module a name starts with)."""
+    modules = {module_name(path): path for path in source_files()}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for target, _ in imports_of(path):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    found = [
+        ", ".join(f"{module} → {sorted(graph[module] & set(component))}" for module in component)
+        for component in cycles(graph)
+    ]
+    assert found == [], "import cycles:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "graph, expected",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+        ({"a": {"b"}, "b": {"a"}, "c": {"a"}}, [["a", "b"]]),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}}, [["a", "b", "c"]]),
+    ],
+)
+def test_the_cycle_finder_finds_cycles(graph, expected):
+    assert cycles(graph) == expected
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [
         ("from fastft.training.trainer import train\n", ["fastft.training.trainer"]),
         ("def f():\n    from ..models import lora\n", ["fastft.models"]),
+        ("from fastft.runtime import probe, missing\n", ["fastft.runtime", "fastft.runtime.probe"]),
         ("import importlib\nimportlib.import_module('fastft.studio')\n", ["importlib", "fastft.studio"]),
     ],
 )

@@ -31,6 +31,10 @@ from pathlib import Path
 import torch
 
 from fastft.bench.common import time_calls
+from fastft.data.batch import PackedBatch
+from fastft.runtime.attention import _sdpa_uniform, packed_attention
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 DEFAULT_CASES = "2x2048:32/8,2x2048:32/4,1x16384:32/8,ragged8192:32/8"
 SDPA_KERNELS = ("flash", "cudnn", "efficient", "default")
@@ -61,7 +65,6 @@ def parse_case(text: str, seed: int = 0) -> tuple[str, list[int], int, int]:
 
 def _methods(lengths: list[int], scale: float, cuda: bool, batch) -> dict[str, Callable]:
     """name -> ``f(q, k, v) -> [T, q heads, dim]`` for q / k / v ``[T, heads, dim]``."""
-    from fastft.runtime.attention import _sdpa_uniform, packed_attention
 
     uniform = len(set(lengths)) == 1
     length = lengths[0]
@@ -127,8 +130,6 @@ def _time_method(method, qkv, inputs, upstream, device: torch.device, warmup: in
 
 
 def bench_case(case: str, head_dim: int, device: torch.device, warmup: int, reps: int) -> list[dict]:
-    from fastft.data.batch import PackedBatch
-
     label, lengths, q_heads, kv_heads = parse_case(case)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

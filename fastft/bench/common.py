@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: random-weight models from the catalog, step timing, sync counting."""
+"""Shared benchmark plumbing: step timing, sync counting, the environment and tables (random-weight models:
+`fastft.models.random_model`)."""
 
 from __future__ import annotations
 
@@ -11,25 +12,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import torch
+import transformers
 
+from fastft.kernels import tiling
 
-def build_model(name: str, device: torch.device, dtype: torch.dtype):
-    """A catalog architecture with random weights (built on `device`), or an embedded preset."""
-    from transformers import AutoModelForCausalLM
-
-    from fastft.models.catalog import CATALOG
-    from fastft.models.loading import load_model
-    from fastft.models.presets import PRESETS
-
-    if name in PRESETS:
-        model, _ = load_model(name, dtype=dtype, device=device)
-        return model
-    if name not in CATALOG:
-        raise ValueError(f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}) or a catalog hub id")
-    config = CATALOG[name].to_config()
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora).
 
 
 @dataclass
@@ -121,7 +109,6 @@ def set_memory_trades(adapter_copies: str | None = None, dh_slice_mib: int | Non
     A/B runs of the benches): `adapter_copies` "on"/"off" sets `fastft.kernels.tiling.ADAPTER_COMPUTE_COPIES`
     (read when a model is patched), `dh_slice_mib` sets `DH_SLICE_BYTES` (0: the untiled MLP's backward makes
     its ``dh`` whole). None keeps fastft's default. Returns both settings as they now stand."""
-    from fastft.kernels import tiling
 
     if adapter_copies is not None:
         if adapter_copies not in ("on", "off"):
@@ -160,7 +147,6 @@ def memory_trade_argv(args) -> list[str]:
 
 def environment() -> dict:
     import peft
-    import transformers
 
     info = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),

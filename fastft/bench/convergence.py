@@ -17,18 +17,22 @@ import sys
 import warnings
 from pathlib import Path
 
+import torch
+
+from fastft.data.packing import pack
+from fastft.models.lora import add_lora
+from fastft.models.patch import UnfusedWarning
+from fastft.training.demo_config import DemoConfig
+from fastft.training.trainer import TrainConfig, Trainer
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
+
 
 def demo_curves(device: str, steps: int, runs, dtype=None, learning_rate: float | None = None) -> dict:
     """Loss curves of the demo's training for each ``(label, fused, attention)`` in `runs`."""
-    import torch
 
     from fastft.data.loading import load_dataset
-    from fastft.data.packing import pack
     from fastft.models.loading import load_model
-    from fastft.models.lora import add_lora
-    from fastft.models.patch import UnfusedWarning
-    from fastft.training.demo_config import DemoConfig
-    from fastft.training.trainer import TrainConfig, Trainer
 
     demo = DemoConfig()
     dtype = dtype or torch.bfloat16
@@ -75,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learning-rate", type=float, default=None, help="default: the demo's")
     parser.add_argument("--out", default="benchmarks/convergence.json")
     args = parser.parse_args(argv)
-
-    import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     attention, floor = ("varlen", "sdpa_segments") if device == "cuda" else ("sdpa_masked", "sdpa_segments")

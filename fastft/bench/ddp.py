@@ -21,26 +21,29 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from fastft.bench.harness import ensure_checkpoint, fastft_model, packed
+from fastft.bench.sft import chat_rows
+from fastft.models.patch import is_fused, patch_report
+from fastft.runtime.offload import offload_stats
+from fastft.training.trainer import TrainConfig, Trainer
+
+# Function-local imports: imported after the environment they read is set (environment variables, offline mode).
+
 
 def run_worker(args) -> dict:
     """One rank of one launch: train, time the steps after the warmup, rank 0 returns the figures."""
-    import torch
-
-    from fastft.bench.sft import _packed, chat_rows
-    from fastft.bench.step import _fastft_model
-    from fastft.models.patch import is_fused, patch_report
-    from fastft.runtime.offload import offload_stats
-    from fastft.training.trainer import TrainConfig, Trainer
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
-    model = _fastft_model(args.checkpoint, args.precision, args.max_seq_length, "auto", device)
+    model = fastft_model(args.checkpoint, args.precision, args.max_seq_length, "auto", device)
     vocab = model.get_input_embeddings().weight.shape[0]
     rows = chat_rows(
         args.chats, vocab, args.user_median, args.assistant_median, args.sigma, args.max_seq_length, args.seed
     )
     config = TrainConfig(max_steps=args.warmup + args.steps, warmup=0, learning_rate=1e-5)
-    trainer = Trainer(model, None, _packed(rows, args.max_seq_length), config=config)
+    trainer = Trainer(model, None, packed(rows, args.max_seq_length), config=config)
     trainer.train(steps=args.warmup)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -134,9 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
         return 0
     from fastft.bench.common import environment
-    from fastft.bench.sft import _ensure_checkpoint
 
-    checkpoint = _ensure_checkpoint(args)
+    checkpoint = ensure_checkpoint(args)
     skip = {"--out", "--gpus", "--timeout", "--folder", "--layers", "--model"}
     args.passed = [f"--checkpoint={checkpoint}"]
     for name, value in vars(args).items():

@@ -26,12 +26,28 @@ the peak memory).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from fastft.bench.baselines import hf_model, step_clock, trl_run_settings
+from fastft.bench.harness import (
+    bench_parser,
+    ensure_checkpoint,
+    fastft_model,
+    parse_or_work,
+    run_system,
+    systems_of,
+    worker_options,
+    workloads_of,
+)
+from fastft.models.remote_code import from_pretrained
+
+# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
+# module and must import unsloth before transformers; TRL is an optional dependency (the baselines and the facade's
+# trainers); tests replace these names on their modules, so they are looked up when called.
 
 SYSTEMS = ("fastft", "trl")
 BETA = 0.1
@@ -92,10 +108,9 @@ def packed_pairs(rows, side_length: int):
 def _run_fastft(args, rows, device):
     import torch
 
-    from fastft.bench.step import _fastft_model
     from fastft.training.trainer import TrainConfig, Trainer
 
-    model = _fastft_model(args.folder, args.workload, 2 * args.side_length, "auto", device)
+    model = fastft_model(args.folder, args.workload, 2 * args.side_length, "auto", device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     config = TrainConfig(
@@ -124,20 +139,8 @@ def _run_fastft(args, rows, device):
 def _run_trl(args, rows, device):
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
-
-    from fastft.bench.step import _hf_model
-    from fastft.models.remote_code import from_pretrained
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.marks = []
-
-        def on_step_end(self, train_args, state, control, **kwargs):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            self.marks.append(time.perf_counter())
 
     class TokenIdsDPOTrainer(DPOTrainer):
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
@@ -146,7 +149,7 @@ def _run_trl(args, rows, device):
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)  # the timed pairs are known
 
-    model = _hf_model(args.folder, args.workload, False, device)
+    model = hf_model(args.folder, args.workload, False, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokenizer = from_pretrained(AutoTokenizer, args.folder)
@@ -168,18 +171,13 @@ def _run_trl(args, rows, device):
         beta=BETA,
         learning_rate=1e-5,
         lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=cuda,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
+        **trl_run_settings(cuda),
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         seed=3407,
     )
     trainer = TokenIdsDPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
-    clock = Clock()
+    clock = step_clock(device)
     trainer.add_callback(clock)
     trainer.train()
     marks = clock.marks
@@ -194,8 +192,6 @@ def _run_trl(args, rows, device):
 def run_worker(args) -> dict:
     import torch
     from transformers import AutoConfig
-
-    from fastft.models.remote_code import from_pretrained
 
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -305,16 +301,7 @@ def _write(path: str, args, results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fastft bench dpo",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog architecture or preset"
-    )
-    parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
-    parser.add_argument("--systems", default="fastft,trl", help=f"comma-separated, from {','.join(SYSTEMS)}")
+    parser = bench_parser("dpo", __doc__, SYSTEMS, "fastft,trl")
     parser.add_argument("--workloads", default="nf4", help="nf4 (QLoRA) and/or bf16 (the base's precision)")
     parser.add_argument("--side-length", type=int, default=1024, help="tokens of each side (prompt + answer)")
     parser.add_argument("--prompt-length", type=int, default=256, help="tokens of the shared prompt")
@@ -328,27 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=400, help="seconds per system and workload")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/dpo.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--system", help=argparse.SUPPRESS)
-    parser.add_argument("--workload", help=argparse.SUPPRESS)
-    parser.add_argument("--scratch", default="/tmp/fastft-bench-dpo", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(run_worker(args)), flush=True)
+    worker_options(parser, "dpo")
+    args = parse_or_work(parser, argv, run_worker)
+    if args is None:
         return 0
 
-    from fastft.bench.sft import _ensure_checkpoint
-    from fastft.bench.step import _run_in_process, _worker_env
-
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if unknown := [s for s in systems if s not in SYSTEMS]:
-        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if any(w not in ("bf16", "nf4") for w in workloads):
-        parser.error(f"--workloads {args.workloads}: nf4 and/or bf16")
+    systems = systems_of(parser, args.systems, SYSTEMS)
+    workloads = workloads_of(parser, args.workloads, ("bf16", "nf4"))
     if not 0 < args.prompt_length < args.side_length:
         parser.error(f"--prompt-length must be at least 1 and below --side-length ({args.side_length})")
-    folder = _ensure_checkpoint(args)
+    folder = ensure_checkpoint(args)
     results = []
     for workload in workloads:
         for system in systems:
@@ -356,13 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             for key in (*_SETTINGS, "device"):
                 argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
             argv_worker += [f"--{key}" for key in _FLAGS if getattr(args, key)]
-            started = time.perf_counter()
-            result = _run_in_process(
-                argv_worker, _worker_env(system, None), args.timeout, module="fastft.bench.dpo"
-            )
-            result.setdefault("system", system)
+            result = run_system(system, argv_worker, "fastft.bench.dpo", args.timeout)
             result.setdefault("workload", workload)
-            result["wall_s"] = time.perf_counter() - started
             results.append(result)
             _write(args.out, args, results)  # a later timeout keeps what was measured
             summary = result.get("error") or (

@@ -24,6 +24,11 @@ from pathlib import Path
 
 import torch
 
+from fastft.export.writer import write_gguf
+from fastft.models.catalog import get_spec
+from fastft.models.presets import load_preset_tokenizer
+from fastft.models.random_model import random_model as build
+
 
 def _status(field: str) -> int:
     """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
@@ -44,35 +49,14 @@ def _reset_peak() -> bool:
 
 
 def random_model(hub_id: str, dtype: torch.dtype, seed: int = 0, **shape):
-    """The catalog architecture with random weights, one copy: meta → ``to_empty`` → in-place init.
-    `shape` overrides config fields (num_hidden_layers, hidden_size, …) for a smaller run."""
-    from transformers import AutoModelForCausalLM
+    """The catalog architecture with random weights, one copy (`fastft.models.random_model.random_model` with a
+    seed). `shape` overrides config fields (num_hidden_layers, hidden_size, …) for a smaller run."""
 
-    from fastft.models.catalog import get_spec
-
-    config = get_spec(hub_id).to_config()
-    for key, value in shape.items():
-        if value is not None:
-            setattr(config, key, value)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 1:
-                parameter.fill_(1.0)
-            else:
-                # chunked along the rows so no full fp32 temporary of a big matrix exists
-                for rows in parameter.split(1024):
-                    rows.copy_(torch.randn(rows.shape, generator=generator) * 0.02)
-    return model.eval()
+    config = {key: value for key, value in shape.items() if value is not None}
+    return build(get_spec(hub_id).hub_id, "cpu", dtype, seed=seed, **config).eval()
 
 
 def run(hub_id: str, quantization: str, folder: Path, **shape) -> dict:
-    from fastft.export.writer import write_gguf
-    from fastft.models.presets import load_preset_tokenizer
-
     started = time.perf_counter()
     model = random_model(hub_id, torch.bfloat16, **shape)
     built = time.perf_counter() - started

@@ -30,6 +30,20 @@ import traceback
 import warnings
 from pathlib import Path
 
+import torch
+
+from fastft.bench.harness import checkpoint_folder, ensure_checkpoint, fastft_model, packed
+from fastft.bench.sft import chat_rows
+from fastft.models.lora import add_lora
+from fastft.models.random_model import build_random_model
+from fastft.training.distributed import decoder_layers, full_tensor, launched, setup
+from fastft.training.graph import GraphCaptureWarning, StepGraph
+from fastft.training.trainer import TrainConfig, Trainer
+from fastft.vram.measure import synthetic_batch
+
+# Function-local imports: torch.distributed's checkpoint and FSDP modules load only in a distributed run; tests
+# replace these names on their modules, so they are looked up when called.
+
 
 def _error(stage: str, error: BaseException) -> dict:
     frames = traceback.extract_tb(error.__traceback__)
@@ -43,14 +57,10 @@ def _relative(a, b) -> float:
 
 def quantised_base(model_name: str, tokens: int, device) -> dict:
     """NF4 + LoRA: one batch unsharded, then sharded as `shard_model` would (its refusal skipped)."""
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fastft.models.lora import add_lora
-    from fastft.training.distributed import decoder_layers, full_tensor
     from fastft.training.loss import causal_lm_loss_sum
-    from fastft.vram.measure import build_random_model, synthetic_batch
 
     model = add_lora(build_random_model(model_name, "nf4", device), r=16, alpha=16, seed=0)
     model.train()
@@ -98,22 +108,16 @@ def quantised_base(model_name: str, tokens: int, device) -> dict:
 
 def cuda_graph(checkpoint: str, steps: int, chats: int, device) -> dict:
     """fastft's Trainer under FSDP2 with its step graph on, beside the same run eager."""
-    import torch
-
-    from fastft.bench.sft import _packed, chat_rows
-    from fastft.bench.step import _fastft_model
-    from fastft.training.graph import GraphCaptureWarning, StepGraph
-    from fastft.training.trainer import TrainConfig, Trainer
 
     runs = {}
     for name, graphs in (("eager", False), ("graphed", True)):
-        model = _fastft_model(checkpoint, "bf16", 4096, "auto", device)
+        model = fastft_model(checkpoint, "bf16", 4096, "auto", device)
         vocab = model.get_input_embeddings().weight.shape[0]
         rows = chat_rows(chats, vocab, 120.0, 220.0, 0.7, 4096, 0)
         config = TrainConfig(
             max_steps=steps, warmup=0, learning_rate=1e-4, distributed="fsdp", seed=0, static_shapes=True
         )
-        trainer = Trainer(model, None, _packed(rows, 4096), config=config)
+        trainer = Trainer(model, None, packed(rows, 4096), config=config)
         if graphs:  # what FSDP_LIMITS turns off, turned back on
             trainer.step_graph = StepGraph(
                 trainer.parameters, enabled=True, accumulators=[trainer.metric_sums]
@@ -158,10 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="benchmarks/fsdp_limits.json")
     args = parser.parse_args(argv)
 
-    import torch
-
     from fastft.bench.common import environment
-    from fastft.training.distributed import launched, setup
 
     if not torch.cuda.is_available() or not launched():
         parser.error("run under torchrun on a CUDA GPU (see the module's docstring)")
@@ -172,14 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     torch.cuda.empty_cache()
     if parallel.rank == 0:  # the random checkpoint the graph probe loads, once
-        from fastft.bench.sft import _ensure_checkpoint
-
         args.layers = None
-        checkpoint = _ensure_checkpoint(args)
+        checkpoint = ensure_checkpoint(args)
     torch.distributed.barrier()
     if parallel.rank != 0:
-        from fastft.bench.step import checkpoint_folder
-
         checkpoint = checkpoint_folder(Path(args.folder), args.model, None)
     report["cuda_graph"] = cuda_graph(str(checkpoint), args.steps, args.chats, device)
     if parallel.rank == 0:

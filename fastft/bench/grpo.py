@@ -21,11 +21,26 @@ completions. Systems, each in its own process (its peak memory is its own):
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
+
+from fastft.bench.baselines import hf_model, trl_run_settings
+from fastft.bench.harness import (
+    bench_parser,
+    ensure_checkpoint,
+    fastft_model,
+    parse_or_work,
+    run_system,
+    systems_of,
+    worker_options,
+)
+from fastft.models.remote_code import from_pretrained
+
+# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
+# module and must import unsloth before transformers; TRL is an optional dependency (the baselines and the facade's
+# trainers); tests replace these names on their modules, so they are looked up when called.
 
 SYSTEMS = ("fastft", "trl", "generate")
 
@@ -72,12 +87,11 @@ def _reset_peak(device) -> None:
 def _run_fastft(args, device) -> dict:
     from transformers import AutoTokenizer
 
-    from fastft.bench.step import _fastft_model
     from fastft.models.remote_code import from_pretrained
     from fastft.training.objectives.grpo import GRPOConfig, GRPOTrainer
 
     seq = args.prompt_tokens + args.completion_tokens
-    model = _fastft_model(args.folder, args.workload, seq, "auto", device)
+    model = fastft_model(args.folder, args.workload, seq, "auto", device)
     tokenizer = from_pretrained(AutoTokenizer, args.folder)
     vocab = _vocab(model, tokenizer)
     rows = [{"prompt_ids": ids} for ids in prompt_ids(args.prompts, args.prompt_tokens, vocab, args.seed)]
@@ -116,10 +130,7 @@ def _run_generate(args, device) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from fastft.bench.step import _hf_model
-    from fastft.models.remote_code import from_pretrained
-
-    model = _hf_model(args.folder, args.workload, False, device)
+    model = hf_model(args.folder, args.workload, False, device)
     model.config.use_cache = True
     model.eval()
     vocab = _vocab(model, from_pretrained(AutoTokenizer, args.folder))
@@ -151,10 +162,7 @@ def _run_trl(args, device) -> dict:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from fastft.bench.step import _hf_model
-    from fastft.models.remote_code import from_pretrained
-
-    model = _hf_model(args.folder, args.workload, False, device)
+    model = hf_model(args.folder, args.workload, False, device)
     tokenizer = from_pretrained(AutoTokenizer, args.folder)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -172,12 +180,7 @@ def _run_trl(args, device) -> dict:
         learning_rate=1e-5,
         beta=0.0,
         top_k=0,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=cuda,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
+        **trl_run_settings(cuda),
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         seed=3407,
@@ -237,18 +240,7 @@ def _table(results: list[dict], summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fastft bench grpo",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog architecture or preset"
-    )
-    parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
-    parser.add_argument(
-        "--systems", default="fastft,trl,generate", help=f"comma-separated, from {','.join(SYSTEMS)}"
-    )
+    parser = bench_parser("grpo", __doc__, SYSTEMS, "fastft,trl,generate")
     parser.add_argument("--workload", choices=("bf16", "nf4"), default="nf4", help="the base's precision")
     parser.add_argument("--prompts", type=int, default=1, help="prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt (G)")
@@ -259,22 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per system")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/grpo.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--system", help=argparse.SUPPRESS)
-    parser.add_argument("--scratch", default="/tmp/fastft-bench-grpo", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(run_worker(args)), flush=True)
+    worker_options(parser, "grpo", workload=False)
+    args = parse_or_work(parser, argv, run_worker)
+    if args is None:
         return 0
 
-    from fastft.bench.sft import _ensure_checkpoint
-    from fastft.bench.step import _run_in_process, _worker_env
-
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
-    folder = _ensure_checkpoint(args)
+    systems = systems_of(parser, args.systems, SYSTEMS)
+    folder = ensure_checkpoint(args)
     results = []
     for system in systems:
         worker = ["--worker", "--system", system, "--folder", str(folder)]
@@ -288,10 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             "device",
         ):
             worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-        started = time.perf_counter()
-        result = _run_in_process(worker, _worker_env(system, None), args.timeout, module="fastft.bench.grpo")
-        result.setdefault("system", system)
-        result["wall_s"] = time.perf_counter() - started
+        result = run_system(system, worker, "fastft.bench.grpo", args.timeout)
         results.append(result)
         print(f"{system:>9}: {result.get('error') or 'done'}", file=sys.stderr, flush=True)
     summary = summarise(results)

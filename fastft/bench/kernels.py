@@ -31,12 +31,16 @@ for each op. Ratios are times, fastft over the baseline: below 1 is fastft faste
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import time
 from dataclasses import asdict
+from importlib import metadata
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from fastft.bench.common import environment
 from fastft.bench.kernel_costs import (
@@ -60,6 +64,12 @@ from fastft.bench.kernel_timing import (
     forward_backward_rows,
     max_abs_diff,
 )
+from fastft.kernels.lora import FrozenLinear, lora_mlp
+from fastft.kernels.nf4 import dequantize_nf4_reference, dequantize_quant_state, quantize_nf4_reference
+from fastft.kernels.rope import apply_rope, rope_backward, rope_forward, rope_reference
+from fastft.kernels.swiglu import swiglu
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 OPS = ("rms_norm", "rope", "swiglu", "nf4", "flce", "lora_mlp")
 
@@ -110,8 +120,6 @@ def _rope_cos_sin(run: KernelRun, seq: int, head_dim: int, theta: float = 500000
 
 
 def bench_rope(run: KernelRun) -> list[dict]:
-    from fastft.kernels.rope import apply_rope, rope_backward, rope_forward, rope_reference
-
     s, d, hq, hk = run.sizes.tokens, run.sizes.head_dim, run.sizes.q_heads, run.sizes.kv_heads
 
     def heads(n_heads: int, requires_grad: bool) -> torch.Tensor:
@@ -139,10 +147,6 @@ def bench_rope(run: KernelRun) -> list[dict]:
 
 
 def bench_swiglu(run: KernelRun) -> list[dict]:
-    import torch.nn.functional as F
-
-    from fastft.kernels.swiglu import swiglu
-
     n, i = run.sizes.tokens, run.sizes.intermediate
     gate = run.randn(n, i, scale=2.0, requires_grad=True)
     up = run.randn(n, i, requires_grad=True)
@@ -167,7 +171,6 @@ def bench_swiglu(run: KernelRun) -> list[dict]:
 
 def _interpreted() -> bool:
     """Triton runs on this CPU (tests): the launchers can be timed there too."""
-    import os
 
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -185,8 +188,6 @@ def _nf4_reference_arguments(state) -> dict:
 
 
 def bench_nf4(run: KernelRun) -> list[dict]:
-    from fastft.kernels.nf4 import dequantize_nf4_reference, dequantize_quant_state, quantize_nf4_reference
-
     rows, cols, blocksize = run.sizes.hidden, run.sizes.intermediate, run.sizes.nf4_blocksize
     weight = run.randn(rows, cols, scale=0.02)
     if run.bnb is not None and run.cuda:
@@ -216,8 +217,6 @@ def bench_nf4(run: KernelRun) -> list[dict]:
 
 
 def bench_flce(run: KernelRun) -> list[dict]:
-    import torch.nn.functional as F
-
     from fastft.kernels.fused_linear_ce import fused_linear_cross_entropy
 
     n, v, h = run.sizes.tokens, run.sizes.vocab, run.sizes.hidden
@@ -242,10 +241,6 @@ def bench_flce(run: KernelRun) -> list[dict]:
 
 
 def bench_lora_mlp(run: KernelRun) -> list[dict]:
-    import torch.nn.functional as F
-
-    from fastft.kernels.lora import FrozenLinear, lora_mlp
-
     n, h, i, r = run.sizes.lora_tokens, run.sizes.hidden, run.sizes.intermediate, run.sizes.lora_r
     scale = 2.0  # alpha = 2 r
     x = run.randn(n, h, requires_grad=True)
@@ -288,8 +283,6 @@ BENCHES = {
 
 
 def _optional(module: str, notes: list[str]):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except Exception as error:  # any import failure means the baseline is skipped
@@ -298,8 +291,6 @@ def _optional(module: str, notes: list[str]):
 
 
 def _versions() -> dict:
-    from importlib import metadata
-
     info = {}
     for name, dist in (
         ("triton", "triton"),

@@ -35,6 +35,10 @@ import torch
 
 from fastft.atomic import write_text_atomically
 from fastft.bench.common import environment
+from fastft.models.random_model import split_precision
+from fastft.vram.measure import TrainingProbe, is_out_of_memory
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 GiB = 2**30
 
@@ -195,7 +199,6 @@ def stand_in(precision: str, cap_gib: float | None, card: str | None):
     compute where it has no bf16 ("nf4" becomes "nf4-fp16"); else a `capped_gpu` of `cap_gib` (24 GiB when
     None) that computes in bf16 unless `precision` says fp16."""
     from fastft.vram import capped_gpu, get_gpu
-    from fastft.vram.measure import split_precision
 
     base, compute = split_precision(precision)
     if card is None:
@@ -230,7 +233,6 @@ def run(
     it measured. `card`: a preset the run stands in for (`stand_in`), which sets the cap."""
     from fastft.runtime.host_memory import pinnable_bytes
     from fastft.vram import estimate_vram, max_context
-    from fastft.vram.measure import TrainingProbe, is_out_of_memory, split_precision
 
     gpu, cap, precision = stand_in(precision, cap_gib, card)
     trained_precision = precision

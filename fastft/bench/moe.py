@@ -28,6 +28,13 @@ from pathlib import Path
 import torch
 
 from fastft.bench.common import environment, markdown_table, time_calls
+from fastft.models.catalog import CATALOG
+from fastft.models.lora import add_lora
+from fastft.models.patch import UnfusedWarning
+from fastft.models.presets import PRESETS
+from fastft.models.random_model import random_model
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 WAYS = ("fastft", "transformers grouped_mm", "transformers loop")
 TARGETS = {"experts": ["q_proj", "k_proj", "v_proj", "o_proj", "experts"], "attention": ["q_proj", "v_proj"]}
@@ -36,23 +43,11 @@ PLAN_CONSUMERS = 4  # gate/up GEMM, down GEMM, expert LoRA GEMMs, backward
 
 def _block(model_name: str, way: str, targets: str, device: torch.device, dtype: torch.dtype, lora_r: int):
     """The MoE block of layer 0 of a one-layer cut of `model_name`, with LoRA, as `way` runs it."""
-    from transformers import AutoModelForCausalLM
 
-    from fastft.models.catalog import CATALOG
-    from fastft.models.loading import load_model
-    from fastft.models.lora import add_lora
-    from fastft.models.patch import UnfusedWarning
-    from fastft.models.presets import PRESETS
-
-    if model_name in PRESETS:
-        model, _ = load_model(model_name, dtype=dtype, device=device)
-    else:
-        config = CATALOG[model_name].to_config()
-        config.num_hidden_layers = 1
-        config.vocab_size = 128  # the block alone: a small embedding and head keep memory for the experts
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    torch.manual_seed(0)
+    # the block alone: a small embedding and head keep memory for the experts
+    cut = {} if model_name in PRESETS else {"num_hidden_layers": 1, "vocab_size": 128}
+    model = random_model(model_name, device, dtype, **cut)
     if way == "transformers loop":
         model.config._experts_implementation = "eager"
         for module in model.modules():
@@ -125,8 +120,6 @@ def measure_block(
 
 def measure_routing(model_name: str, tokens: int, reps: int = 20, device: torch.device | None = None) -> dict:
     """The routing plan alone: router GEMM + top-k + sort + offsets, once per layer vs once per consumer."""
-    from fastft.models.catalog import CATALOG
-    from fastft.models.presets import PRESETS
     from fastft.runtime.routing import build_routing_plan, router_spec
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")

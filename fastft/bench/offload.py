@@ -33,9 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastft.bench.common import build_model, environment, markdown_table, time_steps
+from fastft.bench.common import environment, markdown_table, time_steps
 from fastft.data.batch import PackedBatch
+from fastft.models.catalog import CATALOG
 from fastft.models.lora import add_lora, set_gradient_checkpointing
+from fastft.models.random_model import random_model
 from fastft.runtime import attention
 from fastft.runtime.offload import enable_offload, offload_stats
 from fastft.training.loss import causal_lm_loss_sum
@@ -76,7 +78,6 @@ def long_documents(tokens: int, vocab: int, rng: np.random.Generator) -> PackedB
 def estimated_step_seconds(model_name: str, batch: PackedBatch) -> float | None:
     """LoRA with recompute: 6·N FLOPs per token (forward, recompute, activation gradients) plus causal
     attention in four passes; None for presets (no budget needed)."""
-    from fastft.models.catalog import CATALOG
 
     spec = CATALOG.get(model_name)
     if spec is None:
@@ -121,7 +122,7 @@ def _measure_model(
             return skipped("skipped (time budget)")
 
     started = time.perf_counter()
-    model = build_model(model_name, device, dtype)
+    model = random_model(model_name, device, dtype)
     model.config.use_cache = False
     extra = {} if fused is None else {"fused": fused}
     model = add_lora(model, r=lora_r, alpha=lora_r, gradient_checkpointing=True, seed=seed, **extra)

@@ -27,10 +27,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastft.bench.common import build_model, count_syncs, environment, markdown_table, time_steps
+from fastft.bench.common import count_syncs, environment, markdown_table, time_steps
 from fastft.data.batch import PackedBatch
 from fastft.data.packing import best_fit_decreasing
 from fastft.models.lora import add_lora
+from fastft.models.random_model import random_model
 from fastft.runtime import attention
 from fastft.training.loss import causal_lm_loss_sum
 
@@ -117,13 +118,13 @@ def run(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if precision == "bf16":
-        model = build_model(model_name, device, dtype)
+        model = random_model(model_name, device, dtype)
     elif precision == "nf4":
         if device.type != "cuda":
             raise RuntimeError(
                 "--precision nf4 quantises with bitsandbytes on a CUDA GPU; on a CPU use bf16."
             )
-        from fastft.vram.measure import build_random_model
+        from fastft.models.random_model import build_random_model
 
         model = build_random_model(model_name, "nf4", device)
     else:

@@ -21,12 +21,16 @@ import numpy as np
 import torch
 
 from fastft.bench.common import environment, markdown_table
+from fastft.data.packing import PackedDataset
+from fastft.data.tokenize import TokenizedData
+from fastft.models.lora import add_lora
+from fastft.models.presets import load_preset_tokenizer
+from fastft.models.random_model import random_model
+from fastft.training.trainer import TrainConfig, Trainer
 
 
 def random_packed_dataset(vocab: int, seq_len: int, sequences: int, seed: int = 0):
     """`sequences` random token rows of `seq_len`, every token trained, one row per bin."""
-    from fastft.data.packing import PackedDataset
-    from fastft.data.tokenize import TokenizedData
 
     rng = np.random.default_rng(seed)
     ids = [rng.integers(0, vocab, seq_len, dtype=np.int64).astype(np.int32) for _ in range(sequences)]
@@ -37,21 +41,9 @@ def random_packed_dataset(vocab: int, seq_len: int, sequences: int, seed: int = 
 
 
 def _model(name: str, layers: int | None, device: torch.device, dtype: torch.dtype, lora_r: int):
-    from fastft.bench.common import build_model
-    from fastft.models.lora import add_lora
-
     torch.manual_seed(0)
-    if layers is not None and not name.startswith("tiny-"):
-        from transformers import AutoModelForCausalLM
-
-        from fastft.models.catalog import CATALOG
-
-        config = CATALOG[name].to_config()
-        config.num_hidden_layers = layers
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    else:
-        model = build_model(name, device, dtype)
+    cut = {"num_hidden_layers": layers} if layers is not None and not name.startswith("tiny-") else {}
+    model = random_model(name, device, dtype, **cut)
     return add_lora(model, r=lora_r, alpha=lora_r, seed=1)
 
 
@@ -65,9 +57,6 @@ def run(
     lora_r: int = 16,
     nvtx: bool | None = None,
 ) -> dict:
-    from fastft.models.presets import load_preset_tokenizer
-    from fastft.training.trainer import TrainConfig, Trainer
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = load_preset_tokenizer()

@@ -64,6 +64,15 @@ import sys
 import time
 from pathlib import Path
 
+from fastft.bench.baselines import hf_model, step_clock, unsloth_model
+from fastft.bench.harness import (
+    bench_parser,
+    ensure_checkpoint,
+    fastft_model,
+    packed,
+    worker_env,
+)
+from fastft.kernels import tiling
 from fastft.runtime.model_state import base_model
 
 SYSTEMS = ("fastft", "fastft-trl", "unsloth", "unsloth-defaults", "hf", "hf-defaults")
@@ -116,25 +125,11 @@ def chat_rows(
     return rows
 
 
-def _packed(rows, max_length: int):
-    from fastft.data.packing import PackedDataset, best_fit_decreasing
-    from fastft.data.tokenize import TokenizedData
-
-    data = TokenizedData(
-        input_ids=[ids for ids, _ in rows],
-        labels=[labels for _, labels in rows],
-        source_rows=list(range(len(rows))),
-    )
-    return PackedDataset(data, best_fit_decreasing(data.lengths, max_length), max_length)
-
-
 # ------------------------------------------------------------------------------------------------ workers
 
 
 def _model(args, family: str, device):
     import torch
-
-    from fastft.bench.step import _fastft_model, _hf_model, _unsloth_model
 
     precision, seq = args.workload.removesuffix("-fp16"), args.max_seq_length
     if args.workload.endswith(
@@ -144,7 +139,7 @@ def _model(args, family: str, device):
             raise SystemExit(
                 f"--workloads {args.workload}: fp16 compute is measured for the fastft system only"
             )
-        return _fastft_model(
+        return fastft_model(
             args.folder,
             "bf16" if precision == "fp16" else precision,
             seq,
@@ -153,10 +148,10 @@ def _model(args, family: str, device):
             dtype=torch.float16,
         )
     if family in ("fastft", "fastft-trl"):
-        return _fastft_model(args.folder, precision, seq, "auto", device)
+        return fastft_model(args.folder, precision, seq, "auto", device)
     if family == "hf":
-        return _hf_model(args.folder, precision, False, device)
-    return _unsloth_model(args.folder, precision, seq)
+        return hf_model(args.folder, precision, False, device)
+    return unsloth_model(args.folder, precision, seq)
 
 
 def _run_fastft(model, rows, args, device):
@@ -169,7 +164,7 @@ def _run_fastft(model, rows, args, device):
     trainer = Trainer(
         model,
         None,
-        _packed(rows, args.max_seq_length),
+        packed(rows, args.max_seq_length),
         config=TrainConfig(
             max_steps=args.warmup + args.steps,
             warmup=0,
@@ -249,19 +244,9 @@ def _trl_settings(system: str, args, cuda: bool) -> dict:
 
 
 def _run_trl(model, rows, args, device, system: str):
-    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.marks = []
-
-        def on_step_end(self, train_args, state, control, **kwargs):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            self.marks.append(time.perf_counter())
 
     dataset = Dataset.from_dict(
         {"input_ids": [ids.tolist() for ids, _ in rows], "labels": [labels.tolist() for _, labels in rows]}
@@ -298,7 +283,7 @@ def _run_trl(model, rows, args, device, system: str):
 
     if snapshot is not None:
         trainer.add_callback(Snapshot())
-    clock = Clock()
+    clock = step_clock(device)
     trainer.add_callback(clock)
     trainer.train()
     marks = clock.marks
@@ -319,7 +304,6 @@ def _tile_every_mlp(rows: int, intermediate: int) -> None:
     """This worker's fused MLPs (16-bit compute, `intermediate` columns) run in tiles of at most `rows` rows at
     every length: the tiling rule's two constants, set in this process only (`fastft.kernels.tiling` reads
     them at each call)."""
-    from fastft.kernels import tiling
 
     tiling.TILE_FROM_BYTES = 0
     tiling.TILE_BYTES = rows * intermediate * 2
@@ -644,44 +628,11 @@ def _run_worker_process(argv: list[str], env: dict, timeout: float) -> tuple[lis
     return results, failure
 
 
-def _ensure_checkpoint(args) -> Path:
-    import torch
-
-    from fastft.bench.step import checkpoint_folder, save_random_checkpoint
-    from fastft.models.presets import PRESETS
-
-    folder = checkpoint_folder(Path(args.folder), args.model, args.layers)
-    if (folder / "config.json").exists():
-        return folder
-    print(f"saving a random-weight {args.model} to {folder} ...", file=sys.stderr, flush=True)
-    if args.model in PRESETS:  # a tiny preset: the CPU smoke test of this benchmark
-        from fastft.models.loading import load_model
-
-        model, tokenizer = load_model(args.model)
-        model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
-    else:
-        save_random_checkpoint(args.model, folder, args.layers)
-        torch.cuda.empty_cache()
-    return folder
-
-
 def main(argv: list[str] | None = None) -> int:
     from fastft.bench.chat_shapes import SHAPES, parse_shapes, row_stats
     from fastft.bench.common import add_memory_trade_options, memory_trade_argv
 
-    parser = argparse.ArgumentParser(
-        prog="fastft bench sft",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog architecture or preset"
-    )
-    parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
-    parser.add_argument(
-        "--systems", default="fastft,fastft-trl,hf", help=f"comma-separated, from {','.join(SYSTEMS)}"
-    )
+    parser = bench_parser("sft", __doc__, SYSTEMS, "fastft,fastft-trl,hf")
     parser.add_argument(
         "--workloads",
         default="bf16,nf4",
@@ -774,8 +725,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result), flush=True)
         return 0
 
-    from fastft.bench.step import _worker_env
-
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -790,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     args.shapes = ",".join(shapes)
     if args.snapshot and (args.device != "cuda" or args.warmup < 2):
         parser.error("--snapshot records a CUDA allocator: --device cuda and --warmup 2 or more")
-    folder = _ensure_checkpoint(args)
+    folder = ensure_checkpoint(args)
     rows_folder = Path(args.scratch) / "rows"
     rows_by_shape = {shape: _shape_rows(args, shape) for shape in shapes}
     _check_vocabulary(folder, rows_by_shape)
@@ -841,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             runs = len(group) * len(job_shapes)
             reported, failure = _run_worker_process(
-                argv_worker, _worker_env(FAMILIES[group[0]], args.unsloth_path), args.timeout * runs
+                argv_worker, worker_env(FAMILIES[group[0]], args.unsloth_path), args.timeout * runs
             )
             wall = time.perf_counter() - started
             by_run = {(r.get("system"), r.get("shape")): r for r in reported}

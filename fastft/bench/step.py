@@ -25,17 +25,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from fastft.bench.baselines import hf_model, unsloth_model
+from fastft.bench.harness import (
+    checkpoint_folder,
+    fastft_model,
+    parse_or_work,
+    run_system,
+    save_random_checkpoint,
+    systems_of,
+)
+
+# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
+# module and must import unsloth before transformers; tests replace these names on their modules, so they are looked
+# up when called.
+
 SYSTEMS = ("fastft", "hf", "liger", "unsloth")
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ATTENTION_TARGETS = TARGETS[:4]
-EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]  # PEFT target_parameters on MoE models
 DEFAULT_WORKLOADS = "bf16:2x2048,nf4:2x2048,bf16:1x16384"
 
 
@@ -83,104 +92,6 @@ def _random_batch(vocab: int, batch: int, seq: int, seed: int = 0):
     return torch.randint(0, vocab, (batch, seq), generator=generator)
 
 
-def _hf_model(folder: str, precision: str, liger: bool, device, lora_targets: str = "all"):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from fastft.models.remote_code import from_pretrained
-
-    if liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama()
-    quantization = None
-    if precision == "nf4":
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
-    model = from_pretrained(
-        AutoModelForCausalLM,
-        folder,
-        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-        device_map=device.type,
-        attn_implementation="sdpa",
-        quantization_config=quantization,
-    )
-    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    moe = any(hasattr(m, "gate_up_proj") for m in model.modules())
-    wanted = ATTENTION_TARGETS if lora_targets == "attention" else TARGETS
-    config = LoraConfig(
-        r=16,
-        lora_alpha=16,
-        lora_dropout=0.0,
-        target_modules=[name for name in wanted if name in linears],
-        target_parameters=EXPERT_PARAMETERS if moe and lora_targets == "all" else None,
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(model, config)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    return model
-
-
-def _unsloth_model(folder: str, precision: str, seq: int, lora_targets: str = "all"):
-    import torch
-    from unsloth import FastLanguageModel
-
-    model, _ = FastLanguageModel.from_pretrained(
-        folder, max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=precision == "nf4"
-    )
-    model = FastLanguageModel.get_peft_model(
-        model,
-        r=16,
-        lora_alpha=16,
-        lora_dropout=0.0,
-        # on an MoE model Unsloth maps gate/up/down onto the experts' stacked weights itself
-        target_modules=ATTENTION_TARGETS if lora_targets == "attention" else TARGETS,
-        use_gradient_checkpointing="unsloth",
-        random_state=3407,
-    )
-    return model
-
-
-def _fastft_model(
-    folder: str,
-    precision: str,
-    seq: int,
-    attention: str,
-    device,
-    checkpointing="auto",
-    lora_targets="all",
-    keep_attention="auto",
-    dtype=None,
-):
-    import torch
-
-    from fastft.models.loading import load_model
-    from fastft.models.lora import add_lora, linear_layer_names
-    from fastft.runtime.attention import patch_packed_attention
-    from fastft.runtime.offload import enable_offload, offloader_of
-
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, _ = load_model(
-        folder, max_seq_length=seq, load_in_4bit=precision == "nf4", device=device, dtype=dtype
-    )
-    available = linear_layer_names(model)
-    wanted = ATTENTION_TARGETS if lora_targets == "attention" else [*TARGETS, "experts"]
-    targets = [name for name in wanted if name in available]  # dense: the 7 linears; MoE: + "experts"
-    model = add_lora(model, r=16, alpha=16, target_modules=targets, gradient_checkpointing=checkpointing)
-    patch_packed_attention(model, attention)
-    offloader = offloader_of(model)
-    if offloader is not None and keep_attention != "auto":
-        enable_offload(model, double_buffer=offloader.double_buffer, keep_attention=keep_attention == "on")
-    return model
-
-
 def run_worker(args) -> dict:
     """Build one system, run warm-up + timed steps, return its measurements."""
     import torch
@@ -195,7 +106,7 @@ def run_worker(args) -> dict:
 
         trades = set_memory_trades(args.adapter_copies, args.dh_slice_mib)
         mode = args.checkpointing
-        model = _fastft_model(
+        model = fastft_model(
             args.folder,
             precision,
             seq,
@@ -206,9 +117,9 @@ def run_worker(args) -> dict:
             keep_attention=args.keep_attention,
         )
     elif args.system in ("hf", "liger"):
-        model = _hf_model(args.folder, precision, args.system == "liger", device, args.lora_targets)
+        model = hf_model(args.folder, precision, args.system == "liger", device, args.lora_targets)
     elif args.system == "unsloth":
-        model = _unsloth_model(args.folder, precision, seq, args.lora_targets)
+        model = unsloth_model(args.folder, precision, seq, args.lora_targets)
     else:
         raise ValueError(f"unknown system {args.system!r}")
     load_seconds = time.perf_counter() - load_start
@@ -302,69 +213,7 @@ def run_worker(args) -> dict:
     }
 
 
-def checkpoint_folder(root: Path, model_id: str, layers: int | None) -> Path:
-    """Where the random checkpoint of `model_id` (cut to `layers`) lives under `root`: one sub-folder per
-    architecture and cut, so a later run for another model never loads an earlier run's weights."""
-    return root / f"{model_id.replace('/', '--')}-{layers or 'all'}-layers"
-
-
-def save_random_checkpoint(model_id: str, folder: Path, layers: int | None = None) -> None:
-    """The catalog architecture (cut to its first `layers` decoder layers if given) with random bf16
-    weights, saved with a tokenizer (for Unsloth) to `folder`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from fastft.bench.common import build_model
-    from fastft.models.catalog import CATALOG
-    from fastft.models.presets import load_preset_tokenizer
-
-    torch.manual_seed(0)
-    if layers:
-        config = CATALOG[model_id].to_config()
-        config.num_hidden_layers = layers
-        for key in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the cut
-            value = getattr(config, key, None)
-            if isinstance(value, list) and key == "layer_types":
-                setattr(config, key, value[:layers])
-        with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    else:
-        model = build_model(model_id, torch.device("cuda"), torch.bfloat16)
-    with torch.no_grad():  # transformers' default init gives std 0.02: keep it, but make norms 1
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.fill_(1.0)
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer = load_preset_tokenizer()
-    tokenizer.save_pretrained(folder)
-
-
 # ------------------------------------------------------------------------------------------------ driver
-
-
-def _worker_env(system: str, unsloth_path: str | None) -> dict:
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if system == "unsloth":
-        env["UNSLOTH_DISABLE_STATISTICS"] = "1"
-        if unsloth_path:
-            env["PYTHONPATH"] = unsloth_path + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def _run_in_process(argv: list[str], env: dict, timeout: float, module: str = "fastft.bench.step") -> dict:
-    """Run a benchmark's worker (`module` with `argv`) in its own process; its last JSON line, or the error."""
-    command = [sys.executable, "-m", module, *argv]
-    try:
-        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(completed.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (completed.stderr or completed.stdout).strip().splitlines()[-6:]
-    return {"error": " | ".join(tail) or f"exit code {completed.returncode}"}
 
 
 def _table(results: list[dict]) -> str:
@@ -498,10 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-
-    if args.worker:
-        print(json.dumps(run_worker(args)), flush=True)
+    args = parse_or_work(parser, argv, run_worker)
+    if args is None:
         return 0
 
     import torch
@@ -509,10 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("fastft bench step needs a CUDA GPU (it trains an 8B-parameter architecture).", file=sys.stderr)
         return 2
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    systems = systems_of(parser, args.systems, SYSTEMS)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for workload in workloads:
         parse_workload(workload)
@@ -562,13 +406,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.keep_attention,
             ]
             argv_worker += memory_trade_argv(args)
-            started = time.perf_counter()
-            result = _run_in_process(argv_worker, _worker_env(system, args.unsloth_path), args.timeout)
-            result.setdefault("system", system)
+            result = run_system(system, argv_worker, "fastft.bench.step", args.timeout, args.unsloth_path)
             result.setdefault("workload", workload)
             result.setdefault("attention", attention)
             result["round"] = round_
-            result["wall_s"] = time.perf_counter() - started
             results.append(result)
             _write(args.out, args.model, environment(), results)  # a later timeout keeps what was measured
             summary = (

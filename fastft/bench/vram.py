@@ -28,6 +28,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fastft.bench.common import environment, markdown_table
+from fastft.models.catalog import CATALOG
+from fastft.vram import capped_gpu, max_context
+from fastft.vram.measure import TrainingProbe, is_out_of_memory, measure
 
 GiB = 2**30
 
@@ -100,7 +103,6 @@ def _free() -> None:
 
 def _seconds_guess(config: Config, tokens: int, steps: int) -> float:
     """A rough wall-time guess (build + steps at ~250 TFLOP/s) to skip what the budget cannot hold."""
-    from fastft.models.catalog import CATALOG
 
     spec = CATALOG.get(config.model)
     params = spec.active_parameter_count() if spec else 1e8
@@ -112,8 +114,6 @@ def _seconds_guess(config: Config, tokens: int, steps: int) -> float:
 
 
 def _context_guess(config: Config, cap_gib: float, trials: int = 5) -> float:
-    from fastft.vram import capped_gpu, max_context
-
     predicted = max_context(
         config.model,
         capped_gpu(int(cap_gib * GiB)),
@@ -126,7 +126,6 @@ def _context_guess(config: Config, cap_gib: float, trials: int = 5) -> float:
 
 def measure_peak(config: Config, steps: int = 2) -> dict:
     """One configuration: estimated vs measured peak (and the phase peaks), or the error it raised."""
-    from fastft.vram.measure import measure
 
     # Memory still allocated by an earlier configuration would count in this one's peak: recorded, and
     # shown in the table, so a leak is seen rather than mistaken for an estimation error.
@@ -175,8 +174,6 @@ def measure_peak(config: Config, steps: int = 2) -> dict:
 
 def measure_context(config: Config, cap_bytes: int, budget_s: float, granularity: int = 512) -> dict:
     """`max_context`'s prediction under a `cap_bytes` allocator cap, and the longest length that trains."""
-    from fastft.vram import capped_gpu, max_context
-    from fastft.vram.measure import TrainingProbe, is_out_of_memory
 
     gpu = capped_gpu(cap_bytes)
     predicted = max_context(

@@ -24,6 +24,11 @@ import socket
 import sys
 from urllib.parse import urlparse
 
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
+
+# Function-local imports: imported after the environment they read is set (environment variables, offline mode).
+
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CONNECT_TIMEOUT_S = 1.5
 _TRUE = {"1", "true", "yes", "on"}
@@ -118,8 +123,6 @@ def offline_fix(name: str, files: str = "", repo_type: str = "model") -> str:
 def cached_dataset_snapshot(repo_id: str) -> str | None:
     """The local snapshot folder of hub dataset `repo_id` if the Hugging Face cache holds one, else None;
     reads the cache only (no network)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         return snapshot_download(repo_id, repo_type="dataset", local_files_only=True)

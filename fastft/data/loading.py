@@ -21,6 +21,9 @@ from typing import Any
 
 import datasets
 import pyarrow as pa
+import pyarrow.parquet as pq
+
+from fastft.data.hub import cached_dataset_snapshot, declared_offline, offline_fix, offline_reason
 
 from .errors import FastftDataError, MalformedRowError
 from .formats import consumed_fields, converter, describe, detect_format, output_column
@@ -176,8 +179,6 @@ def _looks_like_path(source: str) -> bool:
 
 
 def _load_hub(source: str, fmt: str | None, split: str) -> datasets.Dataset:
-    from fastft.data.hub import cached_dataset_snapshot, declared_offline, offline_fix, offline_reason
-
     target = source
     if not declared_offline() and offline_reason() is not None:
         # out of reach though not declared offline: `datasets` would retry for half a minute; read the
@@ -392,8 +393,6 @@ def _json_cell(cell: str, field: str, label: str, line: int) -> Any:
 
 
 def _iter_parquet(path: Path, label: str) -> Iterator[tuple[int, Any]]:
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(path)
     except Exception as e:  # not Parquet, truncated, unsupported encoding

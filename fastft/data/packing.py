@@ -16,10 +16,11 @@ import itertools
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from fastft.atomic import write_file_atomically
 from fastft.data.batch import PackedBatch
 from fastft.data.tokenize import (
     TokenizedData,
@@ -180,9 +181,6 @@ class PackedDataset:
         """Write the packed data to `path` (one ``.npz`` file of plain arrays, no pickle) so another process
         trains on exactly these bins: `load_packed` reads it back. Written under a temporary name and renamed
         into place. Returns the path written."""
-        from dataclasses import asdict
-
-        from fastft.atomic import write_file_atomically
 
         lengths = self.data.lengths
         arrays = {
@@ -217,6 +215,61 @@ class PackedDataset:
 PACKED_FORMAT = "fastft-packed-1"
 
 
+# Preference pairs packed (`fastft.data.pairs.pack_pairs` makes them); here so `load_packed` gives them back.
+@dataclass(frozen=True)
+class PairStats:
+    """What `pack_pairs` did: pairs kept, pairs whose prompt or answers were cut (and the tokens cut)."""
+
+    rows: int
+    pairs: int
+    cut_prompt: int = 0
+    cut_answer: int = 0
+    cut_tokens: int = 0
+    dropped: int = 0  # an answer with no token left to train after the cut
+    identical_rows: tuple[int, ...] = ()  # rows (from 0) whose chosen equals their rejected: left out
+
+    def __str__(self) -> str:
+        text = f"{self.pairs} of {self.rows} pairs"
+        cuts = []
+        if self.cut_prompt:
+            cuts.append(f"{self.cut_prompt} prompts cut from the left")
+        if self.cut_answer:
+            cuts.append(f"{self.cut_answer} answers cut at the end")
+        if cuts:
+            text += f" ({', '.join(cuts)}: {self.cut_tokens} tokens)"
+        if self.dropped:
+            text += f"; {self.dropped} dropped (no answer token left)"
+        if self.identical_rows:
+            text += f"; {len(self.identical_rows)} left out (chosen equals rejected: {row_list(self.identical_rows)})"
+        return text
+
+
+def row_list(rows: tuple[int, ...], shown: int = 10) -> str:
+    """``"rows 3, 7, counting from 0"``: the first `shown` of `rows`, for a message."""
+    listed = ", ".join(str(r) for r in rows[:shown]) + (
+        f", … ({len(rows) - shown} more)" if len(rows) > shown else ""
+    )
+    return f"row{'s' if len(rows) > 1 else ''} {listed}, counting from 0"
+
+
+class PackedPairs(PackedDataset):
+    """A `PackedDataset` whose bins hold whole pairs: sequence ``2 i`` is pair ``i``'s chosen side, ``2 i + 1``
+    its rejected side, and a bin lists both. `pair_stats` says what was cut; `reference_cache` holds the
+    precomputed reference log-probs (``TrainConfig(precompute_reference=True)``), by sequence."""
+
+    def __init__(
+        self, data: TokenizedData, bins: list[list[int]], max_seq_length: int, pair_stats: PairStats
+    ):
+        super().__init__(data, bins, max_seq_length)
+        self.pair_stats = pair_stats
+        # per-sequence reference log-probs by base-model fingerprint (fastft.training.objectives.preference)
+        self.reference_cache: dict = {}
+
+    @property
+    def pairs(self) -> int:
+        return len(self.data) // 2
+
+
 def _concat(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays).astype(np.int32) if arrays else np.zeros(0, dtype=np.int32)
 
@@ -249,8 +302,6 @@ def load_packed(path: str | os.PathLike) -> PackedDataset:
         )
         max_seq_length = int(stored["max_seq_length"][0])
         if "pair_stats_names" in stored:
-            from fastft.data.pairs import PackedPairs, PairStats
-
             names, values = stored["pair_stats_names"].tolist(), stored["pair_stats_values"].tolist()
             counts = dict(zip(names, values, strict=True))
             if "pair_identical_rows" in stored:

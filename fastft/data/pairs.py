@@ -19,69 +19,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from fastft.data.errors import FastftDataError, MalformedRowError
 from fastft.data.formats import from_preference
-from fastft.data.packing import PackedDataset, _max_seq_length, best_fit_decreasing
+from fastft.data.packing import PackedPairs, PairStats, _max_seq_length, best_fit_decreasing, row_list
 from fastft.data.tokenize import IGNORE_INDEX, TokenizedData, _check_template, _render_batch, render_chats
 
 __all__ = ["PackedPairs", "PairStats", "pack_pairs"]
-
-
-@dataclass(frozen=True)
-class PairStats:
-    """What `pack_pairs` did: pairs kept, pairs whose prompt or answers were cut (and the tokens cut)."""
-
-    rows: int
-    pairs: int
-    cut_prompt: int = 0
-    cut_answer: int = 0
-    cut_tokens: int = 0
-    dropped: int = 0  # an answer with no token left to train after the cut
-    identical_rows: tuple[int, ...] = ()  # rows (from 0) whose chosen equals their rejected: left out
-
-    def __str__(self) -> str:
-        text = f"{self.pairs} of {self.rows} pairs"
-        cuts = []
-        if self.cut_prompt:
-            cuts.append(f"{self.cut_prompt} prompts cut from the left")
-        if self.cut_answer:
-            cuts.append(f"{self.cut_answer} answers cut at the end")
-        if cuts:
-            text += f" ({', '.join(cuts)}: {self.cut_tokens} tokens)"
-        if self.dropped:
-            text += f"; {self.dropped} dropped (no answer token left)"
-        if self.identical_rows:
-            text += f"; {len(self.identical_rows)} left out (chosen equals rejected: {_rows(self.identical_rows)})"
-        return text
-
-
-def _rows(rows: tuple[int, ...], shown: int = 10) -> str:
-    listed = ", ".join(str(r) for r in rows[:shown]) + (
-        f", … ({len(rows) - shown} more)" if len(rows) > shown else ""
-    )
-    return f"row{'s' if len(rows) > 1 else ''} {listed}, counting from 0"
-
-
-class PackedPairs(PackedDataset):
-    """A `PackedDataset` whose bins hold whole pairs: sequence ``2 i`` is pair ``i``'s chosen side, ``2 i + 1``
-    its rejected side, and a bin lists both. `pair_stats` says what was cut; `reference_cache` holds the
-    precomputed reference log-probs (``TrainConfig(precompute_reference=True)``), by sequence."""
-
-    def __init__(
-        self, data: TokenizedData, bins: list[list[int]], max_seq_length: int, pair_stats: PairStats
-    ):
-        super().__init__(data, bins, max_seq_length)
-        self.pair_stats = pair_stats
-        # per-sequence reference log-probs by base-model fingerprint (fastft.training.objectives.preference)
-        self.reference_cache: dict = {}
-
-    @property
-    def pairs(self) -> int:
-        return len(self.data) // 2
 
 
 def _pair_of(row, index: int) -> dict:
@@ -203,7 +150,7 @@ def pack_pairs(rows: Iterable, tokenizer, max_seq_length: int | None = None) -> 
     if identical:
         warnings.warn(
             f"pack_pairs: {len(identical)} of {len(pairs)} pairs have a chosen answer equal to the rejected one "
-            f"({_rows(stats.identical_rows)}): they give DPO no signal and were left out. Fix or remove those "
+            f"({row_list(stats.identical_rows)}): they give DPO no signal and were left out. Fix or remove those "
             "rows.",
             stacklevel=2,
         )

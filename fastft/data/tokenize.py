@@ -17,15 +17,13 @@ import sys
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+import datasets
 import numpy as np
+import pyarrow as pa
 
 from fastft.checks import whole_number
 from fastft.data.errors import MalformedRowError
-
-if TYPE_CHECKING:
-    import pyarrow as pa
 
 IGNORE_INDEX = -100
 TRAIN_ON = ("responses", "all")
@@ -390,7 +388,6 @@ def tokenize_dataset(
     num_proc = min(num_proc, len(dataset))
     if num_proc <= 1:
         return tokenize_rows(dataset_rows(dataset), tokenizer, max_seq_length, train_on, overlong, batch_size)
-    import datasets
 
     features = datasets.Features(
         {
@@ -436,7 +433,6 @@ def _tokenize_batch(
     values: list, key: str, tokenizer, max_seq_length: int, train_on: str, overlong: str
 ) -> pa.Table:
     """`Dataset.map` worker: one output row per input row (status, truncated, ids, labels)."""
-    import pyarrow as pa
 
     n = len(values)
     status = np.zeros(n, dtype=np.int8)

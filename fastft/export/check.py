@@ -34,9 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from fastft.export.reference import GGUFModel, read_metadata
+from fastft.models.hf_save import merged_tensors
 from fastft.runtime.model_state import base_model
+from fastft.training.evaluate import prompt_messages
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 # top-1 next-token agreement at the decided positions, whether greedy answers must all match, and the type's
 # typical logit error (RMS over the vocabulary, relative to the reference's logit spread; see the docstring)
@@ -186,7 +191,6 @@ class ExportCheck:
 def default_prompts(count: int = 8) -> list[list[dict]]:
     """The first `count` held-out questions the demo and the studio evaluate on, as chat prompts."""
     from fastft.data.loading import load_dataset
-    from fastft.training.evaluate import prompt_messages
 
     rows = load_dataset(DEFAULT_PROMPTS)
     return [prompt_messages(rows[i]) for i in range(min(count, len(rows)))]
@@ -271,9 +275,6 @@ def reference_dtype(quantization: str) -> torch.dtype:
 def merged_reference(model, quantization: str):
     """The merged model as plain transformers runs it: LoRA added in fp32, its matrices rounded to
     `reference_dtype`, computed in fp32 on the CPU (one extra copy of the weights)."""
-    from transformers import AutoModelForCausalLM
-
-    from fastft.models.hf_save import merged_tensors
 
     base = base_model(model)
     config = base.config

@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import gguf
 import torch
 
 
@@ -167,8 +168,6 @@ def hyperparameters(config, family: Family) -> list[tuple[str, object, str]]:
 
 
 def _arch_name(family: Family) -> str:
-    import gguf
-
     return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[family.arch]]
 
 
@@ -182,7 +181,6 @@ def tensor_layout(
 ) -> list[tuple[str, tuple[int, ...]]]:
     """The GGUF tensors (name, torch shape) that the Hugging Face tensor `key` becomes; [] if it is not written
     (a tied output head, rotary buffers)."""
-    import gguf
 
     if key == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
         return []

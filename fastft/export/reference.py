@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 
+import gguf
 import torch
 import torch.nn.functional as F
 
@@ -30,7 +31,6 @@ class GGUFReadError(ValueError):
 
 def read_metadata(path: str | os.PathLike) -> dict[str, object]:
     """Every metadata entry of a GGUF file as plain Python values (arrays as lists)."""
-    import gguf
 
     reader = gguf.GGUFReader(path)
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
@@ -42,8 +42,6 @@ class GGUFModel:
     All tensors are dequantised to fp32 when the file is opened (the check runs on models that fit)."""
 
     def __init__(self, path: str | os.PathLike):
-        import gguf
-
         reader = gguf.GGUFReader(path)
         self.meta = {name: field.contents() for name, field in reader.fields.items()}
         self.types = {t.name: t.tensor_type.name for t in reader.tensors}

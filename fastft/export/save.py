@@ -21,6 +21,7 @@ from fastft.atomic import (
     replace_folder_atomically,
 )
 from fastft.export.check import ExportCheck, GGUFCheckError, check_gguf, check_prompts
+from fastft.export.ollama import modelfile
 from fastft.export.writer import (
     K_QUANTS,
     check_file_destination,
@@ -160,7 +161,6 @@ def save_ollama(
     The folder is written atomically into a folder fastft wrote (or any with `overwrite`), and replaces only
     the files this save writes: a GGUF of another quantisation saved there before stays beside the new one,
     and so does anything the user added (`fastft.atomic`)."""
-    from fastft.export.ollama import modelfile
 
     quantization = normalise_quantization(quantization)
     name = f"model.{quantization.upper()}.gguf"

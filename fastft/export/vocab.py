@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
+
 # llama.cpp's token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -65,7 +67,6 @@ class Vocab:
 def build_vocab(tokenizer, vocab_size: int, model_type: str) -> Vocab:
     """The `Vocab` of a Hugging Face fast tokenizer, padded to the model's `vocab_size` (embedding rows the
     tokenizer never produces get ``[PAD{i}]`` tokens of type UNUSED, as llama.cpp's converter writes them)."""
-    import gguf
 
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is None:

@@ -24,8 +24,10 @@ import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -46,6 +48,7 @@ from fastft.export.families import (
     tensor_layout,
 )
 from fastft.export.vocab import build_vocab
+from fastft.models.hf_save import merged_keys, merged_tensors
 from fastft.runtime.model_state import base_model
 
 # what fastft quantises itself (with the gguf package), and llama.cpp's K-quants (through llama-quantize)
@@ -98,8 +101,6 @@ def llama_quantize_path() -> str | None:
 
 
 def _ggml_type(name: str):
-    import gguf
-
     return {
         "f32": gguf.GGMLQuantizationType.F32,
         "f16": gguf.GGMLQuantizationType.F16,
@@ -110,8 +111,6 @@ def _ggml_type(name: str):
 
 
 def _file_type(name: str) -> int:
-    import gguf
-
     return {
         "f32": gguf.LlamaFileType.ALL_F32,
         "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -125,7 +124,6 @@ def tensor_type(name: str, shape: tuple[int, ...], quantization: str, tied: bool
     """The type one tensor is stored at, as llama.cpp's converter chooses: norms, biases, the router and
     RoPE factors in f32; a quantised tensor whose rows are not a multiple of the block size in f16; under
     q4_0 the output head (the embedding when tied) in q8_0, as llama-quantize keeps it at higher precision."""
-    import gguf
 
     if len(shape) == 1 or ".ffn_gate_inp." in name or name.startswith("rope_freqs"):
         return "f32"
@@ -141,7 +139,6 @@ def tensor_type(name: str, shape: tuple[int, ...], quantization: str, tied: bool
 def _encode(tensor: torch.Tensor, kind: str) -> np.ndarray:
     """`tensor` in the file's encoding: float arrays for f32/f16, bytes for bf16 and the quants. A tensor
     already of the target type is written from its own memory, without a copy."""
-    import gguf
 
     if kind == "f32":
         return tensor.float().contiguous().numpy()
@@ -155,7 +152,6 @@ def _encode(tensor: torch.Tensor, kind: str) -> np.ndarray:
 
 def _nbytes(shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int]:
     """(shape as add_tensor_info takes it, bytes) for a tensor of torch `shape` stored as `kind`."""
-    import gguf
 
     if kind in ("f32", "f16"):
         return shape, int(np.prod(shape)) * (4 if kind == "f32" else 2)
@@ -166,7 +162,6 @@ def _nbytes(shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int]:
 def _tensor_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
     """(key, logical shape) of every tensor of the merged model, in order, without computing any (NF4 weights
     report their unpacked shape)."""
-    from fastft.models.hf_save import merged_keys
 
     shapes = []
     for key, value in merged_keys(model):
@@ -187,8 +182,6 @@ def write_gguf(
     `path` (no check, no rename: `save_gguf` does both). `metadata` adds or replaces entries (a value of
     None removes one); `progress(done, total)` is called after each tensor."""
     import gguf
-
-    from fastft.models.hf_save import merged_tensors
 
     quantization = normalise_quantization(quantization)
     if quantization in K_QUANTS:
@@ -396,7 +389,6 @@ def check_file_destination(path: Path, overwrite: bool) -> None:
 
 def written_by_fastft(path: Path) -> bool:
     """Whether `path` is a GGUF file that fastft wrote (it carries ``fastft.version``)."""
-    import gguf
 
     try:
         return FASTFT_KEY in gguf.GGUFReader(path).fields
@@ -410,8 +402,6 @@ def remove_quietly(path: Path) -> None:
 
 
 def _fastft_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("fastft")
     except PackageNotFoundError:

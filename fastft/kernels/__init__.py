@@ -19,24 +19,14 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from fastft.kernels import capability
+from fastft.kernels.capability import triton_importable
+
 if TYPE_CHECKING:  # torch is imported where used: the fusion plan reads `activations` without it
     import torch
 
-
-def triton_importable() -> bool:
-    """Whether the ``triton`` package imports (checked once)."""
-    global _IMPORTABLE
-    if _IMPORTABLE is None:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            _IMPORTABLE = False
-        else:
-            _IMPORTABLE = True
-    return _IMPORTABLE
-
-
-_IMPORTABLE: bool | None = None
+# Function-local imports: the CLI and the fusion plan read this module without torch or triton
+# (tests/models/test_fusion.py).
 
 
 def triton_available() -> bool:
@@ -52,8 +42,6 @@ def use_triton(tensor: torch.Tensor) -> bool:
     """Dispatch rule: CUDA tensors take the Triton kernel where `fastft.kernels.capability` says it runs
     (Triton installed, sm75 or newer, the dtype computed there, ``FASTFT_NO_TRITON`` unset; else the op's
     PyTorch reference, said once); CPU tensors take it only when interpreted."""
-    from fastft.kernels import capability
-
     if tensor.is_cuda:
         reason = capability.fallback_reason(tensor.device, tensor.dtype, triton_importable())
         if reason is None:

@@ -31,6 +31,9 @@ import os
 import warnings
 from dataclasses import dataclass
 
+# Function-local imports: the CLI and the fusion plan read this module without torch or triton
+# (tests/models/test_fusion.py); Triton is Linux-only and the capability table is read without it.
+
 MIN_CAPABILITY = 75  # Triton's oldest NVIDIA target (Turing)
 FP8_CAPABILITY = 89  # FP8 tensor cores and e4m3 conversions: Ada, Hopper, Blackwell
 NO_TRITON_VARIABLE = "FASTFT_NO_TRITON"
@@ -222,6 +225,22 @@ class KernelFallbackWarning(UserWarning):
     """fastft's Triton kernels cannot run here: the ops named run their PyTorch references."""
 
 
+def triton_importable() -> bool:
+    """Whether the ``triton`` package imports (checked once)."""
+    global _IMPORTABLE
+    if _IMPORTABLE is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _IMPORTABLE = False
+        else:
+            _IMPORTABLE = True
+    return _IMPORTABLE
+
+
+_IMPORTABLE: bool | None = None
+
+
 def forced_off() -> bool:
     """``FASTFT_NO_TRITON=1``: every op runs its PyTorch reference."""
     return os.environ.get(NO_TRITON_VARIABLE, "") not in ("", "0")
@@ -278,8 +297,6 @@ def kernel_status(device=None, dtype=None) -> dict:
     """What the studio and a notebook show: ``{"triton": bool, "reason": str | None, "fallback": [op
     names]}`` for a device (None: the current CUDA device, or the CPU when there is none) and dtype."""
     import torch
-
-    from fastft.kernels import triton_importable
 
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -69,6 +69,8 @@ from . import fp8
 from .swiglu import gated_activation_backward, gated_activation_forward, gated_activation_reference
 from .tiling import dh_slice_rows, mlp_tile_rows
 
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
+
 
 @dataclass(frozen=True, eq=False)
 class FrozenLinear:

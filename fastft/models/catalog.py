@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+# Function-local imports: the CLI's parser and light commands read this module without torch or transformers
+# (tests/faces/test_cli.py).
+
 # How alike a typed name and a known one must be (difflib's ratio) to be offered as "did you mean": 0.6
 # offers "tiny-llama" for "tiny-lama" and nothing for "not-a/model" (0.53 to "tiny-moe").
 CLOSE_MATCH_CUTOFF = 0.6

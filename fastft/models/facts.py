@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastft.models.catalog import CATALOG, ModelSpec
+from fastft.models.fusion import plan
+from fastft.models.presets import PRESETS
+
 __all__ = ["ModelFacts", "model_choices", "model_facts"]
 
 
@@ -37,16 +41,12 @@ class ModelFacts:
 
 def model_choices() -> list[str]:
     """Embedded presets first, then the catalog's hub ids: what the picker suggests."""
-    from fastft.models.catalog import CATALOG
-    from fastft.models.presets import PRESETS
 
     return [*PRESETS, *CATALOG]
 
 
 def model_facts(name: str) -> ModelFacts:
     """Describe `name` (a preset, a catalog hub id, a local folder or another hub id) offline."""
-    from fastft.models.catalog import CATALOG, ModelSpec
-    from fastft.models.presets import PRESETS
 
     name = name.strip()
     if name in PRESETS:
@@ -101,7 +101,6 @@ def _facts_from_folder(name: str, path: Path) -> ModelFacts:
     except Exception as error:  # noqa: BLE001 - shown as a note; Load reports the real error
         facts.description = f"a local folder whose config could not be read ({type(error).__name__})"
         return facts
-    from fastft.models.catalog import ModelSpec
 
     facts.model_type = config.get("model_type")
     facts.layers = config.get("num_hidden_layers")
@@ -121,7 +120,6 @@ def _facts_from_folder(name: str, path: Path) -> ModelFacts:
 def _fusion(config: dict) -> tuple[list[str], list[str]]:
     """(parts on fused kernels, parts left on transformers' modules): the config's fusion plan, which
     `fastft.patch` follows."""
-    from fastft.models.fusion import plan
 
     fusion = plan(config)
     return list(fusion.fused), list(fusion.not_fused)

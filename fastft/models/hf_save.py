@@ -15,10 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from fastft.atomic import check_destination, recover_folder, replace_folder_atomically
 from fastft.data.hub import hub_offline_while_importing
 from fastft.runtime.model_state import base_model, is_quantised
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora).
 
 with hub_offline_while_importing():  # bitsandbytes, which peft imports, asks the hub for a kernel
     from peft import PeftModel
@@ -162,7 +166,6 @@ def save_merged(
     ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads, plus the tokenizer.
     `overwrite` as in `save_adapter`; `dequantize` as in `merged_state_dict` (a 4-bit base); `beside` writes
     into a folder fastft did not write, keeping every file there (`fastft.atomic.replace_folder_atomically`)."""
-    from transformers import AutoModelForCausalLM
 
     if not isinstance(model, PeftModel):
         raise TypeError("save_merged needs a model with LoRA adapters (from fastft.add_lora).")

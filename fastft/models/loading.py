@@ -12,6 +12,7 @@ quantisation code path.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import warnings
@@ -19,12 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from fastft.atomic import recover_folder
 from fastft.checks import whole_number
-from fastft.data.hub import offline_fix, offline_reason
+from fastft.data.hub import hub_offline_while_importing, offline_fix, offline_reason
+from fastft.models.catalog import CATALOG, close_names
 from fastft.models.errors import (  # noqa: F401  (re-exported: `fastft.ModelLoadError` is read from here)
     ModelLoadError,
     QuantizationError,
@@ -32,8 +35,11 @@ from fastft.models.errors import (  # noqa: F401  (re-exported: `fastft.ModelLoa
     UnknownModelError,
     UnsupportedArchitectureError,
 )
+from fastft.models.lora import load_adapter
 from fastft.models.presets import PRESETS, build_preset_model, load_preset_tokenizer
 from fastft.models.remote_code import consent, from_pretrained
+
+# Function-local imports: imported after the environment they read is set (environment variables, offline mode).
 
 
 @dataclass(frozen=True)
@@ -128,8 +134,6 @@ def _check_architecture(model_type: str, name: str, config) -> None:
 
 
 def _transformers_version() -> str:
-    import transformers
-
     return transformers.__version__
 
 
@@ -141,7 +145,6 @@ def _quantization_config(
     if load_in_4bit and load_in_8bit:
         raise QuantizationError("Choose one of load_in_4bit=True or load_in_8bit=True, not both.")
     bits = "4-bit (NF4)" if load_in_4bit else "8-bit"
-    from fastft.data.hub import hub_offline_while_importing
 
     try:
         with hub_offline_while_importing():  # its CPU backend asks the hub for a kernel at import
@@ -304,9 +307,6 @@ def _load_adapter_folder(
     """A LoRA adapter folder (`save_adapter`, PEFT's ``save_pretrained``): its base (``base_model_name_or_path``,
     a preset, folder or hub id) loaded as `load_model` loads it, the adapter attached trainable, and the
     folder's tokenizer if it holds one."""
-    import json
-
-    from fastft.models.lora import load_adapter
 
     folder = Path(name).expanduser()
     base_name = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
@@ -349,8 +349,6 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def _unknown_model_message(name: str) -> str:
-    from fastft.models.catalog import CATALOG, close_names
-
     close = close_names(name, list(PRESETS) + list(CATALOG))
     suggestion = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return (
@@ -422,8 +420,6 @@ def _keep_nf4_layout(model) -> None:
 
 
 def _raw_config(source, token) -> dict:
-    from transformers import PretrainedConfig
-
     try:
         return PretrainedConfig.get_config_dict(source, token=token)[0]
     except (OSError, ValueError):

@@ -25,6 +25,8 @@ import torch
 
 from fastft.checks import real_number, whole_number
 from fastft.data.hub import hub_offline_while_importing
+from fastft.models.moe import is_expert_module
+from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
 from fastft.runtime.activation_checkpointing import Checkpointing
 from fastft.runtime.model_state import base_model, is_quantised, model_state
 from fastft.runtime.offload import disable_offload, enable_offload
@@ -86,7 +88,6 @@ _GATES = ("gate", "shared_expert_gate")
 
 def expert_module_names(model: torch.nn.Module) -> list[str]:
     """Short names (``experts``) of the modules holding stacked expert weights (`fastft.models.moe`)."""
-    from fastft.models.moe import is_expert_module
 
     names: list[str] = []
     for full_name, module in model.named_modules():
@@ -344,7 +345,6 @@ def _base_vocab_size(base: str | None) -> int | None:
     None where none is on this machine. Never the network."""
     if not base:
         return None
-    from fastft.models.presets import PRESETS, TOKENIZER_VOCAB_SIZE
 
     if base in PRESETS:
         return TOKENIZER_VOCAB_SIZE

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastft.kernels.lora import _in_recompute
 from fastft.models import fusion
 from fastft.runtime.context import ROUTING, KeptTensors, layer_context
 from fastft.runtime.model_state import model_state
@@ -62,6 +63,10 @@ from fastft.runtime.routing import (
     router_spec,
     watch_unfused_routers,
 )
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora); tests replace these names on their modules, so
+# they are looked up when called.
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,6 @@ def moe_experts(
     re-runs the layer, that node skips its GEMMs (about a third of the experts' FLOPs).
     """
     from fastft.kernels.down_combine import down_combine
-    from fastft.kernels.lora import _in_recompute
 
     g = expert_projection(x, weights.gate_up, plan, weights.gate_up_lora, weights.gate_up_bias)
     h = gated(experts, g, kind)

@@ -65,10 +65,17 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fastft.kernels import tiling
+from fastft.kernels.lora import AdapterComputeCopies, FrozenLinear, lora_linears, lora_mlp
+from fastft.kernels.qk_norm_rope import apply_qk_norm_rope
+from fastft.kernels.rope import apply_rope
 from fastft.models import fusion
 from fastft.models.moe import moe_block_forward, moe_block_info
 from fastft.runtime.context import ATTENTION, OUTPUT_PROJECTION, attach_layer_contexts, layer_context
 from fastft.runtime.model_state import base_model, model_state
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora); tests replace these names on their modules, so
+# they are looked up when called.
 
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # what the fused attention forward reads
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # and the fused MLP forward
@@ -143,7 +150,6 @@ class _PatchState:
 def _frozen_base(linear: torch.nn.Module):
     """`FrozenLinear` for an ``nn.Linear``, bitsandbytes NF4 or fastft FP8 layer whose weight is frozen, else
     None."""
-    from fastft.kernels.lora import FrozenLinear
 
     weight = getattr(linear, "weight", None)
     if weight is None or weight.requires_grad:
@@ -219,9 +225,6 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         )
     kwargs.pop("cache", None)
     kwargs.pop("past_key_values", None)
-    from fastft.kernels.lora import lora_linears
-    from fastft.kernels.qk_norm_rope import apply_qk_norm_rope
-    from fastft.kernels.rope import apply_rope
 
     bases, scales, adapters = _split(parts)
     input_shape = hidden_states.shape[:-1]
@@ -259,7 +262,6 @@ def _output_projection(attn_output, bases, scales, adapters, kept=None) -> torch
     (`fastft.runtime.attention`) keeps o_proj's output with it, so the recompute skips that GEMM as well:
     it has the input (the kept attention output) and the output, and computes only the rank-r ``x A^T`` its
     backward needs. The backward, and so every gradient, is the same as after recomputing it."""
-    from fastft.kernels.lora import lora_linears
 
     if kept is None:
         return lora_linears(attn_output, bases, scales, adapters)[0]
@@ -286,7 +288,6 @@ def _mlp_forward(self, hidden_states):
     parts = _projections(self, _MLP_PROJECTIONS)
     if parts is None:
         return self._fastft_original_forward(hidden_states)
-    from fastft.kernels.lora import lora_mlp
 
     bases, scales, adapters = _split(parts)
     return lora_mlp(
@@ -391,8 +392,6 @@ def _hook_adapter_copies(state: _PatchState, decoder: torch.nn.Module) -> None:
         else:
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), weights[0].dtype)
         state.copies.refresh(weights, dtype)
-
-    from fastft.kernels.lora import AdapterComputeCopies
 
     state.copies = AdapterComputeCopies()
     state.hook = decoder.register_forward_pre_hook(hook)

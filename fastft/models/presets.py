@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # imported where used, so listing presets (`fastft models`) n
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
+# Function-local imports: the CLI's parser and light commands read this module without torch or transformers
+# (tests/faces/test_cli.py).
+
 ASSETS_DIR = Path(__file__).parent / "assets"
 TOKENIZER_FILE = ASSETS_DIR / "tokenizer.json"
 TOKENIZER_VOCAB_SIZE = 512

@@ -17,6 +17,9 @@ import os
 from fastft.checks import SettingError
 from fastft.models.errors import RemoteCodeError
 
+# Function-local imports: the CLI's parser and light commands read this module without torch or transformers
+# (tests/faces/test_cli.py).
+
 
 def consent(trust_remote_code) -> bool:
     """`trust_remote_code` as the bool transformers gets: only True and False are answers (None would make

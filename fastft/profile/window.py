@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fastft.training.timing import Table
+from fastft.training.timing import ORDER, TOP_LEVEL, Table
 
 KERNEL = "kernel"
 COPY = "gpu_memcpy"
@@ -241,7 +241,6 @@ def _without_kineto_notices():
 
 def _phase_names(step_profile) -> list[str]:
     """Every range name the step profiler may emit (left out of the operator table)."""
-    from fastft.training.timing import ORDER, TOP_LEVEL
 
     names = [*TOP_LEVEL, *ORDER, "loss_backward"]
     if step_profile is not None:

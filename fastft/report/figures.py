@@ -12,7 +12,9 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 
+import numpy as np
 import plotly.graph_objects as go
+import torch
 from plotly.subplots import make_subplots
 
 from fastft.training.events import EvalEvent, StepEvent
@@ -77,7 +79,6 @@ def smooth(values: Iterable[float], smoothing: float = 0.9) -> list[float]:
 def memory_kind_here() -> str:
     """The `StepEvent.memory_kind` a run on this machine reports: "cuda" with a CUDA GPU, else "cpu-rss"
     (what an empty chart names before a run has said)."""
-    import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu-rss"
 
@@ -345,7 +346,6 @@ def sequence_length_figure(
     numbers. One trace, "sequences"; a dashed line marks `max_seq_length`; the title gives the
     count and the median, and how many rows were `truncated` to fit.
     """
-    import numpy as np
 
     title = "Sequence lengths"
     values = np.asarray(lengths, dtype=np.int64).ravel()

@@ -36,11 +36,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 
 from fastft.data.batch import PackedBatch
 from fastft.runtime.activation_checkpointing import KEEP_FROM_LENGTH
 from fastft.runtime.context import ATTENTION, KeptTensors, attach_layer_contexts, layer_context
-from fastft.runtime.model_state import base_model, model_state, state_of
+from fastft.runtime.model_state import PackedAttentionState, base_model, model_state, state_of
+
+# Function-local imports: flash-attn is optional (one attention backend); torch and transformers submodules load
+# where their feature is used (not every supported version has each, and each costs its import).
+
 
 IMPLEMENTATION = "fastft_packed"
 # Each backend and the kernels it runs (run summaries name them: `describe_backend`).
@@ -60,19 +65,6 @@ _DENSE_MASK_LIMIT = 64 * 2**20  # entries of a [T, T] mask before the CPU defaul
 
 class AttentionBackendError(ValueError):
     pass
-
-
-@dataclass
-class PackedAttentionState:
-    """A model's packed attention (its ``model_state(model).attention``): the backend asked for (a name, or
-    a backend function), the implementation to restore, and the backend resolved from it (its name and
-    function), once known."""
-
-    requested: str | Callable
-    previous_implementation: str
-    resolved: str | None = None  # the backend actually used, once known
-    function: Callable | None = None  # and its function
-    hook: object = None  # the decoder's pre-hook for padding-free Hugging Face inputs (`_padding_free_hook`)
 
 
 # -- backends ------------------------------------------------------------------------------------
@@ -576,7 +568,6 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
 
 def _register() -> None:
     """Add the ``fastft_packed`` name to transformers' registries (a new name; nothing is replaced)."""
-    from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(IMPLEMENTATION, _attention_forward)

@@ -9,18 +9,28 @@ so two models in one process (or one trained on a background thread) never see e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fastft.runtime.routing import RouterCollector
 
-if TYPE_CHECKING:
-    from fastft.runtime.attention import PackedAttentionState
-    from fastft.runtime.offload import ActivationOffloader
-
 ATTRIBUTE = "fastft_state"  # the one attribute on the base model
+
+
+@dataclass
+class PackedAttentionState:
+    """A model's packed attention (its ``model_state(model).attention``): the backend asked for (a name, or
+    a backend function), the implementation to restore, and the backend resolved from it (its name and
+    function), once known."""
+
+    requested: str | Callable
+    previous_implementation: str
+    resolved: str | None = None  # the backend actually used, once known
+    function: Callable | None = None  # and its function
+    hook: object = None  # the decoder's pre-hook for padding-free Hugging Face inputs (`_padding_free_hook`)
 
 
 @dataclass(eq=False)
@@ -29,7 +39,7 @@ class ModelState:
 
     ``lora``: the `fastft.models.lora.LoraSettings` `add_lora` used for the model's adapters.
     ``kernels``: the state of `fastft.models.patch.patch` (fused kernels, their report; `is_fused`).
-    ``attention``: `fastft.runtime.attention.PackedAttentionState` (packed attention and its backend).
+    ``attention``: `PackedAttentionState` (packed attention and its backend, `fastft.runtime.attention`).
     ``offload``: the `fastft.runtime.offload.ActivationOffloader` of offloaded checkpointing.
     ``profile``: the `fastft.training.timing.StepProfile` whose hooks the model carries (one at a time).
     ``routers``: the `fastft.runtime.routing.RouterCollector` the model's MoE layers record their router
@@ -41,7 +51,7 @@ class ModelState:
     lora: Any = None  # fastft.models.lora.LoraSettings (a higher layer's type)
     kernels: Any = None  # fastft.models.patch._PatchState (a higher layer's type)
     attention: PackedAttentionState | None = None
-    offload: ActivationOffloader | None = None
+    offload: Any = None  # fastft.runtime.offload.ActivationOffloader (offload.py imports this module)
     profile: Any = None  # fastft.training.timing.StepProfile (a higher layer's type)
     routers: RouterCollector = field(default_factory=RouterCollector)
     decode_graphs: bool = True

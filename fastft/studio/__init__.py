@@ -14,6 +14,8 @@ import importlib
 import sys
 import types
 
+# Function-local imports: `fastft.studio` stays light until it is called (tests/faces/test_studio.py).
+
 _EXPORTS = {
     "Studio": "fastft.studio.app",
     "StudioState": "fastft.studio.state",

@@ -15,6 +15,8 @@ import ipywidgets as widgets
 from fastft.studio.notices import close_tree, error_html, in_kernel
 from fastft.studio.state import StudioState
 
+# Function-local imports: IPython exists only in a notebook.
+
 __all__ = ["TABS", "Studio", "studio"]
 
 # Tab title, attribute on `Studio`, module, class.

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import html
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import ipywidgets as widgets
 
+import fastft
+from fastft.data.loading import dataset_kind, list_bundled
+from fastft.data.pairs import pack_pairs
+from fastft.data.tokenize import IGNORE_INDEX, KEPT, render_chats, tokenized_records
+from fastft.models.presets import CHATML_TEMPLATE
+from fastft.report.figures import sequence_length_figure
+from fastft.studio.live import LiveFigure
 from fastft.studio.notices import (
     LABEL_STYLE,
     Panel,
@@ -81,10 +89,6 @@ class DataPanel(Panel):
     """
 
     def __init__(self, state: StudioState | None = None, *, live: str | None = None):
-        from fastft.data.loading import list_bundled
-        from fastft.report.figures import sequence_length_figure
-        from fastft.studio.live import LiveFigure
-
         self.state = state if state is not None else StudioState()
         self._worker = Worker("fastft-studio-data")
         self._fallback_tokenizer = None
@@ -283,7 +287,6 @@ class DataPanel(Panel):
     def preview_segments(self, index: int | None = None) -> list[Segment] | dict[str, list[Segment]]:
         """Row `index` (default: the ``row`` control) as the model sees it: runs of prompt, trained
         and cut tokens, in order, with the chat template and ``max_seq_length`` applied."""
-        from fastft.data.tokenize import IGNORE_INDEX, KEPT, render_chats, tokenized_records
 
         rows = self.state.rows
         if rows is None or len(rows) == 0:
@@ -337,10 +340,6 @@ class DataPanel(Panel):
         """Preference row `index` as the model sees it: ``{"chosen": [...], "rejected": [...]}``, each side
         the prompt and that answer rendered with the chat template, in runs of prompt and trained tokens, cut
         to ``max_seq_length`` as `fastft.pack_pairs` cuts it (both sides share one bin)."""
-        import warnings
-
-        from fastft.data.pairs import pack_pairs
-        from fastft.data.tokenize import IGNORE_INDEX
 
         index = int(self.row.value if index is None else index)
         tokenizer = self._tokenizer()
@@ -387,8 +386,6 @@ class DataPanel(Panel):
         return True
 
     def _load_job(self, source: str, fmt: str) -> None:
-        import fastft
-
         rows = fastft.load_dataset(source, format=fmt)
         state = self.state
         self._clear_stats()  # the last pack's numbers describe other rows
@@ -402,8 +399,6 @@ class DataPanel(Panel):
         self._show_rows()
 
     def _pack_job(self) -> None:
-        import fastft
-
         state = self.state
         settings = state.pack_settings
         tokenizer = self._tokenizer()
@@ -419,8 +414,6 @@ class DataPanel(Panel):
     # ------------------------------------------------------------------------------------------ display
 
     def _show_rows(self) -> None:
-        from fastft.data.loading import dataset_kind
-
         rows = self.state.rows
         self.row.max = max(len(rows) - 1, 0)
         self.row.value = min(self.row.value, self.row.max)
@@ -458,8 +451,6 @@ class DataPanel(Panel):
         self.preview.value = _segments_html(segments, self._tokenizer_note())
 
     def _show_stats(self, packed) -> None:
-        from fastft.report.figures import sequence_length_figure
-
         stats = packed.stats
         t = stats.tokenize
         rows = [
@@ -512,8 +503,6 @@ class DataPanel(Panel):
         return ""
 
     def _apply_template(self, tokenizer) -> None:
-        from fastft.models.presets import CHATML_TEMPLATE
-
         key = id(tokenizer)
         if key not in self._original_templates:
             self._original_templates[key] = getattr(tokenizer, "chat_template", None)

@@ -14,9 +14,18 @@ import html
 import threading
 import time
 
+import ipywidgets as widgets
+import torch
+from transformers import TextIteratorStreamer
+
+from fastft.export import GGUFCheckError, save_gguf, save_ollama
+from fastft.models.hf_save import save_adapter, save_merged
 from fastft.runtime.model_state import base_model
-from fastft.studio.notices import Panel, button, code_html, code_section, field, row
+from fastft.studio.notices import Panel, button, code_html, code_section, error_html, field, row, status_html
 from fastft.studio.state import StudioState, Worker
+from fastft.training.evaluate import evaluate_accuracy
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 __all__ = ["ExportPanel"]
 
@@ -34,8 +43,6 @@ GGUF_CHOICES = [
 
 
 def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
-    from fastft.studio.notices import error_html, status_html
-
     if not text:
         return ""
     return error_html(text, title) if kind == "error" else status_html(text, kind)
@@ -64,8 +71,6 @@ class ExportPanel(Panel):
     """
 
     def __init__(self, state: StudioState | None = None):
-        import ipywidgets as widgets
-
         self.state = state if state is not None else StudioState()
         self.worker = Worker("fastft-export")
         self.completion = ""
@@ -228,7 +233,6 @@ class ExportPanel(Panel):
         self.worker.start(lambda: self._job(self._save_adapter, folder))
 
     def _save_adapter(self, folder: str) -> str:
-        from fastft.models.hf_save import save_adapter
 
         path = save_adapter(self.state.model, folder, self.state.tokenizer)
         self.last_saved = str(path)
@@ -259,7 +263,6 @@ class ExportPanel(Panel):
         self.worker.start(lambda: self._job(self._merge, folder))
 
     def _merge(self, folder: str) -> str:
-        from fastft.models.hf_save import save_merged
 
         path = save_merged(self.state.model, folder, self.state.tokenizer)
         self.last_saved = str(path)
@@ -302,8 +305,6 @@ class ExportPanel(Panel):
         self.gguf_stage.value = f"{done}/{total} {what}"
 
     def _export_gguf(self, kind: str, target: str, quantization: str) -> str:
-        from fastft.export import GGUFCheckError, save_gguf, save_ollama
-
         save = save_gguf if kind == "gguf" else save_ollama
         self.gguf_stage.value = "writing…"
         try:
@@ -352,8 +353,6 @@ class ExportPanel(Panel):
 
     def _generate(self, prompt: str, max_new_tokens: int, temperature: float) -> str:
         """Stream the answer into `answer`: generation on its own thread, tokens read here as they come."""
-        import torch
-        from transformers import TextIteratorStreamer
 
         model, tokenizer = self.state.model, self.state.tokenizer
         device = next(model.parameters()).device
@@ -421,7 +420,6 @@ class ExportPanel(Panel):
 
     def _score(self, count: int) -> str:
         from fastft.data.loading import load_dataset
-        from fastft.training.evaluate import evaluate_accuracy
 
         rows = load_dataset(HELD_OUT)
         rows = list(rows.select(range(min(count, len(rows)))))

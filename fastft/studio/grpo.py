@@ -13,10 +13,13 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
+import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from fastft.data import rewards
 from fastft.report.figures import grid_layout
+from fastft.training.objectives.grpo import GRPOConfig
 
 __all__ = ["REWARDS", "GRPOControls", "grpo_figure", "reward_functions", "rollout_html"]
 
@@ -32,7 +35,6 @@ REWARDS = {
 
 def reward_functions(keys: Sequence[str]) -> list:
     """The reward callables for the chosen `REWARDS` keys, in their order."""
-    from fastft.data import rewards
 
     made = {
         "exact_match": lambda: rewards.exact_match,
@@ -47,9 +49,6 @@ class GRPOControls:
     """The GRPO settings of the Run tab, as widgets (`widgets`) and as `GRPOConfig` fields (`config_kwargs`)."""
 
     def __init__(self, style: dict, layout_of) -> None:
-        import ipywidgets as widgets
-
-        from fastft.training.objectives.grpo import GRPOConfig
 
         defaults = GRPOConfig()
         self.generations = widgets.BoundedIntText(

@@ -26,10 +26,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from types import SimpleNamespace
 
-from fastft.studio.run_control import RunLifecycle
-from fastft.training.events import Event, StepEvent, read_events
+import torch
+
+from fastft.launch import torchrun_command
+from fastft.models.hf_save import save_adapter
+from fastft.studio.notices import call_code, py_repr
+from fastft.studio.process_run import load_trained_adapter
+from fastft.studio.run_control import RunLifecycle, run_result
+from fastft.training.checkpoint import list_checkpoints
+from fastft.training.events import Event, read_events
 
 __all__ = ["LaunchedRun", "launch_choices"]
 
@@ -38,7 +44,6 @@ POLL_S = 0.5  # how often the events file and the processes are looked at
 
 def launch_choices() -> list[tuple[str, int]]:
     """The Run tab's "processes" choices: this kernel, and every GPU through torchrun when there are several."""
-    import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     choices = [("this kernel", 1)]
@@ -96,7 +101,6 @@ class LaunchedRun(RunLifecycle):
 
     def script(self) -> str:
         """``train.py``: the run each rank executes."""
-        from fastft.studio.notices import call_code, py_repr
 
         state = self.state
         lora = state.lora_settings
@@ -134,8 +138,6 @@ class LaunchedRun(RunLifecycle):
     # -- control -------------------------------------------------------------------------------------
     def start(self) -> LaunchedRun:
         """Write the run's files and start torchrun; returns at once (a watcher thread follows it)."""
-        from fastft.launch import torchrun_command
-        from fastft.models.hf_save import save_adapter
 
         with self._lock:
             if self._status != "created":
@@ -208,13 +210,7 @@ class LaunchedRun(RunLifecycle):
     @property
     def result(self):
         """What the studio reads of a finished run: the final loss, the checkpoints, the steps."""
-        steps = [e for e in self.events if isinstance(e, StepEvent)]
-        return SimpleNamespace(
-            final_loss=steps[-1].loss if steps else float("nan"),
-            checkpoints=self.checkpoints,
-            steps=steps,
-            attention=None,
-        )
+        return run_result(self.events, self.checkpoints)
 
     @property
     def elapsed_seconds(self) -> float:
@@ -240,7 +236,6 @@ class LaunchedRun(RunLifecycle):
             self._read()
             time.sleep(POLL_S)
         self._read()
-        from fastft.training.checkpoint import list_checkpoints
 
         self._checkpoints = [str(path) for path in list_checkpoints(self.config.output_dir)]
         if self._stop:
@@ -263,7 +258,6 @@ class LaunchedRun(RunLifecycle):
 
     def _load_trained_adapter(self) -> None:
         """The adapter rank 0 saved at the end into the kernel's model (checked as a resume checks it)."""
-        from fastft.studio.process_run import load_trained_adapter
 
         load_trained_adapter(self.model, self.trained_path, self.log_path)
 
@@ -288,8 +282,6 @@ class _Code:
 
 
 def _train_call(config: dict, events: str) -> str:
-    from fastft.studio.notices import call_code, py_repr
-
     kwargs = {**config, "progress": False, "subscribers": _Code(f"[EventLog({py_repr(events)})]")}
     return call_code("result", "fastft.train", ["model", "tokenizer", "data"], kwargs)
 

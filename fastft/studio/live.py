@@ -32,7 +32,12 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
+import ipywidgets as widgets
 import numpy as np
+import plotly.graph_objects as go
+import plotly.io as pio
+
+from fastft.studio.live_plot import figure_json, live_plot
 
 MODES = ("auto", "widget", "display", "text")
 WIDGET_INTERVAL = 1.0  # seconds between updates of the run's plots (the ticker)
@@ -176,11 +181,6 @@ class LiveFigure:
     """
 
     def __init__(self, figure, mode: str | None = None, *, probe_timeout: float = PROBE_TIMEOUT):
-        import ipywidgets as widgets
-        import plotly.graph_objects as go
-
-        from fastft.studio.live_plot import live_plot
-
         requested = mode or frontend()
         if requested not in MODES:
             raise ValueError(f"mode={requested!r}: use one of {MODES}.")
@@ -279,8 +279,6 @@ class LiveFigure:
         self._show_output()
 
     def _show_output(self) -> None:
-        import ipywidgets as widgets
-
         if self._output is None:
             # no side margins: at 100 % width they would push the chart past the tab's edge
             self._output = widgets.Output(layout=widgets.Layout(width="100%", margin="2px 0"))
@@ -328,7 +326,6 @@ class LiveFigure:
 
     def replace(self, figure) -> None:
         """Show another figure in the same place (traces and layout replaced)."""
-        import plotly.graph_objects as go
 
         with self._lock:
             self.figure = go.Figure(figure)
@@ -344,7 +341,6 @@ class LiveFigure:
     def _push(self) -> None:
         """The widget way: send the figure's JSON to the plot when it changed (the browser redraws it with
         ``Plotly.react``, which keeps what did not change), then check that the browser drew it."""
-        from fastft.studio.live_plot import figure_json
 
         sent = figure_json(self.figure)
         if sent == self._sent:
@@ -366,7 +362,6 @@ class LiveFigure:
     def _check_drawn(self) -> None:
         """A plot that drew before but has not drawn the figure sent `DRAWN_TIMEOUT` seconds ago no longer
         takes updates in the browser (see `fastft.studio.live_plot`): show a new one, with the latest data."""
-        from fastft.studio.live_plot import live_plot
 
         with self._lock:
             self._watch = None
@@ -582,7 +577,6 @@ def _js(value) -> str:
 def _plain(figure):
     """A copy of `figure` whose x/y arrays are plain lists: drawn as JavaScript arrays (not typed arrays
     from base64), which the update scripts extend."""
-    import plotly.graph_objects as go
 
     plain = go.Figure(figure)
     for trace in plain.data:
@@ -620,7 +614,6 @@ def mime_bundle(figure) -> dict:
         bundle = None
     if bundle:
         return bundle
-    import plotly.io as pio
 
     return {
         "text/html": pio.to_html(figure, include_plotlyjs="cdn", full_html=False, config=_CONFIG),

@@ -25,6 +25,11 @@ import gzip
 import json
 import threading
 
+import plotly
+
+# Function-local imports: torch and transformers submodules load where their feature is used (not every supported
+# version has each, and each costs its import).
+
 __all__ = ["figure_json", "library", "live_plot"]
 
 # The page's one loader: `ready` resolves to plotly.js once a library model has imported it (whichever
@@ -154,7 +159,6 @@ def _classes() -> tuple[type, type]:
 @functools.lru_cache(maxsize=1)
 def _plotly_js() -> tuple[bytes, str]:
     """plotly.js (the copy the plotly package ships), gzipped and wrapped as a module; its version."""
-    import plotly
     from plotly.offline import get_plotlyjs
 
     source = (

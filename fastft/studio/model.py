@@ -16,7 +16,12 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
+import fastft
+from fastft.models.catalog import CATALOG
 from fastft.models.facts import ModelFacts, model_choices, model_facts
+from fastft.models.lora import linear_layer_names, trainable_parameter_count
+from fastft.models.patch import patch_report, unpatch
+from fastft.models.presets import PRESETS
 from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
 from fastft.runtime.activation_checkpointing import Checkpointing
 from fastft.runtime.model_state import base_model, state_of
@@ -258,7 +263,6 @@ class ModelPanel(Panel):
     def _load_job(self, name: str) -> None:
         """Load `name` beside the current model and swap only once it has loaded: a failed Load keeps
         what was loaded (and trained). A trained, unsaved adapter is saved first, and where is said."""
-        import fastft
 
         state = self.state
         settings = state.load_settings
@@ -304,7 +308,6 @@ class ModelPanel(Panel):
     def _save_unsaved(self, next_name: str) -> str | None:
         """Save the loaded model's adapter when a run trained it and nothing holds that training yet;
         the folder it went to, or None when there was nothing to save."""
-        import fastft
 
         state = self.state
         steps = state.unsaved_steps()
@@ -326,9 +329,6 @@ class ModelPanel(Panel):
         return str(path)
 
     def _apply_job(self) -> None:
-        import fastft
-        from fastft.models.patch import unpatch
-
         state = self.state
         lora = self._lora_settings()
         self._busy(True, "Re-applying LoRA adapters…")
@@ -380,9 +380,6 @@ class ModelPanel(Panel):
             self._refresh()
 
     def _show_loaded(self, notes: list[str] = ()) -> None:
-        from fastft.models.lora import linear_layer_names, trainable_parameter_count
-        from fastft.models.patch import patch_report
-
         model = self.state.model
         base = base_model(model)
         self.linear_layers = linear_layer_names(base)
@@ -577,8 +574,6 @@ class ModelPanel(Panel):
 
 def _quick(name: str) -> bool:
     """Whether `name` is described from memory (a preset or a catalog id, or plainly neither)."""
-    from fastft.models.catalog import CATALOG
-    from fastft.models.presets import PRESETS
 
     return name in PRESETS or name in CATALOG or "/" not in name and not name.startswith((".", "~"))
 

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import html
 import sys
+import time
 from collections.abc import Iterable, Mapping
+
+import ipywidgets as widgets
+
+# Function-local imports: IPython exists only in a notebook.
 
 __all__ = [
     "call_code",
@@ -128,7 +133,6 @@ def close_tree(widget) -> None:
 
 def code_section(view) -> object:
     """A closed accordion titled "Python: the same steps as code" around the HTML widget `view`."""
-    import ipywidgets as widgets
 
     section = widgets.Accordion(children=[view])
     section.set_title(0, "Python: the same steps as code")
@@ -159,7 +163,6 @@ class Panel:
 def field(basis: str = "18em", *, grow: int = 1, max_width: str | None = "40em"):
     """A control's `Layout` in a `row`: starts at `basis` wide, grows to fill the row (up to `max_width`), wraps
     below. Only for a row's children: in a column the flex basis would be the control's height."""
-    import ipywidgets as widgets
 
     return widgets.Layout(
         flex=f"{grow} 1 {basis}", width="auto", min_width=f"min({basis}, 100%)", max_width=max_width
@@ -168,7 +171,6 @@ def field(basis: str = "18em", *, grow: int = 1, max_width: str | None = "40em")
 
 def button(**kwargs):
     """A `Button` whose width follows its text (never truncated), keeping its row's height."""
-    import ipywidgets as widgets
 
     return widgets.Button(
         layout=widgets.Layout(width="auto", min_width="fit-content", flex="0 0 auto"), **kwargs
@@ -177,7 +179,6 @@ def button(**kwargs):
 
 def row(children, **layout):
     """An `HBox` that wraps its children onto the next line when the panel is narrow."""
-    import ipywidgets as widgets
 
     return widgets.HBox(
         list(children),
@@ -194,15 +195,11 @@ class StatusLog:
     """
 
     def __init__(self, keep: int = 4):
-        import ipywidgets as widgets
-
         self.keep = keep
         self.widget = widgets.HTML("")
         self.lines: list[tuple[str, str, str, str | None]] = []  # (time, kind, text, title)
 
     def say(self, text: str, kind: str = "info", title: str | None = None) -> None:
-        import time
-
         if not text:
             return
         if self.lines and self.lines[0][1] == "busy":

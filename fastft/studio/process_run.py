@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -28,9 +29,17 @@ from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+from safetensors.torch import load_file
+
+from fastft.models.hf_save import save_adapter
 from fastft.studio import run_folder as files
-from fastft.studio.run_control import RunLifecycle
-from fastft.training.events import Event, StepEvent, read_events
+from fastft.studio.run_control import RunLifecycle, run_result
+from fastft.training.checkpoint import CHECKPOINT_PATTERN, check_adapter_matches, list_checkpoints
+from fastft.training.events import Event, read_events
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora).
 
 __all__ = ["ProcessRun", "load_trained_adapter"]
 
@@ -87,7 +96,6 @@ class ProcessRun(RunLifecycle):
     ) -> ProcessRun:
         """Write a run folder for the state's model and data (`config`: the `TrainConfig` / `GRPOConfig`
         keyword arguments), ready to `start`. `folder` must be new or empty (`run_folder.fresh_folder`)."""
-        from fastft.models.hf_save import save_adapter
 
         folder = Path(folder).expanduser()
         if folder.exists() and any(folder.iterdir()):
@@ -183,7 +191,6 @@ class ProcessRun(RunLifecycle):
         """Train the run in `folder` on from its `checkpoint` in a new worker, with the run's own model, data
         and settings: the same losses as had it never stopped. The events after the checkpoint's step move
         to ``events-<time>.jsonl`` (kept), so the curves go on from the checkpoint."""
-        from fastft.training.checkpoint import CHECKPOINT_PATTERN, list_checkpoints
 
         folder = Path(folder).expanduser()
         info = files.read_run(folder)
@@ -224,7 +231,6 @@ class ProcessRun(RunLifecycle):
 
     def kill(self) -> None:
         """End the worker at once (SIGKILL to its process group): the last checkpoint written stays."""
-        import signal
 
         if self.pid and files.pid_alive(self.pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -279,7 +285,6 @@ class ProcessRun(RunLifecycle):
     @property
     def last_rollout(self):
         """GRPO: the latest rollout the worker wrote (prompts, completions, rewards, advantages), or None."""
-        import numpy as np
 
         path = self.folder / files.ROLLOUT
         try:
@@ -296,20 +301,11 @@ class ProcessRun(RunLifecycle):
 
     @property
     def checkpoints(self) -> list[str]:
-        from fastft.training.checkpoint import list_checkpoints
-
         return [str(path) for path in list_checkpoints(self.folder)]
 
     @property
     def result(self):
-        steps = [e for e in self.events if isinstance(e, StepEvent)]
-        return SimpleNamespace(
-            final_loss=steps[-1].loss if steps else float("nan"),
-            checkpoints=self.checkpoints,
-            steps=steps,
-            attention=None,
-            seconds=self.elapsed_seconds,
-        )
+        return run_result(self.events, self.checkpoints, seconds=self.elapsed_seconds)
 
     @property
     def elapsed_seconds(self) -> float:
@@ -411,9 +407,6 @@ class ProcessRun(RunLifecycle):
 def load_trained_adapter(model, folder: Path, log_path: Path) -> None:
     """The adapter a run saved in `folder` at its end, into `model` (checked as a resume checks it)."""
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    from fastft.training.checkpoint import check_adapter_matches
 
     weights_file = Path(folder) / "adapter_model.safetensors"
     if not weights_file.is_file():

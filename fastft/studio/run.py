@@ -19,7 +19,14 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from fastft.studio.launched import LaunchedRun
+import ipywidgets as widgets
+import torch
+
+from fastft.data.pairs import PackedPairs
+from fastft.data.rewards import RewardError, check_columns
+from fastft.report.figures import phases_figure, run_dashboard_figure
+from fastft.studio.grpo import GRPOControls, grpo_figure, reward_functions, rollout_html
+from fastft.studio.launched import LaunchedRun, launch_choices
 from fastft.studio.live import (
     DISPLAY_INTERVAL,
     WIDGET_INTERVAL,
@@ -29,11 +36,30 @@ from fastft.studio.live import (
     Ticker,
     frontend,
 )
-from fastft.studio.notices import Panel, StatusLog, button, code_section, field, row
+from fastft.studio.notices import (
+    Panel,
+    StatusLog,
+    button,
+    call_code,
+    code_section,
+    error_html,
+    field,
+    py_repr,
+    row,
+    status_html,
+)
+from fastft.studio.preference import preference_figure
 from fastft.studio.process_run import ProcessRun
 from fastft.studio.run_control import Run, RunLifecycle, explain
+from fastft.studio.runs import RunsView
 from fastft.studio.state import StudioState
 from fastft.training.events import EvalEvent, StepEvent
+from fastft.training.objectives.preference import DEFAULT_BETA
+from fastft.training.timing import phase_table
+from fastft.training.tracking import make_trackers, tracking_problems
+from fastft.training.trainer import TrainConfig
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 __all__ = [
     "METHODS",
@@ -53,8 +79,6 @@ TRAIN_IN = {"process": "a child process", "kernel": "this kernel"}
 
 
 def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
-    from fastft.studio.notices import error_html, status_html
-
     if not text:
         return ""
     return error_html(text, title) if kind == "error" else status_html(text, kind)
@@ -96,12 +120,6 @@ class RunPanel(Panel):
         max_points: int = 2000,
         processes: list[tuple[str, int]] | None = None,
     ):
-        import ipywidgets as widgets
-
-        from fastft.report.figures import phases_figure, run_dashboard_figure
-        from fastft.studio.grpo import GRPOControls, grpo_figure
-        from fastft.studio.preference import preference_figure
-
         self.state = state if state is not None else StudioState()
         self.run: Run | None = None
         self.mode = live or frontend()
@@ -129,8 +147,6 @@ class RunPanel(Panel):
 
         def wide():  # each control its own Layout: hiding one (per method) must not hide the others
             return field("18em", max_width="28em")
-
-        from fastft.training.objectives.preference import DEFAULT_BETA
 
         self._default_beta = DEFAULT_BETA
         self.method = widgets.Dropdown(
@@ -196,7 +212,6 @@ class RunPanel(Panel):
             tip,
             "a child process: the run goes on if the kernel restarts; this kernel: the model object is trained",
         )
-        import torch
 
         from fastft.runtime.threads import TORCH_DEFAULT_THREADS
 
@@ -221,7 +236,6 @@ class RunPanel(Panel):
         self.wandb = widgets.Checkbox(
             value=False, description="W&B", indent=False, layout=field("6em", grow=0)
         )
-        from fastft.studio.launched import launch_choices
 
         choices = launch_choices() if processes is None else processes
         # "this kernel", or every GPU through torchrun (`fastft.studio.launched`); shown only with a choice
@@ -312,7 +326,6 @@ class RunPanel(Panel):
             ]
         )
         code = code_section(self.code_preview)
-        from fastft.studio.runs import RunsView
 
         self.runs = RunsView(self)
         self.widget = widgets.VBox(
@@ -372,7 +385,6 @@ class RunPanel(Panel):
             from fastft.training.objectives.grpo import GRPOConfig
 
             return GRPOConfig(**self._config_kwargs())
-        from fastft.training.trainer import TrainConfig
 
         return TrainConfig(**self._config_kwargs())
 
@@ -425,7 +437,6 @@ class RunPanel(Panel):
 
     def code(self) -> str:
         """The plain-Python equivalent of this run, from loading the model to training (runs as is)."""
-        from fastft.studio.notices import call_code, py_repr
 
         state = self.state
         name = self._model_name()
@@ -600,7 +611,6 @@ class RunPanel(Panel):
     def _where_problems(self, config) -> list[tuple[str, str]]:
         """A run in a child process needs its folder and a model it can load by name; a tracker must be
         installed, and TensorBoard writes into the output dir."""
-        from fastft.training.tracking import tracking_problems
 
         found = [("error", text) for text in tracking_problems(self.trackers)]
         if self.trackers and not config.output_dir:
@@ -656,7 +666,6 @@ class RunPanel(Panel):
 
     def _data_problems(self, method: str) -> list[tuple[str, str]]:
         """A preference method on data without pairs, or SFT on pairs: the method and the data disagree."""
-        from fastft.data.pairs import PackedPairs
 
         state = self.state
         if method == "grpo":
@@ -690,8 +699,6 @@ class RunPanel(Panel):
     def _grpo_problems(self) -> list[tuple[str, str]]:
         """GRPO needs prompt rows (a 'prompt' or 'messages' column, not pairs), at least one reward, and the
         columns the chosen rewards read."""
-        from fastft.data.rewards import RewardError, check_columns
-        from fastft.studio.grpo import reward_functions
 
         rows = self.state.rows
         if not self.grpo.reward_keys:
@@ -720,8 +727,6 @@ class RunPanel(Panel):
         return []
 
     def _update_checks(self) -> None:
-        from fastft.studio.notices import error_html, status_html
-
         found = self.problems()
         self.checks.value = "".join(
             error_html(text, "Cannot start") if kind == "error" else status_html(text, "warn")
@@ -821,7 +826,6 @@ class RunPanel(Panel):
 
     def _track(self, run: Run, config) -> None:
         """The ticked trackers, subscribed to an in-kernel run and closed when it ends."""
-        from fastft.training.tracking import make_trackers
 
         trackers = make_trackers(
             self.trackers, config.output_dir, self._config_kwargs(), name=Path(config.output_dir).name
@@ -915,8 +919,6 @@ class RunPanel(Panel):
 
     # -- plots -----------------------------------------------------------------------------------------
     def _reset_plots(self, run: RunLifecycle) -> None:
-        from fastft.report.figures import phases_figure, run_dashboard_figure
-
         max_steps = run.max_steps
         try:
             cuda = next(run.model.parameters()).device.type == "cuda"
@@ -1043,7 +1045,6 @@ class RunPanel(Panel):
         rollout = getattr(owner, "last_rollout", None)
         if rollout is None or rollout is self._shown_rollout:
             return
-        from fastft.studio.grpo import rollout_html
 
         self._shown_rollout = rollout
         group = run.config.num_generations
@@ -1113,9 +1114,6 @@ class RunPanel(Panel):
         self._update_where()
 
     def _draw_timing(self) -> None:
-        from fastft.report.figures import phases_figure
-        from fastft.training.timing import phase_table
-
         run = self.run
         profile = getattr(getattr(run, "trainer", None), "profile", None)
         if profile is not None:
@@ -1163,7 +1161,6 @@ class RunPanel(Panel):
 
     def _update_where(self) -> None:
         """One line on where the run trains: this kernel, or a child process (its pid, folder and log)."""
-        from fastft.studio.notices import status_html
 
         run = self.run
         if isinstance(run, ProcessRun):

@@ -12,15 +12,22 @@ stays alive, and checkpoints already written stay. The widgets that drive a `Run
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
+from types import SimpleNamespace
 
+import torch
+
+from fastft.data.errors import FastftDataError
+from fastft.training.cpu_threads import choose_training_threads
 from fastft.training.events import Event, StepEvent
+from fastft.training.trainer import NonFiniteLossError
 
-__all__ = ["Run", "RunLifecycle", "explain"]
+__all__ = ["Run", "RunLifecycle", "explain", "run_result"]
 
 _ACTIVE = ("starting", "running", "pausing", "paused", "stopping")
 
@@ -297,7 +304,6 @@ class Run(RunLifecycle):
     def _set_threads(self) -> None:
         """On a CPU, the thread count asked for: "auto" times a micro-batch at one thread and at torch's
         default and keeps the faster (`fastft.training.cpu_threads`), as the demo does."""
-        import torch
 
         if self.threads is None or self.model is None:
             return
@@ -310,7 +316,6 @@ class Run(RunLifecycle):
         if self.rewards is not None or not hasattr(self.train_data, "batch"):
             self.threads_note = f"{torch.get_num_threads()} (not timed: GRPO samples its own batches)"
             return
-        from fastft.training.cpu_threads import choose_training_threads
 
         bins = getattr(self.config, "micro_batch_bins", 1) or 1
         self.threads_note = choose_training_threads(self.model, self.train_data, bins).describe("micro-batch")
@@ -339,9 +344,6 @@ def _run_job(job: Callable[[], object], future: Future) -> None:
 
 def _release_memory(trainer, error: BaseException) -> None:
     """After a failed step: drop its gradients and cached blocks so the notebook can go on."""
-    import gc
-
-    import torch
 
     try:
         if trainer is not None:
@@ -361,8 +363,6 @@ def _last_checkpoint_sentence(run: Run | None) -> str:
 
 
 def _is_oom(error: BaseException) -> bool:
-    import torch
-
     oom = getattr(torch.cuda, "OutOfMemoryError", ())
     return (oom and isinstance(error, oom)) or (
         isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
@@ -371,8 +371,6 @@ def _is_oom(error: BaseException) -> bool:
 
 def explain(error: BaseException, run: Run | None = None) -> str:
     """A message for `error` that says what happened and how to fix it (plain text)."""
-    from fastft.data.errors import FastftDataError
-    from fastft.training.trainer import NonFiniteLossError
 
     step = run.step + 1 if run is not None and run.events else None
     at = f" at step {step}" if step else ""
@@ -401,4 +399,17 @@ def explain(error: BaseException, run: Run | None = None) -> str:
     return (
         f"{type(error).__name__}{at}: {text}. The run stopped and the kernel is fine. "
         f"{_last_checkpoint_sentence(run)} The traceback is in run.traceback."
+    )
+
+
+def run_result(events: list, checkpoints: list[str], **extra) -> SimpleNamespace:
+    """What the studio reads of a finished run in another process: the final loss, the checkpoints, the steps
+    (and `extra`, such as its ``seconds``)."""
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    return SimpleNamespace(
+        final_loss=steps[-1].loss if steps else float("nan"),
+        checkpoints=checkpoints,
+        steps=steps,
+        attention=None,
+        **extra,
     )

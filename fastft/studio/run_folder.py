@@ -27,6 +27,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastft.training.checkpoint import list_checkpoints
+from fastft.training.events import StepEvent, read_events
+
 __all__ = [
     "ACTIVE",
     "ENDED",
@@ -140,8 +143,6 @@ def read_status(folder: Path) -> tuple[dict, str, str]:
 
 def read_run(folder: str | os.PathLike) -> RunInfo | None:
     """The run in `folder`, or None when it is not a studio run folder (no ``run.json``)."""
-    from fastft.training.checkpoint import list_checkpoints
-    from fastft.training.events import StepEvent, read_events
 
     folder = Path(folder)
     spec = read_json(folder / SPEC)

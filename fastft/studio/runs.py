@@ -12,6 +12,7 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from fastft.studio.notices import button, error_html, field, row, status_html
+from fastft.studio.process_run import ProcessRun
 from fastft.studio.run_folder import RunInfo, list_runs
 
 __all__ = ["RunsView"]
@@ -104,7 +105,6 @@ class RunsView:
 
     def show(self, folder: str | None = None):
         """Follow the run in `folder` (default: the chosen one) in the Run tab's plots."""
-        from fastft.studio.process_run import ProcessRun
 
         folder = folder or self.run_choice.value
         if not folder:
@@ -120,7 +120,6 @@ class RunsView:
 
     def resume(self, folder: str | None = None, checkpoint: str | None = None):
         """Train the run in `folder` on from `checkpoint` (defaults: the chosen ones) in a new child process."""
-        from fastft.studio.process_run import ProcessRun
 
         folder = folder or self.run_choice.value
         checkpoint = checkpoint or self.checkpoint_choice.value

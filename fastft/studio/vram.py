@@ -15,12 +15,38 @@ from __future__ import annotations
 
 import html
 import threading
+import time
 from pathlib import Path
 
+import ipywidgets as widgets
+import torch
+
+from fastft.data.hub import offline_fix, offline_reason
+from fastft.kernels.capability import kernel_status
+from fastft.models.catalog import CATALOG
+from fastft.models.presets import PRESETS
+from fastft.report.figures import vram_figure
 from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
-from fastft.runtime.host_budget import HOST_BUDGET_FRACTION
-from fastft.studio.notices import LABEL_STYLE, Panel, button, code_html, code_section, field, row
+from fastft.runtime.host_budget import HOST_BUDGET_FRACTION, host_memory_total
+from fastft.studio.live import LiveFigure
+from fastft.studio.notices import (
+    LABEL_STYLE,
+    Panel,
+    button,
+    call_code,
+    code_html,
+    code_section,
+    error_html,
+    field,
+    py_repr,
+    row,
+    status_html,
+)
 from fastft.studio.state import PRECISIONS, Debouncer, LoadSettings, StudioState
+from fastft.vram import GPUS, VramEstimateError, fits, get_gpu, max_context
+from fastft.vram.inventory import inventory_of
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 __all__ = ["VramPanel"]
 
@@ -31,7 +57,6 @@ DEFAULT_HOST_GIB = 16.0  # host memory planned for when this machine's total can
 
 def _box(text: str, kind: str) -> str:
     """The verdict (green when it fits, amber with the fixes when not) or an error (red, with its fix)."""
-    from fastft.studio.notices import error_html, status_html
 
     if kind == "error":
         return error_html(text, "Cannot estimate")
@@ -52,12 +77,6 @@ class VramPanel(Panel):
     """
 
     def __init__(self, state: StudioState | None = None, *, live: str | None = None):
-        import ipywidgets as widgets
-
-        from fastft.models.catalog import CATALOG
-        from fastft.models.presets import PRESETS
-        from fastft.report.figures import vram_figure
-        from fastft.studio.live import LiveFigure
         from fastft.vram import GPUS, detect_gpu
 
         self.state = state if state is not None else StudioState()
@@ -271,9 +290,6 @@ class VramPanel(Panel):
             self._update()
 
     def _update(self) -> None:
-        from fastft.report.figures import vram_figure
-        from fastft.vram import fits, get_gpu, max_context
-
         source = self._source()
         self.code_view.value = code_html(self.code())
         self.this_machine.value = this_machine_html(self.precision.value)
@@ -345,7 +361,6 @@ class VramPanel(Panel):
 
     def _clear(self) -> None:
         """Never show another model's numbers (or a capacity line with no bar)."""
-        from fastft.report.figures import vram_figure
 
         self.fit = self.estimate = self.max_context = self.smallest_gpu = None
         self.verdict.value = self.longest.value = self.breakdown.value = self.suggestion.value = ""
@@ -366,7 +381,6 @@ class VramPanel(Panel):
 
     def _fetch(self, name: str) -> None:
         """On the debouncer's thread: read `name`'s config once, keep the outcome, estimate again."""
-        from fastft.vram.inventory import inventory_of
 
         if name in self._inventories or self.model_name.value.strip() != name:
             return
@@ -381,7 +395,6 @@ class VramPanel(Panel):
 
     def wait(self, timeout: float = 30.0) -> bool:
         """Block until a pending config lookup is done (tests, scripts); False if `timeout` passed."""
-        import time
 
         deadline = time.monotonic() + timeout
         while self._lookup.pending or self._lookup.running:
@@ -406,7 +419,6 @@ class VramPanel(Panel):
 
     def code(self) -> str:
         """The same estimate in plain Python."""
-        from fastft.studio.notices import call_code, py_repr
 
         source = self._source()
         model = py_repr(source) if isinstance(source, str) else "model"
@@ -447,7 +459,6 @@ class _Code:
 
 def _host_gib() -> float:
     """This machine's total RAM in GiB (rounded to 0.1), the host memory a plan states by default."""
-    from fastft.runtime.host_budget import host_memory_total
 
     total = host_memory_total()
     return round(total / 2**30, 1) if total else DEFAULT_HOST_GIB
@@ -456,21 +467,16 @@ def _host_gib() -> float:
 def _quick(name: str) -> bool:
     """Whether `name` is estimated from what fastft ships (a preset or a catalog id), on the spot; any other
     name (a hub id, a folder, or a half-typed word) is looked up once typing pauses."""
-    from fastft.models.catalog import CATALOG
-    from fastft.models.presets import PRESETS
 
     return name in PRESETS or name.lower() in {hub_id.lower() for hub_id in CATALOG}
 
 
 def _inventory(model):
-    from fastft.vram.inventory import inventory_of
-
     return inventory_of(model)
 
 
 def _smallest_gpu(model, seq_len: int, settings: dict):
     """The GPU preset with the least memory that this plan fits, or None."""
-    from fastft.vram import GPUS, fits
 
     for gpu in sorted(GPUS.values(), key=lambda g: g.capacity_bytes):
         if fits(model, seq_len, gpu=gpu, **settings).fits:
@@ -482,7 +488,6 @@ def _offline_and_not_cached(name: str) -> None:
     """Offline, a hub id whose config.json is not in the local cache fails here, without importing
     transformers or trying the network more than once (`offline_reason`: one connection per process, made
     only once a hub id is typed; a panel that only sees presets and folders opens no socket)."""
-    from fastft.data.hub import offline_fix, offline_reason
 
     parts = name.split("/")
     hub_id = len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
@@ -502,7 +507,6 @@ def _offline_and_not_cached(name: str) -> None:
 
 def _explain(error: BaseException) -> str:
     """Estimator errors name their fix already; a model that cannot be read offline gets one here."""
-    from fastft.vram import VramEstimateError
 
     if isinstance(error, KeyError) and error.args:
         return str(error.args[0])
@@ -518,9 +522,6 @@ def this_machine_html(precision: str) -> str:
     """One grey line on what runs here, whatever GPU the plan is for: fastft's Triton kernels or the PyTorch
     references they fall back to (and why), and that 4/8-bit runs through bitsandbytes' slow CPU backend
     when there is no CUDA GPU."""
-    import torch
-
-    from fastft.kernels.capability import kernel_status
 
     status = kernel_status()
     parts = ["This machine: " + ("fastft's Triton kernels." if status["triton"] else f"{status['reason']}.")]

@@ -13,6 +13,7 @@ traceback when it failed) and exits: 0 finished or stopped, 1 failed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -20,7 +21,12 @@ import time
 import traceback
 from pathlib import Path
 
+from fastft.data.packing import load_packed
+from fastft.models.lora import load_adapter
 from fastft.studio import run_folder as files
+from fastft.training.trainer import TrainConfig
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 POLL_S = 0.1  # how often the control folder is looked at
 HEARTBEAT_S = 1.0  # status.json is rewritten at least this often while the run lives
@@ -50,7 +56,6 @@ class _Status:
 def _load(spec: dict, folder: Path):
     """The model with the run's starting adapter, the tokenizer with the kernel's chat template."""
     from fastft.models.loading import load_model
-    from fastft.models.lora import load_adapter
 
     model_spec = spec["model"]
     model, tokenizer = load_model(model_spec["name"], **model_spec.get("load", {}))
@@ -64,9 +69,6 @@ def _load(spec: dict, folder: Path):
 
 def _data(spec: dict, folder: Path):
     """(train data, eval data): packed bins as the Data tab packed them, or GRPO's prompt rows."""
-    import json
-
-    from fastft.data.packing import load_packed
 
     data = spec["data"]
     if data.get("rows"):
@@ -86,7 +88,6 @@ def _config(spec: dict, folder: Path, resume_from: str | None):
         from fastft.training.objectives.grpo import GRPOConfig
 
         return GRPOConfig(**kwargs)
-    from fastft.training.trainer import TrainConfig
 
     return TrainConfig(**kwargs)
 

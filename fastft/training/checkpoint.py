@@ -19,8 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from fastft.atomic import expand, recover_folder, remove_leftovers, remove_tree, replace_folder_atomically
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora); torch.distributed's checkpoint and FSDP
+# modules load only in a distributed run.
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 CHECKPOINT_FILES = (
@@ -117,8 +122,6 @@ def apply_checkpoint(
 
     check_adapter_matches(folder, model, contents["adapter"])
     if sharded:  # FSDP2: full tensors from the files, each rank keeps its shard
-        from fastft.training.distributed import load_sharded
-
         load_sharded(model, optimizer if restore_optimizer else None, contents)
     else:
         set_peft_model_state_dict(model, contents["adapter"])
@@ -131,10 +134,46 @@ def apply_checkpoint(
     return state
 
 
+def gather_sharded(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """An FSDP2 model's trainable weights and its optimizer's state as full CPU tensors, keyed by parameter
+    name, on rank 0 (empty on the others): a collective every rank calls. The checkpoint is then the one a
+    single process writes: a PEFT adapter beside the optimizer state."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(
+        model, optimizer, options=options
+    )
+
+
+def load_sharded(model: torch.nn.Module, optimizer, contents: dict) -> None:
+    """A checkpoint's full adapter (PEFT keys) and optimizer state (parameter names) into an FSDP2 model and
+    its optimizer, each rank keeping its shard; `optimizer` None leaves the optimizer fresh."""
+    from peft import get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # PEFT's keys drop the adapter's name: map them back to the parameters' names through PEFT itself
+    placeholders = {name: torch.empty(0) for name, p in model.named_parameters() if p.requires_grad}
+    names = {id(tensor): name for name, tensor in placeholders.items()}
+    renamed = get_peft_model_state_dict(model, state_dict=placeholders, save_embedding_layers=False)
+    by_name = {names[id(tensor)]: contents["adapter"][key].cpu() for key, tensor in renamed.items()}
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, by_name, options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=contents["optimizer"], options=options)
+
+
 def read_checkpoint(folder, device: torch.device | str = "cpu") -> dict:
     """Every file of a checkpoint, read safely (safetensors, ``weights_only=True``, JSON); `CheckpointError`
     names the missing or unreadable file (torch's advice to load unsafely never reaches the user)."""
-    from safetensors.torch import load_file
 
     folder = recover_folder(folder)
     if not folder.is_dir():

@@ -8,6 +8,10 @@ from datetime import datetime
 from pathlib import Path
 
 from fastft.checks import SettingError, real_number, run_name, whole_number
+from fastft.runtime.activation_checkpointing import Checkpointing
+
+# Function-local imports: the CLI's parser and light commands read this module without torch or transformers
+# (tests/faces/test_cli.py).
 
 SFT_STEPS = 150
 # GRPO's demo starts from a short SFT run: from the full one (SFT_STEPS) GRPO of the demo's size left held-out
@@ -88,7 +92,6 @@ class DemoConfig:
                 raise SettingError(
                     f"{name.replace('_', '-')} must be a non-empty text, got {getattr(self, name)!r}."
                 )
-        from fastft.runtime.activation_checkpointing import Checkpointing
 
         Checkpointing.parse(self.gradient_checkpointing)  # raises naming the modes
         if self.device is not None:

@@ -31,8 +31,8 @@ not (NCCL on CUDA, gloo on the CPU) and trains one run across the ranks:
   the world size; the other ranks wait at a barrier. A resume must use the same world size (the data order
   per rank depends on it) and restores each rank's RNG: the resumed losses equal the uninterrupted run's.
   Under FSDP2 the trainable shards and the optimizer's state are gathered into full tensors on rank 0 first
-  (`gather_sharded`), so the checkpoint is a single process's (a plain PEFT adapter), and a resume shards them
-  back (`load_sharded`).
+  (`fastft.training.checkpoint.gather_sharded`), so the checkpoint is a single process's (a plain PEFT adapter), and a resume shards them
+  back (`fastft.training.checkpoint.load_sharded`).
 - **Events** are the run's: loss, grad norm, trained tokens and tokens/s are global (all ranks). Only rank 0
   shows a progress bar.
 """
@@ -48,6 +48,9 @@ import torch.distributed as dist
 
 from fastft.checks import SettingError
 from fastft.runtime.model_state import base_model
+from fastft.training.checkpoint import gather_sharded, save_checkpoint
+
+# Function-local imports: torch.distributed's checkpoint and FSDP modules load only in a distributed run.
 
 SHARDINGS = ("ddp", "fsdp")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
@@ -174,8 +177,6 @@ class Distributed:
         """Rank 0 writes the checkpoint (atomically: `fastft.training.checkpoint.save_checkpoint`) with the
         world size and every rank's RNG state; every rank learns whether it succeeded, and a failure on
         rank 0 raises the same error on every rank (none waits for a checkpoint that never comes)."""
-        from fastft.training.checkpoint import save_checkpoint
-
         generators = self.gather_objects(_torch_rng())
         state = dict(state, distributed={"world_size": self.world_size, "sharding": self.sharding})
         state["rank_rng"] = generators
@@ -360,43 +361,6 @@ def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a collective); a plain tensor as it is."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def gather_sharded(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """An FSDP2 model's trainable weights and its optimizer's state as full CPU tensors, keyed by parameter
-    name, on rank 0 (empty on the others): a collective every rank calls. The checkpoint is then the one a
-    single process writes: a PEFT adapter beside the optimizer state."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(
-        model, optimizer, options=options
-    )
-
-
-def load_sharded(model: torch.nn.Module, optimizer, contents: dict) -> None:
-    """A checkpoint's full adapter (PEFT keys) and optimizer state (parameter names) into an FSDP2 model and
-    its optimizer, each rank keeping its shard; `optimizer` None leaves the optimizer fresh."""
-    from peft import get_peft_model_state_dict
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    # PEFT's keys drop the adapter's name: map them back to the parameters' names through PEFT itself
-    placeholders = {name: torch.empty(0) for name, p in model.named_parameters() if p.requires_grad}
-    names = {id(tensor): name for name, tensor in placeholders.items()}
-    renamed = get_peft_model_state_dict(model, state_dict=placeholders, save_embedding_layers=False)
-    by_name = {names[id(tensor)]: contents["adapter"][key].cpu() for key, tensor in renamed.items()}
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, by_name, options=options)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=contents["optimizer"], options=options)
 
 
 def start_distributed(model: torch.nn.Module, device: torch.device, config) -> Distributed | None:

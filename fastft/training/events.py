@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fastft.training.timing import StepProfile
 
+# Function-local imports: torch.distributed's checkpoint and FSDP modules load only in a distributed run.
+
 
 @dataclass(frozen=True)
 class StepEvent:

@@ -12,9 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from fastft.data.batch import PackedBatch
+from fastft.models.moe import collect_moe_router_stats
 from fastft.models.patch import is_fused
 from fastft.runtime.attention import choose_backend, is_patched, mask_marker
 from fastft.runtime.model_state import base_model
+from fastft.runtime.routing import load_balancing_loss
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora); tests replace these names on their modules, so
+# they are looked up when called.
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -89,9 +95,6 @@ def _with_router_aux_loss(model: torch.nn.Module, batch: PackedBatch, coefficien
     """The summed cross-entropy plus ``coefficient * aux * trained tokens``: divided by the trained-token
     count (as the caller does) this is transformers' ``loss + router_aux_loss_coef * aux_loss``, with the
     load-balancing loss pooled over every MoE layer of this batch (`fastft.runtime.routing`)."""
-
-    from fastft.models.moe import collect_moe_router_stats
-    from fastft.runtime.routing import load_balancing_loss
 
     base = base_model(model)
     # under offloaded checkpointing each layer hands its statistics out as outputs of its autograd node

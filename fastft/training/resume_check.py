@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastft.data.packing import PackedDataset
 from fastft.training.checkpoint import ResumeMismatchError
 
 OPTIMIZER_SETTINGS = (
@@ -100,7 +101,6 @@ class Difference:
 def data_fingerprint(data) -> str | None:
     """A SHA-256 of what a run trains on: a `PackedDataset`'s (or `PackedPairs`') tokens, labels and bins, or
     GRPO's prompt rows; None for a `PackedStream` (not read ahead)."""
-    from fastft.data.packing import PackedDataset
 
     digest = hashlib.sha256()
     if isinstance(data, PackedDataset):

@@ -35,10 +35,12 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from html import escape
 
 import torch
 
 from fastft.training.nvtx import NvtxRanges, RecordFunctionRanges, nvtx_available, nvtx_tool_attached
+from fastft.training.timing_hooks import BACKWARD, FORWARD, IDLE, instrument, release
 
 TOP_LEVEL = ("data", "forward", "loss", "backward", "graph", "communication", "optimizer")
 # Known nesting of the summary's phases: child → parent (inclusive times; a parent contains its children).
@@ -75,8 +77,6 @@ ORDER = (
     "optimizer",
 )
 _LAYER = re.compile(r"^layers\.\d+\.")
-
-_IDLE, _FORWARD, _BACKWARD = 0, 1, 2
 
 
 _GROUPS: dict[str, str] = {}
@@ -223,7 +223,7 @@ class _Scope:
         profile = self.profile
         if self.start >= 0 and profile._state:
             profile._spans.append(
-                (self.name, self.start, profile._now(), 2 if profile._state == _BACKWARD else 1)
+                (self.name, self.start, profile._now(), 2 if profile._state == BACKWARD else 1)
             )
             profile._pop()
 
@@ -279,15 +279,13 @@ class StepProfile:
         # a profile holding its model strongly would keep a model the user dropped alive through the profile
         self._model: weakref.ref[torch.nn.Module] | None = None
         self._reset()
-        self._state = _IDLE
+        self._state = IDLE
         if model is not None:
             self.attach(model)
 
     # -- instrumentation ---------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> StepProfile:
         """Hook `model`'s modules (instance hooks; any other profile's hooks on it are removed first)."""
-        from fastft.training.timing_hooks import instrument
-
         self.detach()
         self._handles, self.instrumented = instrument(model, self)
         self._model = weakref.ref(model)
@@ -295,8 +293,6 @@ class StepProfile:
 
     def detach(self) -> None:
         """Remove every hook this profile registered (timing of top-level phases keeps working)."""
-        from fastft.training.timing_hooks import release
-
         for handle in self._handles:
             handle.remove()
         model = self._model() if self._model is not None else None
@@ -340,7 +336,7 @@ class StepProfile:
     def step_begin(self) -> None:
         """Start a step; its first phase is ``data``."""
         self._reset()
-        self._state = _FORWARD
+        self._state = FORWARD
         if isinstance(self._clock, _CudaClock):
             self._clock.stream = torch.cuda.current_stream(self.device)
         self._top = ("data", self._now())
@@ -355,24 +351,24 @@ class StepProfile:
         self._top = (name, mark)
         self._push(name)
         if name == "backward":
-            self._state, self._boundaries = _BACKWARD, 0
+            self._state, self._boundaries = BACKWARD, 0
             self._open = ("loss_backward", mark, self._range_start("loss_backward"))
         else:
-            self._state = _FORWARD
+            self._state = FORWARD
 
     @contextlib.contextmanager
     def opaque(self, name: str):
         """A top-level phase whose inside is not instrumented (a CUDA graph replay): the module hooks stay
         silent until it ends (the next `begin` or `step_end` closes it)."""
         self.begin(name)
-        state, self._state = self._state, _IDLE
+        state, self._state = self._state, IDLE
         try:
             yield
         finally:
             self._state = state
 
     def _close(self, mark: int) -> None:
-        if self._state == _BACKWARD:
+        if self._state == BACKWARD:
             self._end_backward(mark)
         if self._top is not None:
             name, start = self._top
@@ -390,7 +386,7 @@ class StepProfile:
 
     def _boundary(self, following: str | None) -> None:
         """The gradient of a layer's input is complete: the span running ends, `following` starts."""
-        if self._state != _BACKWARD:
+        if self._state != BACKWARD:
             return
         mark = self._now()
         self._boundaries += 1
@@ -418,7 +414,7 @@ class StepProfile:
         """End the step (1-based number `step`); read it later with `collect`."""
         if self._state:
             self._close(self._now())
-        self._state = _IDLE
+        self._state = IDLE
         pending = PendingTiming(step, self._marks, self._spans)
         self._reset()
         return pending
@@ -428,7 +424,7 @@ class StepProfile:
         if self._state and self._top is not None:
             self._pop()
         self._finish(-1, keep=False)
-        self._state = _IDLE
+        self._state = IDLE
         self._reset()
 
     def ready(self, pending: PendingTiming) -> bool:
@@ -548,8 +544,6 @@ class Table:
         )
 
     def _repr_html_(self) -> str:
-        from html import escape
-
         head = "".join(f"<th>{escape(c)}</th>" for c in self.columns)
         body = "".join(
             "<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in self.cells()

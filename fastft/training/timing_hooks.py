@@ -16,7 +16,8 @@ the backward of everything above has run, so each hook ends one span and starts 
 embedding) runs until the end of backward. The spans come from the gradients themselves, so
 they tile the backward pass whatever ran inside it.
 
-A model carries the hooks of at most one `StepProfile`: attaching another removes the first's. While it is
+Each function takes the `fastft.training.timing.StepProfile` that the hooks report to (``profile``; that
+module imports this one). A model carries the hooks of at most one `StepProfile`: attaching another removes the first's. While it is
 attached, the model's offloaded checkpointing (`fastft.runtime.offload`) times its waits through the profile's
 `StepProfile.span` (an explicit hand-over: no global says which profile is running).
 """
@@ -29,7 +30,9 @@ import torch
 
 from fastft.runtime.model_state import model_state, state_of
 from fastft.runtime.offload import no_span, offloader_of
-from fastft.training.timing import _BACKWARD, _FORWARD, StepProfile
+
+# The pass a `fastft.training.timing.StepProfile` is in (its ``_state``): what a hook that fires times.
+IDLE, FORWARD, BACKWARD = 0, 1, 2
 
 _ATTENTION = ("self_attn", "attention", "attn")
 _MLP = ("mlp", "block_sparse_moe", "feed_forward", "moe")
@@ -53,7 +56,7 @@ def _child(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[str, torch.
     return None
 
 
-def _module_hooks(profile: StepProfile, name: str, recompute: str | None, *, on_input=None, after=None):
+def _module_hooks(profile, name: str, recompute: str | None, *, on_input=None, after=None):
     """Pre/post hooks timing one module: `name` in forward, `recompute` when it runs again in backward.
 
     `on_input(args)` runs in the forward pre-hook, `after()` after the forward span is recorded.
@@ -62,11 +65,11 @@ def _module_hooks(profile: StepProfile, name: str, recompute: str | None, *, on_
 
     def pre(module, args):
         state = profile._state
-        if state == _FORWARD:
+        if state == FORWARD:
             label = name
             if on_input is not None:
                 on_input(args)
-        elif state == _BACKWARD and recompute is not None:
+        elif state == BACKWARD and recompute is not None:
             label = recompute
         else:
             return
@@ -79,15 +82,15 @@ def _module_hooks(profile: StepProfile, name: str, recompute: str | None, *, on_
         if begun < 0:
             return
         state = profile._state
-        if state == _FORWARD:
+        if state == FORWARD:
             profile._spans.append((name, begun, profile._now(), 1))
-        elif state == _BACKWARD:
+        elif state == BACKWARD:
             profile._spans.append((recompute, begun, profile._now(), 2))
         else:
             return
         if profile._ranges:
             profile._pop()
-        if after is not None and state == _FORWARD:
+        if after is not None and state == FORWARD:
             after()
 
     return pre, post
@@ -101,7 +104,7 @@ def _first_tensor(value) -> torch.Tensor | None:
     return None
 
 
-def _boundary(profile: StepProfile, following: str | None):
+def _boundary(profile, following: str | None):
     """A function that puts a gradient hook on a hidden state: when its gradient is complete, the
     backward span running ends and `following` (the layer below's backward, or None) starts."""
 
@@ -121,17 +124,17 @@ def _boundary(profile: StepProfile, following: str | None):
     return watch
 
 
-def _layer_input_hook(profile: StepProfile, following: str | None):
+def _layer_input_hook(profile, following: str | None):
     watch = _boundary(profile, following)
 
     def pre(module, args, kwargs):
-        if profile._state == _FORWARD:
+        if profile._state == FORWARD:
             watch(args[0] if args else kwargs.get("hidden_states"))
 
     return pre
 
 
-def instrument(model: torch.nn.Module, profile: StepProfile) -> tuple[list, list[str]]:
+def instrument(model: torch.nn.Module, profile) -> tuple[list, list[str]]:
     """Register `profile`'s hooks on `model` (removing another profile's first); returns (handles, phase names).
 
     A model of another shape gets no hooks (top-level phases only); should registering fail half-way,
@@ -163,8 +166,7 @@ def instrument(model: torch.nn.Module, profile: StepProfile) -> tuple[list, list
     return handles, names
 
 
-def _register(backbone: torch.nn.Module, profile: StepProfile, handles: list, names: list[str]) -> None:
-
+def _register(backbone: torch.nn.Module, profile, handles: list, names: list[str]) -> None:
     def time_module(module: torch.nn.Module, name: str, recompute: str | None, **extra) -> None:
         pre, post = _module_hooks(profile, name, recompute, **extra)
         handles.append(module.register_forward_pre_hook(pre))
@@ -209,13 +211,13 @@ def _register(backbone: torch.nn.Module, profile: StepProfile, handles: list, na
         handles.append(
             layers[-1].register_forward_hook(
                 lambda module, args, output: (
-                    watch(_first_tensor(output)) if profile._state == _FORWARD else None
+                    watch(_first_tensor(output)) if profile._state == FORWARD else None
                 )
             )
         )
 
 
-def release(model: torch.nn.Module, profile: StepProfile) -> None:
+def release(model: torch.nn.Module, profile) -> None:
     """Forget that `model` carries `profile`'s hooks (after they were removed)."""
     state = state_of(model)
     if state is not None and state.profile is profile:

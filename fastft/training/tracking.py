@@ -14,6 +14,10 @@ from collections.abc import Iterable
 
 from fastft.training.events import EvalEvent, Event, StepEvent
 
+# Function-local imports: wandb is optional (report_to='wandb'); torch and transformers submodules load where their
+# feature is used (not every supported version has each, and each costs its import).
+
+
 __all__ = ["TRACKERS", "TensorBoardLog", "TrackingError", "WandbLog", "make_trackers", "tracking_problems"]
 
 # name → (the module it needs, the package that installs it, what it is called)

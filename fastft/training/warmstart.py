@@ -21,8 +21,12 @@ import argparse
 import torch
 from safetensors.torch import save_file
 
+from fastft.data.packing import pack
 from fastft.data.skills import SEED, TASKS, generate, held_out_prompts
 from fastft.models.presets import ASSETS_DIR, PRESETS, build_preset_model, load_preset_tokenizer
+from fastft.training.optimizer import cosine_with_warmup
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 WARMSTART_FILES = {"tiny-llama": ASSETS_DIR / "tiny-llama.safetensors"}
 WEAK_TASKS = ("convert", "sort", "first_letter")
@@ -50,9 +54,7 @@ def pretrain(
     Full training, so not `fastft.train` (which trains LoRA adapters only): AdamW over every weight, 4 packed
     256-token bins a step, the trainer's schedule (5 % warmup, cosine to a tenth) and clipping (norm 1).
     """
-    from fastft.data.packing import pack
     from fastft.training.loss import causal_lm_loss_sum
-    from fastft.training.optimizer import cosine_with_warmup
 
     torch.manual_seed(SEED)
     tokenizer = load_preset_tokenizer()

@@ -23,6 +23,10 @@ import re
 import warnings
 from dataclasses import dataclass
 
+from datasets import concatenate_datasets
+from tokenizers import Tokenizer
+from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq
+
 from fastft.data.chat_templates import (
     DEFAULT_MAPPING,
     TEMPLATES,
@@ -145,7 +149,6 @@ def _rename_token(tokenizer, old: str, new: str) -> None:
         raise ChatTemplateError(
             f"get_chat_template: renaming {old!r} to {new!r} needs a fast tokenizer (load it with use_fast=True)."
         )
-    from tokenizers import Tokenizer
 
     data = json.loads(backend.to_str())
     for token in data.get("added_tokens", []):
@@ -447,7 +450,6 @@ def _masked(dataset, mask, num_proc, parts: ResponseParts, name: str):
 def _keep_labels_in_collator(trainer, tokenizer) -> None:
     """transformers' `DataCollatorForLanguageModeling` rebuilds labels from the inputs: swap in one that pads
     the given labels. TRL's collator of that name already uses a ``labels`` column as is."""
-    from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq
 
     if type(getattr(trainer, "data_collator", None)) is DataCollatorForLanguageModeling:
         trainer.data_collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX)
@@ -607,7 +609,6 @@ def to_sharegpt(
     extra = max(conversation_extension - 1, 0)
     if not extra:
         return dataset
-    from datasets import concatenate_datasets
 
     columns = [dataset.rename_column("conversations", "conversations0")]
     for j in range(1, extra + 1):

@@ -19,7 +19,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from fastft.models.hf_save import save_adapter
+from fastft.training.objectives.rollout import Sampling, sample
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora).
 
 
 @dataclass(init=False)
@@ -88,7 +95,6 @@ _calls = itertools.count()
 def save_lora(model, save_directory: str | os.PathLike) -> Path:
     """Unsloth's ``model.save_lora(folder)``: the adapter (``adapter_config.json``, ``adapter_model.safetensors``),
     written as `fastft.save_adapter` writes it (a folder fastft wrote is replaced, any other refused)."""
-    from fastft.models.hf_save import save_adapter
 
     return save_adapter(model, save_directory)
 
@@ -197,9 +203,6 @@ def _generate_one(model, tokenizer, text: str, params: SamplingParams) -> Reques
 
 
 def _rollout(model, tokenizer, ids, params, max_new):
-    import numpy as np
-
-    from fastft.training.objectives.rollout import Sampling, sample
 
     sampling = Sampling(
         num_generations=params.n, max_new_tokens=max_new, temperature=params.temperature, top_p=params.top_p

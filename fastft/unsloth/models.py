@@ -18,11 +18,14 @@ Each model returned carries Unsloth's saving methods (``save_pretrained_merged``
 
 from __future__ import annotations
 
+import collections.abc
 import types
 import warnings
 
+import torch
+
 from fastft.models.loading import load_model
-from fastft.models.lora import add_lora
+from fastft.models.lora import add_lora, linear_layer_names
 from fastft.unsloth import generation, saving
 
 # Unsloth arguments that fastft accepts and ignores because they do not apply here.
@@ -219,7 +222,6 @@ class FastModel(FastLanguageModel):
 def is_bfloat16_supported() -> bool:
     """Whether this machine trains in bf16: a CUDA GPU that supports it (Ampere and later); False on the CPU,
     where fastft trains in fp32 (as Unsloth's function of this name answers)."""
-    import torch
 
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
 
@@ -230,8 +232,6 @@ def _has_vision_tower(model) -> bool:
 
 
 def _language_targets(model, attention: bool, mlp: bool) -> list[str]:
-    from fastft.models.lora import linear_layer_names
-
     if not (attention or mlp):
         raise ValueError(
             "finetune_attention_modules=False and finetune_mlp_modules=False leave nothing to train: set one "
@@ -261,7 +261,6 @@ def adapt_tokenizer(tokenizer):
     - ``tokenize=True`` without ``return_dict`` returns the token ids (transformers 4's default), not
       transformers 5's `BatchEncoding`: the notebooks pass the result to ``model.generate(input_ids=...)``.
       TRL and fastft always pass ``return_dict`` or ``tokenize=False``, so nothing of theirs changes."""
-    import collections.abc
 
     if "apply_chat_template" in vars(tokenizer):
         return tokenizer

@@ -11,6 +11,15 @@ from __future__ import annotations
 
 import types
 import warnings
+from pathlib import Path
+
+import torch
+
+from fastft.atomic import written_by_fastft
+from fastft.export import save_gguf, save_ollama
+from fastft.export.ollama import modelfile
+from fastft.export.writer import K_QUANTS, GGUFExportError, llama_quantize_path
+from fastft.models.hf_save import save_adapter, save_merged
 
 # Unsloth's quantization_method names → fastft's
 GGUF_METHODS = {
@@ -51,9 +60,6 @@ def save_pretrained_merged(
     (`fastft.save_merged`), ``"lora"`` the adapter (`fastft.save_adapter`). Returns the folder. As Unsloth
     does, the merged files may go into a folder that holds other files (the adapter ``model.save_pretrained``
     wrote there): they are kept, and a file of the same name with other bytes is refused, naming it."""
-    import torch
-
-    from fastft.models.hf_save import save_adapter, save_merged
 
     _refuse_push(kwargs, "save_pretrained_merged", "push_to_hub_merged")
     overwrite = bool(kwargs.pop("overwrite", False))
@@ -109,11 +115,6 @@ def save_pretrained_gguf(
     (the Modelfile then names the newest); nothing else there is touched. llama.cpp's K-quants (q4_k_m, …)
     need its ``llama-quantize`` on PATH: without it the call fails before writing, naming the fix and the
     nearest type fastft writes itself. Returns the `GGUFExport` (a list of them for a list of methods)."""
-    from pathlib import Path
-
-    from fastft.atomic import written_by_fastft
-    from fastft.export import save_gguf, save_ollama
-    from fastft.export.writer import K_QUANTS, GGUFExportError, llama_quantize_path
 
     if tokenizer is None:
         raise ValueError(
@@ -154,7 +155,6 @@ def save_pretrained_gguf(
 
 def _point_modelfile(model, tokenizer, folder, gguf_name: str) -> None:
     """Rewrite the folder's Modelfile (fastft's) to import `gguf_name`."""
-    from fastft.export.ollama import modelfile
 
     (folder / "Modelfile").write_text(modelfile(model, tokenizer, f"./{gguf_name}"), encoding="utf-8")
 

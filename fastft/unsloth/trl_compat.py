@@ -36,6 +36,12 @@ import functools
 import inspect
 import warnings
 
+import transformers
+
+# Function-local imports: TRL is an optional dependency (the baselines and the facade's trainers); torch and
+# transformers submodules load where their feature is used (not every supported version has each, and each costs its
+# import).
+
 _MARK = "_fastft_unsloth_original"
 # trainer class name → its config class name (both in trl)
 _TRAINERS = {
@@ -70,7 +76,6 @@ def adapt_trl() -> list[str]:
     names; idempotent. Returns the names of the classes adapted. Prints a one-line notice the first time."""
     if _adapted:
         return list(_adapted)
-    import transformers
     import trl
 
     try:

@@ -10,8 +10,14 @@ and is charged separately (`GpuSpec.context_bytes`).
 from __future__ import annotations
 
 import difflib
+import glob
+import os
 import re
+import sys
 from dataclasses import dataclass
+
+# Function-local imports: `import fastft.vram` and `fastft estimate` run without torch or transformers
+# (tests/faces/test_cli.py).
 
 MiB = 2**20
 GiB = 2**30
@@ -115,7 +121,6 @@ def detect_gpu(index: int | None = None) -> GpuSpec | None:
 
     On Linux without a GPU device node (``/dev/nvidia*``, ROCm's ``/dev/kfd``) there is none, which is
     answered without importing torch (seconds) unless torch is loaded already."""
-    import sys
 
     if "torch" not in sys.modules and _no_gpu_device_nodes():
         return None
@@ -135,10 +140,6 @@ def detect_gpu(index: int | None = None) -> GpuSpec | None:
 
 
 def _no_gpu_device_nodes() -> bool:
-    import glob
-    import os
-    import sys
-
     if not sys.platform.startswith("linux"):
         return False  # elsewhere ask torch
     return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))

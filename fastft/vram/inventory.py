@@ -10,18 +10,26 @@ walked as it is, with its actual dtypes and bitsandbytes quantisation.
 from __future__ import annotations
 
 import functools
+import gzip
+import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastft.models.errors import ModelLoadError, UnknownModelError
+from fastft.models.catalog import CATALOG, close_names
+from fastft.models.errors import ModelLoadError, RemoteCodeError, UnknownModelError
+from fastft.models.presets import PRESETS
+from fastft.models.remote_code import from_pretrained
 from fastft.runtime.model_state import base_model
 
 if TYPE_CHECKING:  # torch and transformers are imported where a model is built or walked: a catalog model's
-    import torch  # inventory comes from `fastft.vram.catalog_cache` without either
+    import torch  # inventory comes from the shipped cache (`cached_inventory`) without either
+
+# Function-local imports: `import fastft.vram` and `fastft estimate` run without torch or transformers
+# (tests/faces/test_cli.py).
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -142,6 +150,76 @@ class LoadedModelState:
     checkpointing: str | None = None
 
 
+# -- the shipped inventories of presets and catalog models (written by `fastft.vram.catalog_cache`) --------
+
+CACHE_FILE = Path(__file__).parent / "assets" / "catalog_inventories.json.gz"
+_LINEAR_FIELDS = [f.name for f in fields(LinearInfo)]
+_LAYER_FIELDS = [f.name for f in fields(LayerInfo) if f.name != "linears"]
+_SCALAR_FIELDS = [f.name for f in fields(ModelInventory) if f.name not in ("linears", "layers", "loaded")]
+
+
+def fingerprint(name: str) -> str:
+    """A digest of the spec of preset or catalog model `name`: what its inventory is built from."""
+
+    if name in PRESETS:
+        preset = PRESETS[name]
+        spec = {"model_type": preset.model_type, "config": preset.config, "vocab": preset.vocab_size}
+    else:
+        spec = {"model_type": CATALOG[name].model_type, "config": CATALOG[name].config}
+    text = json.dumps(spec, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def inventory_to_dict(inventory: ModelInventory) -> dict:
+    """`inventory` as JSON-ready data; linears are rows of `LinearInfo`'s fields, stored once (a layer's
+    linears are the rows with its index, in order, as `fastft.vram.inventory._layers` groups them)."""
+    assert inventory.loaded is None, "only inventories built on the meta device are cached"
+    return {
+        **{name: getattr(inventory, name) for name in _SCALAR_FIELDS},
+        "linears": [[getattr(linear, name) for name in _LINEAR_FIELDS] for linear in inventory.linears],
+        "layers": [[getattr(layer, name) for name in _LAYER_FIELDS] for layer in inventory.layers],
+    }
+
+
+def inventory_from_dict(data: dict) -> ModelInventory:
+    linears = tuple(LinearInfo(**dict(zip(_LINEAR_FIELDS, row, strict=True))) for row in data["linears"])
+    by_layer: dict[int, list[LinearInfo]] = {}
+    for linear in linears:
+        if linear.layer is not None:
+            by_layer.setdefault(linear.layer, []).append(linear)
+    layers = []
+    for row in data["layers"]:
+        values = dict(zip(_LAYER_FIELDS, row, strict=True))
+        layers.append(LayerInfo(linears=tuple(by_layer.get(values["index"], ())), **values))
+    return ModelInventory(
+        **{name: data[name] for name in _SCALAR_FIELDS}, linears=linears, layers=tuple(layers), loaded=None
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _entries() -> dict:
+    if not CACHE_FILE.exists():
+        return {}
+    with gzip.open(CACHE_FILE, "rt", encoding="utf-8") as f:
+        return json.load(f)["models"]
+
+
+def cached_inventory(name: str) -> ModelInventory | None:
+    """The stored inventory of preset or catalog model `name`, or None when there is none for its spec. A
+    catalog variant gets its entry's, under its own name and stated context (`VARIANT_FIELDS`)."""
+
+    variant = CATALOG[name] if name in CATALOG and CATALOG[name].variant_of else None
+    stored = variant.variant_of if variant is not None else name
+    entry = _entries().get(stored)
+    if entry is None or entry["fingerprint"] != fingerprint(stored):
+        return None
+    inventory = inventory_from_dict(entry["inventory"])
+    if variant is not None:
+        positions = variant.config.get("max_position_embeddings", inventory.max_position_embeddings)
+        inventory = replace(inventory, name=name, max_position_embeddings=positions)
+    return inventory
+
+
 # -- resolving the model argument -----------------------------------------------------------------
 
 
@@ -170,10 +248,6 @@ def inventory_of(model, trust_remote_code: bool = False) -> ModelInventory:
 
 @functools.lru_cache(maxsize=64)
 def _inventory_of_name(name: str, trust_remote_code: bool = False) -> ModelInventory:
-    from fastft.models.catalog import CATALOG, close_names
-    from fastft.models.presets import PRESETS
-    from fastft.vram.catalog_cache import cached_inventory
-
     if name in PRESETS:
         return cached_inventory(name) or _inventory_of_config(
             PRESETS[name].make_config(PRESETS[name].vocab_size), name
@@ -202,8 +276,6 @@ def _fetch_config(name: str, path: Path, hint: str = "", trust_remote_code: bool
     from transformers import AutoConfig
 
     from fastft.data.hub import offline_fix, offline_reason
-    from fastft.models.errors import RemoteCodeError
-    from fastft.models.remote_code import from_pretrained
 
     source = str(path) if path.is_dir() else name
     offline = not path.is_dir() and offline_reason() is not None

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import torch
 
+from fastft.vram.result import VramEstimateError
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
+
 
 def keeping_fits(model: torch.nn.Module, tokens: int, device: torch.device) -> bool:
     """Whether `estimate_vram` keeps the attention outputs for `tokens` tokens on this CUDA device (it does
     only where they fit). The device's room is its allocator cap (``set_per_process_memory_fraction``), or
     what the driver has free plus what PyTorch holds already, whichever is less."""
     from fastft.vram import capped_gpu, estimate_vram
-    from fastft.vram.result import VramEstimateError
 
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = torch.cuda.get_per_process_memory_fraction(device)

@@ -21,6 +21,9 @@ from fastft.vram.settings import resolve_checkpointing
 if TYPE_CHECKING:  # torch and numpy are imported where a step runs: `import fastft.vram` needs neither
     import torch
 
+# Function-local imports: `import fastft.vram` and `fastft estimate` run without torch or transformers
+# (tests/faces/test_cli.py); tests replace these names on their modules, so they are looked up when called.
+
 
 def resident_memory(
     model: torch.nn.Module, optimizer=None, device: torch.device | None = None
@@ -158,108 +161,6 @@ def _require_cuda() -> torch.device:
 # -- the model ----------------------------------------------------------------------------------------
 
 
-def split_precision(precision: str):
-    """``"nf4-fp16"`` -> ``("nf4", torch.float16)``: the base's precision and the compute dtype (bf16 unless a
-    ``-fp16`` suffix, or the precision itself, says fp16 or fp32: what a GPU without bf16, a T4, computes in)."""
-    import torch
-
-    base, _, compute = precision.partition("-")
-    name = compute or base
-    return base, {"fp32": torch.float32, "fp16": torch.float16}.get(name, torch.bfloat16)
-
-
-def build_random_model(name: str, precision: str = "bf16", device: torch.device | str = "cuda"):
-    """The architecture of `name` (catalog hub id or preset) with random weights on `device`.
-
-    For "nf4" (NF4, double quantisation, blocks of 64: what `load_model(load_in_4bit=True)` asks
-    bitsandbytes for) and "int8", every `nn.Linear` but the output head is replaced by its bitsandbytes
-    layer, quantised from the random weights; the model is then marked as loaded in 4/8-bit, so `add_lora`
-    prepares it exactly as it prepares a quantised hub model.
-
-    The quantised weights are made as loading makes them: each from a host copy, one at a time, after
-    every 16-bit projection has left the device. Quantised where the whole 16-bit model lay, each small
-    persistent NF4 tensor took the tail of a freed 16-bit weight's segment (best fit), and those segments
-    could never be released (docs/journal.md, "The bench's own fragments"), something a loaded hub model
-    does not have.
-    """
-    import torch
-
-    from fastft.bench.common import build_model
-
-    device = torch.device(device)
-    precision, dtype = split_precision(precision)
-    model = build_model(name, device, dtype)
-    model.config.use_cache = False
-    if precision in ("nf4", "int8"):
-        _quantize_in_place(model, precision, dtype, device)
-    gc.collect()
-    torch.cuda.empty_cache()
-    return model
-
-
-def _quantize_in_place(
-    model: torch.nn.Module, precision: str, dtype: torch.dtype, device: torch.device
-) -> None:
-    import torch
-
-    try:
-        import bitsandbytes as bnb
-    except ImportError as error:
-        raise RuntimeError(f"{precision} needs bitsandbytes: pip install 'fastft[gpu]'.") from error
-    output = model.get_output_embeddings()
-    targets = [
-        (full, module)
-        for full, module in model.named_modules()
-        if type(module) is torch.nn.Linear and module is not output
-    ]
-    with torch.no_grad():  # every 16-bit projection to the host first, so its device segments are released
-        for _, module in targets:
-            module.weight.data = module.weight.data.cpu()
-    gc.collect()
-    torch.cuda.empty_cache()
-    for index, (full, module) in enumerate(targets):
-        targets[index] = None  # its host copy goes with the module
-        bias = module.bias is not None
-        if precision == "nf4":
-            layer = bnb.nn.Linear4bit(
-                module.in_features,
-                module.out_features,
-                bias=bias,
-                compute_dtype=dtype,
-                compress_statistics=True,
-                quant_type="nf4",
-                device="meta",
-            )
-            weight = bnb.nn.Params4bit(
-                module.weight.data,
-                requires_grad=False,
-                compress_statistics=True,
-                quant_type="nf4",
-                blocksize=64,
-                module=layer,
-            )
-            layer.weight = weight.to(device)  # quantises on the way
-        else:
-            layer = bnb.nn.Linear8bitLt(
-                module.in_features,
-                module.out_features,
-                bias=bias,
-                has_fp16_weights=False,
-                threshold=6.0,
-                device="meta",
-            )
-            weight = bnb.nn.Int8Params(module.weight.data, requires_grad=False, has_fp16_weights=False)
-            layer.weight = weight._quantize(device)
-        if bias:
-            layer.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
-        model.set_submodule(full, layer)
-        del module, weight
-    if precision == "nf4":
-        model.is_loaded_in_4bit = True
-    else:
-        model.is_loaded_in_8bit = True
-
-
 # -- training steps ------------------------------------------------------------------------------------
 
 
@@ -316,6 +217,7 @@ class TrainingProbe:
         import torch
 
         from fastft.models.lora import add_lora
+        from fastft.models.random_model import build_random_model, split_precision
         from fastft.runtime.attention import patch_packed_attention
         from fastft.training.optimizer import adamw
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fastft.vram.fit import max_context
 from fastft.vram.gpus import GiB, GpuSpec, detect_gpu, get_gpu
+
+# Function-local imports: tests replace these names on their modules, so they are looked up when called.
 
 # (model, 4-bit), preferred first: an 8B model in 16-bit where it fits, else in 4-bit (Colab's classic T4
 # recipe; a larger model fits some cards but trains slowly there), then smaller ones, a bigger model in 4-bit
@@ -143,8 +147,6 @@ def _most_bins(model: str, card: GpuSpec, precision: str, length: int, most: int
 
 
 def _visible_gpus() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

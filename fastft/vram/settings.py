@@ -23,6 +23,9 @@ from fastft.vram.gpus import GpuSpec, detect_gpu, get_gpu
 from fastft.vram.inventory import ModelInventory, inventory_of
 from fastft.vram.result import VramEstimateError
 
+# Function-local imports: `import fastft.vram` and `fastft estimate` run without torch or transformers
+# (tests/faces/test_cli.py).
+
 PRECISIONS = ("bf16", "fp16", "fp32", "nf4", "int8", "fp8")
 CHECKPOINTING = BY_MEMORY  # the kinds an estimate answers for (its "auto" is "offload": the GPU's)
 OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")

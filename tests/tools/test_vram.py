@@ -64,11 +64,11 @@ def test_weights_of_tiny_llama_in_bf16_nf4_and_int8_match_hand_computed_bytes():
 
 def test_nf4_bytes_equal_a_model_quantised_by_bitsandbytes():
     bnb = pytest.importorskip("bitsandbytes")
-    from fastft.vram.measure import _quantize_in_place
+    from fastft.models.random_model import quantize_in_place
 
     model, _ = fastft.load_model("tiny-llama", dtype=torch.bfloat16, device="cpu")
     try:
-        _quantize_in_place(model, "nf4", torch.bfloat16, torch.device("cpu"))
+        quantize_in_place(model, "nf4", torch.bfloat16, torch.device("cpu"))
     except (RuntimeError, NotImplementedError) as error:  # a bitsandbytes build without CPU kernels
         pytest.skip(f"bitsandbytes {bnb.__version__} cannot quantise on the CPU: {error}")
     loaded = estimate_vram(model, 256, gpu=None)

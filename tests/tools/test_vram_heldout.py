@@ -21,7 +21,7 @@ allocator slack grew to the step's largest block, and two configurations new to 
 `benchmarks/results/long-context/several_nf4_h100_2026-12-06_heldout-c.json` and `…heldout-d.json` hold the later runs: the held-out answers
 with the adapter copies off, Qwen2.5's failures under the default allocator, and what caused them (the bench
 quantised its random model where the 16-bit weights had lain on the device; fixed in
-`fastft.vram.measure.build_random_model`).
+`fastft.models.random_model.build_random_model`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ fingerprint of the base model (`base_fingerprint`), so data reused with another 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,9 @@ from fastft.data.pairs import PackedPairs, pack_pairs
 from fastft.data.stream import PackedStream
 from fastft.training.loss import target_losses
 from fastft.training.objectives.packed import PackedObjective
+
+# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora).
 
 METHODS = ("sft", "dpo", "orpo", "simpo")
 DPO_LOSSES = ("sigmoid", "ipo", "robust")
@@ -137,7 +141,6 @@ def _adapter_layers(model: torch.nn.Module) -> tuple | None:
 def base_fingerprint(model: torch.nn.Module) -> str:
     """A key of the frozen base weights the reference comes from: the architecture, the parameter shapes and
     dtypes, and a checksum of the first and last base tensors (one reduction each, once per run)."""
-    import hashlib
 
     frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
     digest = hashlib.sha256(type(getattr(model, "base_model", model)).__name__.encode())
