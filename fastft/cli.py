@@ -15,6 +15,8 @@ import sys
 import typing
 from dataclasses import fields
 
+import fastft.weight_formats as weight_formats
+
 
 class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: …)" to an option's help unless the help already says its default in words
@@ -188,8 +190,9 @@ def _estimate_parser(sub) -> None:
     parser.add_argument(
         "--precision",
         default="bf16",
-        choices=["bf16", "fp16", "fp32", "nf4", "int8"],
-        help="base weights: 16/32-bit, NF4 (QLoRA) or 8-bit",
+        choices=["bf16", "fp16", "fp32", *weight_formats.quantized_names()],
+        help="base weights: 16/32-bit or a quantised format: "
+        + ", ".join(f"{record.name} ({record.label})" for record in weight_formats.quantized()),
     )
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
     parser.add_argument("--targets", nargs="*", default=None, help="LoRA targets (default: all-linear)")

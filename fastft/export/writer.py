@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import fastft.weight_formats as weight_formats
 from fastft.atomic import (
     DiskFullError,
     FolderInTheWayError,
@@ -169,8 +170,7 @@ def _tensor_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
 
     shapes = []
     for key, value in merged_keys(model):
-        state = getattr(value, "quant_state", None)
-        shapes.append((key, tuple(state.shape) if state is not None else tuple(value.shape)))
+        shapes.append((key, weight_formats.of_parameter(value).logical_shape(value)))
     return shapes
 
 

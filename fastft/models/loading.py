@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+import fastft.weight_formats as weight_formats
 from fastft.atomic import recover_folder
 from fastft.checks import whole_number
 from fastft.data.hub import offline_fix, offline_reason
@@ -42,7 +43,7 @@ class ModelInfo:
     source: str  # "preset", "local" or "hub"
     model_type: str
     dtype: torch.dtype
-    quantization: str | None  # None, "nf4" or "int8"
+    quantization: str | None  # None (16/32-bit) or a quantised `fastft.weight_formats` name: "nf4", "int8"
     max_seq_length: int
 
 
@@ -134,11 +135,20 @@ def _transformers_version() -> str:
 def _quantization_config(
     load_in_4bit: bool, load_in_8bit: bool, compute_dtype: torch.dtype, device: torch.device
 ):
-    if not (load_in_4bit or load_in_8bit):
-        return None
-    if load_in_4bit and load_in_8bit:
-        raise QuantizationError("Choose one of load_in_4bit=True or load_in_8bit=True, not both.")
-    bits = "4-bit (NF4)" if load_in_4bit else "8-bit"
+    """The `WeightFormat` the flags pick and what `from_pretrained` needs to load it (None: load as is)."""
+    try:
+        record = weight_formats.from_flags(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit)
+    except weight_formats.UnknownWeightFormatError as error:
+        raise QuantizationError(str(error)) from None
+    return record, _LOADERS[record.loader](record, compute_dtype, device)
+
+
+def _load_in_dtype(record, compute_dtype: torch.dtype, device: torch.device):
+    return None
+
+
+def _bitsandbytes_config(record, compute_dtype: torch.dtype, device: torch.device):
+    bits = record.label
     from fastft.data.hub import hub_offline_while_importing
 
     try:
@@ -154,16 +164,17 @@ def _quantization_config(
         warnings.warn(
             f"{bits} on the CPU runs through bitsandbytes' CPU backend, which is slow (every layer's weight is "
             "dequantised at each use); load_in_4bit=False is faster here, a CUDA GPU much faster.",
-            stacklevel=3,
+            stacklevel=4,
         )
-    if load_in_4bit:
-        return BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype,
-        )
-    return BitsAndBytesConfig(load_in_8bit=True)
+    options = dict(record.loader_options)
+    if options.get("load_in_4bit"):
+        options["bnb_4bit_compute_dtype"] = compute_dtype
+    return BitsAndBytesConfig(**options)
+
+
+# how each `WeightFormat.loader` loads: (record, compute dtype, device) → from_pretrained's
+# quantization_config (None: plain weights in the compute dtype)
+_LOADERS = {"dtype": _load_in_dtype, "bitsandbytes": _bitsandbytes_config}
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -196,7 +207,7 @@ def load_model(
     consent(trust_remote_code)
     device = resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
-    quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype, device)
+    weight_format, quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype, device)
     name = os.fspath(name_or_path)
 
     if name in PRESETS:
@@ -249,7 +260,7 @@ def load_model(
         source=source,
         model_type=model.config.model_type,
         dtype=dtype,
-        quantization="nf4" if load_in_4bit else "int8" if load_in_8bit else None,
+        quantization=weight_format.name if weight_format.quantized else None,
         max_seq_length=max_seq_length,
     )
     return model, tokenizer

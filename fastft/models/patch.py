@@ -69,6 +69,7 @@ from fastft.models import fusion
 from fastft.models.moe import moe_block_forward, moe_block_info
 from fastft.runtime.context import ATTENTION, OUTPUT_PROJECTION, attach_layer_contexts, layer_context
 from fastft.runtime.state import model_state
+from fastft.weight_formats import frozen_state
 
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # what the fused attention forward reads
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # and the fused MLP forward
@@ -141,7 +142,8 @@ class _PatchState:
 
 
 def _frozen_base(linear: torch.nn.Module):
-    """`FrozenLinear` for an ``nn.Linear`` or bitsandbytes NF4 layer whose weight is frozen, else None."""
+    """`FrozenLinear` for an ``nn.Linear``, or a quantised layer whose weight format has a dense view
+    (`fastft.weight_formats`: NF4), whose weight is frozen, else None."""
     from fastft.kernels.lora import FrozenLinear
 
     weight = getattr(linear, "weight", None)
@@ -150,11 +152,11 @@ def _frozen_base(linear: torch.nn.Module):
     bias = getattr(linear, "bias", None)
     if bias is not None and bias.requires_grad:
         return None
-    quant_state = getattr(weight, "quant_state", None)
-    if quant_state is not None:
-        if getattr(quant_state, "quant_type", None) != "nf4":
+    weight_format, state = frozen_state(weight)
+    if state is not None:
+        if not weight_format.accepts(state):
             return None
-        return FrozenLinear(weight, bias, quant_state)
+        return FrozenLinear(weight, bias, state, weight_format)
     if type(linear) is not torch.nn.Linear:  # 8-bit and other custom linears keep their own forward
         return None
     return FrozenLinear(weight, bias)

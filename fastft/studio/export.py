@@ -14,6 +14,7 @@ import html
 import threading
 import time
 
+import fastft.weight_formats as weight_formats
 from fastft.studio.notices import Panel, button, code_html, code_section, field, row
 from fastft.studio.state import StudioState, Worker
 
@@ -41,13 +42,10 @@ def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
 
 
 def quantized_base(model) -> str | None:
-    """ "4-bit" / "8-bit" when the model's base weights are quantised (merging is refused), else None."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(base, "is_loaded_in_4bit", False):
-        return "4-bit"
-    if getattr(base, "is_loaded_in_8bit", False):
-        return "8-bit"
-    return None
+    """ "4-bit" / "8-bit" (the studio's precision choice) when the model's base weights are quantised (merging
+    is refused), else None."""
+    record = weight_formats.of_model(model)
+    return record.choice if record.quantized else None
 
 
 class ExportPanel(Panel):

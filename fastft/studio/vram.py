@@ -17,6 +17,7 @@ import html
 import threading
 from pathlib import Path
 
+import fastft.weight_formats as weight_formats
 from fastft.runtime.checkpointing import KINDS as CHECKPOINTING_KINDS
 from fastft.runtime.host_budget import HOST_BUDGET_FRACTION
 from fastft.studio.notices import LABEL_STYLE, Panel, button, code_html, code_section, field, row
@@ -524,6 +525,6 @@ def this_machine_html(precision: str) -> str:
 
     status = kernel_status()
     parts = ["This machine: " + ("fastft's Triton kernels." if status["triton"] else f"{status['reason']}.")]
-    if not torch.cuda.is_available() and LoadSettings(precision=precision).vram_precision in ("nf4", "int8"):
+    if not torch.cuda.is_available() and weight_formats.from_choice(precision).loader == "bitsandbytes":
         parts.append(f"{precision} here runs through bitsandbytes' CPU backend: it trains, slowly.")
     return f"<span style='color:#666;font-size:12px'>{html.escape(' '.join(parts))}</span>"

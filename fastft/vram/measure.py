@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import fastft.weight_formats as weight_formats
 from fastft.vram.estimate import estimate_vram
 from fastft.vram.result import VramEstimate, VramEstimateError
 from fastft.vram.settings import resolve_checkpointing
@@ -58,7 +59,7 @@ def resident_memory(
         return total
 
     def quant_state_tensors(parameter) -> list:
-        state = getattr(parameter, "quant_state", None)
+        state = weight_formats.frozen_state(parameter)[1]
         found = []
         for value in vars(state).values() if state is not None and hasattr(state, "__dict__") else ():
             if isinstance(value, torch.Tensor):
@@ -191,7 +192,7 @@ def build_random_model(name: str, precision: str = "bf16", device: torch.device 
     precision, dtype = split_precision(precision)
     model = build_model(name, device, dtype)
     model.config.use_cache = False
-    if precision in ("nf4", "int8"):
+    if weight_formats.get(precision).quantized:
         _quantize_in_place(model, precision, dtype, device)
     gc.collect()
     torch.cuda.empty_cache()
@@ -255,10 +256,7 @@ def _quantize_in_place(
             layer.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
         model.set_submodule(full, layer)
         del module, weight
-    if precision == "nf4":
-        model.is_loaded_in_4bit = True
-    else:
-        model.is_loaded_in_8bit = True
+    setattr(model, weight_formats.get(precision).model_flag, True)  # as transformers marks a loaded one
 
 
 # -- training steps ------------------------------------------------------------------------------------
