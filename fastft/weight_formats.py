@@ -20,6 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+# a `WeightFormat.loader_options` value the loader replaces with the run's compute dtype
+COMPUTE_DTYPE = "<compute dtype>"
+
 
 def _no_bytes(*_: int) -> int:
     return 0
@@ -42,7 +45,8 @@ class WeightFormat:
     quantized: bool
     load_flag: str | None  # the `load_model` keyword that picks it (the dense format: none)
     loader: str  # how it loads: "dtype" (in the compute dtype), "bitsandbytes" (`loader_options`)
-    loader_options: tuple[tuple[str, Any], ...]  # the loader's settings (BitsAndBytesConfig keywords)
+    loader_options: tuple[tuple[str, Any], ...]  # the loader's settings (BitsAndBytesConfig keywords;
+    # `COMPUTE_DTYPE` stands for the compute dtype)
     bits_per_weight: float | None  # a projection weight's storage; None: the compute dtype's width
     constant_bytes: Callable[[int, int], int]  # scales of a matrix of (n weights, output rows)
     constants_note: str  # the estimator's note on those constants
@@ -148,6 +152,7 @@ NF4 = WeightFormat(
         ("load_in_4bit", True),
         ("bnb_4bit_quant_type", "nf4"),
         ("bnb_4bit_use_double_quant", True),
+        ("bnb_4bit_compute_dtype", COMPUTE_DTYPE),
     ),
     bits_per_weight=4,
     constant_bytes=_nf4_constants,

@@ -166,9 +166,10 @@ def _bitsandbytes_config(record, compute_dtype: torch.dtype, device: torch.devic
             "dequantised at each use); load_in_4bit=False is faster here, a CUDA GPU much faster.",
             stacklevel=4,
         )
-    options = dict(record.loader_options)
-    if options.get("load_in_4bit"):
-        options["bnb_4bit_compute_dtype"] = compute_dtype
+    options = {
+        key: compute_dtype if value == weight_formats.COMPUTE_DTYPE else value
+        for key, value in record.loader_options
+    }
     return BitsAndBytesConfig(**options)
 
 

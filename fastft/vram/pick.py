@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import fastft.weight_formats as weight_formats
 from fastft.vram.fit import max_context
 from fastft.vram.gpus import GiB, GpuSpec, detect_gpu, get_gpu
 
@@ -90,7 +91,8 @@ def pick_settings(
     dtype = "bf16" if card.bf16 else "fp16"
     chosen = fallback = None
     for model, four_bit in ladder:
-        precision = "nf4" if four_bit else dtype
+        weight_format = weight_formats.from_flags(load_in_4bit=four_bit)
+        precision = weight_format.name if weight_format.quantized else dtype
         longest = max_context(model, card, precision=precision)
         if longest >= context:
             chosen = (model, four_bit, precision, context, longest)
