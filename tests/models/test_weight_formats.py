@@ -126,10 +126,12 @@ def test_a_loaded_model_reads_as_its_format_everywhere(flags):
     if expected.merge == "dequantize":
         with pytest.raises(ValueError, match="dequantize=True"):
             merged_state_dict(model)
-        merged = merged_state_dict(model, torch.float32, dequantize=True)
-    else:
-        merged = merged_state_dict(model, torch.float32)
-    assert merged["model.layers.0.self_attn.q_proj.weight"].shape == (q_proj.out_features, q_proj.in_features)
+    lora = model.get_base_model().model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        lora.lora_B["default"].weight.normal_(generator=torch.Generator().manual_seed(3))
+    merged = merged_state_dict(model, torch.float32, dequantize=expected.merge == "dequantize")
+    delta = lora.get_delta_weight("default").float()
+    assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], dense + delta)
 
 
 def _cpu_notice(flags):
