@@ -148,7 +148,8 @@ def _load_in_dtype(record, compute_dtype: torch.dtype, device: torch.device):
 
 
 def _bitsandbytes_config(record, compute_dtype: torch.dtype, device: torch.device):
-    bits = record.label
+    width, _, kind = record.label.partition(" ")  # "4-bit NF4" → "4-bit (NF4)", "8-bit" as is
+    bits = f"{width} ({kind})" if kind else width
     from fastft.data.hub import hub_offline_while_importing
 
     try:
