@@ -18,6 +18,9 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
+# Function-local imports: the CLI's parser and light commands read this module without torch or transformers
+# (tests/faces/test_cli.py); tests replace these names on their modules, so they are looked up when called.
+import fastft.weight_formats as weight_formats
 from fastft import __version__
 from fastft.bench import BENCHMARKS
 from fastft.models.catalog import find_model
@@ -26,9 +29,6 @@ from fastft.models.presets import PRESETS
 from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
 from fastft.training.demo_config import GRPO_SFT_STEPS, SFT_STEPS, DemoConfig
 from fastft.vram.inventory import inventory_of
-
-# Function-local imports: the CLI's parser and light commands read this module without torch or transformers
-# (tests/faces/test_cli.py); tests replace these names on their modules, so they are looked up when called.
 
 
 class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -191,8 +191,9 @@ def _estimate_parser(sub) -> None:
     parser.add_argument(
         "--precision",
         default="bf16",
-        choices=["bf16", "fp16", "fp32", "nf4", "int8", "fp8"],
-        help="base weights: 16/32-bit, NF4 (QLoRA), 8-bit or FP8 (e4m3, per-channel scales)",
+        choices=["bf16", "fp16", "fp32", *weight_formats.quantized_names()],
+        help="base weights: 16/32-bit or a quantised format: "
+        + ", ".join(f"{record.name} ({record.label})" for record in weight_formats.quantized()),
     )
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
     parser.add_argument("--targets", nargs="*", default=None, help="LoRA targets (default: all-linear)")

@@ -21,6 +21,7 @@ LAYERS = {
     "fastft.atomic": 0,
     "fastft.checks": 0,
     "fastft.kernels": 0,
+    "fastft.weight_formats": 0,
     "fastft.data": 1,
     "fastft.runtime": 2,
     "fastft.models": 3,
@@ -39,7 +40,7 @@ LAYERS = {
     "fastft": 6,  # the public API (fastft/__init__.py) is a face: nothing below imports it
 }
 NAMES = ["kernels", "data", "runtime", "models", "training", "tools", "faces"]
-NAMES[0] = "kernels (and fastft.atomic, fastft.checks)"
+NAMES[0] = "kernels (and fastft.atomic, fastft.checks, fastft.weight_formats)"
 
 # Third-party packages a layer below `FROM` never imports.
 THIRD_PARTY_FLOOR = {

@@ -31,6 +31,7 @@ import gguf
 import numpy as np
 import torch
 
+import fastft.weight_formats as weight_formats
 from fastft.atomic import (
     DiskFullError,
     FolderInTheWayError,
@@ -165,8 +166,7 @@ def _tensor_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
 
     shapes = []
     for key, value in merged_keys(model):
-        state = getattr(value, "quant_state", None)
-        shapes.append((key, tuple(state.shape) if state is not None else tuple(value.shape)))
+        shapes.append((key, weight_formats.of_parameter(value).logical_shape(value)))
     return shapes
 
 

@@ -65,6 +65,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from fastft.weight_formats import NF4, WeightFormat
+
 from . import fp8
 from .swiglu import gated_activation_backward, gated_activation_forward, gated_activation_reference
 from .tiling import dh_slice_rows, mlp_tile_rows
@@ -74,13 +76,16 @@ from .tiling import dh_slice_rows, mlp_tile_rows
 
 @dataclass(frozen=True, eq=False)
 class FrozenLinear:
-    """A projection's frozen base: ``weight [out, in]`` (16-bit, or packed NF4 with its ``quant_state``)
-    and an optional ``bias [out]``. Not an autograd input: its weight receives no gradient."""
+    """A projection's frozen base: ``weight [out, in]`` (16-bit, or packed in a quantised
+    `fastft.weight_formats` format with its ``quant_state``) and an optional ``bias [out]``. Not an autograd
+    input: its weight receives no gradient. `weight_format` gives the dense view of a quantised weight
+    (default NF4: a bare bitsandbytes ``QuantState``)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     quant_state: object | None = None
     scale: torch.Tensor | None = None  # an FP8 weight's per-output-channel scales, fp32 [out]
+    weight_format: WeightFormat = NF4
 
     @property
     def out_features(self) -> int:
@@ -89,11 +94,9 @@ class FrozenLinear:
         return self.weight.shape[0]
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as a dense ``[out, in]`` tensor of `dtype` (dequantised when NF4 or FP8)."""
+        """The weight as a dense ``[out, in]`` tensor of `dtype` (dequantised when quantised)."""
         if self.quant_state is not None:
-            from .nf4 import dequantize_quant_state
-
-            return dequantize_quant_state(self.weight, self.quant_state, dtype=dtype)
+            return self.weight_format.dense_view(self.weight, self.quant_state, dtype)
         if self.scale is not None:
             return fp8.dequantize_weight(self.weight, self.scale, dtype)
         return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)

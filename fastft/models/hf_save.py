@@ -17,12 +17,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+import fastft.weight_formats as weight_formats
 from fastft.atomic import check_destination, recover_folder, replace_folder_atomically
 from fastft.data.hub import hub_offline_while_importing
-from fastft.runtime.model_state import base_model, is_quantised
+from fastft.runtime.model_state import base_model
 
 # Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
 # `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora).
+from fastft.weight_formats import frozen_state
 
 with hub_offline_while_importing():  # bitsandbytes, which peft imports, asks the hub for a kernel
     from peft import PeftModel
@@ -57,7 +59,8 @@ def merged_state_dict(
     refused unless `dequantize`: then each NF4 weight is dequantised exactly and its delta added to that
     (what Unsloth's ``save_pretrained_merged`` does; the original 16-bit weights are not recovered)."""
     base = model.get_base_model()
-    if is_quantised(base) and not (dequantize and not getattr(base, "is_loaded_in_8bit", False)):
+    merge = weight_formats.of_model(base).merge
+    if merge == "refuse" or (merge == "dequantize" and not dequantize):
         raise ValueError(
             "Merging into a 4/8-bit base is lossy and not supported: load the base in 16-bit with "
             "load_model(name, load_in_4bit=False), attach the saved adapter with "
@@ -71,19 +74,20 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The merged weights one tensor at a time, in state-dict order: (key without PEFT's levels, CPU tensor).
     An adapted weight comes as fp32 W + the active adapters' (alpha/r)·B·A, a module trained whole
     (``modules_to_save``) as its trained copy; any other tensor as stored (the
-    model's own tensor, not a copy, on a CPU model). An NF4 base weight is dequantised exactly
-    (bitsandbytes' own dequantisation) before its delta is added, an FP8 one (`fastft.models.fp8`) as its e4m3
-    values times its channel scales, in fp32. Only one merged tensor exists at a time,
+    model's own tensor, not a copy, on a CPU model). A quantised base weight (NF4) is dequantised exactly
+    (its format's dense view, bit-exact with bitsandbytes') before its delta is added. Only one merged tensor exists at a time,
     so a caller that writes each before asking for the next never holds a second copy of the model.
 
     `model` may also be a plain transformers model (no adapters): its own weights come out."""
     from peft.tuners.lora import LoraLayer
 
     base = base_model(model)
-    if getattr(base, "is_loaded_in_8bit", False):
+    weight_format = weight_formats.of_model(base)
+    if weight_format.merge == "refuse":
         raise ValueError(
-            "Merging into an 8-bit base is not supported: load the base in 16-bit (load_in_8bit=False), attach "
-            "the saved adapter with peft.PeftModel.from_pretrained(base, adapter_folder), then export."
+            f"Merging into an {weight_format.label} base is not supported: load the base in 16-bit "
+            f"({weight_format.load_flag}=False), attach the saved adapter with "
+            "peft.PeftModel.from_pretrained(base, adapter_folder), then export."
         )
     lora_of: dict[str, LoraLayer] = {}
     for name, module in base.named_modules():
@@ -94,12 +98,11 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
 
     fp8_scale = {_clean(key): scale for key, scale in fp8_scales(base).items()}
     for key, value in merged_keys(model):
-        if getattr(value, "quant_state", None) is not None:  # bitsandbytes Params4bit
-            import bitsandbytes.functional as bnbf
-
-            value = bnbf.dequantize_4bit(value.data, value.quant_state)
-        elif key in fp8_scale:  # an FP8 projection (fastft.models.fp8): e4m3 times its channel scales
+        weight_format, state = frozen_state(value)
+        if key in fp8_scale:  # an FP8 projection (fastft.models.fp8): e4m3 times its channel scales
             value = dequantized_weight(value.detach(), fp8_scale[key])
+        elif state is not None:  # the exact dense view, in the dtype the weight was quantised from
+            value = weight_format.dense_view(value.data, state, None)
         value = value.detach().to(device="cpu")
         module = lora_of.get(key)
         if module is not None:

@@ -24,6 +24,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+import fastft.weight_formats as weight_formats
 from fastft.atomic import recover_folder
 from fastft.checks import whole_number
 from fastft.data.hub import hub_offline_while_importing, offline_fix, offline_reason
@@ -50,7 +51,9 @@ class ModelInfo:
     source: str  # "preset", "local" or "hub"
     model_type: str
     dtype: torch.dtype
-    quantization: str | None  # None, "nf4", "int8" or "fp8"
+    quantization: (
+        str | None
+    )  # None (16/32-bit) or a quantised `fastft.weight_formats` name: "nf4", "int8", "fp8"
     max_seq_length: int
 
 
@@ -140,11 +143,21 @@ def _transformers_version() -> str:
 def _quantization_config(
     load_in_4bit: bool, load_in_8bit: bool, compute_dtype: torch.dtype, device: torch.device
 ):
-    if not (load_in_4bit or load_in_8bit):
-        return None
-    if load_in_4bit and load_in_8bit:
-        raise QuantizationError("Choose one of load_in_4bit=True or load_in_8bit=True, not both.")
-    bits = "4-bit (NF4)" if load_in_4bit else "8-bit"
+    """The `WeightFormat` the flags pick and what `from_pretrained` needs to load it (None: load as is)."""
+    try:
+        record = weight_formats.from_flags(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit)
+    except weight_formats.UnknownWeightFormatError as error:
+        raise QuantizationError(str(error)) from None
+    return record, _LOADERS[record.loader](record, compute_dtype, device)
+
+
+def _load_in_dtype(record, compute_dtype: torch.dtype, device: torch.device):
+    return None
+
+
+def _bitsandbytes_config(record, compute_dtype: torch.dtype, device: torch.device):
+    width, _, kind = record.label.partition(" ")  # "4-bit NF4" → "4-bit (NF4)", "8-bit" as is
+    bits = f"{width} ({kind})" if kind else width
 
     try:
         with hub_offline_while_importing():  # its CPU backend asks the hub for a kernel at import
@@ -159,16 +172,18 @@ def _quantization_config(
         warnings.warn(
             f"{bits} on the CPU runs through bitsandbytes' CPU backend, which is slow (every layer's weight is "
             "dequantised at each use); load_in_4bit=False is faster here, a CUDA GPU much faster.",
-            stacklevel=3,
+            stacklevel=4,
         )
-    if load_in_4bit:
-        return BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype,
-        )
-    return BitsAndBytesConfig(load_in_8bit=True)
+    options = {
+        key: compute_dtype if value == weight_formats.COMPUTE_DTYPE else value
+        for key, value in record.loader_options
+    }
+    return BitsAndBytesConfig(**options)
+
+
+# how each `WeightFormat.loader` loads: (record, compute dtype, device) → from_pretrained's
+# quantization_config (None: plain weights in the compute dtype)
+_LOADERS = {"dtype": _load_in_dtype, "bitsandbytes": _bitsandbytes_config, "fp8": _load_in_dtype}
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -213,7 +228,9 @@ def load_model(
             )
         check_fp8_device(device)
     dtype = _resolve_dtype(dtype, device)
-    quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype, device)
+    weight_format, quantization = _quantization_config(load_in_4bit, load_in_8bit, dtype, device)
+    if load_in_fp8:
+        weight_format = weight_formats.get("fp8")
     # an FP8 model is read in 16-bit to the host and made FP8 on the device one projection at a time
     load_device = torch.device("cpu") if load_in_fp8 else device
     name = os.fspath(name_or_path)
@@ -269,6 +286,7 @@ def load_model(
         from fastft.models.fp8 import convert_to_fp8
 
         convert_to_fp8(model, device)
+        model.is_loaded_in_fp8 = True  # how `fastft.weight_formats.of_model` tells the format
     _prepare_tokenizer(tokenizer, model, max_seq_length)
     max_positions = getattr(model.config, "max_position_embeddings", None)
     if max_positions and max_seq_length > max_positions:
@@ -282,7 +300,7 @@ def load_model(
         source=source,
         model_type=model.config.model_type,
         dtype=dtype,
-        quantization="nf4" if load_in_4bit else "int8" if load_in_8bit else "fp8" if load_in_fp8 else None,
+        quantization=weight_format.name if weight_format.quantized else None,
         max_seq_length=max_seq_length,
     )
     return model, tokenizer

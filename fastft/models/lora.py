@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import fastft.weight_formats as weight_formats
 from fastft.checks import real_number, whole_number
 from fastft.data.hub import hub_offline_while_importing
 from fastft.models.moe import is_expert_module
@@ -554,9 +555,7 @@ def trainable_parameter_count(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; 4-bit weights count as their unpacked size."""
     trainable = total = 0
     for parameter in model.parameters():
-        count = parameter.numel()
-        if hasattr(parameter, "quant_state"):  # bitsandbytes Params4bit stores two values per byte
-            count *= 2
+        count = weight_formats.of_parameter(parameter).logical_numel(parameter)  # NF4: two per byte
         total += count
         if parameter.requires_grad:
             trainable += count

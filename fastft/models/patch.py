@@ -76,6 +76,7 @@ from fastft.runtime.model_state import base_model, model_state
 # Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
 # `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora); tests replace these names on their modules, so
 # they are looked up when called.
+from fastft.weight_formats import frozen_state
 
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # what the fused attention forward reads
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # and the fused MLP forward
@@ -157,11 +158,11 @@ def _frozen_base(linear: torch.nn.Module):
     bias = getattr(linear, "bias", None)
     if bias is not None and bias.requires_grad:
         return None
-    quant_state = getattr(weight, "quant_state", None)
-    if quant_state is not None:
-        if getattr(quant_state, "quant_type", None) != "nf4":
+    weight_format, state = frozen_state(weight)
+    if state is not None:
+        if not weight_format.accepts(state):
             return None
-        return FrozenLinear(weight, bias, quant_state)
+        return FrozenLinear(weight, bias, state, weight_format)
     scale = getattr(linear, "weight_scale", None)
     if scale is not None and type(linear).__name__ == "FP8Linear":  # fastft.models.fp8: e4m3 + channel scales
         return FrozenLinear(weight, bias, scale=scale)

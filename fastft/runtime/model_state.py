@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+import fastft.weight_formats as weight_formats
 from fastft.runtime.routing import RouterCollector
 
 ATTRIBUTE = "fastft_state"  # the one attribute on the base model
@@ -64,9 +65,9 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_quantised(model: torch.nn.Module) -> bool:
-    """Whether `model` (or the transformers model under a PEFT model) has a 4- or 8-bit bitsandbytes base."""
-    base = base_model(model)
-    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
+    """Whether `model` (or the transformers model under a PEFT model) has a quantised base (NF4, int8:
+    `fastft.weight_formats`)."""
+    return weight_formats.of_model(model).quantized
 
 
 def state_of(model: torch.nn.Module | None) -> ModelState | None:

@@ -18,9 +18,9 @@ import ipywidgets as widgets
 import torch
 from transformers import TextIteratorStreamer
 
+import fastft.weight_formats as weight_formats
 from fastft.export import GGUFCheckError, save_gguf, save_ollama
 from fastft.models.hf_save import save_adapter, save_merged
-from fastft.runtime.model_state import base_model
 from fastft.studio.notices import Panel, button, code_html, code_section, error_html, field, row, status_html
 from fastft.studio.state import StudioState, Worker
 from fastft.training.evaluate import evaluate_accuracy
@@ -49,13 +49,10 @@ def _notice(text: str, kind: str = "info", title: str | None = None) -> str:
 
 
 def quantized_base(model) -> str | None:
-    """ "4-bit" / "8-bit" when the model's base weights are quantised (merging is refused), else None."""
-    base = base_model(model)
-    if getattr(base, "is_loaded_in_4bit", False):
-        return "4-bit"
-    if getattr(base, "is_loaded_in_8bit", False):
-        return "8-bit"
-    return None
+    """ "4-bit" / "8-bit" (the studio's precision choice) when the model's base weights are quantised (merging
+    is refused), else None."""
+    record = weight_formats.of_model(model)
+    return record.choice if record.quantized and record.merge != "as-is" else None
 
 
 class ExportPanel(Panel):

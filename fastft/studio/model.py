@@ -17,6 +17,7 @@ from pathlib import Path
 import ipywidgets as widgets
 
 import fastft
+import fastft.weight_formats as weight_formats
 from fastft.models.catalog import CATALOG
 from fastft.models.facts import ModelFacts, model_choices, model_facts
 from fastft.models.lora import linear_layer_names, trainable_parameter_count
@@ -458,7 +459,7 @@ class ModelPanel(Panel):
         """Write the controls into the shared state and update the code preview and hints."""
         self.code_view.value = code_html(self.code())
         notes = []
-        if self.precision.value != "16-bit" and not _cuda():
+        if weight_formats.from_choice(self.precision.value).loader == "bitsandbytes" and not _cuda():
             notes.append(
                 f"No CUDA GPU: {self.precision.value} runs through bitsandbytes' CPU backend, which is slow "
                 "(16-bit is faster here)."
@@ -601,7 +602,7 @@ def _dtype_name(info) -> str:
     if info is None:
         return "?"
     if info.quantization:
-        return {"nf4": "4-bit NF4", "int8": "8-bit", "fp8": "FP8 (e4m3)"}[info.quantization]
+        return weight_formats.get(info.quantization).label
     return str(info.dtype).removeprefix("torch.")
 
 

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import fastft.weight_formats as weight_formats
+
 __all__ = [
     "PRECISIONS",
     "LoadSettings",
@@ -38,7 +40,7 @@ __all__ = [
     "Worker",
 ]
 
-PRECISIONS = ("16-bit", "8-bit", "4-bit", "FP8")
+PRECISIONS = tuple(record.choice for record in weight_formats.choices())  # "16-bit", "8-bit", "4-bit"
 
 
 @dataclass
@@ -52,18 +54,16 @@ class LoadSettings:
     def load_kwargs(self) -> dict[str, Any]:
         """The `fastft.load_model` keyword arguments these settings stand for (defaults left out)."""
         kwargs: dict[str, Any] = {"max_seq_length": int(self.max_seq_length)}
-        if self.precision == "4-bit":
-            kwargs["load_in_4bit"] = True
-        elif self.precision == "8-bit":
-            kwargs["load_in_8bit"] = True
-        elif self.precision == "FP8":
-            kwargs["load_in_fp8"] = True
+        load_flag = weight_formats.from_choice(self.precision).load_flag
+        if load_flag is not None:
+            kwargs[load_flag] = True
         return kwargs
 
     @property
     def vram_precision(self) -> str | None:
-        """`fastft.estimate_vram`'s name for the precision: "nf4", "int8", "fp8", or None (bf16 default)."""
-        return {"4-bit": "nf4", "8-bit": "int8", "FP8": "fp8"}.get(self.precision)
+        """`fastft.estimate_vram`'s name for the precision: "nf4", "int8", or None (bf16 default)."""
+        record = weight_formats.from_choice(self.precision)
+        return record.name if record.quantized else None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pathlib import Path
 import ipywidgets as widgets
 import torch
 
+import fastft.weight_formats as weight_formats
 from fastft.data.hub import offline_fix, offline_reason
 from fastft.kernels.capability import kernel_status
 from fastft.models.catalog import CATALOG
@@ -525,6 +526,6 @@ def this_machine_html(precision: str) -> str:
 
     status = kernel_status()
     parts = ["This machine: " + ("fastft's Triton kernels." if status["triton"] else f"{status['reason']}.")]
-    if not torch.cuda.is_available() and LoadSettings(precision=precision).vram_precision in ("nf4", "int8"):
+    if not torch.cuda.is_available() and weight_formats.from_choice(precision).loader == "bitsandbytes":
         parts.append(f"{precision} here runs through bitsandbytes' CPU backend: it trains, slowly.")
     return f"<span style='color:#666;font-size:12px'>{html.escape(' '.join(parts))}</span>"

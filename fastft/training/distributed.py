@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import fastft.weight_formats as weight_formats
 from fastft.checks import SettingError
 from fastft.runtime.model_state import base_model
 from fastft.training.checkpoint import gather_sharded, save_checkpoint
@@ -316,7 +317,7 @@ def shard_model(model: torch.nn.Module, parallel: Distributed) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if any(type(p).__name__ in ("Params4bit", "Int8Params") for p in model.parameters()):
+    if any(weight_formats.of_parameter(p).quantized for p in model.parameters()):
         raise SettingError(
             f"distributed='fsdp' cannot shard a quantised base ({FSDP_LIMITS['quantised base']}). Use "
             "distributed='ddp' for QLoRA, or load the base in 16 bits."

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import fastft.weight_formats as weight_formats
 from fastft.kernels.tiling import dh_slice_rows, mlp_tile_bytes, mlp_tile_rows
 from fastft.models.fusion import FusionPlan, plan
 from fastft.vram.inventory import LayerInfo, LinearInfo, ModelInventory
@@ -70,14 +71,14 @@ def fusion_plan(model_type: str, hidden_act: str | None) -> FusionPlan:
 class Profile:
     """Bytes per element of what a step keeps, and which code path runs each part of a layer."""
 
-    precision: str  # "bf16", "fp16", "fp32", "nf4", "int8"
+    precision: str  # "bf16", "fp16", "fp32", or a quantised weight format's name: "nf4", "int8"
     param: int  # bytes per non-quantised base parameter (4 for a quantised model's fp32 ones)
     residual: int  # residual stream (layer inputs and outputs)
     act: int  # projection outputs / MLP intermediates on the transformers path
     expert: int  # MoE expert activations (the expert weights' dtype)
     compute: int  # autocast compute dtype (fused kernels' saved inputs and intermediates)
     lora_copy: int  # transformers path: per-linear copy of a LoRA'd input (0: the input is saved as is)
-    quantized: str | None  # "nf4", "int8", "fp8" or None
+    quantized: str | None  # the quantised weight format's name ("nf4", "int8", "fp8"), or None
     fused_norms: bool = False
     fused_projections: bool = False
     fused_mlp: bool = False
@@ -96,23 +97,27 @@ class Profile:
     ) -> Profile:
         """`upcast`: a quantised model whose non-quantised weights are fp32 (loaded so, or prepared by peft's
         ``prepare_model_for_kbit_training``; `add_lora` keeps bf16 and fp16 ones as they are)."""
+        quantized = [record for record in weight_formats.quantized() if record.name == precision]
         if precision in ("bf16", "fp16"):
             sizes = dict(param=2, residual=2, act=2, expert=2, compute=2, lora_copy=2, quantized=None)
         elif precision == "fp32":
             sizes = dict(param=4, residual=4, act=4, expert=4, compute=4, lora_copy=0, quantized=None)
-        elif precision in ("nf4", "int8", "fp8") and upcast:
+        elif quantized and upcast:
             sizes = dict(param=4, residual=4, act=4, expert=4, compute=2, lora_copy=2, quantized=precision)
-        elif precision in ("nf4", "int8", "fp8"):
+        elif quantized:
             sizes = dict(param=2, residual=2, act=2, expert=2, compute=2, lora_copy=2, quantized=precision)
         else:
-            raise ValueError(f"precision={precision!r}: use 'bf16', 'fp16', 'fp32', 'nf4', 'int8' or 'fp8'.")
+            names = ", ".join(
+                repr(name) for name in ("bf16", "fp16", "fp32", *weight_formats.quantized_names())
+            )
+            raise ValueError(f"precision={precision!r}: use one of {names}.")
         if residual is not None:
             sizes["residual"] = residual
             if sizes["quantized"]:
                 sizes["act"] = residual  # bitsandbytes returns its input's dtype
         fusion = fusion_plan(model_type, hidden_act)
         patched = fused and fusion.fuses_decoder
-        projections = patched and precision != "int8"
+        projections = patched and (not quantized or quantized[0].fused)
         return cls(
             precision,
             **sizes,

@@ -19,11 +19,11 @@ context and the caching allocator's slack, and is what must fit the GPU.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import fastft.weight_formats as weight_formats
 from fastft.kernels import tiling
 from fastft.runtime.activation_checkpointing import Checkpointing
 from fastft.runtime.host_budget import layers_that_fit, pinnable_bytes, pinned_bytes
@@ -34,11 +34,6 @@ from fastft.vram.inventory import ModelInventory
 from fastft.vram.result import VramComponent, VramEstimate, VramEstimateError, VramSettings, _count
 from fastft.vram.settings import ResolvedRun, resolve_run
 
-# NF4 (bitsandbytes): 4-bit codes, one absmax per block of 64 weights; with double quantisation the absmax
-# are themselves 8-bit, with one fp32 absmax per 256 of them, plus a 16-entry fp32 codebook per weight
-# and a 256-entry fp32 map for the nested state.
-NF4_BLOCK = 64
-NF4_NESTED_BLOCK = 256
 # The fused linear cross-entropy (fastft/kernels/fused_linear_ce.py) keeps one chunk of logits of at most this
 # many bytes (its LOGITS_CHUNK_BYTES for a frozen head, as LoRA leaves it), in the hidden states' dtype.
 FUSED_CE_CHUNK_BYTES = 2**28
@@ -431,30 +426,16 @@ def _weights(inventory: ModelInventory, profile: Profile) -> tuple[int, int, str
     if profile.quantized is None:
         total = (inventory.linear_params + biases + rest) * profile.param
         return total, 0, f"{_count(inventory.total_params)} × {profile.param} B"
-    per_weight = 0.5 if profile.quantized == "nf4" else 1
-    quantized = int(inventory.linear_params * per_weight)
-    if profile.quantized == "nf4":
-        constants = sum(_nf4_constants(linear.weight_params) for linear in inventory.linears)
-    else:  # int8 and fp8: one fp32 scale per output row (`fastft.models.fp8`)
-        constants = sum(4 * linear.out_features for linear in inventory.linears)
+    weight_format = weight_formats.get(profile.quantized)
+    quantized = int(inventory.linear_params * weight_format.bits_per_weight / 8)
+    constants = sum(
+        weight_format.constant_bytes(linear.weight_params, linear.out_features)
+        for linear in inventory.linears
+    )
     kept = (biases + rest) * profile.param
     others = "embeddings, head, norms" + (", experts" if inventory.expert_params else "")
     note = f"{_count(inventory.linear_params)} linear weights in {profile.quantized}, {_count(biases + rest)} in 16-bit ({others})"
     return quantized + kept, constants, note
-
-
-def _nf4_constants(numel: int) -> int:
-    blocks = math.ceil(numel / NF4_BLOCK)
-    # 8-bit absmax per block, fp32 absmax per 256 blocks, fp32 offset, NF4 codebook (16) and nested map (256)
-    return blocks + 4 * math.ceil(blocks / NF4_NESTED_BLOCK) + 4 + 4 * 16 + 4 * 256
-
-
-def _constants_note(profile: Profile) -> str:
-    if profile.quantized == "nf4":
-        return f"absmax per {NF4_BLOCK} weights, double-quantised (8-bit + fp32 per {NF4_NESTED_BLOCK})"
-    if profile.quantized in ("int8", "fp8"):
-        return "one fp32 scale per output row"
-    return "none (16/32-bit weights)"
 
 
 # -- step 3: LoRA adapters, their gradients and the optimizer ------------------------------------------------
@@ -718,12 +699,7 @@ def _dequant_bytes(inventory: ModelInventory, profile: Profile) -> int:
     if profile.quantized is None or not inventory.linears:
         return 0
     largest = max(linear.weight_params for linear in inventory.linears)
-    if profile.quantized == "nf4":
-        # dequantize_4bit → bf16 weight, and the fp32 absmax it first expands from the nested state
-        return largest * 2 + 4 * math.ceil(largest / NF4_BLOCK)
-    if profile.quantized == "fp8":  # the input gradient's transposed e4m3 weight (`fastft.kernels.fp8`)
-        return largest
-    return largest * profile.act  # int8: CB cast to the input's dtype for the input gradient
+    return weight_formats.get(profile.quantized).dense_bytes(largest, profile.act)
 
 
 def _gradients_at_peak(layer_grads: list[int], released: list[int], tokens: int, total: int) -> int:
@@ -799,7 +775,7 @@ def _assemble(
             constants,
             constants,
             "persistent",
-            _constants_note(profile),
+            weight_formats.get(profile.quantized).constants_note,
         ),
         VramComponent(
             "lora",
@@ -898,7 +874,7 @@ def _assemble(
         notes.append(
             "gpt-oss: attention sinks and clamped SwiGLU are approximated by the Llama-style formulas"
         )
-    if gpu_spec is not None and not gpu_spec.bf16 and run.precision in ("bf16", "nf4", "int8"):
+    if gpu_spec is not None and not gpu_spec.bf16 and run.precision not in ("fp16", "fp32"):
         notes.append(f"{gpu_spec.label} has no bf16: training runs in fp16 (the same bytes)")
     settings = VramSettings(
         seq_len=run.seq_len,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import fastft.weight_formats as weight_formats
 from fastft.models.catalog import CATALOG, close_names
 from fastft.models.errors import ModelLoadError, RemoteCodeError, UnknownModelError
 from fastft.models.presets import PRESETS
@@ -136,7 +137,7 @@ class ModelInventory:
 class LoadedModelState:
     """What a loaded model already holds on its device (its real dtypes), for the estimate to reuse."""
 
-    quantization: str | None  # "nf4", "int8", "fp8" or None
+    quantization: str | None  # a quantised `fastft.weight_formats` name ("nf4", "int8", "fp8") or None
     compute_dtype: torch.dtype  # dtype of the 16/32-bit base weights (what autocast runs in)
     weight_bytes: int  # base weights as stored (packed 4-bit, int8, 16/32-bit), LoRA excluded
     quant_constant_bytes: int  # absmax / scales of quantised weights
@@ -468,12 +469,7 @@ def _has_experts_sibling(model: torch.nn.Module, full_name: str) -> bool:
 
 def _logical_numel(parameter: torch.Tensor) -> int:
     """Elements of the unquantised weight (a packed 4-bit tensor holds two per byte)."""
-    import torch
-
-    quant_state = getattr(parameter, "quant_state", None)
-    if quant_state is not None and getattr(quant_state, "shape", None) is not None:
-        return int(torch.Size(quant_state.shape).numel())
-    return parameter.numel()
+    return weight_formats.of_parameter(parameter).logical_numel(parameter)
 
 
 def _layers(
@@ -521,7 +517,7 @@ def _quant_constant_bytes(parameter: torch.Tensor) -> int:
     import torch
 
     total = 0
-    state = getattr(parameter, "quant_state", None)
+    state = weight_formats.frozen_state(parameter)[1]
     if state is not None:
         for tensor in (state.absmax, getattr(state, "code", None), getattr(state, "offset", None)):
             if isinstance(tensor, torch.Tensor):
@@ -542,7 +538,7 @@ def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelS
 
     from fastft.runtime.model_state import state_of
 
-    quantization = None
+    quantized = []  # the quantised formats its weights are stored in
     weight_bytes = constants = lora_params = lora_bytes = 0
     dtypes: dict[torch.dtype, int] = {}
     seen: set[int] = set()
@@ -555,18 +551,16 @@ def _loaded_state(model: torch.nn.Module, base: torch.nn.Module) -> LoadedModelS
             lora_params += parameter.numel()
             lora_bytes += nbytes
             continue
-        kind = type(parameter).__name__
-        if kind == "Params4bit":
-            quantization = "nf4"
-        elif kind == "Int8Params" or parameter.dtype == torch.int8:
-            quantization = quantization or "int8"
-        elif parameter.dtype == torch.float8_e4m3fn:  # fastft.models.fp8: one fp32 scale per output row
-            quantization = quantization or "fp8"
-            constants += 4 * parameter.shape[0]
+        weight_format = weight_formats.of_parameter(parameter)
+        if weight_format.quantized:
+            quantized.append(weight_format)
         else:
             dtypes[parameter.dtype] = dtypes.get(parameter.dtype, 0) + parameter.numel()
         weight_bytes += nbytes
         constants += _quant_constant_bytes(parameter)
+    # a mix (an NF4 model's int8-stored buffers) is named by the first registered format: NF4 before int8
+    found = [record.name for record in weight_formats.quantized() if record in quantized]
+    quantization = found[0] if found else None
     compute = max(dtypes, key=dtypes.get) if dtypes else torch.bfloat16
     if quantization:
         info = getattr(model, "fastft_info", None) or getattr(base, "fastft_info", None)

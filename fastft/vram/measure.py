@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import fastft.weight_formats as weight_formats
 from fastft.vram.estimate import estimate_vram
 from fastft.vram.result import VramEstimate, VramEstimateError
 from fastft.vram.settings import resolve_checkpointing
@@ -61,7 +62,7 @@ def resident_memory(
         return total
 
     def quant_state_tensors(parameter) -> list:
-        state = getattr(parameter, "quant_state", None)
+        state = weight_formats.frozen_state(parameter)[1]
         found = []
         for value in vars(state).values() if state is not None and hasattr(state, "__dict__") else ():
             if isinstance(value, torch.Tensor):

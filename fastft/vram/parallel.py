@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import fastft.weight_formats as weight_formats
 from fastft.vram.result import VramComponent, VramEstimate, VramEstimateError
 
 SHARDINGS = ("ddp", "fsdp")
@@ -58,7 +59,7 @@ def _ddp(estimate: VramEstimate, settings) -> VramEstimate:
 
 
 def _fsdp(estimate: VramEstimate, inventory, world_size: int, settings) -> VramEstimate:
-    if settings.precision in ("nf4", "int8"):
+    if settings.precision in weight_formats.quantized_names():
         raise VramEstimateError(
             f"sharding='fsdp' with precision={settings.precision!r}: FSDP2 cannot shard a quantised base "
             "(fastft.training.distributed.FSDP_LIMITS). Use sharding='ddp', or a 16-bit precision."

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+import fastft.weight_formats as weight_formats
 from fastft.vram.fit import max_context
 from fastft.vram.gpus import GiB, GpuSpec, detect_gpu, get_gpu
 
@@ -103,7 +104,8 @@ def pick_settings(
     per_rank = {"world_size": gpus, "sharding": "ddp"} if gpus > 1 else {}
     chosen = fallback = None
     for model, four_bit in ladder:
-        precision = "nf4" if four_bit else dtype
+        weight_format = weight_formats.from_flags(load_in_4bit=four_bit)
+        precision = weight_format.name if weight_format.quantized else dtype
         longest = max_context(model, card, precision=precision, **per_rank)
         if longest >= context:
             chosen = (model, four_bit, precision, context, longest)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import fastft.weight_formats as weight_formats
 from fastft.runtime.activation_checkpointing import (
     BY_MEMORY,
     KEEP_FROM_LENGTH,
@@ -23,10 +24,10 @@ from fastft.vram.gpus import GpuSpec, detect_gpu, get_gpu
 from fastft.vram.inventory import ModelInventory, inventory_of
 from fastft.vram.result import VramEstimateError
 
-# Function-local imports: `import fastft.vram` and `fastft estimate` run without torch or transformers
-# (tests/faces/test_cli.py).
-
-PRECISIONS = ("bf16", "fp16", "fp32", "nf4", "int8", "fp8")
+DTYPE_PRECISIONS = ("bf16", "fp16", "fp32")  # the dense format's compute dtypes
+# the precisions an estimate answers for: the dtypes, then every quantised `fastft.weight_formats` record
+# (this tuple is the built-in ones; `precisions()` also names a format registered later)
+PRECISIONS = DTYPE_PRECISIONS + weight_formats.quantized_names()
 CHECKPOINTING = BY_MEMORY  # the kinds an estimate answers for (its "auto" is "offload": the GPU's)
 OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
 LOSSES = ("auto", "eager", "fused")
@@ -167,20 +168,19 @@ def _resolve_precision(precision: str | None, loaded) -> str:
             )
         return actual
     precision = precision or "bf16"
-    aliases = {
-        "4bit": "nf4",
-        "4-bit": "nf4",
-        "qlora": "nf4",
-        "8bit": "int8",
-        "8-bit": "int8",
-        "float8": "fp8",
-        "e4m3": "fp8",
-        "bfloat16": "bf16",
-    }
-    precision = aliases.get(precision, precision)
-    if precision not in PRECISIONS:
-        raise VramEstimateError(f"precision={precision!r}: use one of {PRECISIONS}.")
-    return precision
+    if precision == "bfloat16":
+        return "bf16"
+    if precision in DTYPE_PRECISIONS:
+        return precision
+    record = next((f for f in weight_formats.quantized() if precision in (f.name, *f.aliases)), None)
+    if record is None:
+        raise VramEstimateError(f"precision={precision!r}: use one of {precisions()}.")
+    return record.name
+
+
+def precisions() -> tuple[str, ...]:
+    """Every precision an estimate answers for: "bf16", "fp16", "fp32" and the quantised formats' names."""
+    return DTYPE_PRECISIONS + weight_formats.quantized_names()
 
 
 def _dtype_size(dtype) -> int:
