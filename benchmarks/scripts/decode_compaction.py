@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fastft.bench.step import _fastft_model, save_random_checkpoint
+from fastft.bench.harness import fastft_model, save_random_checkpoint
 from fastft.runtime.model_state import model_state
 from fastft.training.objectives.decode import StaticDecoder
 
@@ -24,7 +24,7 @@ out = Path(os.environ.get("OUT", "/tmp/out"))
 results = []
 folder = Path("/tmp/ckpt-1b")
 save_random_checkpoint("meta-llama/Llama-3.2-1B-Instruct", folder)
-model = _fastft_model(str(folder), "bf16", 1024, "auto", torch.device("cuda"))
+model = fastft_model(str(folder), "bf16", 1024, "auto", torch.device("cuda"))
 model.eval()
 vocab = model.get_input_embeddings().weight.shape[0]
 stops = set(range(3, vocab, 100))

@@ -174,7 +174,7 @@ def _save_weights(model_id: str, folder: Path, tiny: bool) -> None:
         return
     import torch
 
-    from fastft.bench.step import save_random_checkpoint
+    from fastft.bench.harness import save_random_checkpoint
 
     save_random_checkpoint(model_id, folder)
     torch.cuda.empty_cache()
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: no step would be timed")
 
-    from fastft.bench.step import _worker_env
+    from fastft.bench.harness import worker_env
 
     results = []
     for name in args.notebooks:
@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--data", str(data), "--steps", str(args.steps), "--warmup", str(args.warmup),
                 "--device", args.device, "--scratch", f"{args.scratch}-{name}-{system}",
             ]  # fmt: skip
-            env = _worker_env(system, args.unsloth_path)
+            env = worker_env(system, args.unsloth_path)
             if args.device == "cpu":
                 env["CUDA_VISIBLE_DEVICES"] = ""
             started = time.perf_counter()

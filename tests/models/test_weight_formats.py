@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
-from fastft.models.export import merged_state_dict
 
 import fastft.weight_formats as weight_formats
+from fastft.models.hf_save import merged_state_dict
 from fastft.models.loading import _LOADERS, load_model
 from fastft.models.lora import add_lora, trainable_parameter_count
 from fastft.models.patch import _frozen_base

@@ -307,7 +307,9 @@ T4_STAND_IN = json.loads(
     (
         Path(__file__).resolve().parents[2]
         / "benchmarks"
-        / "long_context_t4_standin_nf4_fp16_h100_2026-12-07.json"
+        / "results"
+        / "long-context"
+        / "llama3.1-8b_nf4-fp16_h100_2026-12-07_t4-standin.json"
     ).read_text()
 )
 LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
