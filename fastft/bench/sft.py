@@ -64,7 +64,7 @@ import sys
 import time
 from pathlib import Path
 
-from fastft.bench.baselines import hf_model, step_clock, unsloth_model
+from fastft.bench.baselines import hf_model, step_clock, trl_run_settings, unsloth_model
 from fastft.bench.harness import (
     bench_parser,
     ensure_checkpoint,
@@ -225,12 +225,7 @@ def _trl_settings(system: str, args, cuda: bool) -> dict:
         max_length=args.max_seq_length,
         learning_rate=1e-5,
         lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=cuda,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
+        **trl_run_settings(cuda),
         seed=3407,
     )
     if not system.endswith("-defaults"):

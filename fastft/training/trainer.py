@@ -92,6 +92,7 @@ __all__ = [
     "cosine_with_warmup",
     "objective_for",
     "train",
+    "train_with_progress",
 ]
 
 
@@ -770,7 +771,12 @@ def train(
     tqdm bar shows loss, tokens/s and memory. Returns every `StepEvent` and `EvalEvent`.
     """
     trainer = Trainer(model, tokenizer, dataset, eval_dataset, TrainConfig(**config), subscribers)
-    main = trainer.parallel is None or trainer.parallel.is_main  # under torchrun, rank 0 shows the bar
+    return train_with_progress(trainer, progress)
+
+
+def train_with_progress(trainer: Trainer, progress: bool = True) -> TrainResult:
+    """`trainer.train()` with a tqdm bar of loss, tokens/s and memory (under torchrun, on rank 0 only)."""
+    main = trainer.parallel is None or trainer.parallel.is_main
     bar = ProgressBar(trainer.max_steps, initial=0) if progress and main else None
     if bar is not None:
         trainer.subscribe(bar)

@@ -54,10 +54,9 @@ from fastft.training.objectives.rollout import (
     sample,
     tokenize_prompt,
 )
-from fastft.training.progress import ProgressBar
 from fastft.training.readout import StepTimer, device_scalar
 from fastft.training.timing import NULL_PROFILE
-from fastft.training.trainer import Trainer, TrainResult
+from fastft.training.trainer import Trainer, TrainResult, train_with_progress
 
 
 @dataclass
@@ -532,11 +531,4 @@ def grpo(
 
         prompts = load_dataset(prompts)
     trainer = GRPOTrainer(model, tokenizer, prompts, rewards, config, subscribers)
-    bar = ProgressBar(trainer.max_steps, initial=0) if progress else None
-    if bar is not None:
-        trainer.subscribe(bar)
-    try:
-        return trainer.train()
-    finally:
-        if bar is not None:
-            bar.close()
+    return train_with_progress(trainer, progress)
