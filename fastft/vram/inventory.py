@@ -24,7 +24,6 @@ from fastft.models.catalog import CATALOG, close_names
 from fastft.models.errors import ModelLoadError, RemoteCodeError, UnknownModelError
 from fastft.models.presets import PRESETS
 from fastft.models.remote_code import from_pretrained
-from fastft.runtime.model_state import base_model
 
 if TYPE_CHECKING:  # torch and transformers are imported where a model is built or walked: a catalog model's
     import torch  # inventory comes from the shipped cache (`cached_inventory`) without either
@@ -351,6 +350,8 @@ def _inventory_of_own_code(config, name: str) -> ModelInventory:
 
 
 def _inventory_of_loaded(model: torch.nn.Module) -> ModelInventory:
+    from fastft.runtime.model_state import base_model  # imports torch
+
     base = base_model(model)
     info = getattr(model, "fastft_info", None) or getattr(base, "fastft_info", None)
     name = getattr(info, "name", None) or getattr(base.config, "name_or_path", "") or base.config.model_type
@@ -513,11 +514,19 @@ def _layers(
 
 
 def _quant_constant_bytes(parameter: torch.Tensor) -> int:
-    """Bytes of a bitsandbytes weight's constants: absmax (and its nested state), codebook, int8 row scales."""
+    """Bytes of a quantised weight's constants: absmax (and its nested state), codebook, int8 row scales, FP8
+    channel scales."""
     import torch
 
     total = 0
-    state = weight_formats.frozen_state(parameter)[1]
+    weight_format, state = weight_formats.frozen_state(parameter)
+    if (
+        weight_format.quantized
+        and weight_format.state_attribute is None
+        and getattr(parameter, "SCB", None) is None
+    ):
+        # the scales live on the layer, not the weight (FP8's `weight_scale`): counted as its record says
+        return weight_format.constant_bytes(parameter.numel(), parameter.shape[0])
     if state is not None:
         for tensor in (state.absmax, getattr(state, "code", None), getattr(state, "offset", None)):
             if isinstance(tensor, torch.Tensor):

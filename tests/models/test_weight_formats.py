@@ -23,12 +23,13 @@ from fastft.vram.inventory import inventory_of
 from fastft.vram.settings import precisions
 
 # fields that are None by meaning: the dense format loads with no flag, stores no bits of its own, and has
-# no flag, state or dense view; int8 has no state attribute and no dense view (bitsandbytes' forward runs)
+# no flag, state or dense view; int8 has no state attribute and no dense view (bitsandbytes' forward runs);
+# FP8's state (its channel scales) is its layer's `weight_scale` buffer, not an attribute of the weight
 NONE_WHERE = {
     "load_flag": {"16bit"},
     "bits_per_weight": {"16bit"},
     "model_flag": {"16bit"},
-    "state_attribute": {"16bit", "int8"},
+    "state_attribute": {"16bit", "int8", "fp8"},
     "dense_view": {"16bit", "int8"},
 }
 
@@ -59,7 +60,8 @@ def test_every_record_is_complete(record):
         assert record.parameter_types or record.storage_dtypes
         assert weight_formats.from_flags(**{record.load_flag: True}) is record
         assert record.name in precisions()
-        assert record.dense_view is None or record.state_attribute  # a dense view reads the state
+        # a dense view reads the state: the weight's attribute, or (FP8) its layer's scales
+        assert record.dense_view is None or record.state_attribute or record.name == "fp8"
     else:
         assert record.dense_bytes(n, 2) == 0 and record.constant_bytes(n, rows) == 0
 
@@ -68,7 +70,7 @@ def test_names_are_unique_and_unknown_names_are_refused():
     names = [name for record in weight_formats.formats() for name in (record.name, *record.aliases)]
     assert len(names) == len(set(names))
     assert len({record.choice for record in weight_formats.formats()}) == len(weight_formats.formats())
-    assert PRECISIONS == ("16-bit", "8-bit", "4-bit")  # the studio's order: widest first
+    assert PRECISIONS == ("16-bit", "8-bit", "FP8", "4-bit")  # the studio's order: widest first
     with pytest.raises(weight_formats.UnknownWeightFormatError, match="'nf5'.*'nf4'"):
         weight_formats.get("nf5")
     with pytest.raises(ValueError, match="already registered"):
