@@ -101,7 +101,8 @@ export default {
       const now = Math.round(entries[entries.length - 1].contentRect.width);
       if (now === width || now === 0) return;
       width = now;
-      if (drawn) hub().ready.then(P => { if (alive) P.Plots.resize(gd); }).catch(() => {});
+      // the box's own width, not Plots.resize: that measures the drawn svg, which still holds the old width
+      if (drawn) hub().ready.then(P => { if (alive) P.relayout(gd, { width: now }); }).catch(() => {});
     });
     if (observer) observer.observe(el);
     model.on("change:figure", draw);
