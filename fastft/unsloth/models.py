@@ -48,7 +48,6 @@ _UNSUPPORTED_LOAD = {
     "lm_head with modules_to_save",
     "revision": "fastft loads the hub's default revision; download the revision you want and pass its folder",
     "qat_scheme": "fastft has no quantisation-aware training; train 16-bit or QLoRA (load_in_4bit=True)",
-    "load_in_fp8": "fastft has no FP8 LoRA; use load_in_4bit=True (QLoRA) or 16-bit",
 }
 # vLLM's arguments (Unsloth's fast_inference): accepted, with one notice
 _VLLM_LOAD = (
@@ -78,6 +77,7 @@ class FastLanguageModel:
         load_in_8bit: bool = False,
         token: str | None = None,
         trust_remote_code: bool = False,
+        load_in_fp8: bool | str = False,
         **kwargs,
     ):
         """`load_model` under Unsloth's argument names; returns ``(model, tokenizer)``. `model_name` may be
@@ -93,6 +93,11 @@ class FastLanguageModel:
                 "from_pretrained: load_in_16bit=True with load_in_4bit / load_in_8bit: choose one precision "
                 "(load_in_16bit=True alone loads 16-bit weights, as does leaving all three off)."
             )
+        if load_in_fp8 not in (False, True, None):
+            raise ValueError(
+                f"from_pretrained: load_in_fp8 is not supported by fastft as {load_in_fp8!r}: its FP8 weights have one "
+                "scale per output channel (load_in_fp8=True), not Unsloth's block scales; pass load_in_fp8=True."
+            )
         for name, instead in _UNSUPPORTED_LOAD.items():
             if kwargs.pop(name, None) not in (None, False):
                 raise ValueError(
@@ -106,6 +111,7 @@ class FastLanguageModel:
             dtype=dtype,
             load_in_4bit=load_in_4bit,
             load_in_8bit=load_in_8bit,
+            load_in_fp8=bool(load_in_fp8),
             token=token,
             trust_remote_code=trust_remote_code,
             **kwargs,

@@ -209,7 +209,7 @@ def test_every_argument_of_unsloths_from_pretrained_is_taken_applied_or_refused(
     for name, value in [
         ("rope_scaling", {"type": "linear", "factor": 2.0}),
         ("revision", "v1"),
-        ("load_in_fp8", True),
+        ("load_in_fp8", "block"),
         ("qat_scheme", "int4"),
         ("resize_model_vocab", 600),
     ]:
@@ -217,6 +217,8 @@ def test_every_argument_of_unsloths_from_pretrained_is_taken_applied_or_refused(
             FastLanguageModel.from_pretrained("tiny-llama", **{name: value})
     with pytest.raises(ValueError, match="choose one precision"):
         FastLanguageModel.from_pretrained("tiny-llama", load_in_16bit=True, load_in_4bit=True)
+    fp8_model, _ = FastLanguageModel.from_pretrained("tiny-llama", load_in_fp8=True)  # per-channel FP8
+    assert fp8_model.fastft_info.quantization == "fp8"
     for method in ("save_pretrained_ggml", "push_to_hub_ggml", "save_pretrained_torchao"):
         with pytest.raises(NotImplementedError, match="save_pretrained_gguf|save_pretrained_merged"):
             getattr(model, method)("folder", None)
