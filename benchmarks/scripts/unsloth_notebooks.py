@@ -569,18 +569,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_script(argv: list[str], env: dict, timeout: float) -> dict:
     """This script as a worker in its own process; its last JSON line, or the error."""
-    import subprocess
+    from fastft.bench.harness import run_command
 
-    command = [sys.executable, os.path.abspath(__file__), *argv]
-    try:
-        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(completed.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (completed.stderr or completed.stdout).strip().splitlines()[-8:]
-    return {"error": " | ".join(tail) or f"exit code {completed.returncode}"}
+    return run_command([sys.executable, os.path.abspath(__file__), *argv], env, timeout)
 
 
 if __name__ == "__main__":

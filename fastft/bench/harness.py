@@ -136,7 +136,11 @@ def worker_env(system: str, unsloth_path: str | None) -> dict:
 
 def run_in_process(argv: list[str], env: dict, timeout: float, module: str) -> dict:
     """Run a benchmark's worker (`module` with `argv`) in its own process; its last JSON line, or the error."""
-    command = [sys.executable, "-m", module, *argv]
+    return run_command([sys.executable, "-m", module, *argv], env, timeout)
+
+
+def run_command(command: list[str], env: dict, timeout: float) -> dict:
+    """Run a worker `command` in its own process; its last JSON line, or the error (its output's tail)."""
     try:
         completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
