@@ -82,12 +82,15 @@ def offline_reason() -> str | None:
 
 @contextlib.contextmanager
 def hub_offline_while_importing():
-    """Around the first import of bitsandbytes (peft imports it): huggingface_hub in offline mode. bitsandbytes'
-    CPU backend asks the hub for a kernel (the `kernels` package) when it is imported, a kernel fastft never
-    calls (NF4 is dequantised by its own kernels): a connection nobody asked for, at ``import peft``, and where
-    connections to the hub hang (a firewall that drops packets) a wait of a minute and more. The switch is
-    huggingface_hub's own, set only for the import and put back after; nothing is tried first, so no socket is
-    opened (with bitsandbytes already imported, or `kernels` absent, nothing changes)."""
+    """Imports bitsandbytes (where it is installed and not yet imported) with huggingface_hub in offline mode,
+    then runs the block. bitsandbytes' CPU backend asks the hub for a kernel (the `kernels` package) when it is
+    imported, a kernel fastft never calls (NF4 is dequantised by its own kernels): a connection nobody asked
+    for and, where connections to the hub hang (a firewall that drops packets), a wait of a minute and more.
+    peft up to 0.21 imported bitsandbytes with ``import peft``; peft 0.22 imports it inside `get_peft_model`,
+    so the import is made here, not left to whichever library comes first. The switch is huggingface_hub's
+    own, set only for the import and put back after; nothing is tried first, so no socket is opened (with
+    bitsandbytes already imported, or `kernels` absent, nothing changes). A bitsandbytes that fails to import
+    is left for its first user to report (the failed import is not cached, so that user sees the error)."""
     if (
         "bitsandbytes" in sys.modules
         or importlib.util.find_spec("bitsandbytes") is None
@@ -101,6 +104,8 @@ def hub_offline_while_importing():
     saved = constants.HF_HUB_OFFLINE
     constants.HF_HUB_OFFLINE = True
     try:
+        with contextlib.suppress(Exception):  # reported by its first user, who imports it again
+            importlib.import_module("bitsandbytes")
         yield
     finally:
         constants.HF_HUB_OFFLINE = saved
