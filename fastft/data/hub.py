@@ -81,19 +81,20 @@ def offline_reason() -> str | None:
 
 
 @contextlib.contextmanager
-def hub_offline_while_importing():
-    """Imports bitsandbytes (where it is installed and not yet imported) with huggingface_hub in offline mode,
-    then runs the block. bitsandbytes' CPU backend asks the hub for a kernel (the `kernels` package) when it is
-    imported, a kernel fastft never calls (NF4 is dequantised by its own kernels): a connection nobody asked
-    for and, where connections to the hub hang (a firewall that drops packets), a wait of a minute and more.
-    peft up to 0.21 imported bitsandbytes with ``import peft``; peft 0.22 imports it inside `get_peft_model`,
-    so the import is made here, not left to whichever library comes first. The switch is huggingface_hub's
-    own, set only for the import and put back after; nothing is tried first, so no socket is opened (with
-    bitsandbytes already imported, or `kernels` absent, nothing changes). A bitsandbytes that fails to import
-    is left for its first user to report (the failed import is not cached, so that user sees the error)."""
+def hub_offline_while_importing(module: str):
+    """Imports `module` (where it is installed and not yet imported) with huggingface_hub in offline mode, then
+    runs the block. The caller names bitsandbytes: its CPU backend asks the hub for a kernel (the `kernels`
+    package) when it is imported, a kernel fastft never calls (NF4 is dequantised by its own kernels): a
+    connection nobody asked for and, where connections to the hub hang (a firewall that drops packets), a wait
+    of a minute and more. peft up to 0.21 imported bitsandbytes with ``import peft``; peft 0.22 imports it
+    inside `get_peft_model`, so the import is made here, not left to whichever library comes first. The switch
+    is huggingface_hub's own, set only for the import and put back after; nothing is tried first, so no socket
+    is opened (with the module already imported, or `kernels` absent, nothing changes). A module that fails to
+    import is left for its first user to report (the failed import is not cached, so that user sees the
+    error)."""
     if (
-        "bitsandbytes" in sys.modules
-        or importlib.util.find_spec("bitsandbytes") is None
+        module in sys.modules
+        or importlib.util.find_spec(module) is None
         or importlib.util.find_spec("kernels") is None
         or _env_offline()
     ):
@@ -105,7 +106,7 @@ def hub_offline_while_importing():
     constants.HF_HUB_OFFLINE = True
     try:
         with contextlib.suppress(Exception):  # reported by its first user, who imports it again
-            importlib.import_module("bitsandbytes")
+            importlib.import_module(module)
         yield
     finally:
         constants.HF_HUB_OFFLINE = saved

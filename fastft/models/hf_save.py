@@ -26,7 +26,7 @@ from fastft.runtime.model_state import base_model
 # `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora).
 from fastft.weight_formats import frozen_state
 
-with hub_offline_while_importing():  # bitsandbytes, which peft imports, asks the hub for a kernel
+with hub_offline_while_importing("bitsandbytes"):  # peft imports it; it asks the hub for a kernel
     from peft import PeftModel
 
 

@@ -160,7 +160,9 @@ def _bitsandbytes_config(record, compute_dtype: torch.dtype, device: torch.devic
     bits = f"{width} ({kind})" if kind else width
 
     try:
-        with hub_offline_while_importing():  # its CPU backend asks the hub for a kernel at import
+        with hub_offline_while_importing(
+            "bitsandbytes"
+        ):  # its CPU backend asks the hub for a kernel at import
             import bitsandbytes  # noqa: F401
     except ImportError as error:
         raise QuantizationError(

@@ -32,7 +32,7 @@ from fastft.runtime.activation_checkpointing import Checkpointing
 from fastft.runtime.model_state import base_model, is_quantised, model_state
 from fastft.runtime.offload import disable_offload, enable_offload
 
-with hub_offline_while_importing():  # bitsandbytes, which peft imports, asks the hub for a kernel
+with hub_offline_while_importing("bitsandbytes"):  # peft imports it; it asks the hub for a kernel
     from peft import LoraConfig, PeftModel, get_peft_model
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the stacked expert parameters an ``experts`` target adapts
