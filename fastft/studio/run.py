@@ -14,8 +14,6 @@ any checkpoint.
 from __future__ import annotations
 
 import contextlib
-import html
-import math
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,13 +40,15 @@ from fastft.studio.process_run import ProcessRun
 from fastft.studio.run_code import run_code, train_kwargs
 from fastft.studio.run_control import Run, RunLifecycle, explain
 from fastft.studio.run_folder import fresh_folder
-from fastft.studio.run_readout import RunReadout, duration, status_line
+from fastft.studio.run_readout import RunReadout, ending, status_line, where_html
 from fastft.studio.run_settings import (
     DPO_LOSSES,
     METHODS,
     PREFERENCE_METHODS,
     TRAIN_IN,
     RunTarget,
+    fit_warning,
+    missing_for_start,
     run_problems,
 )
 from fastft.studio.runs import RunsView
@@ -57,7 +57,6 @@ from fastft.training.objectives.grpo import GRPOConfig
 from fastft.training.objectives.preference import DEFAULT_BETA
 from fastft.training.tracking import make_trackers
 from fastft.training.trainer import TrainConfig
-from fastft.vram import fits
 
 __all__ = [
     "METHODS",
@@ -463,25 +462,16 @@ class RunPanel(Panel):
         state = self.state
         if self.run is not None and self.run.active:
             raise RuntimeError("A run is already going: stop it first (Stop), or wait for it to finish.")
-        if state.model is None or state.tokenizer is None:
-            raise RuntimeError(
-                "No model yet. Fix: load one in the Model tab (or fastft.load_model + add_lora)."
-            )
-        if state.packed is None and self.method.value != "grpo":
-            raise RuntimeError(
-                "No packed data yet. Fix: load and pack a dataset in the Data tab (fastft.pack)."
-            )
-        if not any(p.requires_grad for p in state.model.parameters()):
-            raise RuntimeError(
-                "The model has no LoRA adapters to train. Fix: apply LoRA in the Model tab (fastft.add_lora)."
-            )
+        missing = missing_for_start(state, self.method.value)
+        if missing:
+            raise RuntimeError(missing)
         config = self.train_config()
         found = self.problems()
         errors = [text for kind, text in found if kind == "error"]
         if errors:
             raise ValueError(" ".join(errors))
         notes = [text for kind, text in found if kind == "warn"]
-        notes += self._fit_warning(config)
+        notes += fit_warning(state, config)
         run = self._new_run(config, notes)
         if isinstance(run, Run) and self.trackers:
             self._track(run, config)
@@ -566,18 +556,6 @@ class RunPanel(Panel):
         if self._ticker is not None:
             self._ticker.stop()
         super().close()
-
-    def _fit_warning(self, config) -> list[str]:
-        """On a GPU: the estimator's verdict for this run, when it says the run will not fit."""
-        try:
-            device = next(self.state.model.parameters()).device
-            if device.type != "cuda" or not torch.cuda.is_available():
-                return []
-            seq = self.state.packed.max_seq_length
-            verdict = fits(self.state.model, seq, gpu="auto", batch_tokens=seq * config.micro_batch_bins)
-            return [] if verdict.fits else [verdict.message]
-        except Exception:  # noqa: BLE001 - the estimate is advice; never block a run on it
-            return []
 
     def _on_pause(self, _button=None) -> None:
         run = self.run
@@ -665,20 +643,7 @@ class RunPanel(Panel):
         if self._closed or run is not self.run:
             return
         self.refresh(final=True)
-        if run.error is not None:
-            self._show(run.error_message, "error", "The run stopped")
-        elif run.status == "stopped":
-            where = f" Last checkpoint: {run.checkpoints[-1]}." if run.checkpoints else ""
-            self._show(f"Stopped at step {run.step}.{where}", "warn")
-        else:
-            final = run.result.final_loss
-            where = f" Checkpoint: {run.checkpoints[-1]}." if run.checkpoints else ""
-            loss = f" with loss {final:.4f}" if final is not None and math.isfinite(final) else ""
-            attention = f" Attention: {run.result.attention}." if run.result.attention else ""
-            self._show(
-                f"Finished {run.step} steps in {duration(run.elapsed_seconds)}{loss}.{where}{attention}",
-                "ok",
-            )
+        self._show(*ending(run))
         self._update_buttons()
         self._update_where()
         self.runs.refresh()
@@ -690,41 +655,7 @@ class RunPanel(Panel):
 
     def _update_where(self) -> None:
         """One line on where the run trains: this kernel, or a child process (its pid, folder and log)."""
-
-        run = self.run
-        if isinstance(run, ProcessRun):
-            alive = "running" if run.active else "ended"
-            parts = [
-                f"In a child process: pid {run.pid} ({alive})",
-                f"folder {run.folder}",
-                f"log {run.log_path}",
-            ]
-            if run.threads_note:
-                parts.append(f"CPU threads {run.threads_note}")
-            text = html.escape(" · ".join(parts))
-            if run.traceback:
-                text += (
-                    "<details><summary>the worker's traceback</summary><pre style='white-space:pre-wrap'>"
-                    f"{html.escape(run.traceback)}</pre></details>"
-                )
-            self.where.value = status_html(text, "info", raw=True)
-            return
-        if isinstance(run, Run) and run.active:
-            threads = f" · CPU threads {run.threads_note}" if run.threads_note else ""
-            self.where.value = status_html(f"In this kernel: the model object is trained{threads}.", "info")
-            return
-        if isinstance(run, LaunchedRun) and run.active:
-            self.where.value = status_html(
-                f"On {run.processes} processes (torchrun) · log {run.log_path}", "info"
-            )
-            return
-        if self.in_process:
-            text = "Start trains in a child process: the run goes on if the kernel restarts."
-        elif self.processes.value > 1:
-            text = f"Start trains on {self.processes.value} processes (torchrun)."
-        else:
-            text = "Start trains in this kernel: the model object holds the trained weights afterwards."
-        self.where.value = status_html(text, "info")
+        self.where.value = where_html(self.run, self.in_process, self.processes.value)
 
     def _update_buttons(self) -> None:
         run = self.run

@@ -8,6 +8,7 @@ calls `take` and `tick` a few times a second, never from inside a training step.
 from __future__ import annotations
 
 import html
+import math
 import time
 
 import ipywidgets as widgets
@@ -15,13 +16,17 @@ import ipywidgets as widgets
 from fastft.data.rewards import reward_name
 from fastft.report.figures import phases_figure, run_dashboard_figure
 from fastft.studio.grpo import grpo_figure, rollout_html
+from fastft.studio.launched import LaunchedRun
 from fastft.studio.live import Ema, LiveFigure, SeriesBuffer
+from fastft.studio.notices import status_html
 from fastft.studio.preference import preference_figure
+from fastft.studio.process_run import ProcessRun
+from fastft.studio.run_control import Run
 from fastft.studio.run_settings import PREFERENCE_METHODS
 from fastft.training.events import EvalEvent, StepEvent
 from fastft.training.timing import phase_table
 
-__all__ = ["RunReadout", "duration", "status_line"]
+__all__ = ["RunReadout", "duration", "ending", "status_line", "where_html"]
 
 _BAR_STYLES = {"failed": "danger", "finished": "success", "stopped": "warning"}
 
@@ -274,3 +279,54 @@ def _speed_parts(recent: list[StepEvent]) -> list[str]:
     if replayed:  # chat data replays too: its micro-batches are padded to one shape
         parts.append(f"CUDA graph: {replayed}/{sum(e.micro_batches for e in recent)} micro-batches replayed")
     return parts
+
+
+def ending(run) -> tuple[str, str, str | None]:
+    """How `run` ended, as the panel says it: its text, kind ("error", "warn", "ok") and title."""
+    if run.error is not None:
+        return run.error_message, "error", "The run stopped"
+    if run.status == "stopped":
+        where = f" Last checkpoint: {run.checkpoints[-1]}." if run.checkpoints else ""
+        return f"Stopped at step {run.step}.{where}", "warn", None
+    final = run.result.final_loss
+    where = f" Checkpoint: {run.checkpoints[-1]}." if run.checkpoints else ""
+    loss = f" with loss {final:.4f}" if final is not None and math.isfinite(final) else ""
+    attention = f" Attention: {run.result.attention}." if run.result.attention else ""
+    return (
+        f"Finished {run.step} steps in {duration(run.elapsed_seconds)}{loss}.{where}{attention}",
+        "ok",
+        None,
+    )
+
+
+def where_html(run, in_process: bool, processes: int) -> str:
+    """Where `run` trains (a child process: its pid, folder, log and any traceback; this kernel; torchrun),
+    or with none going, where Start would train it (`in_process`, on `processes` processes)."""
+    if isinstance(run, ProcessRun):
+        alive = "running" if run.active else "ended"
+        parts = [
+            f"In a child process: pid {run.pid} ({alive})",
+            f"folder {run.folder}",
+            f"log {run.log_path}",
+        ]
+        if run.threads_note:
+            parts.append(f"CPU threads {run.threads_note}")
+        text = html.escape(" · ".join(parts))
+        if run.traceback:
+            text += (
+                "<details><summary>the worker's traceback</summary><pre style='white-space:pre-wrap'>"
+                f"{html.escape(run.traceback)}</pre></details>"
+            )
+        return status_html(text, "info", raw=True)
+    if isinstance(run, Run) and run.active:
+        threads = f" · CPU threads {run.threads_note}" if run.threads_note else ""
+        return status_html(f"In this kernel: the model object is trained{threads}.", "info")
+    if isinstance(run, LaunchedRun) and run.active:
+        return status_html(f"On {run.processes} processes (torchrun) · log {run.log_path}", "info")
+    if in_process:
+        text = "Start trains in a child process: the run goes on if the kernel restarts."
+    elif processes > 1:
+        text = f"Start trains on {processes} processes (torchrun)."
+    else:
+        text = "Start trains in this kernel: the model object holds the trained weights afterwards."
+    return status_html(text, "info")

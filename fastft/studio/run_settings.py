@@ -9,12 +9,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fastft.data.pairs import PackedPairs
 from fastft.data.rewards import RewardError, check_columns
 from fastft.studio.grpo import reward_functions
 from fastft.training.tracking import tracking_problems
+from fastft.vram import fits
 
-__all__ = ["DPO_LOSSES", "METHODS", "PREFERENCE_METHODS", "TRAIN_IN", "RunTarget", "run_problems"]
+__all__ = [
+    "DPO_LOSSES",
+    "METHODS",
+    "PREFERENCE_METHODS",
+    "TRAIN_IN",
+    "RunTarget",
+    "fit_warning",
+    "missing_for_start",
+    "run_problems",
+]
 
 # The Run tab's method choice: value → label. The preference methods train on pairs (the Data tab packs them
 # with `fastft.pack_pairs`); GRPO on the loaded rows' prompts, scored by the chosen rewards
@@ -38,6 +50,30 @@ class RunTarget:
     trackers: list[str]
     reward_keys: list[str]
     model_name: str | None
+
+
+def missing_for_start(state, method: str) -> str | None:
+    """What Start needs and `state` lacks (a model, packed data unless GRPO, LoRA adapters), with the fix."""
+    if state.model is None or state.tokenizer is None:
+        return "No model yet. Fix: load one in the Model tab (or fastft.load_model + add_lora)."
+    if state.packed is None and method != "grpo":
+        return "No packed data yet. Fix: load and pack a dataset in the Data tab (fastft.pack)."
+    if not any(p.requires_grad for p in state.model.parameters()):
+        return "The model has no LoRA adapters to train. Fix: apply LoRA in the Model tab (fastft.add_lora)."
+    return None
+
+
+def fit_warning(state, config) -> list[str]:
+    """On a GPU: the estimator's verdict for this run of `state`'s model, when it says the run will not fit."""
+    try:
+        device = next(state.model.parameters()).device
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return []
+        seq = state.packed.max_seq_length
+        verdict = fits(state.model, seq, gpu="auto", batch_tokens=seq * config.micro_batch_bins)
+        return [] if verdict.fits else [verdict.message]
+    except Exception:  # noqa: BLE001 - the estimate is advice; never block a run on it
+        return []
 
 
 def run_problems(config, state, target: RunTarget) -> Problems:
