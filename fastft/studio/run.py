@@ -325,7 +325,6 @@ class RunPanel(Panel):
         self.state.notify("run")
 
     # -- settings and code ---------------------------------------------------------------------------
-    # -- settings and code ---------------------------------------------------------------------------
     def train_config(self):
         """The `TrainConfig` the controls describe, a `GRPOConfig` for GRPO (its errors name the field and
         the fix)."""
