@@ -20,6 +20,7 @@ import importlib
 import logging
 import warnings
 
+from fastft.lazy_exports import lazy_export as _lazy_export
 from fastft.runtime import keep_fit as _keep_fit
 
 __version__ = "0.1.0"
@@ -165,12 +166,7 @@ def __getattr__(name: str):
         value = importlib.import_module(_MODULES[name])
         globals()[name] = value
         return value
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fastft' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _lazy_export(globals(), _EXPORTS, name)
 
 
 def __dir__() -> list[str]:

@@ -10,9 +10,10 @@ panel or the studio is first used.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
+
+from fastft.lazy_exports import lazy_export as _lazy_export
 
 # Function-local imports: `fastft.studio` stays light until it is called (tests/faces/test_studio.py).
 
@@ -41,12 +42,7 @@ def studio(*args, **kwargs):
 
 
 def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fastft.studio' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _lazy_export(globals(), _EXPORTS, name)
 
 
 def __dir__() -> list[str]:

@@ -218,30 +218,23 @@ class ExportPanel(Panel):
 
     # -- save and merge ------------------------------------------------------------------------------------
     def _on_save_adapter(self, _button=None) -> None:
-        problem = self._ready()
-        if problem:
-            self._show(problem, "error")
-            return
         folder = self.adapter_dir.value.strip()
-        if not folder:
-            self._show("Name a folder for the adapter.", "error")
-            return
-        self._show(f"Saving the adapter to {folder}…", "busy")
-        self.worker.start(lambda: self._job(self._save_adapter, folder))
+        if not self._refused(folder, "Name a folder for the adapter."):
+            self._start(f"Saving the adapter to {folder}…", self._save_adapter, folder)
+
+    def _write(self, save, folder: str):
+        """`save(model, folder, tokenizer)` of the state's model; the path it wrote is kept as `last_saved`."""
+        path = save(self.state.model, folder, self.state.tokenizer)
+        self.last_saved = str(path)
+        return path
 
     def _save_adapter(self, folder: str) -> str:
-
-        path = save_adapter(self.state.model, folder, self.state.tokenizer)
-        self.last_saved = str(path)
+        path = self._write(save_adapter, folder)
         self.state.mark_saved(str(path))  # loading another model will not save this adapter again
         return f"Adapter saved to {path}. Load it with peft.PeftModel.from_pretrained(base_model, {str(path)!r})."
 
     def _on_merge(self, _button=None) -> None:
-        problem = self._ready()
-        if problem:
-            self._show(problem, "error")
-            return
-        bits = quantized_base(self.state.model)
+        bits = None if self._ready() else quantized_base(self.state.model)
         if bits:
             self._show(
                 f"This model's base is loaded in {bits}, and merging into quantised weights is "
@@ -253,16 +246,11 @@ class ExportPanel(Panel):
             )
             return
         folder = self.merged_dir.value.strip()
-        if not folder:
-            self._show("Name a folder for the merged model.", "error")
-            return
-        self._show(f"Merging into a 16-bit model in {folder}…", "busy")
-        self.worker.start(lambda: self._job(self._merge, folder))
+        if not self._refused(folder, "Name a folder for the merged model."):
+            self._start(f"Merging into a 16-bit model in {folder}…", self._merge, folder)
 
     def _merge(self, folder: str) -> str:
-
-        path = save_merged(self.state.model, folder, self.state.tokenizer)
-        self.last_saved = str(path)
+        path = self._write(save_merged, folder)
         return f"Merged 16-bit model saved to {path}; transformers.AutoModelForCausalLM.from_pretrained loads it."
 
     # -- GGUF / Ollama ---------------------------------------------------------------------------------------
@@ -280,20 +268,13 @@ class ExportPanel(Panel):
         self.gguf_path.description = "GGUF path" if self.gguf_format.value == "gguf" else "Ollama folder"
 
     def _on_gguf(self, _button=None) -> None:
-        problem = self._ready()
-        if problem:
-            self._show(problem, "error")
-            return
         target = self.gguf_path.value.strip()
-        if not target:
-            self._show("Name a file (model.gguf) or an Ollama folder.", "error")
+        if self._refused(target, "Name a file (model.gguf) or an Ollama folder."):
             return
         self.gguf_progress.value, self.gguf_progress.max, self.gguf_progress.bar_style = 0, 1, "info"
         self.gguf_check.value = ""
-        self._show(f"Exporting to {target}…", "busy")
-        self.worker.start(
-            lambda: self._job(self._export_gguf, self.gguf_format.value, target, self.gguf_quantization.value)
-        )
+        kind, quantization = self.gguf_format.value, self.gguf_quantization.value
+        self._start(f"Exporting to {target}…", self._export_gguf, kind, target, quantization)
 
     def _gguf_progress(self, stage: str, done: int, total: int) -> None:
         self.gguf_progress.max = max(total, 1)
@@ -323,6 +304,19 @@ class ExportPanel(Panel):
         )
         return f"Exported {where}. {result.check.message() if result.check else ''}"
 
+    def _refused(self, value: str, missing: str) -> bool:
+        """Whether a button's job cannot start: nothing can be exported now (`_ready`), or `value` (a folder,
+        a path or a prompt) is blank, `missing` saying what to fill in. The reason is shown."""
+        problem = self._ready() or (None if value.strip() else missing)
+        if problem:
+            self._show(problem, "error")
+        return problem is not None
+
+    def _start(self, busy: str, function, *args) -> None:
+        """Say `busy`, then run `function(*args)` on the panel's worker (its answer or error shown)."""
+        self._show(busy, "busy")
+        self.worker.start(lambda: self._job(function, *args))
+
     def _job(self, function, *args) -> None:
         try:
             self._show(function(*args), "ok")
@@ -331,22 +325,13 @@ class ExportPanel(Panel):
 
     # -- generation ----------------------------------------------------------------------------------------
     def _on_generate(self, _button=None) -> None:
-        problem = self._ready()
-        if problem:
-            self._show(problem, "error")
-            return
         prompt = self.prompt.value
-        if not prompt.strip():
-            self._show("Type a prompt first.", "error")
+        if self._refused(prompt, "Type a prompt first."):
             return
         self.completion, self.updates = "", 0
         self.answer.value = ""
-        self._show("Generating…", "busy")
-        self.worker.start(
-            lambda: self._job(
-                self._generate, prompt, int(self.max_new_tokens.value), float(self.temperature.value)
-            )
-        )
+        max_new_tokens, temperature = int(self.max_new_tokens.value), float(self.temperature.value)
+        self._start("Generating…", self._generate, prompt, max_new_tokens, temperature)
 
     def _generate(self, prompt: str, max_new_tokens: int, temperature: float) -> str:
         """Stream the answer into `answer`: generation on its own thread, tokens read here as they come."""

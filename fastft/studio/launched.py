@@ -139,11 +139,7 @@ class LaunchedRun(RunLifecycle):
     def start(self) -> LaunchedRun:
         """Write the run's files and start torchrun; returns at once (a watcher thread follows it)."""
 
-        with self._lock:
-            if self._status != "created":
-                raise RuntimeError(f"This run was already started ({self._status}); create a new one.")
-            self._status = "starting"
-            self.started_at = time.monotonic()
+        self._begin("create a new one")
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             for stale in (self.events_path, self.log_path, self.trained_path / "adapter_model.safetensors"):

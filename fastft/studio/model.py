@@ -22,7 +22,7 @@ from fastft.models.catalog import CATALOG
 from fastft.models.facts import ModelFacts, model_choices, model_facts
 from fastft.models.lora import linear_layer_names, trainable_parameter_count
 from fastft.models.patch import patch_report, unpatch
-from fastft.models.presets import PRESETS
+from fastft.models.presets import DEFAULT_PRESET, PRESETS
 from fastft.runtime.activation_checkpointing import KINDS as CHECKPOINTING_KINDS
 from fastft.runtime.activation_checkpointing import Checkpointing
 from fastft.runtime.model_state import base_model, state_of
@@ -53,6 +53,13 @@ __all__ = [
 _WIDE = LABEL_STYLE
 
 
+def _number(cls, value, description: str, **bounds):
+    """A number field of the panel: a short box (a few digits) behind its label."""
+    return cls(
+        value=value, description=description, layout=field("14em", max_width="20em"), style=_WIDE, **bounds
+    )
+
+
 class ModelPanel(Panel):
     """Pick and load a model with LoRA adapters; shares what it loads through `StudioState`.
 
@@ -72,10 +79,38 @@ class ModelPanel(Panel):
         self._loading = False
         state = self.state
         if state.model_name is None:
-            from fastft.models.presets import DEFAULT_PRESET
-
             state.model_name = DEFAULT_PRESET
+        self._build_model_controls()
+        self._build_lora_controls()
+        self.status = widgets.HTML()
+        self.saved_note = widgets.HTML()  # where the adapter of the model a Load replaced was saved
+        self.error = widgets.HTML()
+        self._failed_load: tuple[str, str] | None = None  # the (name, precision) a Load error is about
+        self.summary = widgets.HTML()
+        self.code_view = widgets.HTML()
+        self.widget = self._layout()
 
+        self._describe_later = Debouncer(self._describe)
+        self.model_name.observe(self._on_pick, names="value")
+        for control in (self.precision, self.max_seq_length):
+            control.observe(self._on_load_settings, names="value")
+        for control in (self.rank, self.alpha, self.dropout, self.gradient_checkpointing):
+            control.observe(self._on_lora_settings, names="value")
+        self.load_button.on_click(lambda _: self.load())
+        self.apply_button.on_click(lambda _: self.apply_lora())
+        state.observe(self._on_state, ("model", "plan"))
+
+        self.info.value = facts_html(model_facts(self.model_name.value))
+        if state.model is not None:  # a studio re-run on a kept state: show what is loaded
+            self._loaded_name = getattr(getattr(state.model, "fastft_info", None), "name", state.model_name)
+            self._show_loaded()
+        else:
+            self._set_targets([])
+        self._refresh()
+
+    def _build_model_controls(self) -> None:
+        """The model to load, how to load it (precision, max length), Load and Apply LoRA, and its facts."""
+        state = self.state
         self.model_name = widgets.Combobox(
             value=state.model_name,
             options=model_choices(),
@@ -99,41 +134,21 @@ class ModelPanel(Panel):
             description="Precision",
             style=_WIDE,
         )
-        self.max_seq_length = widgets.BoundedIntText(
-            value=state.load_settings.max_seq_length,
+        self.max_seq_length = _number(
+            widgets.BoundedIntText,
+            state.load_settings.max_seq_length,
+            "Max length",
             min=16,
             max=1 << 20,
             step=64,
-            description="Max length",
-            layout=field("14em", max_width="20em"),
-            style=_WIDE,
         )
-        lora = state.lora_settings
-        self.rank = widgets.BoundedIntText(
-            value=lora.r,
-            min=1,
-            max=4096,
-            description="LoRA rank",
-            layout=field("14em", max_width="20em"),
-            style=_WIDE,
-        )
-        self.alpha = widgets.BoundedFloatText(
-            value=lora.alpha,
-            min=0.0,
-            max=65536.0,
-            description="Alpha",
-            layout=field("14em", max_width="20em"),
-            style=_WIDE,
-        )
-        self.dropout = widgets.BoundedFloatText(
-            value=lora.dropout,
-            min=0.0,
-            max=0.9,
-            step=0.05,
-            description="Dropout",
-            layout=field("14em", max_width="20em"),
-            style=_WIDE,
-        )
+
+    def _build_lora_controls(self) -> None:
+        """The LoRA adapters' settings and target layers (their checkboxes filled after Load)."""
+        lora = self.state.lora_settings
+        self.rank = _number(widgets.BoundedIntText, lora.r, "LoRA rank", min=1, max=4096)
+        self.alpha = _number(widgets.BoundedFloatText, lora.alpha, "Alpha", min=0.0, max=65536.0)
+        self.dropout = _number(widgets.BoundedFloatText, lora.dropout, "Dropout", min=0.0, max=0.9, step=0.05)
         self.gradient_checkpointing = widgets.Dropdown(
             options=[(Checkpointing(kind).label, kind) for kind in CHECKPOINTING_KINDS],
             value=lora.gradient_checkpointing,
@@ -144,17 +159,9 @@ class ModelPanel(Panel):
         self.target_checkboxes: dict[str, widgets.Checkbox] = {}
         self.targets = widgets.HBox(layout=widgets.Layout(flex_flow="row wrap", flex="1 1 20em"))
         self.targets_note = widgets.HTML()
-        self.status = widgets.HTML()
-        self.saved_note = widgets.HTML()  # where the adapter of the model a Load replaced was saved
-        self.error = widgets.HTML()
-        self._failed_load: tuple[str, str] | None = (
-            None  # the (name, precision) whose Load the error is about
-        )
-        self.summary = widgets.HTML()
-        self.code_view = widgets.HTML()
-        code = code_section(self.code_view)
 
-        self.widget = widgets.VBox(
+    def _layout(self) -> widgets.VBox:
+        return widgets.VBox(
             [
                 widgets.HTML("<b>1. Pick a model</b>"),
                 row([self.model_name, self.load_button, self.apply_button]),
@@ -169,27 +176,9 @@ class ModelPanel(Panel):
                 self.saved_note,
                 self.error,
                 self.summary,
-                code,
+                code_section(self.code_view),
             ]
         )
-
-        self._describe_later = Debouncer(self._describe)
-        self.model_name.observe(self._on_pick, names="value")
-        for control in (self.precision, self.max_seq_length):
-            control.observe(self._on_load_settings, names="value")
-        for control in (self.rank, self.alpha, self.dropout, self.gradient_checkpointing):
-            control.observe(self._on_lora_settings, names="value")
-        self.load_button.on_click(lambda _: self.load())
-        self.apply_button.on_click(lambda _: self.apply_lora())
-        state.observe(self._on_state, ("model", "plan"))
-
-        self.info.value = facts_html(model_facts(self.model_name.value))
-        if state.model is not None:  # a studio re-run on a kept state: show what is loaded
-            self._loaded_name = getattr(getattr(state.model, "fastft_info", None), "name", state.model_name)
-            self._show_loaded()
-        else:
-            self._set_targets([])
-        self._refresh()
 
     # ------------------------------------------------------------------------------------------ actions
 

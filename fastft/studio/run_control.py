@@ -53,6 +53,15 @@ class RunLifecycle:
                 return
         callback(self)
 
+    def _begin(self, instead: str) -> None:
+        """Move a created run to "starting" and start its clock (`started_at`); a run started before is
+        refused, the error saying what to do `instead`."""
+        with self._lock:
+            if self._status != "created":
+                raise RuntimeError(f"This run was already started ({self._status}); {instead}.")
+            self._status = "starting"
+            self.started_at = time.monotonic()
+
     @property
     def status(self) -> str:
         return self._status
@@ -130,11 +139,7 @@ class Run(RunLifecycle):
     # -- control (any thread) -------------------------------------------------------------------------
     def start(self) -> Run:
         """Start training on a daemon thread and return at once."""
-        with self._lock:
-            if self._status != "created":
-                raise RuntimeError(f"This run was already started ({self._status}); create a new Run.")
-            self._status = "starting"
-            self.started_at = time.monotonic()
+        self._begin("create a new Run")
         self._thread = threading.Thread(target=self._main, name="fastft-run", daemon=True)
         self._thread.start()
         return self

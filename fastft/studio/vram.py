@@ -64,6 +64,13 @@ def _box(text: str, kind: str) -> str:
     return status_html(text, kind)
 
 
+def _dropdown(options, value: str, description: str) -> widgets.Dropdown:
+    """A plan setting picked from `options` (their values as their labels)."""
+    return widgets.Dropdown(
+        options=list(options), value=value, description=description, style=LABEL_STYLE, layout=field("22em")
+    )
+
+
 class VramPanel(Panel):
     """GPU, sequence length, batch tokens, LoRA rank → a stacked bar of the step's memory against the card.
 
@@ -93,7 +100,31 @@ class VramPanel(Panel):
         self._blank = True  # the chart shows no estimate
 
         self.detected = detect_gpu()
-        options = [(str(spec), name) for name, spec in GPUS.items()]
+        self._build_plan_controls(GPUS)
+        self._build_results(live)
+        self._controls = [
+            self.model_name,
+            self.gpu,
+            self.precision,
+            self.checkpointing,
+            self.host_memory,
+            self.seq_len,
+            self.batch_tokens,
+            self.rank,
+        ]
+        for control in self._controls:
+            control.observe(self._on_control, names="value")
+        self.state.observe(
+            self._on_state,
+            ("model_name", "model", "load_settings", "lora_settings", "pack_settings", "packed"),
+        )
+        self.widget = self._layout()
+        self.sync_from_state()
+
+    def _build_plan_controls(self, gpus: dict) -> None:
+        """What the plan is for: the model, the GPU (`gpus`' presets, the detected one first), how the model
+        is loaded, the host's memory and the run's shape."""
+        options = [(str(spec), name) for name, spec in gpus.items()]
         if self.detected is not None:
             options.insert(0, (f"this GPU: {self.detected}", "detected"))
         style = LABEL_STYLE
@@ -114,20 +145,8 @@ class VramPanel(Panel):
             style=style,
             layout=field("30em", max_width="44em"),  # "NVIDIA GeForce RTX 3090 24 GB (23.69 GiB)" in full
         )
-        self.precision = widgets.Dropdown(
-            options=list(PRECISIONS),
-            value="16-bit",
-            description="precision",
-            style=style,
-            layout=field("22em"),
-        )
-        self.checkpointing = widgets.Dropdown(
-            options=list(CHECKPOINTING_KINDS),
-            value="auto",
-            description="checkpointing",
-            style=style,
-            layout=field("22em"),
-        )
+        self.precision = _dropdown(PRECISIONS, "16-bit", "precision")
+        self.checkpointing = _dropdown(CHECKPOINTING_KINDS, "auto", "checkpointing")
         self.host_memory = widgets.BoundedFloatText(
             value=_host_gib(),
             min=0.0,
@@ -150,6 +169,10 @@ class VramPanel(Panel):
             value=256, min=64, max=131072, step=64, description="batch tokens", **slider
         )
         self.rank = widgets.IntSlider(value=16, min=1, max=256, step=1, description="LoRA rank", **slider)
+
+    def _build_results(self, live: str | None) -> None:
+        """The plan's answer: the memory bar, the verdict, the longest context, the breakdown, the smallest
+        GPU it fits with "Use in Model tab", and its code."""
         self.figure = LiveFigure(vram_figure({}), live)
         self.verdict = widgets.HTML("")
         self.longest = widgets.HTML("")
@@ -164,23 +187,9 @@ class VramPanel(Panel):
         )
         self.use_button.on_click(lambda _: self.apply_to_model())
         self.code_view = widgets.HTML("")
-        self._controls = [
-            self.model_name,
-            self.gpu,
-            self.precision,
-            self.checkpointing,
-            self.host_memory,
-            self.seq_len,
-            self.batch_tokens,
-            self.rank,
-        ]
-        for control in self._controls:
-            control.observe(self._on_control, names="value")
-        self.state.observe(
-            self._on_state,
-            ("model_name", "model", "load_settings", "lora_settings", "pack_settings", "packed"),
-        )
-        self.widget = widgets.VBox(
+
+    def _layout(self) -> widgets.VBox:
+        return widgets.VBox(
             [
                 widgets.HTML(
                     "<b>3. Plan the memory</b>: a what-if planner. Change any setting to see whether a run "
@@ -198,7 +207,6 @@ class VramPanel(Panel):
                 code_section(self.code_view),
             ]
         )
-        self.sync_from_state()
 
     # -- state ------------------------------------------------------------------------------------------
     def sync_from_state(self, names: tuple[str, ...] | None = None) -> None:
