@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -114,25 +115,13 @@ def _run(config: DemoConfig, log, started_at: float | None) -> DemoResult:
     covers = "for the whole command" if started_at is not None else "for run_demo"
     started_at = time.time() if started_at is None else started_at
     run_dir = config.run_dir
-    torch.manual_seed(config.seed)
-
-    log(f"loading {config.model} …")
-    model, tokenizer = load_model(config.model, max_seq_length=config.max_seq_length, device=config.device)
-    model = add_lora(
-        model,
-        r=config.lora_r,
-        alpha=config.lora_alpha,
-        gradient_checkpointing=config.gradient_checkpointing,
-        seed=config.seed,
-    )
+    model, tokenizer = _load_with_lora(config, log)
     trainable, total = trainable_parameter_count(model)
 
-    train_rows = load_dataset(config.dataset)
-    eval_rows = load_dataset(config.eval_dataset)
+    train_rows, eval_rows, questions = _rows(config)
     train_data = pack(train_rows, tokenizer, config.max_seq_length)
     eval_data = pack(eval_rows, tokenizer, config.max_seq_length)
     log(f"packed {config.dataset}: {train_data.stats.summary()}")
-    questions = [row for row in eval_rows.select(range(min(config.eval_samples, len(eval_rows))))]
     threads = choose_training_threads(model, train_data, config.micro_batch_bins)
     if threads is not None:
         log(f"CPU threads: {threads.describe('micro-batch')}")
@@ -150,18 +139,9 @@ def _run(config: DemoConfig, log, started_at: float | None) -> DemoResult:
         seed=config.seed,
     )
     trainer = Trainer(model, tokenizer, train_data, eval_data, train_config)
-    bar = ProgressBar(trainer.max_steps) if config.progress else None
-    if bar is not None:
-        trainer.subscribe(bar)
-    try:
+    with _progress_bar(trainer, config.progress):
         first_eval = trainer.evaluate()
-        training_started, training_cpu_started = time.perf_counter(), time.process_time()
-        result = trainer.train()
-        training_s = time.perf_counter() - training_started
-        training_cpu_s = time.process_time() - training_cpu_started
-    finally:
-        if bar is not None:
-            bar.close()
+        result, training_s, training_cpu_s = _timed_train(trainer)
 
     log("accuracy after training …")
     after = evaluate_accuracy(model, tokenizer, questions)
@@ -191,26 +171,11 @@ def _run(config: DemoConfig, log, started_at: float | None) -> DemoResult:
         "memory_kind": steps[-1].memory_kind,
         "attention": result.attention,
         "cpu_threads": threads.describe("micro-batch") if threads is not None else "not probed (GPU run)",
-        "accuracy_before": before.overall,
-        "accuracy_after": after.overall,
-        "content_accuracy_before": before.content,
-        "content_accuracy_after": after.content,
-        "eval_samples": len(questions),
+        **_accuracy_summary(before, after, len(questions)),
         "training_s": training_s,
         "training_cpu_s": training_cpu_s,
         "duration_covers": covers,
     }
-    samples = [
-        {
-            "prompt": b["prompt"],
-            "expected": b["expected"],
-            "before": b["completion"],
-            "after": a["completion"],
-            "right before": _mark(b["content_correct"]),
-            "right after": _mark(a["content_correct"]),
-        }
-        for b, a in zip(before.completions[:16], after.completions[:16], strict=True)
-    ]
     report = RunReport(
         title=f"fastft demo — {config.model}",
         config=asdict(config) | {"train": asdict(train_config)},
@@ -221,7 +186,7 @@ def _run(config: DemoConfig, log, started_at: float | None) -> DemoResult:
         accuracy_after=after.content_per_task,
         format_before=before.per_task,
         format_after=after.per_task,
-        samples=samples,
+        samples=_samples(before, after),
         timeline=_timeline(trainer),
     )
     if stage is not None:
@@ -240,6 +205,76 @@ def _run(config: DemoConfig, log, started_at: float | None) -> DemoResult:
     with open(run_dir / "summary.json", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
     return DemoResult(run_dir, report_path, adapter_path, result, before, after, summary, stage)
+
+
+def _load_with_lora(config: DemoConfig, log):
+    """``(model, tokenizer)``: the configured model with LoRA added, after seeding torch with the demo's seed."""
+    torch.manual_seed(config.seed)
+    log(f"loading {config.model} …")
+    model, tokenizer = load_model(config.model, max_seq_length=config.max_seq_length, device=config.device)
+    model = add_lora(
+        model,
+        r=config.lora_r,
+        alpha=config.lora_alpha,
+        gradient_checkpointing=config.gradient_checkpointing,
+        seed=config.seed,
+    )
+    return model, tokenizer
+
+
+def _rows(config: DemoConfig):
+    """``(train rows, eval rows, held-out questions)``: the first ``eval_samples`` eval rows are the questions."""
+    train_rows = load_dataset(config.dataset)
+    eval_rows = load_dataset(config.eval_dataset)
+    questions = [row for row in eval_rows.select(range(min(config.eval_samples, len(eval_rows))))]
+    return train_rows, eval_rows, questions
+
+
+@contextmanager
+def _progress_bar(trainer: Trainer, enabled: bool):
+    """A progress bar subscribed to ``trainer`` while the block runs (none when not ``enabled``)."""
+    bar = ProgressBar(trainer.max_steps) if enabled else None
+    if bar is not None:
+        trainer.subscribe(bar)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _timed_train(trainer: Trainer) -> tuple[TrainResult, float, float]:
+    """``trainer.train()`` and the seconds it took: ``(result, wall seconds, CPU seconds of all threads)``."""
+    started, cpu_started = time.perf_counter(), time.process_time()
+    result = trainer.train()
+    return result, time.perf_counter() - started, time.process_time() - cpu_started
+
+
+def _accuracy_summary(before: AccuracyResult, after: AccuracyResult, eval_samples: int) -> dict:
+    """The summary's accuracy entries: format compliance and content accuracy before and after training on
+    ``eval_samples`` held-out questions."""
+    return {
+        "accuracy_before": before.overall,
+        "accuracy_after": after.overall,
+        "content_accuracy_before": before.content,
+        "content_accuracy_after": after.content,
+        "eval_samples": eval_samples,
+    }
+
+
+def _samples(before: AccuracyResult, after: AccuracyResult) -> list[dict]:
+    """The report's sample table: the first 16 held-out questions' completions before and after training."""
+    return [
+        {
+            "prompt": b["prompt"],
+            "expected": b["expected"],
+            "before": b["completion"],
+            "after": a["completion"],
+            "right before": _mark(b["content_correct"]),
+            "right after": _mark(a["content_correct"]),
+        }
+        for b, a in zip(before.completions[:16], after.completions[:16], strict=True)
+    ]
 
 
 def _grpo(
@@ -358,19 +393,8 @@ def run_preference_demo(config: DemoConfig | None = None, log=print) -> DemoResu
     config = config or DemoConfig(method="dpo")
     config.check_paths()
     started = time.time()
-    torch.manual_seed(config.seed)
-    log(f"loading {config.model} …")
-    model, tokenizer = load_model(config.model, max_seq_length=config.max_seq_length, device=config.device)
-    model = add_lora(
-        model,
-        r=config.lora_r,
-        alpha=config.lora_alpha,
-        gradient_checkpointing=config.gradient_checkpointing,
-        seed=config.seed,
-    )
-    train_rows = load_dataset(config.dataset)
-    eval_rows = load_dataset(config.eval_dataset)
-    questions = [row for row in eval_rows.select(range(min(config.eval_samples, len(eval_rows))))]
+    model, tokenizer = _load_with_lora(config, log)
+    train_rows, _, questions = _rows(config)
     train_pairs = pack_pairs(
         skills_pairs(train_rows.select(range(min(PAIR_ROWS, len(train_rows)))), config.seed),
         tokenizer,
@@ -391,16 +415,8 @@ def run_preference_demo(config: DemoConfig | None = None, log=print) -> DemoResu
         precompute_reference=True,
     )
     trainer = Trainer(model, tokenizer, train_pairs, held_out, train_config)
-    bar = ProgressBar(trainer.max_steps) if config.progress else None
-    if bar is not None:
-        trainer.subscribe(bar)
-    try:
-        training_started = time.perf_counter()
-        result = trainer.train()
-        training_s = time.perf_counter() - training_started
-    finally:
-        if bar is not None:
-            bar.close()
+    with _progress_bar(trainer, config.progress):
+        result, training_s, _ = _timed_train(trainer)
     log("after …")
     pairs_after = chosen_over_rejected(model, held_out)
     after = evaluate_accuracy(model, tokenizer, questions)
@@ -416,11 +432,7 @@ def run_preference_demo(config: DemoConfig | None = None, log=print) -> DemoResu
         "final_eval": result.evals[-1].preference,
         "chosen_over_rejected_before": pairs_before,
         "chosen_over_rejected_after": pairs_after,
-        "accuracy_before": before.overall,
-        "accuracy_after": after.overall,
-        "content_accuracy_before": before.content,
-        "content_accuracy_after": after.content,
-        "eval_samples": len(questions),
+        **_accuracy_summary(before, after, len(questions)),
         "training_s": training_s,
         "duration_s": time.time() - started,
     }

@@ -76,6 +76,17 @@ def quantize_rows_reference(
 
 
 @triton.jit
+def _load_block(x_row, ColScale_ptr, start, n_cols, HAS_COLUMN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns ``[start, start + BLOCK)`` of a row, their mask, and ``x * c`` there in fp32 (0 past the end)."""
+    cols = start + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_COLUMN_SCALE:
+        x = x * tl.load(ColScale_ptr + cols, mask=mask, other=0.0)
+    return cols, mask, x
+
+
+@triton.jit
 def _quantize_rows_kernel(
     X_ptr,
     ColScale_ptr,
@@ -96,31 +107,19 @@ def _quantize_rows_kernel(
     x_row = X_ptr + row * stride_x
     q_row = Q_ptr + row * stride_q
     if SINGLE:
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_COLUMN_SCALE:
-            x = x * tl.load(ColScale_ptr + cols, mask=mask, other=0.0)
+        cols, mask, x = _load_block(x_row, ColScale_ptr, 0, n_cols, HAS_COLUMN_SCALE, BLOCK)
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
         q = tl.clamp(x * tl.math.div_rn(E4M3, amax), -448.0, 448.0)
         tl.store(q_row + cols, q.to(Q_ptr.dtype.element_ty), mask=mask)
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_COLUMN_SCALE:
-                x = x * tl.load(ColScale_ptr + cols, mask=mask, other=0.0)
+            cols, mask, x = _load_block(x_row, ColScale_ptr, start, n_cols, HAS_COLUMN_SCALE, BLOCK)
             acc = tl.maximum(acc, tl.abs(x))
         amax = tl.maximum(tl.max(acc, axis=0), 1e-12)
         factor = tl.math.div_rn(E4M3, amax)
         for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_COLUMN_SCALE:
-                x = x * tl.load(ColScale_ptr + cols, mask=mask, other=0.0)
+            cols, mask, x = _load_block(x_row, ColScale_ptr, start, n_cols, HAS_COLUMN_SCALE, BLOCK)
             q = tl.clamp(x * factor, -448.0, 448.0)
             tl.store(q_row + cols, q.to(Q_ptr.dtype.element_ty), mask=mask)
     tl.store(Scale_ptr + row, tl.math.div_rn(amax, E4M3))

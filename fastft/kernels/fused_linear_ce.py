@@ -375,35 +375,19 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx.reduction = reduction
         ctx.needs_grad = needs_grad
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        if reduction == "none":
-            losses, *_ = linear_cross_entropy_chunks(
-                hidden,
-                weight,
-                targets,
-                bias,
-                ignore_index=ignore_index,
-                softcap=softcap,
-                chunk_size=chunk_size,
-                grad_scale=None,
-            )
-            ctx.save_for_backward(hidden, weight, targets, bias)
-            ctx.ignore_index, ctx.softcap, ctx.chunk_size = ignore_index, softcap, chunk_size
-            return losses
-        if reduction == "mean":
+        ctx.chunk_args = dict(ignore_index=ignore_index, softcap=softcap, chunk_size=chunk_size)
+        if reduction == "none":  # losses only: the backward recomputes with the per-row grad_output
+            scale = None
+        elif reduction == "mean":
             scale = (1.0 / _valid_count(targets, ignore_index)).reshape(1)
         else:
             scale = torch.ones(1, dtype=torch.float32, device=hidden.device)
         losses, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_chunks(
-            hidden,
-            weight,
-            targets,
-            bias,
-            ignore_index=ignore_index,
-            softcap=softcap,
-            chunk_size=chunk_size,
-            grad_scale=scale,
-            needs_grad=needs_grad,
+            hidden, weight, targets, bias, **ctx.chunk_args, grad_scale=scale, needs_grad=needs_grad
         )
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, targets, bias)
+            return losses
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         return losses.sum() * scale[0]
 
@@ -412,16 +396,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         if ctx.reduction == "none":
             hidden, weight, targets, bias = ctx.saved_tensors
+            scale = grad_output.float().contiguous()
             _, grad_hidden, grad_weight, grad_bias = linear_cross_entropy_chunks(
-                hidden,
-                weight,
-                targets,
-                bias,
-                ignore_index=ctx.ignore_index,
-                softcap=ctx.softcap,
-                chunk_size=ctx.chunk_size,
-                grad_scale=grad_output.float().contiguous(),
-                needs_grad=ctx.needs_grad,
+                hidden, weight, targets, bias, **ctx.chunk_args, grad_scale=scale, needs_grad=ctx.needs_grad
             )
         else:
             grad_hidden, grad_weight, grad_bias = ctx.saved_tensors

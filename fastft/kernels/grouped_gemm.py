@@ -167,6 +167,16 @@ def _pick(vector, index_vector, index):
 
 
 @triton.jit
+def _row_ids(index_ptr, rows, row_mask, HAS_INDEX: tl.constexpr):
+    """``index[rows]`` if an index is given, else ``rows``, as int64 (``src`` / ``dst`` in the module doc)."""
+    if HAS_INDEX:  # noqa: SIM108 (a constexpr branch: the load compiles away without an index)
+        ids = tl.load(index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        ids = rows.to(tl.int64)
+    return ids
+
+
+@triton.jit
 def _grouped_mm_kernel(
     a_ptr,
     b_ptr,
@@ -222,10 +232,7 @@ def _grouped_mm_kernel(
 
         rows = row_start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
-        if HAS_GATHER:
-            src = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        else:
-            src = rows.to(tl.int64)
+        src = _row_ids(gather_ptr, rows, row_mask, HAS_GATHER)
         if TOP_K > 1:
             src = src // TOP_K
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -250,10 +257,7 @@ def _grouped_mm_kernel(
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
-        if HAS_SCATTER:
-            dst = tl.load(scatter_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        else:
-            dst = rows.to(tl.int64)
+        dst = _row_ids(scatter_ptr, rows, row_mask, HAS_SCATTER)
         mask = row_mask[:, None] & col_mask[None, :]
         if HAS_ADD:
             add_ptrs = add_ptr + dst[:, None] * stride_addm + cols[None, :] * stride_addn
@@ -308,16 +312,10 @@ def _grouped_mm_dw_kernel(
     for m0 in range(row_start, row_end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
-        if HAS_GATHER:
-            src = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        else:
-            src = rows.to(tl.int64)
+        src = _row_ids(gather_ptr, rows, row_mask, HAS_GATHER)
         if TOP_K > 1:
             src = src // TOP_K
-        if HAS_SCATTER:
-            dst = tl.load(scatter_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        else:
-            dst = rows.to(tl.int64)
+        dst = _row_ids(scatter_ptr, rows, row_mask, HAS_SCATTER)
         dy = tl.load(
             dy_ptr + dst[:, None] * stride_dym + cols_n[None, :] * stride_dyn,
             mask=row_mask[:, None] & n_mask[None, :],
@@ -415,6 +413,23 @@ def _check_inputs(a, weight, group_end, gather_rows, scatter_rows, top_k, add) -
     return m
 
 
+def _routing_args(a, group_end, gather_rows, scatter_rows, top_k) -> tuple[tuple, dict]:
+    """Both kernels' ``(gather_ptr, scatter_ptr)`` (``group_end`` stands in for an absent one: the HAS_* flags
+    compile it away) and their routing / precision flags."""
+    index_ptrs = (
+        gather_rows if gather_rows is not None else group_end,
+        scatter_rows if scatter_rows is not None else group_end,
+    )
+    flags = dict(
+        TOP_K=top_k,
+        HAS_GATHER=gather_rows is not None,
+        HAS_SCATTER=scatter_rows is not None,
+        DOT_PRECISION=_dot_precision(a.dtype),
+        INTERPRETED=_interpreted(a),
+    )
+    return index_ptrs, flags
+
+
 def grouped_mm_launch(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -444,37 +459,14 @@ def grouped_mm_launch(
         return out
     if k == 0:
         return out.zero_() if add is None else out.copy_(add)
-    dummy = group_end  # stands in for absent pointers; compiled away by the HAS_* flags
+    index_ptrs, flags = _routing_args(a, group_end, gather_rows, scatter_rows, top_k)
+    flags.update(HAS_ADD=add is not None, E_POW2=triton.next_power_of_2(n_experts))
+    add_strides = (add.stride(0), add.stride(1)) if add is not None else (0, 0)
     args = (
-        a,
-        weight,
-        out,
-        add if add is not None else out,
-        group_end,
-        gather_rows if gather_rows is not None else dummy,
-        scatter_rows if scatter_rows is not None else dummy,
-        n,
-        k,
-        n_experts,
-        a.stride(0),
-        a.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        weight.stride(2),
-        out.stride(0),
-        out.stride(1),
-        add.stride(0) if add is not None else 0,
-        add.stride(1) if add is not None else 0,
-    )
-    flags = dict(
-        TOP_K=top_k,
-        HAS_GATHER=gather_rows is not None,
-        HAS_SCATTER=scatter_rows is not None,
-        HAS_ADD=add is not None,
-        DOT_PRECISION=_dot_precision(a.dtype),
-        INTERPRETED=_interpreted(a),
-        E_POW2=triton.next_power_of_2(n_experts),
-    )
+        a, weight, out, add if add is not None else out, group_end, *index_ptrs, n, k, n_experts,
+        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
+        out.stride(0), out.stride(1), *add_strides,
+    )  # fmt: skip
 
     def grid(meta):
         row_tiles = min(triton.cdiv(m, meta["BLOCK_M"]) + n_experts, m)
@@ -500,31 +492,11 @@ def grouped_mm_dw_launch(
     n_experts, n, k = dw.shape
     if dw.numel() == 0:
         return dw
-    dummy = group_end
+    index_ptrs, flags = _routing_args(a, group_end, gather_rows, scatter_rows, top_k)
     args = (
-        dy,
-        a,
-        dw,
-        group_end,
-        gather_rows if gather_rows is not None else dummy,
-        scatter_rows if scatter_rows is not None else dummy,
-        n,
-        k,
-        dy.stride(0),
-        dy.stride(1),
-        a.stride(0),
-        a.stride(1),
-        dw.stride(0),
-        dw.stride(1),
-        dw.stride(2),
-    )
-    flags = dict(
-        TOP_K=top_k,
-        HAS_GATHER=gather_rows is not None,
-        HAS_SCATTER=scatter_rows is not None,
-        DOT_PRECISION=_dot_precision(a.dtype),
-        INTERPRETED=_interpreted(a),
-    )
+        dy, a, dw, group_end, *index_ptrs, n, k,
+        dy.stride(0), dy.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+    )  # fmt: skip
 
     def grid(meta):
         return (n_experts * triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"]),)

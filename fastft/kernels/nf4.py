@@ -310,9 +310,7 @@ def dequantize_nf4_reference(
         nested_blocksize,
         offset,
     )
-    dest = _output(inputs, out, packed.device)
-    _dequantize_reference(inputs, _flat_bytes(packed), dest)
-    return dest.view(inputs.shape)
+    return _run(inputs, out, packed, kernel=False)
 
 
 def _dequantize_reference(inputs: _Inputs, packed: torch.Tensor, dest: torch.Tensor) -> None:
@@ -536,10 +534,14 @@ def dequantize_nf4(
     return _run(inputs, out, packed)
 
 
-def _run(inputs: _Inputs, out: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
+def _run(
+    inputs: _Inputs, out: torch.Tensor | None, packed: torch.Tensor, kernel: bool = True
+) -> torch.Tensor:
+    """Dequantise into ``out`` (or a fresh tensor) through the Triton kernel when ``kernel`` and
+    ``use_triton(packed)``, else the reference; returns it viewed as ``inputs.shape``."""
     dest = _output(inputs, out, packed.device)
     flat = _flat_bytes(packed)
-    if inputs.numel > 0 and use_triton(packed):
+    if kernel and inputs.numel > 0 and use_triton(packed):
         _launch(inputs, flat, dest)
     else:
         _dequantize_reference(inputs, flat, dest)

@@ -23,7 +23,17 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from . import use_triton
-from .rope import _blocks, _check_qk, _cos_sin_strides, _load_cos_sin, _out_dtype, rope_reference
+from .rope import (
+    _blocks,
+    _check_qk,
+    _cos_sin_strides,
+    _head_tile,
+    _load_halves,
+    _out_dtype,
+    _store_halves,
+    _token_cos_sin,
+    rope_reference,
+)
 
 # --------------------------------------------------------------------------------------------- references
 
@@ -58,39 +68,18 @@ def qk_norm_rope_reference(
 
 @triton.jit
 def _norm_rotate_heads_fwd(
-    x_ptr,
-    w_ptr,
-    o_ptr,
-    b,
-    s,
-    head_start,
-    n_heads,
-    half,
-    eps,
-    stride_xb,
-    stride_xh,
-    stride_xs,
-    stride_xd,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_od,
+    x_ptr, w_ptr, o_ptr,
+    b, s, head_start, n_heads, half, eps,
+    stride_xb, stride_xh, stride_xs, stride_xd,
+    stride_ob, stride_oh, stride_os, stride_od,
     stride_w,
-    c1,
-    c2,
-    s1,
-    s2,
+    c1, c2, s1, s2,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-):
+):  # fmt: skip
     """``y = w * x * rsqrt(mean(x^2) + eps)`` per head (mean over head_dim), then ``o = rope(y)``."""
-    offs_h = head_start + tl.arange(0, BLOCK_H).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
-    d_mask = offs_d < half
-    mask = (offs_h < n_heads)[:, None] & d_mask[None, :]
-    x_row = x_ptr + b * stride_xb + s * stride_xs + offs_h[:, None] * stride_xh
-    x1 = tl.load(x_row + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + (offs_d[None, :] + half) * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    offs_h, offs_d, d_mask, mask = _head_tile(head_start, n_heads, half, BLOCK_H, BLOCK_HALF)
+    x1, x2 = _load_halves(x_ptr, b, s, offs_h, offs_d, half, mask, stride_xb, stride_xh, stride_xs, stride_xd)
     w1 = tl.load(w_ptr + offs_d * stride_w, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + (offs_d + half) * stride_w, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
@@ -99,64 +88,34 @@ def _norm_rotate_heads_fwd(
     y2 = x2 * rstd * w2
     o1 = y1 * c1 - y2 * s1
     o2 = y2 * c2 + y1 * s2
-    o_row = o_ptr + b * stride_ob + s * stride_os + offs_h[:, None] * stride_oh
-    tl.store(o_row + offs_d[None, :] * stride_od, o1.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_row + (offs_d[None, :] + half) * stride_od, o2.to(o_ptr.dtype.element_ty), mask=mask)
+    _store_halves(o_ptr, o1, o2, b, s, offs_h, offs_d, half, mask, stride_ob, stride_oh, stride_os, stride_od)
 
 
 @triton.jit
 def _norm_rotate_heads_bwd(
-    g_ptr,
-    x_ptr,
-    w_ptr,
-    dx_ptr,
-    dw_ptr,
-    b,
-    s,
-    head_start,
-    n_heads,
-    half,
-    eps,
-    stride_gb,
-    stride_gh,
-    stride_gs,
-    stride_gd,
-    stride_xb,
-    stride_xh,
-    stride_xs,
-    stride_xd,
-    stride_dxb,
-    stride_dxh,
-    stride_dxs,
-    stride_dxd,
+    g_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr,
+    b, s, head_start, n_heads, half, eps,
+    stride_gb, stride_gh, stride_gs, stride_gd,
+    stride_xb, stride_xh, stride_xs, stride_xd,
+    stride_dxb, stride_dxh, stride_dxs, stride_dxd,
     stride_w,
-    c1,
-    c2,
-    s1,
-    s2,
+    c1, c2, s1, s2,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     DO_X: tl.constexpr,
     DO_W: tl.constexpr,
-):
+):  # fmt: skip
     """Backward of :func:`_norm_rotate_heads_fwd` for one head block.
 
     ``dy = rope^T(g)``; with ``xhat = x * rstd``: ``dw_partial = sum_heads(dy * xhat)`` (written to the
     ``dw_ptr`` row of this program, summed on the host) and
     ``dx = rstd * (dy * w - xhat * mean(dy * w * xhat))``. rstd is recomputed from x.
     """
-    offs_h = head_start + tl.arange(0, BLOCK_H).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
-    d_mask = offs_d < half
-    mask = (offs_h < n_heads)[:, None] & d_mask[None, :]
-    g_row = g_ptr + b * stride_gb + s * stride_gs + offs_h[:, None] * stride_gh
-    g1 = tl.load(g_row + offs_d[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
-    g2 = tl.load(g_row + (offs_d[None, :] + half) * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    offs_h, offs_d, d_mask, mask = _head_tile(head_start, n_heads, half, BLOCK_H, BLOCK_HALF)
+    g1, g2 = _load_halves(g_ptr, b, s, offs_h, offs_d, half, mask, stride_gb, stride_gh, stride_gs, stride_gd)
     dy1 = g1 * c1 + g2 * s2
     dy2 = g2 * c2 - g1 * s1
-    x_row = x_ptr + b * stride_xb + s * stride_xs + offs_h[:, None] * stride_xh
-    x1 = tl.load(x_row + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + (offs_d[None, :] + half) * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    x1, x2 = _load_halves(x_ptr, b, s, offs_h, offs_d, half, mask, stride_xb, stride_xh, stride_xs, stride_xd)
     mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
     rstd = tl.rsqrt(mean_sq + eps)[:, None]
     xhat1 = x1 * rstd
@@ -172,72 +131,30 @@ def _norm_rotate_heads_bwd(
         proj = ((tl.sum(dn1 * xhat1, axis=1) + tl.sum(dn2 * xhat2, axis=1)) / (2 * half))[:, None]
         dx1 = rstd * (dn1 - xhat1 * proj)
         dx2 = rstd * (dn2 - xhat2 * proj)
-        dx_row = dx_ptr + b * stride_dxb + s * stride_dxs + offs_h[:, None] * stride_dxh
-        tl.store(dx_row + offs_d[None, :] * stride_dxd, dx1.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dx_row + (offs_d[None, :] + half) * stride_dxd, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
+        _store_halves(
+            dx_ptr, dx1, dx2, b, s, offs_h, offs_d, half, mask, stride_dxb, stride_dxh, stride_dxs, stride_dxd
+        )
 
 
 @triton.jit
 def _qk_norm_rope_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    qw_ptr,
-    kw_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    cos_ptr,
-    sin_ptr,
-    seq_len,
-    n_q_heads,
-    n_k_heads,
-    half,
-    eps,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_qd,
-    stride_qob,
-    stride_qoh,
-    stride_qos,
-    stride_qod,
-    stride_kb,
-    stride_kh,
-    stride_ks,
-    stride_kd,
-    stride_kob,
-    stride_koh,
-    stride_kos,
-    stride_kod,
-    stride_qw,
-    stride_kw,
-    stride_cb,
-    stride_cs,
-    stride_cd,
-    stride_sb,
-    stride_ss,
-    stride_sd,
+    q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+    seq_len, n_q_heads, n_k_heads, half, eps,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_qob, stride_qoh, stride_qos, stride_qod,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_kob, stride_koh, stride_kos, stride_kod,
+    stride_qw, stride_kw,
+    stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-):
+):  # fmt: skip
     """Qwen3: ``q_out = rope(q_norm(q))``, ``k_out = rope(k_norm(k))`` for one token and head block."""
-    token = tl.program_id(0).to(tl.int64)
     head_start = tl.program_id(1).to(tl.int64) * BLOCK_H
-    b = token // seq_len
-    s = token % seq_len
-    c1, c2, s1, s2 = _load_cos_sin(
-        cos_ptr,
-        sin_ptr,
-        b,
-        s,
-        half,
-        stride_cb,
-        stride_cs,
-        stride_cd,
-        stride_sb,
-        stride_ss,
-        stride_sd,
-        BLOCK_HALF,
-    )
+    b, s, c1, c2, s1, s2 = _token_cos_sin(
+        cos_ptr, sin_ptr, seq_len, half,
+        stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd, BLOCK_HALF,
+    )  # fmt: skip
     _norm_rotate_heads_fwd(
         q_ptr, qw_ptr, q_out_ptr, b, s, head_start, n_q_heads, half, eps,
         stride_qb, stride_qh, stride_qs, stride_qd,
@@ -254,84 +171,33 @@ def _qk_norm_rope_fwd_kernel(
 
 @triton.jit
 def _qk_norm_rope_bwd_kernel(
-    gq_ptr,
-    gk_ptr,
-    q_ptr,
-    k_ptr,
-    qw_ptr,
-    kw_ptr,
-    dq_ptr,
-    dk_ptr,
-    dqw_ptr,
-    dkw_ptr,
-    cos_ptr,
-    sin_ptr,
-    seq_len,
-    n_q_heads,
-    n_k_heads,
-    half,
-    eps,
-    stride_gqb,
-    stride_gqh,
-    stride_gqs,
-    stride_gqd,
-    stride_gkb,
-    stride_gkh,
-    stride_gks,
-    stride_gkd,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_ks,
-    stride_kd,
-    stride_dqb,
-    stride_dqh,
-    stride_dqs,
-    stride_dqd,
-    stride_dkb,
-    stride_dkh,
-    stride_dks,
-    stride_dkd,
-    stride_qw,
-    stride_kw,
-    stride_cb,
-    stride_cs,
-    stride_cd,
-    stride_sb,
-    stride_ss,
-    stride_sd,
+    gq_ptr, gk_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, dq_ptr, dk_ptr, dqw_ptr, dkw_ptr, cos_ptr, sin_ptr,
+    seq_len, n_q_heads, n_k_heads, half, eps,
+    stride_gqb, stride_gqh, stride_gqs, stride_gqd,
+    stride_gkb, stride_gkh, stride_gks, stride_gkd,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_qw, stride_kw,
+    stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     DO_Q: tl.constexpr,
     DO_K: tl.constexpr,
     DO_QW: tl.constexpr,
     DO_KW: tl.constexpr,
-):
+):  # fmt: skip
     """Backward of :func:`_qk_norm_rope_fwd_kernel`; weight-gradient partials go to row ``pid`` of
     ``dqw_ptr`` / ``dkw_ptr`` (``[n_programs, head_dim]`` fp32)."""
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1).to(tl.int64)
     head_start = block * BLOCK_H
-    b = token // seq_len
-    s = token % seq_len
     dw_row = (token * tl.num_programs(1) + block) * (2 * half)
-    c1, c2, s1, s2 = _load_cos_sin(
-        cos_ptr,
-        sin_ptr,
-        b,
-        s,
-        half,
-        stride_cb,
-        stride_cs,
-        stride_cd,
-        stride_sb,
-        stride_ss,
-        stride_sd,
-        BLOCK_HALF,
-    )
+    b, s, c1, c2, s1, s2 = _token_cos_sin(
+        cos_ptr, sin_ptr, seq_len, half,
+        stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd, BLOCK_HALF,
+    )  # fmt: skip
     if DO_Q or DO_QW:
         _norm_rotate_heads_bwd(
             gq_ptr, q_ptr, qw_ptr, dq_ptr, dqw_ptr + dw_row, b, s, head_start, n_q_heads, half, eps,

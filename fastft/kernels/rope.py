@@ -77,11 +77,15 @@ def rope_reference(
 
 
 @triton.jit
-def _load_cos_sin(
-    cos_ptr, sin_ptr, b, s, half, stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+def _token_cos_sin(
+    cos_ptr, sin_ptr, seq_len, half, stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
     BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    """This token's ``(c1, c2, s1, s2)`` halves as fp32 ``[1, BLOCK_HALF]`` rows."""
+    """This program's token ``(b, s)`` (``program_id(0) = b * seq_len + s``) and its cos / sin halves
+    ``(c1, c2, s1, s2)`` as fp32 ``[1, BLOCK_HALF]`` rows."""
+    token = tl.program_id(0).to(tl.int64)
+    b = token // seq_len
+    s = token % seq_len
     offs_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
     d_mask = offs_d < half
     cos_row = cos_ptr + b * stride_cb + s * stride_cs
@@ -90,115 +94,84 @@ def _load_cos_sin(
     c2 = tl.load(cos_row + (offs_d + half) * stride_cd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_row + offs_d * stride_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sin_row + (offs_d + half) * stride_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    return c1, c2, s1, s2
+    return b, s, c1, c2, s1, s2
+
+
+@triton.jit
+def _head_tile(head_start, n_heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Head offsets ``[BLOCK_H]``, lane offsets ``[BLOCK_HALF]``, the lane mask and the ``[BLOCK_H, BLOCK_HALF]``
+    mask of heads ``[head_start, head_start + BLOCK_H)``."""
+    offs_h = head_start + tl.arange(0, BLOCK_H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
+    d_mask = offs_d < half
+    mask = (offs_h < n_heads)[:, None] & d_mask[None, :]
+    return offs_h, offs_d, d_mask, mask
+
+
+@triton.jit
+def _load_halves(x_ptr, b, s, offs_h, offs_d, half, mask, stride_b, stride_h, stride_s, stride_d):
+    """The ``(x1, x2)`` halves of a head tile as fp32 ``[BLOCK_H, BLOCK_HALF]``."""
+    row = x_ptr + b * stride_b + s * stride_s + offs_h[:, None] * stride_h
+    x1 = tl.load(row + offs_d[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + (offs_d[None, :] + half) * stride_d, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _store_halves(o_ptr, o1, o2, b, s, offs_h, offs_d, half, mask, stride_b, stride_h, stride_s, stride_d):
+    """Store ``[o1, o2]`` into a head tile, rounded to ``o_ptr``'s dtype."""
+    row = o_ptr + b * stride_b + s * stride_s + offs_h[:, None] * stride_h
+    tl.store(row + offs_d[None, :] * stride_d, o1.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(row + (offs_d[None, :] + half) * stride_d, o2.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotate_heads(
-    x_ptr,
-    o_ptr,
-    b,
-    s,
-    head_start,
-    n_heads,
-    half,
-    stride_xb,
-    stride_xh,
-    stride_xs,
-    stride_xd,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_od,
-    c1,
-    c2,
-    sa,
-    sb,
+    x_ptr, o_ptr,
+    b, s, head_start, n_heads, half,
+    stride_xb, stride_xh, stride_xs, stride_xd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    c1, c2, sa, sb,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-):
+):  # fmt: skip
     """``o = [x1 * c1 - x2 * sa, x2 * c2 + x1 * sb]`` for heads ``[head_start, head_start + BLOCK_H)``.
 
     All loads happen before any store, and no other program touches these elements, so ``o_ptr`` may be
     ``x_ptr`` (in place).
     """
-    offs_h = head_start + tl.arange(0, BLOCK_H).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
-    mask = (offs_h < n_heads)[:, None] & (offs_d < half)[None, :]
-    x_row = x_ptr + b * stride_xb + s * stride_xs + offs_h[:, None] * stride_xh
-    x1 = tl.load(x_row + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + (offs_d[None, :] + half) * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    offs_h, offs_d, d_mask, mask = _head_tile(head_start, n_heads, half, BLOCK_H, BLOCK_HALF)
+    x1, x2 = _load_halves(x_ptr, b, s, offs_h, offs_d, half, mask, stride_xb, stride_xh, stride_xs, stride_xd)
     o1 = x1 * c1 - x2 * sa
     o2 = x2 * c2 + x1 * sb
-    o_row = o_ptr + b * stride_ob + s * stride_os + offs_h[:, None] * stride_oh
-    tl.store(o_row + offs_d[None, :] * stride_od, o1.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_row + (offs_d[None, :] + half) * stride_od, o2.to(o_ptr.dtype.element_ty), mask=mask)
+    _store_halves(o_ptr, o1, o2, b, s, offs_h, offs_d, half, mask, stride_ob, stride_oh, stride_os, stride_od)
 
 
 @triton.jit
 def _rope_kernel(
-    q_ptr,
-    q_out_ptr,
-    k_ptr,
-    k_out_ptr,
-    cos_ptr,
-    sin_ptr,
-    seq_len,
-    n_q_heads,
-    n_k_heads,
-    half,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_qd,
-    stride_qob,
-    stride_qoh,
-    stride_qos,
-    stride_qod,
-    stride_kb,
-    stride_kh,
-    stride_ks,
-    stride_kd,
-    stride_kob,
-    stride_koh,
-    stride_kos,
-    stride_kod,
-    stride_cb,
-    stride_cs,
-    stride_cd,
-    stride_sb,
-    stride_ss,
-    stride_sd,
+    q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_ptr, sin_ptr,
+    seq_len, n_q_heads, n_k_heads, half,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_qob, stride_qoh, stride_qos, stride_qod,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_kob, stride_koh, stride_kos, stride_kod,
+    stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     DO_Q: tl.constexpr,
     DO_K: tl.constexpr,
     BACKWARD: tl.constexpr,
-):
+):  # fmt: skip
     """Rotate Q and K of one token (``program_id(0) = b * seq_len + s``) and one head block (``program_id(1)``).
 
     Forward: ``[x1 * c1 - x2 * s1, x2 * c2 + x1 * s2]``. BACKWARD (adjoint): ``[x1 * c1 + x2 * s2,
     x2 * c2 - x1 * s1]``, i.e. the forward with ``(s1, s2) -> (-s2, -s1)``: rotation by ``-theta``.
     """
-    token = tl.program_id(0).to(tl.int64)
     head_start = tl.program_id(1).to(tl.int64) * BLOCK_H
-    b = token // seq_len
-    s = token % seq_len
-
-    c1, c2, s1, s2 = _load_cos_sin(
-        cos_ptr,
-        sin_ptr,
-        b,
-        s,
-        half,
-        stride_cb,
-        stride_cs,
-        stride_cd,
-        stride_sb,
-        stride_ss,
-        stride_sd,
-        BLOCK_HALF,
-    )
+    b, s, c1, c2, s1, s2 = _token_cos_sin(
+        cos_ptr, sin_ptr, seq_len, half,
+        stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd, BLOCK_HALF,
+    )  # fmt: skip
     if BACKWARD:
         sa = -s2
         sb = -s1

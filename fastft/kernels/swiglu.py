@@ -304,6 +304,18 @@ def _device_guard(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+def _launch(kernel, gate: torch.Tensor, kind: str, rows: tuple[torch.Tensor, ...], **flags) -> None:
+    """Launch ``kernel`` on the ``[n_rows, n_cols]`` views ``rows`` (its pointers, then ``n_cols``, then each
+    view's row stride) with the tile of that shape, ``kind`` and ``gate``'s bf16 rounding."""
+    grid, block, num_warps = _launch_config(*rows[0].shape)
+    with _device_guard(gate):
+        kernel[grid](
+            *rows, rows[0].shape[1], *(t.stride(0) for t in rows),
+            KIND=_KIND_CODE[kind], BF16_RTNE=_emulate_bf16_rtne(gate), BLOCK_SIZE=block, num_warps=num_warps,
+            **flags,
+        )  # fmt: skip
+
+
 def gated_activation_forward(gate: torch.Tensor, up: torch.Tensor, kind: str = "swiglu") -> torch.Tensor:
     """Launch the forward kernel: ``h = act(gate) * up`` in the input dtype (computed in fp32).
 
@@ -316,21 +328,7 @@ def gated_activation_forward(gate: torch.Tensor, up: torch.Tensor, kind: str = "
         return h
     g2, u2 = _as_rows(gate), _as_rows(up)
     h2 = h.view(g2.shape)
-    grid, block, num_warps = _launch_config(*g2.shape)
-    with _device_guard(gate):
-        _gated_activation_fwd_kernel[grid](
-            g2,
-            u2,
-            h2,
-            g2.shape[1],
-            g2.stride(0),
-            u2.stride(0),
-            h2.stride(0),
-            KIND=_KIND_CODE[kind],
-            BF16_RTNE=_emulate_bf16_rtne(gate),
-            BLOCK_SIZE=block,
-            num_warps=num_warps,
-        )
+    _launch(_gated_activation_fwd_kernel, gate, kind, (g2, u2, h2))
     return h
 
 
@@ -376,30 +374,10 @@ def gated_activation_backward(
     dgate2 = dgate.view(g2.shape) if need_dgate else g2
     dup2 = dup.view(g2.shape) if need_dup else g2
     h2 = out_h.view(g2.shape) if need_h else g2
-    grid, block, num_warps = _launch_config(*g2.shape)
-    with _device_guard(gate):
-        _gated_activation_bwd_kernel[grid](
-            dh2,
-            g2,
-            u2,
-            dgate2,
-            dup2,
-            h2,
-            g2.shape[1],
-            dh2.stride(0),
-            g2.stride(0),
-            u2.stride(0),
-            dgate2.stride(0),
-            dup2.stride(0),
-            h2.stride(0),
-            KIND=_KIND_CODE[kind],
-            NEED_DGATE=need_dgate,
-            NEED_DUP=need_dup,
-            NEED_H=need_h,
-            BF16_RTNE=_emulate_bf16_rtne(gate),
-            BLOCK_SIZE=block,
-            num_warps=num_warps,
-        )
+    _launch(
+        _gated_activation_bwd_kernel, gate, kind, (dh2, g2, u2, dgate2, dup2, h2),
+        NEED_DGATE=need_dgate, NEED_DUP=need_dup, NEED_H=need_h,
+    )  # fmt: skip
     return dgate, dup
 
 

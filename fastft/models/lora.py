@@ -196,33 +196,9 @@ def add_lora(
     target_modules = mlp_targets_as_experts(base, target_modules)
     targets = resolve_targets(base, target_modules)
     warn_rank_above_width(base, targets, r)
-    experts = [name for name in targets if name in expert_module_names(base)]
-    if experts and dropout and target_modules == "all-linear":
-        warnings.warn(
-            f"LoRA dropout ({dropout}) cannot act on expert weights (the low-rank term is added per expert "
-            f"after routing, and PEFT's expert adapters refuse dropout): 'all-linear' leaves {experts} out. "
-            "Use dropout=0 to adapt the experts too.",
-            stacklevel=2,
-        )
-        targets = [name for name in targets if name not in experts]
-        experts = []
-    if experts and dropout:
-        raise ValueError(
-            f"LoRA dropout ({dropout}) cannot act on expert weights {experts} (the low-rank term is added per "
-            "expert after routing, and PEFT's expert adapters refuse dropout): use dropout=0, or leave "
-            f"{experts} out of target_modules."
-        )
-    saved_modules = _check_modules_to_save(base, modules_to_save)
-    if set(saved_modules) & set(targets):
-        raise ValueError(
-            f"{sorted(set(saved_modules) & set(targets))} are both LoRA targets and modules_to_save: a module is "
-            "either adapted or trained whole. Leave them out of target_modules (or of modules_to_save)."
-        )
-    if use_dora and experts:
-        raise ValueError(
-            f"use_dora=True cannot adapt the expert weights {experts} (PEFT's expert adapters have no DoRA): "
-            f"leave {experts} out of target_modules, or use plain LoRA (use_dora=False)."
-        )
+    targets, experts, saved_modules = _split_targets(
+        base, target_modules, targets, dropout, modules_to_save, use_dora
+    )
     settings = LoraSettings(
         r,
         float(alpha),
@@ -280,17 +256,58 @@ def add_lora(
 
     set_gradient_checkpointing(peft_model, gradient_checkpointing)
     if fused:
-        from fastft.models.patch import patch
-        from fastft.runtime.attention import is_patched, patch_packed_attention
-
-        report = patch(peft_model)
-        # padding-free Hugging Face batches (TRL's packing, DataCollatorWithFlattening) then run through the
-        # packed attention; every other call keeps transformers' SDPA path (`fastft.runtime.attention`)
-        if report.fused.get("attention") and not is_patched(peft_model):
-            patch_packed_attention(peft_model, "auto")
+        _fuse(peft_model)
     model_state(peft_model).lora = settings
     _save_without_the_hub(peft_model)
     return peft_model
+
+
+def _split_targets(base, target_modules, targets, dropout, modules_to_save, use_dora):
+    """``(targets, experts, saved_modules)``: the resolved `targets` (of `target_modules`) that LoRA adapts,
+    those of them that are stacked expert weights, and the checked `modules_to_save`. Warns (or raises) where
+    a target cannot take the settings: dropout or DoRA on expert weights, a module both adapted and trained
+    whole (called by `add_lora` only: the warning points at its caller)."""
+    experts = [name for name in targets if name in expert_module_names(base)]
+    if experts and dropout and target_modules == "all-linear":
+        warnings.warn(
+            f"LoRA dropout ({dropout}) cannot act on expert weights (the low-rank term is added per expert "
+            f"after routing, and PEFT's expert adapters refuse dropout): 'all-linear' leaves {experts} out. "
+            "Use dropout=0 to adapt the experts too.",
+            stacklevel=3,
+        )
+        targets = [name for name in targets if name not in experts]
+        experts = []
+    if experts and dropout:
+        raise ValueError(
+            f"LoRA dropout ({dropout}) cannot act on expert weights {experts} (the low-rank term is added per "
+            "expert after routing, and PEFT's expert adapters refuse dropout): use dropout=0, or leave "
+            f"{experts} out of target_modules."
+        )
+    saved_modules = _check_modules_to_save(base, modules_to_save)
+    if set(saved_modules) & set(targets):
+        raise ValueError(
+            f"{sorted(set(saved_modules) & set(targets))} are both LoRA targets and modules_to_save: a module is "
+            "either adapted or trained whole. Leave them out of target_modules (or of modules_to_save)."
+        )
+    if use_dora and experts:
+        raise ValueError(
+            f"use_dora=True cannot adapt the expert weights {experts} (PEFT's expert adapters have no DoRA): "
+            f"leave {experts} out of target_modules, or use plain LoRA (use_dora=False)."
+        )
+    return targets, experts, saved_modules
+
+
+def _fuse(peft_model: PeftModel) -> None:
+    """Swap fastft's kernels into the model (`fastft.patch`) and route padding-free batches through the packed
+    attention where the patch fused attention."""
+    from fastft.models.patch import patch
+    from fastft.runtime.attention import is_patched, patch_packed_attention
+
+    report = patch(peft_model)
+    # padding-free Hugging Face batches (TRL's packing, DataCollatorWithFlattening) then run through the
+    # packed attention; every other call keeps transformers' SDPA path (`fastft.runtime.attention`)
+    if report.fused.get("attention") and not is_patched(peft_model):
+        patch_packed_attention(peft_model, "auto")
 
 
 def _save_without_the_hub(peft_model: PeftModel) -> None:

@@ -71,16 +71,21 @@ class CudaCopies:
         else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    def _copy(self, kind: str, start, end, target: torch.Tensor, source: torch.Tensor) -> None:
+        """``target.copy_(source)`` on the current stream (the copy stream), between the timing events
+        `start` and `end` when timing (then kept for `drain` as a `kind` span)."""
+        if start is not None:
+            start.record()
+        target.copy_(source, non_blocking=True)
+        if end is not None:
+            end.record()
+            self._pending[kind].append((start, end))
+
     def to_host(self, host: torch.Tensor, source: torch.Tensor) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the source is fully written
         start, end = self._timed(), self._timed()
         with torch.cuda.stream(self.stream):
-            if start is not None:
-                start.record()
-            host.copy_(source, non_blocking=True)
-            if end is not None:
-                end.record()
-                self._pending["d2h"].append((start, end))
+            self._copy("d2h", start, end, host, source)
         source.record_stream(self.stream)  # its memory is not reused by S before C has read it
 
     def to_device(self, target: torch.Tensor, host: torch.Tensor, free) -> torch.cuda.Event:
@@ -88,12 +93,7 @@ class CudaCopies:
         start, end = self._timed(), self._timed()
         ready = torch.cuda.Event()  # recorded and waited for within one backward pass
         with torch.cuda.stream(self.stream):
-            if start is not None:
-                start.record()
-            target.copy_(host, non_blocking=True)
-            if end is not None:
-                end.record()
-                self._pending["h2d"].append((start, end))
+            self._copy("h2d", start, end, target, host)
             ready.record()
         return ready
 

@@ -57,35 +57,28 @@ def pinned_bytes(nbytes: int, count: int) -> int:
 
 def host_memory_available() -> int | None:
     """Bytes of host memory available now (psutil, else /proc/meminfo ``MemAvailable``); None if unknown."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _host_memory("available", "MemAvailable:")
 
 
 def host_memory_total() -> int | None:
     """Bytes of host memory this machine has in all (psutil, else /proc/meminfo ``MemTotal``); None if unknown.
     Unlike `host_memory_available`, it does not move while the machine works: what a plan states."""
+    return _host_memory("total", "MemTotal:")
+
+
+def _host_memory(field: str, meminfo_key: str) -> int | None:
+    """psutil's ``virtual_memory().<field>``, else the ``meminfo_key`` line of /proc/meminfo, in bytes;
+    None when neither says."""
     try:
         import psutil
 
-        return int(psutil.virtual_memory().total)
+        return int(getattr(psutil.virtual_memory(), field))
     except ImportError:
         pass
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(meminfo_key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

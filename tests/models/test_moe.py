@@ -434,8 +434,9 @@ def test_experts_are_a_lora_target_and_the_router_is_not():
     moe, _ = fastft.load_model("tiny-moe")
     with pytest.raises(ValueError, match="dropout"):
         fastft.add_lora(moe, target_modules=["q_proj", "experts"], dropout=0.1)
-    with pytest.warns(UserWarning, match="leaves \\['experts'\\] out"):
+    with pytest.warns(UserWarning, match="leaves \\['experts'\\] out") as caught:
         wrapped = fastft.add_lora(moe, dropout=0.1, gradient_checkpointing=False)
+    assert [w.filename for w in caught if "leaves" in str(w.message)] == [__file__]  # points at the caller
     assert model_state(wrapped).lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
     moe, _ = fastft.load_model("tiny-moe")
     only_attention = fastft.add_lora(
