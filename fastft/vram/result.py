@@ -3,7 +3,8 @@
 Each `VramComponent` is one block of the memory bar, in one phase of the step (outside torch's allocator,
 persistent, stored from forward to backward, the loss's peak or the backward's); the estimate sums those at
 the peak, judges them against a GPU, and prints them (`VramEstimate.table`) or hands them on as plain data
-(`VramEstimate.to_dict`). The arithmetic that fills them in is `fastft.vram.estimate`'s.
+(`VramEstimate.to_dict`). The arithmetic that fills them in is `fastft.vram.part_bytes`'s (each part's
+bytes) and `fastft.vram.assemble`'s (the peaks), which `fastft.vram.estimate` runs.
 """
 
 from __future__ import annotations
