@@ -69,6 +69,7 @@ from fastft.bench.harness import (
     bench_parser,
     ensure_checkpoint,
     fastft_model,
+    option_argv,
     packed,
     systems_of,
     worker_env,
@@ -621,8 +622,7 @@ def _run_job(
 
     argv = ["--worker", "--system", ",".join(group), "--workload", workload]
     argv += ["--shapes", ",".join(shapes), "--folder", str(folder), "--rows", str(rows)]
-    for key in _WORKER_OPTIONS:
-        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    argv += option_argv(args, _WORKER_OPTIONS)
     argv += memory_trade_argv(args)
     argv += ["--snapshot"] if args.snapshot else []
     started = time.perf_counter()

@@ -4,9 +4,9 @@ it writes (`fastft.bench.sft` runs the systems)."""
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
+
+from fastft.bench.harness import save_record
 
 # fastft.bench.common (torch, transformers) is imported where used: `fastft.bench.sft`'s Unsloth worker imports
 # this module and must import unsloth before transformers.
@@ -153,10 +153,7 @@ def write_record(path: str, args, shapes: dict[str, dict], results: list[dict]) 
         "results": results,
         "ratios": by_baseline,
     }
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(output, indent=2) + "\n")
-    out.with_suffix(".md").write_text(text + "\n")
+    save_record(path, output, text)
     return text
 
 
