@@ -11,7 +11,7 @@ import fastft.weight_formats as weight_formats
 from fastft.vram import activation_bytes as act
 from fastft.vram.gpus import DEFAULT_CONTEXT_BYTES, GiB, MiB
 from fastft.vram.part_bytes import Adapters, Backward, Stored
-from fastft.vram.result import VramComponent, VramEstimate, VramSettings, _count
+from fastft.vram.result import VramComponent, VramEstimate, VramSettings, count_label
 from fastft.vram.settings import ResolvedRun
 
 # Caching-allocator slack at the peak (reserved − allocated): a fraction of what is allocated and freed
@@ -152,7 +152,7 @@ def _held_components(run: ResolvedRun, parts: StepParts) -> tuple[VramComponent,
     weights, constants, weights_note = parts.weights
     adapters = parts.adapters
     context = run.gpu.context_bytes if run.gpu else DEFAULT_CONTEXT_BYTES
-    lora_note = f"{_count(adapters.params)} params in fp32" + (
+    lora_note = f"{count_label(adapters.params)} params in fp32" + (
         " + 16-bit compute copies" if adapters.compute_copies else ""
     )
     return (

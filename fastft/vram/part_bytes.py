@@ -14,7 +14,7 @@ from fastft.vram import activation_bytes as act
 from fastft.vram.activation_bytes import Profile
 from fastft.vram.gpus import GiB, MiB
 from fastft.vram.inventory import ModelInventory
-from fastft.vram.result import _count
+from fastft.vram.result import count_label
 from fastft.vram.settings import ResolvedRun
 
 # The fused linear cross-entropy (fastft/kernels/fused_linear_ce.py) keeps one chunk of logits of at most this
@@ -31,6 +31,7 @@ CUBLAS_WORKSPACE_BYTES = 2 * 32 * MiB
 
 
 def weight_bytes(inventory: ModelInventory, profile: Profile) -> tuple[int, int, str]:
+    """The weights' bytes, their quantisation constants' and the note: as loaded, or by the precision's format."""
     loaded = inventory.loaded
     if loaded is not None:
         note = f"as loaded ({loaded.quantization or str(loaded.compute_dtype).removeprefix('torch.')})"
@@ -41,7 +42,7 @@ def weight_bytes(inventory: ModelInventory, profile: Profile) -> tuple[int, int,
     )
     if profile.quantized is None:
         total = (inventory.linear_params + biases + rest) * profile.param
-        return total, 0, f"{_count(inventory.total_params)} × {profile.param} B"
+        return total, 0, f"{count_label(inventory.total_params)} × {profile.param} B"
     weight_format = weight_formats.get(profile.quantized)
     quantized = int(inventory.linear_params * weight_format.bits_per_weight / 8)
     constants = sum(
@@ -50,7 +51,7 @@ def weight_bytes(inventory: ModelInventory, profile: Profile) -> tuple[int, int,
     )
     kept = (biases + rest) * profile.param
     others = "embeddings, head, norms" + (", experts" if inventory.expert_params else "")
-    note = f"{_count(inventory.linear_params)} linear weights in {profile.quantized}, {_count(biases + rest)} in 16-bit ({others})"
+    note = f"{count_label(inventory.linear_params)} linear weights in {profile.quantized}, {count_label(biases + rest)} in 16-bit ({others})"
     return quantized + kept, constants, note
 
 
@@ -59,6 +60,8 @@ def weight_bytes(inventory: ModelInventory, profile: Profile) -> tuple[int, int,
 
 @dataclass(frozen=True)
 class Adapters:
+    """The LoRA adapters' bytes, their gradients' and their optimizer states'."""
+
     params: int
     bytes: int  # the fp32 adapters and their 16-bit compute copies
     compute_copies: bool
@@ -67,6 +70,7 @@ class Adapters:
 
 
 def adapter_bytes(run: ResolvedRun) -> Adapters:
+    """The adapters of `run`'s targets at rank r (or those a loaded model has), in fp32 with any 16-bit copies."""
     inventory, profile, r = run.inventory, run.profile, run.r
     lora_modules = [
         linear for linear in inventory.linears if linear.lora_targetable and linear.short in run.targets
@@ -99,6 +103,8 @@ def adapter_bytes(run: ResolvedRun) -> Adapters:
 
 @dataclass(frozen=True)
 class Stored:
+    """The activations stored from forward to backward, and what offloading keeps in host memory."""
+
     bytes: int
     note: str
     per_layer: list[int]  # what each layer saves, per token, when it is not checkpointed
@@ -110,6 +116,7 @@ class Stored:
 
 
 def stored_activations(run: ResolvedRun, notes: list[str]) -> Stored:
+    """What the forward stores for backward under `run`'s checkpointing mode; `notes` gets what the table says."""
     inventory, profile, mode, tokens = run.inventory, run.profile, run.mode, run.tokens
     layers = inventory.layers
     per_layer = [
@@ -165,6 +172,7 @@ def stored_activations(run: ResolvedRun, notes: list[str]) -> Stored:
 
 
 def logits_and_loss(run: ResolvedRun) -> tuple[int, str]:
+    """The loss phase's bytes beyond the stored activations (eager or fused linear cross-entropy), and the note."""
     inventory, profile, trained, tokens = run.inventory, run.profile, run.trained, run.tokens
     vocab, h = inventory.vocab_size, inventory.hidden_size
     final_norm = act.norm_bytes(h, profile)
@@ -226,6 +234,8 @@ def workspace_bytes(run: ResolvedRun) -> int:
 
 @dataclass(frozen=True)
 class Backward:
+    """The backward phase's moment, beside the stored activations: its parts' bytes and notes."""
+
     recompute: int
     workspace: int
     workspace_note: str
@@ -236,6 +246,8 @@ class Backward:
 
 
 def backward_phase(run: ResolvedRun, stored: Stored, adapters: Adapters) -> Backward:
+    """The layer whose backward holds the most: its recompute, gradient buffers, a dequantised weight (or an
+    8-bit forward), and the LoRA gradients made by then beyond the activations already freed."""
     inventory, profile, mode, tokens, r = run.inventory, run.profile, run.mode, run.tokens, run.r
     layers, per_layer, targets_set = inventory.layers, stored.per_layer, set(run.targets)
     layer_input = run.layer_input
