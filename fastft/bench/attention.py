@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from fastft.bench.common import time_calls
+from fastft.bench.harness import save_record
 from fastft.data.batch import PackedBatch
 from fastft.runtime.attention import _sdpa_uniform, packed_attention
 
@@ -193,12 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         ("max_diff", "max abs diff"),
         ("error", "error"),
     ]
-    print(markdown_table(rows, columns))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows, columns)
+    print(table)
     result = {"benchmark": "attention", "environment": environment(), "head_dim": args.head_dim, "rows": rows}
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown_table(rows, columns) + "\n")
+    save_record(args.out, result, table)
     return 0
 
 

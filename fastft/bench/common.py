@@ -161,6 +161,13 @@ def environment() -> dict:
     return info
 
 
+def environment_line(env: dict, *libraries: str) -> str:
+    """A record's `environment` in one line: the device, the versions of those of `libraries` it names, the
+    date."""
+    versions = [f"{name} {env[name]}" for name in libraries if env.get(name)]
+    return ", ".join([env["device"], *versions, env["date"]])
+
+
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """Rows as a markdown table; `columns` are (key, header) pairs."""
     header = "| " + " | ".join(h for _, h in columns) + " |"

@@ -26,19 +26,19 @@ the peak memory).
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from fastft.bench.baselines import hf_model, step_clock, trl_run_settings
 from fastft.bench.harness import (
     bench_parser,
     ensure_checkpoint,
     fastft_model,
+    option_argv,
     parse_or_work,
     run_system,
+    save_record,
     systems_of,
     worker_options,
     workloads_of,
@@ -293,10 +293,7 @@ def _write(path: str, args, results: list[dict]) -> str:
         "results": results,
         "verdict": verdict(results),
     }
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(output, indent=2) + "\n")
-    out.with_suffix(".md").write_text(table + "\n")
+    save_record(path, output, table)
     return table
 
 
@@ -329,8 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     for workload in workloads:
         for system in systems:
             argv_worker = ["--worker", "--system", system, "--workload", workload, "--folder", str(folder)]
-            for key in (*_SETTINGS, "device"):
-                argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+            argv_worker += option_argv(args, (*_SETTINGS, "device"))
             argv_worker += [f"--{key}" for key in _FLAGS if getattr(args, key)]
             result = run_system(system, argv_worker, "fastft.bench.dpo", args.timeout)
             result.setdefault("workload", workload)

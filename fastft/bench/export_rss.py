@@ -15,7 +15,6 @@ change the weights' memory). No check runs (it would build the merged model a se
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from fastft.bench.harness import report_parser
 from fastft.export.writer import write_gguf
 from fastft.models.catalog import get_spec
 from fastft.models.presets import load_preset_tokenizer
@@ -95,11 +95,7 @@ def run(hub_id: str, quantization: str, folder: Path, **shape) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m fastft.bench.export_rss",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = report_parser("export_rss", __doc__, prog="python -m fastft.bench.export_rss")
     parser.add_argument(
         "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog hub id (random weights)"
     )

@@ -21,18 +21,18 @@ completions. Systems, each in its own process (its peak memory is its own):
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from pathlib import Path
 
 from fastft.bench.baselines import hf_model, trl_run_settings
 from fastft.bench.harness import (
     bench_parser,
     ensure_checkpoint,
     fastft_model,
+    option_argv,
     parse_or_work,
     run_system,
+    save_record,
     systems_of,
     worker_options,
 )
@@ -239,6 +239,10 @@ def _table(results: list[dict], summary: dict) -> str:
     return "\n".join(lines)
 
 
+# the driver's options its workers take and its record's settings repeat
+_WORKER_OPTIONS = ("workload", "prompts", "generations", "prompt_tokens", "completion_tokens")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser("grpo", __doc__, SYSTEMS, "fastft,trl,generate")
     parser.add_argument("--workload", choices=("bf16", "nf4"), default="nf4", help="the base's precision")
@@ -261,40 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for system in systems:
         worker = ["--worker", "--system", system, "--folder", str(folder)]
-        for key in (
-            "workload",
-            "prompts",
-            "generations",
-            "prompt_tokens",
-            "completion_tokens",
-            "seed",
-            "device",
-        ):
-            worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+        worker += option_argv(args, (*_WORKER_OPTIONS, "seed", "device"))
         result = run_system(system, worker, "fastft.bench.grpo", args.timeout)
         results.append(result)
         print(f"{system:>9}: {result.get('error') or 'done'}", file=sys.stderr, flush=True)
     summary = summarise(results)
-    settings = {
-        key: getattr(args, key)
-        for key in (
-            "model",
-            "layers",
-            "workload",
-            "prompts",
-            "generations",
-            "prompt_tokens",
-            "completion_tokens",
-        )
-    }
+    settings = {key: getattr(args, key) for key in ("model", "layers", *_WORKER_OPTIONS)}
     from fastft.bench.common import environment
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": "grpo", "settings": settings, "environment": environment(), "results": results}
-    out.write_text(json.dumps(record | {"summary": summary}, indent=2) + "\n")
     table = _table(results, summary)
-    out.with_suffix(".md").write_text(table + "\n")
+    save_record(args.out, record | {"summary": summary}, table)
     print(table)
     return 0
 

@@ -171,6 +171,32 @@ def bench_parser(
     return parser
 
 
+def report_parser(bench: str, doc: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of a bench that runs in this process and prints a report: its module docstring `doc` as the
+    description, as written."""
+    return argparse.ArgumentParser(
+        prog=prog or f"fastft bench {bench}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def save_record(path: str | Path, record: dict, table: str) -> None:
+    """A bench's `record` as JSON at `path` and its `table` beside it as markdown (``.md``), folders made."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    out.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
+
+
+def option_argv(args: argparse.Namespace, keys) -> list[str]:
+    """The driver's options `keys` (``args``' attribute names) as its worker process takes them."""
+    argv = []
+    for key in keys:
+        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return argv
+
+
 def worker_options(parser: argparse.ArgumentParser, bench: str, workload: bool = True) -> None:
     """The hidden options a bench's driver passes to its worker process (``fastft.bench.<bench>``)."""
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

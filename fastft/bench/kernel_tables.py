@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastft.bench.common import markdown_table
+from fastft.bench.common import environment_line, markdown_table
 
 # The issue's bar for memory-bound kernels, as a share of the measured copy bandwidth.
 TARGET_PERCENT_OF_COPY = 80.0
@@ -151,11 +151,9 @@ def target_lines(result: dict) -> list[str]:
 def report(result: dict) -> str:
     """The whole result as text: header, kernel table, memory table, the issue's bars, notes."""
     env, copy = result["environment"], result["copy"]
-    versions = ", ".join(
-        f"{name} {env[name]}" for name in ("torch", "triton", "liger_kernel", "bitsandbytes") if env.get(name)
-    )
+    libraries = ("torch", "triton", "liger_kernel", "bitsandbytes")
     head = (
-        f"kernels — {env['device']}, {versions}, {env['date']}\n"
+        f"kernels — {environment_line(env, *libraries)}\n"
         f"copy bandwidth (copy_ of {copy['bytes'] / 2**30:g} GiB, read + write): {copy['gbs']:,.0f} GB/s; "
         f"kernel ratios are times (fastft / baseline, < 1 = fastft faster)"
     )

@@ -30,9 +30,7 @@ for each op. Ratios are times, fastft over the baseline: below 1 is fastft faste
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import os
 import time
 from dataclasses import asdict
@@ -43,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from fastft.bench.common import environment
+from fastft.bench.harness import report_parser, save_record
 from fastft.bench.kernel_costs import (
     copy_bytes,
     flce_flops,
@@ -354,9 +353,7 @@ NO_GPU_MESSAGE = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fastft bench kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = report_parser("kernels", __doc__)
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="ops to time (default: all)")
     parser.add_argument("--quick", action="store_true", help="fewer warm-up and timed calls")
     parser.add_argument(
@@ -372,8 +369,6 @@ def main(argv: list[str] | None = None) -> int:
     text = report(result)
     print(text)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2), encoding="utf-8")
-    out.with_suffix(".md").write_text(text + "\n", encoding="utf-8")
+    save_record(out, result, text)
     print(f"\nwrote {out} and {out.with_suffix('.md')}")
     return 0

@@ -19,7 +19,6 @@ the four consumers that read it (gate/up GEMM, down GEMM, the expert LoRA GEMMs,
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import warnings
@@ -27,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from fastft.bench.common import environment, markdown_table, time_calls
+from fastft.bench.common import environment, environment_line, markdown_table, time_calls
+from fastft.bench.harness import report_parser
 from fastft.models.catalog import CATALOG
 from fastft.models.lora import add_lora
 from fastft.models.patch import UnfusedWarning
@@ -207,7 +207,7 @@ def report(result: dict) -> str:
     env, routing = result["environment"], result["routing"]
     head = (
         f"MoE block alone — {result['model']} layer 0, {routing['tokens']} tokens, LoRA r=16; "
-        f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, {env['date']}\n\n"
+        f"{environment_line(env, 'torch', 'transformers')}\n\n"
     )
     tail = (
         f"\n\nRouting plan ({routing['experts']} experts, top-{routing['top_k']}): {routing['plan_ms']:.3f} ms once "
@@ -218,9 +218,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fastft bench moe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = report_parser("moe", __doc__)
     parser.add_argument(
         "--model", default="Qwen/Qwen3-30B-A3B", help="catalog MoE architecture or MoE preset"
     )

@@ -24,16 +24,15 @@ finish in time is reported as skipped. Defaults: Llama-3.1-8B and Qwen3-14B at 3
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from fastft.bench.common import environment, markdown_table, time_steps
+from fastft.bench.common import environment, environment_line, markdown_table, time_steps
+from fastft.bench.harness import report_parser, save_record
 from fastft.data.batch import PackedBatch
 from fastft.models.catalog import CATALOG
 from fastft.models.lora import add_lora, set_gradient_checkpointing
@@ -121,22 +120,9 @@ def _measure_model(
             print(f"  {model_name}: skipped (needs ~{needed:.0f} s, time budget left)", flush=True)
             return skipped("skipped (time budget)")
 
-    started = time.perf_counter()
-    model = random_model(model_name, device, dtype)
-    model.config.use_cache = False
-    extra = {} if fused is None else {"fused": fused}
-    model = add_lora(model, r=lora_r, alpha=lora_r, gradient_checkpointing=True, seed=seed, **extra)
-    attention.patch_packed_attention(model, "auto")
-    model.train()
+    model, optimizer = _lora_model(model_name, device, dtype, lora_r, fused, seed)
     vocab = model.config.vocab_size
     batches = [long_documents(tokens, vocab, rng).to(device) for _ in range(warmup + steps)]
-    lora = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(lora, lr=1e-5, weight_decay=0.0, fused=cuda)
-    for p in lora:  # allocate the optimizer state now, so every mode starts from the same memory
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    print(f"  {model_name}: built in {time.perf_counter() - started:.0f} s", flush=True)
     autocast = dict(device_type=device.type, dtype=dtype, enabled=cuda)
 
     def forward(i: int) -> torch.Tensor:
@@ -201,29 +187,59 @@ def _measure_model(
             step_gib=_gib(torch.cuda.max_memory_allocated() - before) if cuda else None,
         )
         if stats is not None:
-            row.update(
-                offloaded_gib=_gib(stats.bytes_offloaded / steps),
-                d2h_ms=None if stats.d2h_ms is None else stats.d2h_ms / steps,
-                h2d_ms=None if stats.h2d_ms is None else stats.h2d_ms / steps,
-                wait_ms=None if stats.wait_ms is None else stats.wait_ms / steps,
-                hidden_pct=None if stats.hidden_fraction is None else 100 * stats.hidden_fraction,
-                pinned_gib=_gib(stats.pinned_bytes),
-                buffers_gib=_gib(stats.device_buffer_bytes),
-                fallback_calls=stats.fallback_calls,
-                offload_disabled=stats.disabled,
-            )
+            row.update(_offload_figures(stats, steps))
         print(
             f"  {name:<18} step {row['step_ms']:9.1f} ms  {row['tokens_per_s']:9.0f} tok/s  "
             f"peak {row['peak_gib'] or 0:6.1f} GiB",
             flush=True,
         )
+    _against_recompute(rows)
+    return rows
+
+
+def _lora_model(model_name: str, device, dtype, lora_r: int, fused: bool | None, seed: int):
+    """The random-weight `model_name` with LoRA r=`lora_r` (checkpointed, packed attention), in training mode,
+    and its AdamW with its states allocated, so every mode starts from the same memory."""
+    started = time.perf_counter()
+    model = random_model(model_name, device, dtype)
+    model.config.use_cache = False
+    extra = {} if fused is None else {"fused": fused}
+    model = add_lora(model, r=lora_r, alpha=lora_r, gradient_checkpointing=True, seed=seed, **extra)
+    attention.patch_packed_attention(model, "auto")
+    model.train()
+    lora = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(lora, lr=1e-5, weight_decay=0.0, fused=device.type == "cuda")
+    for p in lora:  # allocate the optimizer state now, so every mode starts from the same memory
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    print(f"  {model_name}: built in {time.perf_counter() - started:.0f} s", flush=True)
+    return model, optimizer
+
+
+def _offload_figures(stats, steps: int) -> dict:
+    """The offloader's figures (`offload_stats`) over `steps` timed steps, per step."""
+    return dict(
+        offloaded_gib=_gib(stats.bytes_offloaded / steps),
+        d2h_ms=None if stats.d2h_ms is None else stats.d2h_ms / steps,
+        h2d_ms=None if stats.h2d_ms is None else stats.h2d_ms / steps,
+        wait_ms=None if stats.wait_ms is None else stats.wait_ms / steps,
+        hidden_pct=None if stats.hidden_fraction is None else 100 * stats.hidden_fraction,
+        pinned_gib=_gib(stats.pinned_bytes),
+        buffers_gib=_gib(stats.device_buffer_bytes),
+        fallback_calls=stats.fallback_calls,
+        offload_disabled=stats.disabled,
+    )
+
+
+def _against_recompute(rows: list[dict]) -> None:
+    """Each measured row's speed over plain recompute's and the memory it saves against it, where recompute ran."""
     recompute = next((r for r in rows if r["mode"] == "recompute" and r.get("status") == "ok"), None)
     for row in rows:
         if recompute and row.get("status") == "ok":
             row["speed_vs_recompute"] = row["tokens_per_s"] / recompute["tokens_per_s"]
             if row.get("peak_gib") is not None:
                 row["saved_gib"] = recompute["peak_gib"] - row["peak_gib"]
-    return rows
 
 
 def run(
@@ -298,16 +314,13 @@ def report(result: dict) -> str:
         f"offload — random weights, {work['dtype']}, LoRA r={work['lora_r']}, one packed bin per step "
         f"(documents of 1/8–1/2 of the bin), {work['steps']} timed steps after {work['warmup']} warm-up, "
         f"median; fused kernels: {'default' if work['fused'] is None else work['fused']}\n"
-        f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}, "
-        f"{env['date']}; {work['seconds']:.0f} s"
+        f"{environment_line(env, 'torch', 'transformers', 'peft')}; {work['seconds']:.0f} s"
     )
     return head + "\n\n" + markdown_table(result["rows"], COLUMNS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fastft bench offload", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = report_parser("offload", __doc__)
     parser.add_argument(
         "--models",
         nargs="+",
@@ -342,8 +355,5 @@ def main(argv: list[str] | None = None) -> int:
     text = report(result)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "offload.json").write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
-        (out / "offload.md").write_text(text + "\n", encoding="utf-8")
+        save_record(Path(args.out) / "offload.json", result, text)
     return 0

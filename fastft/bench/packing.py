@@ -18,7 +18,6 @@ the optimizer step. Syncs are counted by PyTorch's sync debug mode over one step
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import replace
@@ -27,7 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastft.bench.common import count_syncs, environment, markdown_table, time_steps
+from fastft.bench.common import count_syncs, environment, environment_line, markdown_table, time_steps
+from fastft.bench.harness import report_parser
 from fastft.data.batch import PackedBatch
 from fastft.data.packing import best_fit_decreasing
 from fastft.models.lora import add_lora
@@ -117,20 +117,7 @@ def run(
     issue's published anchor is Qwen3-14B QLoRA)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if precision == "bf16":
-        model = random_model(model_name, device, dtype)
-    elif precision == "nf4":
-        if device.type != "cuda":
-            raise RuntimeError(
-                "--precision nf4 quantises with bitsandbytes on a CUDA GPU; on a CPU use bf16."
-            )
-        from fastft.models.random_model import build_random_model
-
-        model = build_random_model(model_name, "nf4", device)
-    else:
-        raise ValueError(f"precision={precision!r}: use 'bf16' or 'nf4'.")
-    model.config.use_cache = False
-    model = add_lora(model, r=lora_r, alpha=lora_r, gradient_checkpointing=True, seed=seed)
+    model = _lora_model(model_name, precision, device, dtype, lora_r, seed)
     lora = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(lora, lr=1e-5, fused=device.type == "cuda")
 
@@ -142,12 +129,7 @@ def run(
     sequences = synthetic_sequences(
         bins_needed * bin_tokens // 200, model.config.vocab_size, bin_tokens, seed
     )
-    # Best-fit-decreasing opens bins longest-first: sample among the (nearly) full bins at random so
-    # the timed steps hold the workload's real length mix, not its longest sequences.
-    all_bins = best_fit_decreasing([len(ids) for ids, _ in sequences], bin_tokens)
-    full = [b for b in all_bins if sum(len(sequences[i][0]) for i in b) >= 0.95 * bin_tokens]
-    chosen = np.random.default_rng(seed).permutation(len(full))[:bins_needed]
-    bins = [full[i] for i in chosen]
+    bins = _full_bins(sequences, bin_tokens, bins_needed, seed)
     batches = [
         PackedBatch.from_sequences([sequences[i][0] for i in b], [sequences[i][1] for i in b]).to(device)
         for b in bins
@@ -196,38 +178,7 @@ def run(
     # Padded batches of the same (timed) sequences.
     attention.unpatch_packed_attention(model)
     padded = list(_padded_batches(timed, padded_batch, seed))
-    base = model.get_base_model()
-
-    def padded_forward(i: int) -> torch.Tensor:
-        b = padded[i % len(padded)]
-        with torch.autocast(**autocast):
-            hidden = base.model(
-                input_ids=b["input_ids"].to(device),
-                attention_mask=b["attention_mask"].to(device),
-                use_cache=False,
-            ).last_hidden_state
-            picked = hidden[b["rows"].to(device), b["cols"].to(device)]
-            logits = base.lm_head(picked).float()
-            return F.cross_entropy(logits, b["targets"].to(device), reduction="sum") / b["trained"]
-
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    times = time_steps(
-        padded_forward, optimizer_step, device, warmup=min(2, len(padded) - 1), steps=len(padded)
-    )
-    padded_trained = sum(b["trained"] for b in padded)
-    rows.append(
-        {
-            "variant": f"padded ({padded_batch} rows, SDPA)",
-            "forward_ms": None,
-            "backward_ms": None,
-            "total_ms": None,
-            "trained_tokens_per_s": padded_trained / (sum(times.total) / 1000.0),
-            "syncs_per_step": None,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        }
-    )
+    rows.append(_measure_padded(model, padded, padded_batch, optimizer_step, autocast, device))
     baseline = rows[0]["trained_tokens_per_s"]
     for row in rows:
         row["speed_vs_transformers"] = row["trained_tokens_per_s"] / baseline
@@ -249,6 +200,71 @@ def run(
             "attention_chosen_by_auto": _auto_choice(model, batches[0]),
         },
         "rows": rows,
+    }
+
+
+def _lora_model(model_name: str, precision: str, device, dtype, lora_r: int, seed: int):
+    """The random-weight `model_name` (bf16, or nf4 as QLoRA loads it) with LoRA on every linear, checkpointed."""
+    if precision == "bf16":
+        model = random_model(model_name, device, dtype)
+    elif precision == "nf4":
+        if device.type != "cuda":
+            raise RuntimeError(
+                "--precision nf4 quantises with bitsandbytes on a CUDA GPU; on a CPU use bf16."
+            )
+        from fastft.models.random_model import build_random_model
+
+        model = build_random_model(model_name, "nf4", device)
+    else:
+        raise ValueError(f"precision={precision!r}: use 'bf16' or 'nf4'.")
+    model.config.use_cache = False
+    return add_lora(model, r=lora_r, alpha=lora_r, gradient_checkpointing=True, seed=seed)
+
+
+def _full_bins(sequences, bin_tokens: int, count: int, seed: int) -> list:
+    """`count` bins of `sequences` (indices), best-fit-decreasing, drawn at random among the (nearly) full ones:
+    it opens bins longest-first, so the timed steps hold the workload's real length mix, not its longest
+    sequences."""
+    all_bins = best_fit_decreasing([len(ids) for ids, _ in sequences], bin_tokens)
+    full = [b for b in all_bins if sum(len(sequences[i][0]) for i in b) >= 0.95 * bin_tokens]
+    chosen = np.random.default_rng(seed).permutation(len(full))[:count]
+    return [full[i] for i in chosen]
+
+
+def _measure_padded(
+    model, padded: list[dict], padded_batch: int, optimizer_step, autocast: dict, device
+) -> dict:
+    """The padded variant's row: every padded batch a step (transformers' SDPA, the unpatched model), the loss
+    on the trained positions only."""
+    base = model.get_base_model()
+
+    def padded_forward(i: int) -> torch.Tensor:
+        b = padded[i % len(padded)]
+        with torch.autocast(**autocast):
+            hidden = base.model(
+                input_ids=b["input_ids"].to(device),
+                attention_mask=b["attention_mask"].to(device),
+                use_cache=False,
+            ).last_hidden_state
+            picked = hidden[b["rows"].to(device), b["cols"].to(device)]
+            logits = base.lm_head(picked).float()
+            return F.cross_entropy(logits, b["targets"].to(device), reduction="sum") / b["trained"]
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times = time_steps(
+        padded_forward, optimizer_step, device, warmup=min(2, len(padded) - 1), steps=len(padded)
+    )
+    padded_trained = sum(b["trained"] for b in padded)
+    return {
+        "variant": f"padded ({padded_batch} rows, SDPA)",
+        "forward_ms": None,
+        "backward_ms": None,
+        "total_ms": None,
+        "trained_tokens_per_s": padded_trained / (sum(times.total) / 1000.0),
+        "syncs_per_step": None,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     }
 
 
@@ -278,15 +294,13 @@ def report(result: dict) -> str:
         f"{work['steps']} timed steps ({work['sequences_timed']} sequences); packing {work['packing_efficiency']:.1%} "
         f"full, padding {work['padding_efficiency']:.1%} real tokens; "
         f"'auto' uses {work['attention_chosen_by_auto']}\n"
-        f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}, {env['date']}"
+        + environment_line(env, "torch", "transformers", "peft")
     )
     return head + "\n\n" + markdown_table(result["rows"], COLUMNS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fastft bench packing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = report_parser("packing", __doc__)
     parser.add_argument("--model", default="Qwen/Qwen3-8B", help="catalog hub id (random weights) or preset")
     parser.add_argument(
         "--bin-tokens", type=int, default=8192, help="tokens per packed bin (one bin per step)"

@@ -11,7 +11,6 @@ trainer's median phases are printed too: the breakdown the studio and the report
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -20,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastft.bench.common import environment, markdown_table
+from fastft.bench.common import environment, environment_line, markdown_table
+from fastft.bench.harness import report_parser
 from fastft.data.packing import PackedDataset
 from fastft.data.tokenize import TokenizedData
 from fastft.models.lora import add_lora
@@ -124,7 +124,7 @@ def report(result: dict) -> str:
     head = (
         f"Step profiler overhead — {work['model']} ({work['layers'] or 'all'} layers), "
         f"{work['tokens_per_step']} tokens/step, {work['dtype']}, LoRA r={work['lora_r']}; "
-        f"{env['device']}, torch {env['torch']}, {env['date']}\n\n"
+        f"{environment_line(env, 'torch')}\n\n"
         f"step {result['step_ms_unprofiled']:.1f} ms without the profiler, "
         f"{result['step_ms_profiled']:.1f} ms with it: overhead {result['overhead_pct']:+.2f} % "
         f"(median of {work['blocks']} paired blocks of {work['steps_per_block']} steps); "
@@ -135,11 +135,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fastft bench profiler",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = report_parser("profiler", __doc__)
     parser.add_argument(
         "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="catalog hub id or preset"
     )

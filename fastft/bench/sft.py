@@ -69,14 +69,18 @@ from fastft.bench.harness import (
     bench_parser,
     ensure_checkpoint,
     fastft_model,
+    option_argv,
     packed,
+    systems_of,
     worker_env,
+    worker_options,
+    workloads_of,
 )
+from fastft.bench.sft_report import print_run, write_record
 from fastft.kernels import tiling
 from fastft.runtime.model_state import base_model
 
 SYSTEMS = ("fastft", "fastft-trl", "unsloth", "unsloth-defaults", "hf", "hf-defaults")
-BASELINES = ("unsloth", "unsloth-defaults", "hf", "hf-defaults")
 # The systems one worker process runs on one loaded model (matched before own defaults: see the docstring).
 FAMILIES = {
     "fastft": "fastft",
@@ -87,9 +91,8 @@ FAMILIES = {
 FAMILIES.update({"hf": "hf", "hf-defaults": "hf"})
 TEMPLATE_TOKENS = 5  # a turn's header and end tokens (role, separators), trained only on assistant turns' end
 
-# Every system's optimizer (module docstring): TRL's name for it, and what the record says.
+# Every system's optimizer (module docstring): TRL's name for it (the record's words: `sft_report.OPTIMIZER`).
 TRL_OPTIMIZER = "adamw_torch_fused"
-OPTIMIZER = "AdamW, fp32 states (torch fused) for every system; Unsloth's default 8-bit AdamW overridden"
 
 
 # --------------------------------------------------------------------------------------------------- data
@@ -409,161 +412,6 @@ def _summary(measured: dict, device) -> dict:
 # ------------------------------------------------------------------------------------------------ driver
 
 
-LABELS = {
-    "unsloth": "Unsloth (matched)",
-    "unsloth-defaults": "Unsloth (own defaults)",
-    "hf": "HF+PEFT (matched)",
-    "hf-defaults": "HF+PEFT (own defaults)",
-}
-
-
-def _ratios(results: list[dict]) -> list[dict]:
-    """fastft's tokens/s over each baseline's, per workload and shape, and the range over the shapes."""
-    done = {(r["workload"], r["shape"], r["system"]): r for r in results if "error" not in r}
-    ratios = []
-    for workload in dict.fromkeys(r["workload"] for r in results):
-        shapes = list(dict.fromkeys(r["shape"] for r in results if r["workload"] == workload))
-        for system in ("fastft", "fastft-trl"):
-            for baseline in BASELINES:
-                per_shape = {
-                    shape: done[workload, shape, system]["tokens_per_s"]
-                    / done[workload, shape, baseline]["tokens_per_s"]
-                    for shape in shapes
-                    if (workload, shape, system) in done and (workload, shape, baseline) in done
-                }
-                if per_shape:
-                    ratios.append(
-                        dict(
-                            workload=workload,
-                            system=system,
-                            baseline=baseline,
-                            against=LABELS[baseline],
-                            per_shape=per_shape,
-                            low=min(per_shape.values()),
-                            high=max(per_shape.values()),
-                        )
-                    )
-    return ratios
-
-
-def _table(results: list[dict]) -> str:
-    from fastft.bench.common import markdown_table
-
-    done = {(r["workload"], r["shape"], r["system"]): r for r in results if "error" not in r}
-    present = [b for b in BASELINES if any(r["system"] == b for r in results)]
-    rows = []
-    for result in results:
-        row = dict(result, system=LABELS.get(result["system"], result["system"]))
-        if "error" in result:
-            rows.append(dict(row, note=result["error"][:160]))
-            continue
-        for baseline in present:
-            other = done.get((result["workload"], result["shape"], baseline))
-            if other and baseline != result["system"]:
-                row[f"vs_{baseline}"] = f"{result['tokens_per_s'] / other['tokens_per_s']:.2f}x"
-        graph = result.get("graph")
-        row["note"] = f"graph {graph['replays']} replays" if graph else ""
-        rows.append(row)
-    vs = [(f"vs_{b}", f"vs {LABELS[b]}") for b in BASELINES if b in present or b == "hf"]
-    columns = [
-        ("workload", "workload"),
-        ("shape", "shape"),
-        ("system", "system"),
-        ("tokens_per_s", "tokens/s"),
-        ("trained_tokens_per_s", "trained tokens/s"),
-        ("step_ms", "median step ms"),
-        ("slowest_over_median", "slowest / median"),
-        ("peak_gib", "peak GiB"),
-        ("padding_share", "padding share"),
-        ("optimizer", "optimizer"),
-        ("cudnn_attention", "cuDNN attention"),
-        *vs,
-        ("note", "note"),
-    ]
-    return markdown_table(rows, columns)
-
-
-def _ratio_table(ratios: list[dict], shapes: list[str]) -> str:
-    from fastft.bench.common import markdown_table
-
-    rows = [
-        dict(
-            r,
-            **{shape: f"{value:.2f}x" for shape, value in r["per_shape"].items()},
-            range=f"{r['low']:.2f}x–{r['high']:.2f}x" if len(r["per_shape"]) > 1 else f"{r['low']:.2f}x",
-        )
-        for r in ratios
-    ]
-    columns = [("workload", "workload"), ("system", "system"), ("against", "against")]
-    columns += [(shape, shape) for shape in shapes] + [("range", "range over shapes")]
-    return markdown_table(rows, columns)
-
-
-def _shape_table(shapes: dict[str, dict]) -> str:
-    from fastft.bench.common import markdown_table
-
-    columns = [
-        ("shape", "shape"),
-        ("rows", "rows"),
-        ("row_tokens_median", "row tokens median"),
-        ("row_tokens_p90", "p90"),
-        ("trained_share", "trained share"),
-        ("tokens_per_pack", "tokens per pack"),
-        ("segments_per_pack", "segments per pack"),
-        ("segments_per_pack_p90", "segments p90"),
-    ]
-    return markdown_table([dict(stats, shape=name) for name, stats in shapes.items()], columns)
-
-
-def _write(path: str, args, shapes: dict[str, dict], results: list[dict]) -> str:
-    from fastft.bench.common import environment
-
-    ratios = _ratios(results)
-    text = "\n\n".join(
-        [_shape_table(shapes), _table(results)] + ([_ratio_table(ratios, list(shapes))] if ratios else [])
-    )
-    keys = _DATA_SETTINGS + (
-        "model",
-        "layers",
-        "warmup",
-        "steps",
-        "baseline_cudnn_attention",
-        "trl_gradient_checkpointing",
-        "mlp_tile_rows",
-        "adapter_copies",
-        "dh_slice_mib",
-        "snapshot",
-        "process_per_run",
-    )
-    settings = {key: getattr(args, key) for key in keys}
-    settings["optimizer"] = OPTIMIZER
-    output = {
-        "benchmark": "sft",
-        "settings": settings,
-        "environment": environment(),
-        "shapes": shapes,
-        "results": results,
-        "ratios": ratios,
-    }
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(output, indent=2) + "\n")
-    out.with_suffix(".md").write_text(text + "\n")
-    return text
-
-
-_DATA_SETTINGS = (
-    "shapes",
-    "chats",
-    "documents",
-    "user_median",
-    "assistant_median",
-    "sigma",
-    "max_seq_length",
-    "seed",
-)
-
-
 def _shape_rows(args, shape: str) -> list:
     """The rows of `shape` for this run: `--chats` chats or `--documents` documents, the turn options over
     a chat shape's own."""
@@ -623,11 +471,10 @@ def _run_worker_process(argv: list[str], env: dict, timeout: float) -> tuple[lis
     return results, failure
 
 
-def main(argv: list[str] | None = None) -> int:
-    from fastft.bench.chat_shapes import SHAPES, parse_shapes, row_stats
-    from fastft.bench.common import add_memory_trade_options, memory_trade_argv
+def _data_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the workload: precisions, data shapes, their rows and the pack length."""
+    from fastft.bench.chat_shapes import SHAPES
 
-    parser = bench_parser("sft", __doc__, SYSTEMS, "fastft,fastft-trl,hf")
     parser.add_argument(
         "--workloads",
         default="bf16,nf4",
@@ -662,6 +509,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-seq-length", type=int, default=4096, help="tokens per packed micro-batch")
     parser.add_argument("--seed", type=int, default=0, help="the rows' seed")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from fastft.bench.common import add_memory_trade_options
+
+    parser = bench_parser("sft", __doc__, SYSTEMS, "fastft,fastft-trl,hf")
+    _data_options(parser)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--folder", default="/dev/shm/fastft-bench-step", help="the random checkpoints")
@@ -709,33 +563,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/sft.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--system", help=argparse.SUPPRESS)
-    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    worker_options(parser, "sft")
     parser.add_argument("--rows", help=argparse.SUPPRESS)
-    parser.add_argument("--scratch", default="/tmp/fastft-bench-sft", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        for result in run_worker(args):
-            print(json.dumps(result), flush=True)
-        return 0
+    return parser
 
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if any(w not in ("bf16", "nf4", "fp16", "nf4-fp16") for w in workloads):
-        parser.error(f"--workloads {args.workloads}: from bf16, nf4, fp16, nf4-fp16")
-    try:
-        shapes = parse_shapes(args.shapes)
-    except ValueError as error:
-        parser.error(str(error))
-    args.shapes = ",".join(shapes)
-    if args.snapshot and (args.device != "cuda" or args.warmup < 2):
-        parser.error("--snapshot records a CUDA allocator: --device cuda and --warmup 2 or more")
-    folder = ensure_checkpoint(args)
-    rows_folder = Path(args.scratch) / "rows"
+
+def _save_shapes(args, shapes: list[str], folder: Path, rows_folder: Path) -> dict[str, dict]:
+    """Each shape's rows made, checked against the model's vocabulary and saved to `rows_folder` for the
+    workers; each shape's row and packing statistics (printed as they come)."""
+    from fastft.bench.chat_shapes import SHAPES, row_stats
+
     rows_by_shape = {shape: _shape_rows(args, shape) for shape in shapes}
     _check_vocabulary(folder, rows_by_shape)
     stats = {}
@@ -749,75 +586,91 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    # one process per system family (matched systems before their -defaults), or one per run
+    return stats
+
+
+def _jobs(systems: list[str], shapes: list[str], process_per_run: bool) -> list[tuple[list[str], list[str]]]:
+    """The worker processes, as (systems, shapes) each: one per system family (matched systems before their
+    -defaults), or one per run."""
     families: dict[str, list[str]] = {}
     for system in sorted(systems, key=lambda s: s.endswith("-defaults")):
         families.setdefault(FAMILIES[system], []).append(system)
-    if args.process_per_run:
-        jobs = [([system], [shape]) for group in families.values() for system in group for shape in shapes]
-    else:
-        jobs = [(group, shapes) for group in families.values()]
+    if process_per_run:
+        return [([system], [shape]) for group in families.values() for system in group for shape in shapes]
+    return [(group, shapes) for group in families.values()]
+
+
+# the driver's options its workers take as they are
+_WORKER_OPTIONS = (
+    "max_seq_length",
+    "warmup",
+    "steps",
+    "device",
+    "baseline_cudnn_attention",
+    "trl_gradient_checkpointing",
+    "mlp_tile_rows",
+    "scratch",
+)
+
+
+def _run_job(
+    args, workload: str, group: list[str], shapes: list[str], folder: Path, rows: Path
+) -> list[dict]:
+    """One worker process's runs of `group` on `shapes`: a result each (printed), a failed run's error in its
+    place."""
+    from fastft.bench.common import memory_trade_argv
+
+    argv = ["--worker", "--system", ",".join(group), "--workload", workload]
+    argv += ["--shapes", ",".join(shapes), "--folder", str(folder), "--rows", str(rows)]
+    argv += option_argv(args, _WORKER_OPTIONS)
+    argv += memory_trade_argv(args)
+    argv += ["--snapshot"] if args.snapshot else []
+    started = time.perf_counter()
+    env = worker_env(FAMILIES[group[0]], args.unsloth_path)
+    reported, failure = _run_worker_process(argv, env, args.timeout * len(group) * len(shapes))
+    wall = time.perf_counter() - started
+    by_run = {(r.get("system"), r.get("shape")): r for r in reported}
+    results = []
+    for system in group:
+        for shape in shapes:
+            result = by_run.get((system, shape)) or dict(
+                system=system, shape=shape, settings=_settings_label(system), error=failure
+            )
+            result.setdefault("workload", workload)
+            result["process_wall_s"] = wall
+            results.append(result)
+            print_run(result)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fastft.bench.chat_shapes import parse_shapes
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.worker:
+        for result in run_worker(args):
+            print(json.dumps(result), flush=True)
+        return 0
+    systems = systems_of(parser, args.systems, SYSTEMS)
+    workloads = workloads_of(parser, args.workloads, ("bf16", "nf4", "fp16", "nf4-fp16"))
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as error:
+        parser.error(str(error))
+    args.shapes = ",".join(shapes)
+    if args.snapshot and (args.device != "cuda" or args.warmup < 2):
+        parser.error("--snapshot records a CUDA allocator: --device cuda and --warmup 2 or more")
+    folder = ensure_checkpoint(args)
+    rows_folder = Path(args.scratch) / "rows"
+    stats = _save_shapes(args, shapes, folder, rows_folder)
     results = []
     for workload in workloads:
-        for group, job_shapes in jobs:
-            argv_worker = ["--worker", "--system", ",".join(group), "--workload", workload]
-            argv_worker += [
-                "--shapes",
-                ",".join(job_shapes),
-                "--folder",
-                str(folder),
-                "--rows",
-                str(rows_folder),
-            ]
-            for key in (
-                "max_seq_length",
-                "warmup",
-                "steps",
-                "device",
-                "baseline_cudnn_attention",
-                "trl_gradient_checkpointing",
-                "mlp_tile_rows",
-                "scratch",
-            ):
-                argv_worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-            argv_worker += memory_trade_argv(args)
-            argv_worker += ["--snapshot"] if args.snapshot else []
-            started = time.perf_counter()
-            runs = len(group) * len(job_shapes)
-            reported, failure = _run_worker_process(
-                argv_worker, worker_env(FAMILIES[group[0]], args.unsloth_path), args.timeout * runs
-            )
-            wall = time.perf_counter() - started
-            by_run = {(r.get("system"), r.get("shape")): r for r in reported}
-            for system in group:
-                for shape in job_shapes:
-                    result = by_run.get((system, shape)) or dict(
-                        system=system, shape=shape, settings=_settings_label(system), error=failure
-                    )
-                    result.setdefault("workload", workload)
-                    result["process_wall_s"] = wall
-                    results.append(result)
-                    _print_run(result)
-            _write(args.out, args, stats, results)  # a later timeout keeps what was measured
-    print(_write(args.out, args, stats, results))
+        for group, job_shapes in _jobs(systems, shapes, args.process_per_run):
+            results += _run_job(args, workload, group, job_shapes, folder, rows_folder)
+            write_record(args.out, args, stats, results)  # a later timeout keeps what was measured
+    print(write_record(args.out, args, stats, results))
     return 0
-
-
-def _print_run(result: dict) -> None:
-    summary = result.get("error") or (
-        f"{result['tokens_per_s']:,.0f} tok/s, slowest step {result['slowest_over_median']:.2f}x the "
-        f"median, {result['peak_gib'] or 0:.1f} GiB"
-    )
-    label = LABELS.get(result["system"], result["system"])
-    print(
-        f"{result['workload']:>5} {result['shape']:>10} {label:>22}: {summary}", file=sys.stderr, flush=True
-    )
-    for site in result.get("live_at_peak", {}).get("sites", [])[:10]:
-        print(
-            f"      {site['bytes'] / 2**20:9.1f} MiB  {site['tensors']:4d}  {site['site']}", file=sys.stderr
-        )
-    for owner, nbytes in result.get("live_at_peak", {}).get("resident_before", {}).items():
-        print(f"      {nbytes / 2**20:9.1f} MiB  before the step: {owner}", file=sys.stderr)
 
 
 if __name__ == "__main__":

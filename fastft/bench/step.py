@@ -24,7 +24,6 @@ Unsloth's process needs its own site folder first on ``PYTHONPATH``: pass ``--un
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,9 +33,11 @@ from fastft.bench.baselines import hf_model, unsloth_model
 from fastft.bench.harness import (
     checkpoint_folder,
     fastft_model,
+    option_argv,
     parse_or_work,
     run_system,
     save_random_checkpoint,
+    save_record,
     systems_of,
 )
 
@@ -279,8 +280,8 @@ def _table(results: list[dict]) -> str:
     return markdown_table(rows, columns)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from fastft.bench.common import add_memory_trade_options, memory_trade_argv
+def _parser() -> argparse.ArgumentParser:
+    from fastft.bench.common import add_memory_trade_options
 
     parser = argparse.ArgumentParser(
         prog="fastft bench step",
@@ -347,6 +348,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    return parser
+
+
+def _worker_argv(args, system: str, workload: str, attention: str, folder: Path) -> list[str]:
+    """The worker's options for one run: the driver's, as given, for `system`, `workload` and `attention`."""
+    from fastft.bench.common import memory_trade_argv
+
+    argv = ["--worker", "--system", system, "--workload", workload, "--attention", attention]
+    argv += ["--folder", str(folder)]
+    keys = ("warmup", "steps", "peak_flops", "checkpointing", "lora_targets", "cuda_graph", "keep_attention")
+    return argv + option_argv(args, keys) + memory_trade_argv(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parse_or_work(parser, argv, run_worker)
     if args is None:
         return 0
@@ -380,32 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     for workload, round_, system in runs:
         attentions = args.attention.split(",") if system == "fastft" else ["sdpa"]
         for attention in attentions:
-            argv_worker = [
-                "--worker",
-                "--system",
-                system,
-                "--workload",
-                workload,
-                "--attention",
-                attention,
-                "--folder",
-                str(folder),
-                "--warmup",
-                str(args.warmup),
-                "--steps",
-                str(args.steps),
-                "--peak-flops",
-                str(args.peak_flops),
-                "--checkpointing",
-                args.checkpointing,
-                "--lora-targets",
-                args.lora_targets,
-                "--cuda-graph",
-                args.cuda_graph,
-                "--keep-attention",
-                args.keep_attention,
-            ]
-            argv_worker += memory_trade_argv(args)
+            argv_worker = _worker_argv(args, system, workload, attention, folder)
             result = run_system(system, argv_worker, "fastft.bench.step", args.timeout, args.unsloth_path)
             result.setdefault("workload", workload)
             result.setdefault("attention", attention)
@@ -424,10 +415,7 @@ def main(argv: list[str] | None = None) -> int:
 def _write(path: str, model: str, env: dict, results: list[dict]) -> str:
     table = _table(results)
     output = {"benchmark": "step", "model": model, "environment": env, "results": results}
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(output, indent=2) + "\n")
-    out.with_suffix(".md").write_text(table + "\n")
+    save_record(path, output, table)
     return table
 
 

@@ -19,7 +19,6 @@ listed as skipped), so one call fits a 10-minute device slot. Memory is freed be
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import time
@@ -27,7 +26,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fastft.bench.common import environment, markdown_table
+from fastft.bench.common import environment, environment_line, markdown_table
+from fastft.bench.harness import report_parser
 from fastft.models.catalog import CATALOG
 from fastft.vram import capped_gpu, max_context
 from fastft.vram.measure import TrainingProbe, is_out_of_memory, measure
@@ -396,8 +396,7 @@ def report(result: dict) -> str:
     head = (
         f"vram — estimated vs measured peak (torch.cuda.max_memory_allocated, {settings['steps']} steps), "
         f"and the longest context under a {settings['cap_gib']:.0f} GiB cap\n"
-        f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}, "
-        f"{env['date']}; {result['seconds']:.0f} s"
+        f"{environment_line(env, 'torch', 'transformers', 'peft')}; {result['seconds']:.0f} s"
     )
     return (
         head
@@ -409,9 +408,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fastft bench vram", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = report_parser("vram", __doc__)
     parser.add_argument(
         "--budget-s", type=float, default=480.0, help="stop starting configurations after this"
     )

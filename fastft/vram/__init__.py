@@ -1,6 +1,7 @@
 """VRAM: estimate what a LoRA/QLoRA run needs, find the longest context that fits, measure it on a GPU.
 
-``estimate_vram(model, seq_len, …)`` (`estimate`, its inputs checked by `settings`) returns a `VramEstimate` (`result`: a breakdown with
+``estimate_vram(model, seq_len, …)`` (`estimate`, its inputs checked by `settings`, each part's bytes
+`part_bytes` and `methods`, the peaks `assemble`) returns a `VramEstimate` (`result`: a breakdown with
 ``.table()`` and ``.to_dict()``); ``max_context`` and ``fits`` (`fit`) answer the questions a user asks
 before training; ``measure`` runs real training steps on CUDA and reports the peak beside the estimate.
 The activation model, per layer and tensor, is `activations`; the model's shapes, `inventory` (for catalog

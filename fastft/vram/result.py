@@ -3,7 +3,8 @@
 Each `VramComponent` is one block of the memory bar, in one phase of the step (outside torch's allocator,
 persistent, stored from forward to backward, the loss's peak or the backward's); the estimate sums those at
 the peak, judges them against a GPU, and prints them (`VramEstimate.table`) or hands them on as plain data
-(`VramEstimate.to_dict`). The arithmetic that fills them in is `fastft.vram.estimate`'s.
+(`VramEstimate.to_dict`). The arithmetic that fills them in is `fastft.vram.part_bytes`'s (each part's
+bytes) and `fastft.vram.assemble`'s (the peaks), which `fastft.vram.estimate` runs.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ class VramEstimate:
         s = self.settings
         targets = "all-linear" if s.targets == ("all-linear",) else ",".join(s.targets)
         head = [
-            f"VRAM estimate: {self.model} ({_count(self.parameters)} parameters), {s.precision}, "
-            f"LoRA r={s.lora_r} on {targets} ({_count(self.lora_parameters)} trainable)",
+            f"VRAM estimate: {self.model} ({count_label(self.parameters)} parameters), {s.precision}, "
+            f"LoRA r={s.lora_r} on {targets} ({count_label(self.lora_parameters)} trainable)",
             f"seq_len {s.seq_len:,}, {s.batch_tokens:,} tokens per micro-batch ({s.trained_tokens:,} trained), "
             f"checkpointing={s.checkpointing}, optimizer={s.optimizer}, loss={s.loss}; {s.kernels}; "
             f"peak during {self.peak_phase}",
@@ -178,7 +179,8 @@ class VramEstimate:
         return self.table()
 
 
-def _count(n: int) -> str:
+def count_label(n: int) -> str:
+    """A parameter count as the table prints it: 8.03B, 41.94M, 12.00K or the number."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f}{unit}"

@@ -335,7 +335,7 @@ def test_sft_bench_runs_fastft_and_its_trl_switch_on_a_preset(tmp_path):
     tokens per second on the same chats, and fastft's run counts its padding."""
     import json
 
-    from fastft.bench import sft
+    from fastft.bench import sft, sft_report
 
     out = tmp_path / "sft.json"
     code = sft.main(
@@ -347,7 +347,7 @@ def test_sft_bench_runs_fastft_and_its_trl_switch_on_a_preset(tmp_path):
     )  # fmt: skip
     assert code == 0
     record = json.loads(out.read_text())
-    assert record["settings"]["optimizer"] == sft.OPTIMIZER  # one optimizer for every system, recorded
+    assert record["settings"]["optimizer"] == sft_report.OPTIMIZER  # one optimizer for every system, recorded
     results = {r["system"]: r for r in record["results"]}
     assert len(results["fastft"]["device_step_seconds"]) == 4  # beside the wall-clock steps of the ratio
     assert set(results) == {"fastft", "fastft-trl"} and not any("error" in r for r in results.values())

@@ -94,7 +94,7 @@ def test_parse_shapes_names_the_choices():
 
 
 def test_the_ratio_table_gives_fastft_over_each_baseline_per_shape_and_the_range():
-    from fastft.bench.sft import _ratio_table, _ratios, _table
+    from fastft.bench.sft_report import ratio_table, ratios, results_table
 
     def run(system, shape, tokens_per_s):
         return dict(system=system, shape=shape, workload="bf16", tokens_per_s=tokens_per_s)
@@ -107,15 +107,15 @@ def test_the_ratio_table_gives_fastft_over_each_baseline_per_shape_and_the_range
         run("unsloth-defaults", "short", 8000.0),
         dict(run("unsloth-defaults", "documents", 0.0), error="timed out after 300 s"),
     ]
-    ratios = {r["baseline"]: r for r in _ratios(results)}
-    assert set(ratios) == {"unsloth", "unsloth-defaults"}
-    assert ratios["unsloth"]["per_shape"] == {"short": 2.0, "documents": 1.5}
-    assert (ratios["unsloth"]["low"], ratios["unsloth"]["high"]) == (1.5, 2.0)
-    assert ratios["unsloth-defaults"]["per_shape"] == {"short": 1.5}  # the failed run gives no ratio
-    table = _ratio_table(list(ratios.values()), ["short", "documents"])
+    by_baseline = {r["baseline"]: r for r in ratios(results)}
+    assert set(by_baseline) == {"unsloth", "unsloth-defaults"}
+    assert by_baseline["unsloth"]["per_shape"] == {"short": 2.0, "documents": 1.5}
+    assert (by_baseline["unsloth"]["low"], by_baseline["unsloth"]["high"]) == (1.5, 2.0)
+    assert by_baseline["unsloth-defaults"]["per_shape"] == {"short": 1.5}  # the failed run gives no ratio
+    table = ratio_table(list(by_baseline.values()), ["short", "documents"])
     assert "| bf16 | fastft | Unsloth (matched) | 2.00x | 1.50x | 1.50x–2.00x |" in table
     assert "| bf16 | fastft | Unsloth (own defaults) | 1.50x | – | 1.50x |" in table
-    assert "vs Unsloth (own defaults)" in _table(results) and "timed out" in _table(results)
+    assert "vs Unsloth (own defaults)" in results_table(results) and "timed out" in results_table(results)
 
 
 def test_sft_bench_runs_every_shape_into_one_record(tmp_path):

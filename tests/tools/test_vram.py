@@ -229,7 +229,7 @@ def test_moe_counts_every_expert_weight_and_top_k_routed_activations():
 
 def test_fused_loss_holds_one_balanced_logits_chunk_and_the_final_hidden_states():
     from fastft.kernels.fused_linear_ce import default_chunk_size
-    from fastft.vram.estimate import fused_ce_rows
+    from fastft.vram.part_bytes import fused_ce_rows
 
     for rows, vocab, size in (
         (8192, 151936, 2),
