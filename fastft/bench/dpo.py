@@ -30,6 +30,8 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 from fastft.bench.baselines import hf_model, step_clock, trl_run_settings
 from fastft.bench.harness import (
     bench_parser,
@@ -58,7 +60,6 @@ def pair_rows(count: int, vocab: int, prompt_length: int, side_length: int, seed
     each side (prompt + answer) is `side_length` tokens. `ragged` draws every length instead: the prompt
     between half and all of `prompt_length`, each answer independently between a quarter and all of
     ``side_length - prompt_length``, as real pairs are. The same seed gives both systems the same pairs."""
-    import numpy as np
 
     if not 0 < prompt_length < side_length:
         raise ValueError(
@@ -84,7 +85,6 @@ def pair_tokens(row) -> int:
 
 def packed_pairs(rows, side_length: int):
     """The pairs as fastft's `PackedPairs`: one pair (chosen, then rejected) per bin, answers trained."""
-    import numpy as np
 
     from fastft.data.pairs import PackedPairs, PairStats
     from fastft.data.tokenize import IGNORE_INDEX, TokenizedData

@@ -24,6 +24,8 @@ from __future__ import annotations
 import sys
 import time
 
+import numpy as np
+
 from fastft.bench.baselines import hf_model, trl_run_settings
 from fastft.bench.harness import (
     bench_parser,
@@ -47,7 +49,6 @@ SYSTEMS = ("fastft", "trl", "generate")
 
 def prompt_ids(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """`count` prompts of `length` random token ids in ``[3, vocab)``; the same seed for every system."""
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, length).tolist() for _ in range(count)]
@@ -87,7 +88,6 @@ def _reset_peak(device) -> None:
 def _run_fastft(args, device) -> dict:
     from transformers import AutoTokenizer
 
-    from fastft.models.remote_code import from_pretrained
     from fastft.training.objectives.grpo import GRPOConfig, GRPOTrainer
 
     seq = args.prompt_tokens + args.completion_tokens

@@ -57,14 +57,20 @@ completed), so a host stall counts; fastft's device-side step times are kept bes
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
+import numpy as np
+
 from fastft.bench.baselines import hf_model, step_clock, trl_run_settings, unsloth_model
+from fastft.bench.chat_shapes import SHAPES, TOKENIZER_PRESET, parse_shapes, row_stats, shape_rows
 from fastft.bench.harness import (
     bench_parser,
     ensure_checkpoint,
@@ -110,7 +116,6 @@ def chat_rows(
     """`count` chats as (input_ids, labels) int64 arrays: 1 to 3 turns, log-normal turn lengths, labels on the
     assistant turns only (-100 elsewhere), cut to `max_length` tokens (a chat cut mid-turn keeps its turns so
     far). Token ids are random in ``[3, vocab)``; the same seed gives every system the same chats."""
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     rows = []
@@ -309,7 +314,6 @@ def _tile_every_mlp(rows: int, intermediate: int) -> None:
 
 def _load_rows(folder: Path, shape: str) -> list:
     """A shape's rows as the driver saved them (`_save_rows`)."""
-    import numpy as np
 
     with np.load(folder / f"{shape}.npz") as saved:
         ids, labels, offsets = saved["input_ids"], saved["labels"], saved["offsets"]
@@ -317,7 +321,6 @@ def _load_rows(folder: Path, shape: str) -> list:
 
 
 def _save_rows(folder: Path, shape: str, rows: list) -> None:
-    import numpy as np
 
     folder.mkdir(parents=True, exist_ok=True)
     offsets = np.cumsum([0] + [len(ids) for ids, _ in rows])
@@ -339,8 +342,6 @@ def run_worker(args):
     """Load one system family's model once and yield a result for each of its systems (`args.system`,
     comma-separated) on each shape (`args.shapes`), the systems in the given order, each over every shape; a
     run that fails yields its error and the next one runs."""
-    import gc
-    import traceback
 
     import torch
 
@@ -415,7 +416,6 @@ def _summary(measured: dict, device) -> dict:
 def _shape_rows(args, shape: str) -> list:
     """The rows of `shape` for this run: `--chats` chats or `--documents` documents, the turn options over
     a chat shape's own."""
-    from fastft.bench.chat_shapes import SHAPES, shape_rows
 
     if SHAPES[shape].kind == "documents":
         rows = shape_rows(shape, args.documents, args.max_seq_length, args.seed)
@@ -433,7 +433,6 @@ def _shape_rows(args, shape: str) -> list:
 
 def _check_vocabulary(folder: Path, rows_by_shape: dict[str, list]) -> None:
     """The shapes' token ids (the tiny-llama3 tokenizer's) must be rows of the model's embedding."""
-    from fastft.bench.chat_shapes import TOKENIZER_PRESET
 
     config = json.loads((folder / "config.json").read_text())
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
@@ -449,7 +448,6 @@ def _check_vocabulary(folder: Path, rows_by_shape: dict[str, list]) -> None:
 def _run_worker_process(argv: list[str], env: dict, timeout: float) -> tuple[list[dict], str]:
     """One worker process's results (a JSON line each; on a timeout, those it finished before it) and what
     stopped it, for the runs it did not report."""
-    import subprocess
 
     command = [sys.executable, "-m", "fastft.bench.sft", *argv]
     try:
@@ -473,7 +471,6 @@ def _run_worker_process(argv: list[str], env: dict, timeout: float) -> tuple[lis
 
 def _data_options(parser: argparse.ArgumentParser) -> None:
     """The options of the workload: precisions, data shapes, their rows and the pack length."""
-    from fastft.bench.chat_shapes import SHAPES
 
     parser.add_argument(
         "--workloads",
@@ -571,7 +568,6 @@ def _parser() -> argparse.ArgumentParser:
 def _save_shapes(args, shapes: list[str], folder: Path, rows_folder: Path) -> dict[str, dict]:
     """Each shape's rows made, checked against the model's vocabulary and saved to `rows_folder` for the
     workers; each shape's row and packing statistics (printed as they come)."""
-    from fastft.bench.chat_shapes import SHAPES, row_stats
 
     rows_by_shape = {shape: _shape_rows(args, shape) for shape in shapes}
     _check_vocabulary(folder, rows_by_shape)
@@ -644,7 +640,6 @@ def _run_job(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fastft.bench.chat_shapes import parse_shapes
 
     parser = _parser()
     args = parser.parse_args(argv)
