@@ -177,7 +177,7 @@ def _norm_rotate_heads_bwd(
         tl.store(dx_row + (offs_d[None, :] + half) * stride_dxd, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])  # one compile for every padded length
 def _qk_norm_rope_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -252,7 +252,7 @@ def _qk_norm_rope_fwd_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _qk_norm_rope_bwd_kernel(
     gq_ptr,
     gk_ptr,

@@ -135,7 +135,7 @@ def _rotate_heads(
     tl.store(o_row + (offs_d[None, :] + half) * stride_od, o2.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])  # one compile for every padded length
 def _rope_kernel(
     q_ptr,
     q_out_ptr,
