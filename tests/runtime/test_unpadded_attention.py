@@ -12,10 +12,9 @@ from fastft import add_lora, load_model
 from fastft.runtime.attention import patch_packed_attention, unpatch_packed_attention
 
 
-@pytest.fixture(scope="module")
-def model():
+def _model(preset: str):
     torch.manual_seed(0)
-    model, _ = load_model("tiny-llama", dtype=torch.float32)
+    model, _ = load_model(preset, dtype=torch.float32)
     model = add_lora(model, r=8, gradient_checkpointing="recompute")
     with torch.no_grad():  # adapters that change the output, so their gradients differ between paths
         for name, parameter in model.named_parameters():
@@ -23,6 +22,11 @@ def model():
                 parameter.normal_(std=0.02)
     model.train()
     return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model("tiny-llama")
 
 
 def _batch(lengths, side: str = "right", length: int | None = None):
@@ -46,6 +50,13 @@ def _step(model, ids, mask, labels):
     return loss.detach(), grads, trap
 
 
+def _assert_same(result, expected):
+    torch.testing.assert_close(result[0], expected[0], rtol=1e-5, atol=1e-5)
+    assert result[1].keys() == expected[1].keys() and len(result[1]) > 0
+    for name, grad in result[1].items():
+        torch.testing.assert_close(grad, expected[1][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def _transformers_path(model, batch):
     unpatch_packed_attention(model)
     try:
@@ -57,16 +68,52 @@ def _transformers_path(model, batch):
 @pytest.mark.parametrize("lengths", [(37, 29), (33, 33), (41, 7, 26)])
 def test_right_padded_batch_trains_unpadded_with_transformers_loss_and_gradients(model, lengths):
     batch = _batch(lengths, length=max(lengths) + 3)
-    loss, grads, trap = _step(model, *batch)
-    expected, expected_grads, reference = _transformers_path(model, batch)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-    assert grads.keys() == expected_grads.keys() and len(grads) > 0
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    result, reference = _step(model, *batch), _transformers_path(model, batch)
+    _assert_same(result, reference)
+    trap, reference = result[2], reference[2]
     # transformers' mask builder read the mask twice; the unpadded path reads the lengths once, in fastft
     assert reference.syncs.count("aten._local_scalar_dense") == 2
     assert trap.syncs == ["Tensor.tolist"]
     assert any("runtime/attention.py" in frame and "_unpad" in frame for frame in trap.where[0])
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mistral"])
+def test_unpadded_parity_with_qk_norm_and_sliding_window(preset):
+    """Qwen3's q/k norms ride the fused RoPE; Mistral's sliding window is longer than every row here."""
+    model = _model(preset)
+    batch = _batch((29, 18))
+    result = _step(model, *batch)
+    assert result[2].syncs == ["Tensor.tolist"]
+    _assert_same(result, _transformers_path(model, batch))
+
+
+def test_rows_longer_than_the_sliding_window_keep_transformers_path():
+    """tiny-mistral's window is 64 tokens: a batch padded to 70 stays on transformers' path (the packed
+    backends would count the window along the kept tokens), loss for loss."""
+    model = _model("tiny-mistral")
+    batch = _batch((70, 50))
+    result = _step(model, *batch)
+    assert "Tensor.tolist" not in result[2].syncs
+    _assert_same(result, _transformers_path(model, batch))
+
+
+def test_unpadded_parity_under_offloaded_checkpointing(model):
+    """Offloaded checkpointing (the CUDA default, "unsloth") on the CPU copy stand-ins: each layer's
+    unpadded input goes to host memory and back; same loss and gradients."""
+    from copy_stand_ins import DeferredCopies
+
+    from fastft.runtime.offload import disable_offload, enable_offload, offload_stats
+
+    batch = _batch((37, 22), length=40)
+    expected = _step(model, *batch)
+    enable_offload(model, copies=DeferredCopies())
+    try:
+        result = _step(model, *batch)
+        assert offload_stats(model).layers_offloaded > 0
+    finally:
+        disable_offload(model)
+    assert result[2].syncs == ["Tensor.tolist"]
+    _assert_same(result, expected)
 
 
 def test_left_padding_keeps_transformers_path(model):
