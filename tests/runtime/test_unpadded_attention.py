@@ -65,7 +65,7 @@ def _transformers_path(model, batch):
         patch_packed_attention(model)
 
 
-@pytest.mark.parametrize("lengths", [(37, 29), (33, 33), (41, 7, 26)])
+@pytest.mark.parametrize("lengths", [(37, 29), (41, 7, 41)])
 def test_right_padded_batch_trains_unpadded_with_transformers_loss_and_gradients(model, lengths):
     batch = _batch(lengths, length=max(lengths) + 3)
     result, reference = _step(model, *batch), _transformers_path(model, batch)
