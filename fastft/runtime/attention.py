@@ -679,7 +679,12 @@ def _unpadding(decoder: torch.nn.Module, kwargs: dict) -> bool:
     # the packed backends count a sliding window along each row's kept tokens, transformers along the row:
     # the same wherever no row is longer than the window
     window = getattr(decoder.config, "sliding_window", None)
-    return not window or mask.shape[1] <= window
+    if window and mask.shape[1] > window:
+        return False
+    # NEFTune (the trainers' neftune_noise_alpha) scales its noise by the embeddings' sequence length
+    embeddings = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else None
+    hooks = getattr(embeddings, "_forward_hooks", {}).values()
+    return not any("neftune" in getattr(hook, "__name__", "") for hook in hooks)
 
 
 def _unpad(state: PackedAttentionState, decoder: torch.nn.Module, kwargs: dict):

@@ -125,6 +125,24 @@ def test_left_padding_keeps_transformers_path(model):
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_neftune_keeps_the_padded_rows(model):
+    """NEFTune's noise is scaled by the embeddings' sequence length: its batches keep their padded rows."""
+    try:  # where transformers keeps it moved between releases
+        from transformers.integrations.neftune import neftune_post_forward_hook
+    except ImportError:
+        from transformers.trainer_utils import neftune_post_forward_hook
+
+    embeddings = model.get_input_embeddings()
+    embeddings.neftune_noise_alpha = 5.0
+    handle = embeddings.register_forward_hook(neftune_post_forward_hook)
+    try:
+        _, _, trap = _step(model, *_batch((12, 9)))
+    finally:
+        handle.remove()
+        del embeddings.neftune_noise_alpha
+    assert "Tensor.tolist" not in trap.syncs
+
+
 def test_evaluation_forward_is_not_unpadded(model):
     """Outside training (evaluation, generation) the decoder's outputs at the padding stay transformers'."""
     ids, mask, _ = _batch((12, 9))
