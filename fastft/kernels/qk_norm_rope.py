@@ -136,7 +136,7 @@ def _norm_rotate_heads_bwd(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])  # one compile for every padded length
 def _qk_norm_rope_fwd_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
     seq_len, n_q_heads, n_k_heads, half, eps,
@@ -169,7 +169,7 @@ def _qk_norm_rope_fwd_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _qk_norm_rope_bwd_kernel(
     gq_ptr, gk_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, dq_ptr, dk_ptr, dqw_ptr, dkw_ptr, cos_ptr, sin_ptr,
     seq_len, n_q_heads, n_k_heads, half, eps,

@@ -87,7 +87,7 @@ def rms_norm_reference(
 # ----------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # one compile for every token count
 def _rms_norm_forward_kernel(
     Y_ptr,
     y_row_stride,
@@ -133,7 +133,7 @@ def _rms_norm_forward_kernel(
     tl.store(Y_ptr + rows[:, None] * y_row_stride + cols[None, :], y, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def _rms_norm_backward_kernel(
     DX_ptr,
     dx_row_stride,
@@ -217,7 +217,7 @@ def _rms_norm_backward_kernel(
         tl.store(DW_ptr + pid * dw_row_stride + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_partials"])
 def _sum_partials_kernel(
     P_ptr,
     p_row_stride,

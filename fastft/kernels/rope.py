@@ -147,7 +147,7 @@ def _rotate_heads(
     _store_halves(o_ptr, o1, o2, b, s, offs_h, offs_d, half, mask, stride_ob, stride_oh, stride_os, stride_od)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])  # one compile for every padded length
 def _rope_kernel(
     q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_ptr, sin_ptr,
     seq_len, n_q_heads, n_k_heads, half,
