@@ -499,6 +499,7 @@ def set_gradient_checkpointing(model: torch.nn.Module, mode: Checkpointing | boo
     else:
         disable_offload(base)
     base._fastft_checkpointing = checkpointing
+    base.__dict__.pop("_fastft_checkpointing_disabled", None)
     _route_checkpointing_calls(base)
 
 
@@ -508,9 +509,12 @@ def _route_checkpointing_calls(base: torch.nn.Module) -> None:
     HF `Trainer` and TRL's `SFTTrainer` call ``model.gradient_checkpointing_enable()`` whenever their
     config says ``gradient_checkpointing=True`` (TRL's default). transformers' own method would reset every
     decoder layer to its plain recompute, dropping fastft's offload. Routed here, an enable keeps the mode
-    the model already checkpoints with ("offload" stays "offload"; a model on "none" starts recomputing),
-    and a disable turns checkpointing off, as it says. Instance attributes, so other models are untouched;
-    re-running is idempotent."""
+    the model already checkpoints with ("offload" stays "offload"), and a disable turns checkpointing off, as
+    it says. An enable after a disable brings back the mode the disable turned off: TRL's DPO trainer wraps
+    every reference forward in a disable/enable pair, which would otherwise leave the rest of the run on
+    plain recompute. A model that never checkpointed starts recomputing (transformers' meaning). A direct
+    `set_gradient_checkpointing` forgets the disabled mode. Instance attributes, so other models are
+    untouched; re-running is idempotent."""
 
     def enable(
         self, *args, **kwargs
@@ -518,10 +522,15 @@ def _route_checkpointing_calls(base: torch.nn.Module) -> None:
         current = getattr(self, "_fastft_checkpointing", Checkpointing("none"))
         if current.checkpoints and is_checkpointing(self):
             return  # already checkpointing in fastft's mode: the offloader and its settings stay
-        set_gradient_checkpointing(self, current if current.checkpoints else Checkpointing("recompute"))
+        if not current.checkpoints:
+            current = self.__dict__.get("_fastft_checkpointing_disabled", Checkpointing("recompute"))
+        set_gradient_checkpointing(self, current)
 
     def disable(self):
+        current = getattr(self, "_fastft_checkpointing", Checkpointing("none"))
         set_gradient_checkpointing(self, Checkpointing("none"))
+        if current.checkpoints:
+            self._fastft_checkpointing_disabled = current  # for the enable that follows (TRL's DPO)
 
     for name in _ROUTED:
         if hasattr(type(base), name):

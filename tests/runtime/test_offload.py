@@ -246,10 +246,27 @@ def test_hugging_face_checkpointing_switches_keep_fastft_mode_on_this_instance_o
 
     model.gradient_checkpointing_disable()
     assert offload.offloader_of(model) is None and not is_checkpointing(model)
+    model.gradient_checkpointing_enable()  # after a disable: the mode it turned off, offload again
+    assert offload.offloader_of(model) is not None and is_checkpointing(model)
+    assert all(layer._gradient_checkpointing_func is offload.offloader_of(model) for layer in layers)
+    set_gradient_checkpointing(model, "none")  # a direct switch forgets the disabled mode
     model.gradient_checkpointing_enable()  # from "none": transformers' meaning, plain recompute
     assert offload.offloader_of(model) is None and is_checkpointing(model)
     other.gradient_checkpointing_enable()
     assert is_checkpointing(other) and offload.offloader_of(other) is None
+
+
+def test_trl_dpo_reference_forwards_leave_the_offload_on():
+    """TRL's DPOTrainer runs each reference forward inside ``disable_gradient_checkpointing``: a disable,
+    then an enable. The run kept plain recompute from the first micro-batch on; it keeps the offload."""
+    from trl.models.utils import disable_gradient_checkpointing
+
+    model = _model(mode="offload", force="sync")
+    with disable_gradient_checkpointing(model, {"use_reentrant": False}):
+        assert offload.offloader_of(model) is None and not is_checkpointing(model)
+    assert offload.offloader_of(model) is not None and is_checkpointing(model)
+    _, grads = _step(model, _batch())
+    assert _max_relative_error(grads, _reference("tiny-llama")[1]) <= 1e-6
 
 
 def test_offload_on_cpu_is_plain_recompute():
