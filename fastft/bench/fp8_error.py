@@ -128,7 +128,10 @@ def _rows(tokenizer, rows: int, seq_len: int, vocab: int):
     from fastft.data.loading import load_dataset
     from fastft.data.packing import pack
 
-    data = pack(load_dataset("bundled:skills"), tokenizer, seq_len)
+    rows_data = load_dataset("bundled:skills")
+    # enough chats for the bins asked (one token each at least), not the whole set's tokenisation
+    rows_data = rows_data.select(range(min(len(rows_data), rows * seq_len)))
+    data = pack(rows_data, tokenizer, seq_len)
     if len(data) < rows:
         raise SystemExit(f"--rows {rows}: the bundled data packs into {len(data)} rows of {seq_len} tokens")
     batches = []
