@@ -147,6 +147,8 @@ def _model(args, family: str, device):
             device,
             dtype=torch.float16,
         )
+    if precision == "fp8" and family not in ("fastft", "fastft-trl"):  # load_in_fp8: fastft's own format
+        raise SystemExit("--workloads fp8: FP8 base weights are measured for the fastft systems only")
     if family in ("fastft", "fastft-trl"):
         return fastft_model(args.folder, precision, seq, "auto", device)
     if family == "hf":
@@ -631,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workloads",
         default="bf16,nf4",
-        help="bf16, nf4 (the base's precision; bf16 compute), fp16, nf4-fp16 (fp16 compute: the fastft system only)",
+        help="bf16, nf4, fp8 (the base's precision; bf16 compute; fp8: the fastft systems only), fp16, nf4-fp16 "
+        "(fp16 compute: the fastft system only)",
     )
     parser.add_argument(
         "--shapes",
@@ -725,8 +728,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if any(w not in ("bf16", "nf4", "fp16", "nf4-fp16") for w in workloads):
-        parser.error(f"--workloads {args.workloads}: from bf16, nf4, fp16, nf4-fp16")
+    if any(w not in ("bf16", "nf4", "fp16", "nf4-fp16", "fp8") for w in workloads):
+        parser.error(f"--workloads {args.workloads}: from bf16, nf4, fp16, nf4-fp16, fp8")
     try:
         shapes = parse_shapes(args.shapes)
     except ValueError as error:
