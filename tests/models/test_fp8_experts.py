@@ -165,3 +165,20 @@ def test_the_merged_export_holds_the_dequantised_experts(tmp_path):
     gate_up, down = fp8.dense_experts(experts, torch.float32)
     torch.testing.assert_close(merged.model.layers[1].mlp.experts.gate_up_proj, gate_up, rtol=0, atol=0)
     torch.testing.assert_close(merged.model.layers[1].mlp.experts.down_proj, down, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_experts_are_the_dequantised_16_bit_experts_on_the_grouped_gemms():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _, quantised, dense = _fp8_blocks("qwen3_moe", torch.bfloat16)
+    quantised.cuda(), dense.cuda()
+    assert (
+        quantised.experts.gate_up_proj.dtype == torch.float8_e4m3fn and quantised.experts.gate_up_proj.is_cuda
+    )
+    x = torch.randn(1, 37, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    got = _first(quantised(x))
+    (got_dx,) = torch.autograd.grad(got, x, torch.ones_like(got))
+    want = _first(dense(x))
+    (want_dx,) = torch.autograd.grad(want, x, torch.ones_like(want))
+    assert torch.equal(got, want) and torch.equal(got_dx, want_dx)

@@ -101,3 +101,15 @@ def test_fp8_quality_runs_end_to_end(tmp_path, monkeypatch):
     assert fp8_run["losses"][0] != bf16_run["losses"][0]  # the FP8 numbers, not the 16-bit run again
     assert abs(fp8_run["losses"][0] - bf16_run["losses"][0]) < 0.05 * bf16_run["losses"][0]
     assert result["raw"]["steps"] == 2 and "| FP8 |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_error_runs_scaled_mm_where_the_widths_allow(tmp_path):
+    if not torch.cuda.is_available() or not fp8.fp8_supported(torch.device("cuda")):
+        pytest.skip("needs a CUDA card with FP8 tensor cores (sm89+)")
+    out = tmp_path / "error.json"
+    assert fp8_error.main(["--rows", "1", "--seq-len", "128", "--device", "cuda", "--out", str(out)]) == 0
+    for record in json.loads(out.read_text())["layers_measured"]:
+        attention = record["name"].rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")
+        assert record["path"] == ("scaled_mm" if attention else "emulated")  # tiny-llama's MLP is 344 wide
+        assert 0.002 < record["forward_rel"] < 0.08 and 0.002 < record["grad_rel"] < 0.08
