@@ -123,6 +123,8 @@ def test_a_loaded_fp8_moe_model_trains_as_the_dequantised_16_bit_model():
         assert module.gate_up_proj_scale.shape == (*module.gate_up_proj.shape[:2], 1)
     estimate = fastft.estimate_vram(model, seq_len=256, lora_r=8)
     assert estimate.settings.precision == "fp8"
+    constants = next(c for c in estimate.components if c.key == "quant_constants").bytes
+    assert constants == sum(4 * scale.numel() for scale in fp8.fp8_scales(model).values())  # experts' E * N
     reference, _ = fastft.load_model("tiny-moe", device="cpu")
     with torch.no_grad():  # the 16-bit model holding the FP8 model's dequantised weights
         for name, module in model.named_modules():
