@@ -184,3 +184,17 @@ def test_gpu_fp8_experts_are_the_dequantised_16_bit_experts_on_the_grouped_gemms
     want = _first(dense(x))
     (want_dx,) = torch.autograd.grad(want, x, torch.ones_like(want))
     assert torch.equal(got, want) and torch.equal(got_dx, want_dx)
+
+
+def test_the_vram_estimate_of_an_fp8_moe_counts_its_experts_as_loading_stores_them():
+    def component(estimate, key):
+        return next(c for c in estimate.components if c.key == key).bytes
+
+    model, _ = fastft.load_model("tiny-moe", load_in_fp8=True, device="cpu")
+    args = dict(seq_len=256, lora_r=8)
+    loaded = fastft.estimate_vram(model, **args)
+    by_name = fastft.estimate_vram("tiny-moe", precision="fp8", **args)
+    # the preset holds its weights in fp32 on the CPU; the estimate counts the 16-bit ones in bf16
+    sixteen_bit = sum(p.numel() for p in model.parameters() if p.dtype != torch.float8_e4m3fn)
+    assert component(by_name, "weights") == component(loaded, "weights") - 2 * sixteen_bit
+    assert component(by_name, "quant_constants") == component(loaded, "quant_constants")
