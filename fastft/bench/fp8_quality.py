@@ -86,11 +86,10 @@ def train_run(
     with emulate, warnings.catch_warnings():
         warnings.simplefilter("ignore", KernelFallbackWarning)
         trainer = Trainer(model, tokenizer, data, eval_data, config)
-        events = []
         if accuracy_at is not None and accuracy_at < steps:
-            events += trainer.train(steps=accuracy_at).steps
+            trainer.train(steps=accuracy_at)  # paused there; the next call goes on to `steps`
             accuracy = evaluate_accuracy(model, tokenizer, questions)
-        events += trainer.train().steps
+        events = trainer.train().steps  # every event of the run, from step 1
         if accuracy is None and accuracy_at is not None:
             accuracy = evaluate_accuracy(model, tokenizer, questions)
         eval_loss = trainer.evaluate().eval_loss
@@ -159,7 +158,8 @@ def run(
     log=print,
     after_each=None,
 ) -> dict:
-    """Every run of `run_order`, then their comparison; ``after_each(runs)`` after each run (partial saves)."""
+    """Every run of `run_order`, then their comparison (`summarise`); ``after_each(runs)`` after each run
+    (partial saves)."""
     runs: dict[str, list[dict]] = {"16bit": [], "fp8": []}
     for label, seed in run_order(seeds, len(seeds) if fp8_seeds is None else fp8_seeds):
         result = train_run(
@@ -175,6 +175,11 @@ def run(
         )
         if after_each is not None:
             after_each(runs)
+    return summarise(runs, window)
+
+
+def summarise(runs: dict[str, list[dict]], window: int) -> dict:
+    """`compare` of the runs' curves, raw and smoothed over `window` steps, with the runs."""
     bf16 = [r["losses"] for r in runs["16bit"]]
     fp8_losses = [r["losses"] for r in runs["fp8"]]
     return {
@@ -248,7 +253,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the step after which the skills accuracy is measured (0: not measured; default: the demo's)",
     )
     parser.add_argument("--out", default="benchmarks/fp8-quality.json")
+    parser.add_argument(
+        "--from-json",
+        default=None,
+        help="summarise the runs a record (partial or whole) already holds instead of training; each run's "
+        "curve is its last `steps` losses",
+    )
     args = parser.parse_args(argv)
+    if args.from_json:
+        return _from_json(Path(args.from_json), Path(args.out))
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     seeds = [int(seed) for seed in args.seeds.split(",")]
@@ -285,6 +298,26 @@ def main(argv: list[str] | None = None) -> int:
     result = settings | {"environment": environment()} | result
     text = table(result)
     print(text)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(text + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def _from_json(source: Path, out: Path) -> int:
+    record = json.loads(source.read_text())
+    runs = record["runs"]
+    for run_list in runs.values():
+        for item in run_list:
+            item["losses"] = item["losses"][-record["steps"] :]
+    if not runs["16bit"] or not runs["fp8"]:
+        raise SystemExit(f"{source}: needs at least one 16-bit and one FP8 run, has {len(runs['16bit'])} and "
+                         f"{len(runs['fp8'])}")  # fmt: skip
+    record.pop("partial", None)
+    result = record | summarise(runs, record["window"]) | {"summarised_from": str(source)}
+    text = table(result)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(text + "\n")
     print(f"wrote {out}")

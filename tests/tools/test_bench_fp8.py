@@ -113,3 +113,21 @@ def test_gpu_fp8_error_runs_scaled_mm_where_the_widths_allow(tmp_path):
         attention = record["name"].rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")
         assert record["path"] == ("scaled_mm" if attention else "emulated")  # tiny-llama's MLP is 344 wide
         assert 0.002 < record["forward_rel"] < 0.08 and 0.002 < record["grad_rel"] < 0.08
+
+
+def test_fp8_quality_summarises_a_saved_record_from_each_runs_last_steps(tmp_path):
+    def one(seed, losses):
+        return {"seed": seed, "losses": losses, "eval_loss": 1.0, "accuracy": None, "seconds": 1.0}
+
+    record = {"bench": "fp8-quality", "steps": 2, "window": 2, "partial": True, "runs": {
+        "16bit": [one(1, [9.0, 3.0, 2.0]), one(2, [2.5, 1.5])], "fp8": [one(1, [2.9, 1.9])]}}  # fmt: skip
+    source, out = tmp_path / "partial.json", tmp_path / "whole.json"
+    source.write_text(json.dumps(record))
+    assert fp8_quality.main(["--from-json", str(source), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "partial" not in result and result["runs"]["16bit"][0]["losses"] == [3.0, 2.0]
+    assert result["raw"]["steps_inside_range"] == [2] and result["raw"]["paired_max"] == pytest.approx(0.1)
+    record["runs"]["fp8"] = []
+    source.write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="at least one 16-bit and one FP8 run"):
+        fp8_quality.main(["--from-json", str(source), "--out", str(out)])
