@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastft.kernels.fp8 import compute_dtype
+from fastft.kernels.fp8 import FP8_DTYPE, compute_dtype, dequantize_experts
 from fastft.kernels.lora import _in_recompute
 from fastft.models import fusion
 from fastft.runtime.context import ROUTING, KeptTensors, layer_context
@@ -245,11 +245,10 @@ def expert_weights(
 ) -> ExpertWeights | None:
     """`ExpertWeights` for the grouped path this call, or None when the original forward must run. FP8
     experts (`fastft.models.fp8.FP8Experts`) are dequantised to `dtype`, the call's compute dtype, here."""
-    from fastft.models.fp8 import dense_experts, is_fp8_experts
-
     experts, wrappers = unwrap_experts(experts_wrapper)
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    fp8 = is_fp8_experts(experts)
+    # e4m3 stacks with their scales beside them (`fastft.models.fp8.FP8Experts`, which imports this module)
+    fp8 = gate_up.dtype == FP8_DTYPE and getattr(experts, "gate_up_proj_scale", None) is not None
     if not fp8 and not (_float(gate_up) and _float(down)):
         return None
     num_experts = gate_up.shape[0]
@@ -260,7 +259,9 @@ def expert_weights(
             return None
         loras[wrapper.parameter_name] = lora
     if fp8:  # the e4m3 stacks times their per-expert channel scales, this call only
-        gate_up, down = dense_experts(experts, dtype or torch.bfloat16)
+        dtype = dtype or torch.bfloat16
+        gate_up = dequantize_experts(gate_up, experts.gate_up_proj_scale, dtype)
+        down = dequantize_experts(down, experts.down_proj_scale, dtype)
     if info.transposed:  # stored [E, K, N]: pass [E, N, K] views
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     return ExpertWeights(
