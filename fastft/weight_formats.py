@@ -63,6 +63,7 @@ class WeightFormat:
     export_note: str  # how a merge and a GGUF export treat it, in words
     compute_dtypes: tuple[str, ...]  # the compute dtypes it trains in
     needs: str  # packages and cards, in words
+    quantizes_experts: bool = False  # fused MoE experts' stacked weights stored in it too (FP8), else 16-bit
 
     @property
     def fused(self) -> bool:
@@ -236,6 +237,7 @@ FP8 = WeightFormat(
     "from those merged tensors",
     compute_dtypes=("bfloat16",),
     needs="an sm89+ GPU (L4, RTX 40xx, H100, Blackwell) for the FP8 GEMMs; the CPU runs a dequantised reference",
+    quantizes_experts=True,  # one fp32 scale per expert and output row (fastft.models.fp8.FP8Experts)
 )
 
 _REGISTRY: dict[str, WeightFormat] = {}

@@ -16,4 +16,6 @@ BENCHMARKS = {
     "long-context": "fastft.bench.long_context",
     "ddp": "fastft.bench.ddp",
     "grpo": "fastft.bench.grpo",
+    "fp8-error": "fastft.bench.fp8_error",
+    "fp8-quality": "fastft.bench.fp8_quality",
 }

@@ -50,7 +50,12 @@ def fastft_model(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, _ = load_model(
-        folder, max_seq_length=seq, load_in_4bit=precision == "nf4", device=device, dtype=dtype
+        folder,
+        max_seq_length=seq,
+        load_in_4bit=precision == "nf4",
+        load_in_fp8=precision == "fp8",
+        device=device,
+        dtype=dtype,
     )
     available = linear_layer_names(model)
     wanted = ATTENTION_TARGETS if lora_targets == "attention" else [*TARGETS, "experts"]

@@ -155,6 +155,8 @@ def _model(args, family: str, device):
             device,
             dtype=torch.float16,
         )
+    if precision == "fp8" and family not in ("fastft", "fastft-trl"):  # load_in_fp8: fastft's own format
+        raise SystemExit("--workloads fp8: FP8 base weights are measured for the fastft systems only")
     if family in ("fastft", "fastft-trl"):
         return fastft_model(args.folder, precision, seq, "auto", device)
     if family == "hf":
@@ -475,7 +477,8 @@ def _data_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workloads",
         default="bf16,nf4",
-        help="bf16, nf4 (the base's precision; bf16 compute), fp16, nf4-fp16 (fp16 compute: the fastft system only)",
+        help="bf16, nf4, fp8 (the base's precision; bf16 compute; fp8: the fastft systems only), fp16, nf4-fp16 "
+        "(fp16 compute: the fastft system only)",
     )
     parser.add_argument(
         "--shapes",
@@ -648,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result), flush=True)
         return 0
     systems = systems_of(parser, args.systems, SYSTEMS)
-    workloads = workloads_of(parser, args.workloads, ("bf16", "nf4", "fp16", "nf4-fp16"))
+    workloads = workloads_of(parser, args.workloads, ("bf16", "nf4", "fp16", "nf4-fp16", "fp8"))
     try:
         shapes = parse_shapes(args.shapes)
     except ValueError as error:

@@ -26,6 +26,7 @@ the CPU the quantiser always runs its reference; the Triton kernel is tested on 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -56,6 +57,38 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``scale[:, None] * Wq`` in `dtype` (the product in fp32, rounded once)."""
     return (weight.float() * scale.float().view(-1, 1)).to(dtype)
+
+
+def quantize_experts(weight: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights quantised per expert and output channel: ``(Wq float8_e4m3fn, scale fp32)`` with
+    ``W ~ scale * Wq`` (broadcast). `weight` is ``[E, N, K]`` (out, in: Qwen, Mixtral; ``scale [E, N, 1]``) or,
+    `transposed`, ``[E, K, N]`` (gpt-oss; ``scale [E, 1, N]``); ``Wq`` keeps its layout, and the scale's shape
+    says which dimension is the output. One expert at a time (no fp32 copy of the whole stack)."""
+    if weight.dim() != 3:
+        raise ValueError(
+            f"quantize_experts: expected a 3-D [E, N, K] weight, got shape {tuple(weight.shape)}"
+        )
+    if not weight.is_floating_point() or weight.dtype == FP8_DTYPE:
+        raise ValueError(f"quantize_experts: expected a 16- or 32-bit weight, got {weight.dtype}")
+    experts, outputs = weight.shape[0], weight.shape[2 if transposed else 1]
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(experts, outputs, dtype=torch.float32, device=weight.device)
+    for expert in range(experts):
+        rows = weight[expert].t() if transposed else weight[expert]
+        expert_q, scale[expert] = quantize_rows_reference(rows)
+        q[expert] = expert_q.t() if transposed else expert_q
+    return q, scale.unsqueeze(1 if transposed else 2)
+
+
+def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale * Wq`` (`quantize_experts`' broadcast scale) in `dtype` and ``Wq``'s layout: each product in
+    fp32, rounded once (as `dequantize_weight`), a few experts at a time (no fp32 copy of the whole stack)."""
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    step = max(1, (1 << 24) // max(1, weight[0].numel()))
+    for start in range(0, weight.shape[0], step):
+        end = start + step
+        out[start:end] = weight[start:end].float() * scale[start:end].float()
+    return out
 
 
 # ----------------------------------------------------------------------------------- row quantisation
@@ -188,11 +221,32 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+# The FP8 GEMMs' numbers on the CPU: True makes every FP8 projection on the CPU take the FP8 path with its
+# GEMMs emulated (activations and output gradients quantised per row, the products of the dequantised operands
+# in fp32: `scaled_mm`'s CPU branch), whatever its widths, instead of the dequantised reference. For measuring
+# what FP8 GEMMs do to training on a machine without them (`fastft bench fp8-quality --fp8-gemm emulated`);
+# `emulated_gemms` sets it for a block.
+EMULATE_ON_CPU = False
+
+
+@contextlib.contextmanager
+def emulated_gemms(on: bool = True):
+    """Set `EMULATE_ON_CPU` to `on` inside the block (restored after it)."""
+    global EMULATE_ON_CPU
+    before, EMULATE_ON_CPU = EMULATE_ON_CPU, on
+    try:
+        yield
+    finally:
+        EMULATE_ON_CPU = before
+
+
 def fp8_gemm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight^T`` with this FP8 ``weight [out, in]`` runs on FP8 tensor cores: a card with them
     (`fp8_supported`), both widths multiples of 16 and a bf16 output (what ``_scaled_mm`` with row-wise scales
-    takes); else the dequantised reference runs."""
+    takes); else the dequantised reference runs. On the CPU with `EMULATE_ON_CPU`: True (emulated GEMMs)."""
     out_features, in_features = weight.shape
+    if EMULATE_ON_CPU and x.device.type == "cpu":
+        return True
     return (
         x.is_cuda
         and in_features % 16 == 0
@@ -292,7 +346,9 @@ __all__ = [
     "FP8_DTYPE",
     "FP8LinearFunction",
     "compute_dtype",
+    "dequantize_experts",
     "dequantize_weight",
+    "emulated_gemms",
     "fp8_forward",
     "fp8_gemm_runs",
     "fp8_input_grad",
@@ -300,6 +356,7 @@ __all__ = [
     "fp8_linear_reference",
     "fp8_supported",
     "quantize_rows",
+    "quantize_experts",
     "quantize_rows_reference",
     "quantize_weight",
     "scaled_mm",

@@ -15,11 +15,16 @@ What the weight-format registry points to, one function per question:
 
 Which projections: the linear layers LoRA can target (`fastft.models.lora.linear_layer_names`: attention
 q/k/v/o, MLP gate/up/down and their kin, shared experts), never the output head, MoE routers, norms or
-embeddings. The stacked expert weights of fused MoE blocks (3-D parameters run by fastft's grouped GEMMs)
-stay 16-bit: the grouped GEMMs have no FP8 path yet.
+embeddings. The stacked expert weights of fused MoE blocks (``gate_up_proj`` and ``down_proj``, 3-D) are
+made FP8 too, per expert and output channel (`fastft.kernels.fp8.quantize_experts`; the scales as buffers
+``gate_up_proj_scale`` and ``down_proj_scale`` beside them, `FP8Experts`); fastft's fused MoE forward
+dequantises them to the compute dtype for its grouped GEMMs, a layer at a time (`fastft.models.moe`): the
+weights take half the memory at rest, the GEMMs are the bf16 ones (no FP8 grouped GEMM yet).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -66,6 +71,66 @@ class FP8Linear(torch.nn.Linear):
         return f"{super().extra_repr()}, fp8=e4m3, per-channel scales"
 
 
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+class FP8Experts:
+    """Mixed into an experts module's class when its stacked weights are made FP8 (`convert_to_fp8`): keeps
+    the e4m3 weights and their fp32 ``<name>_scale`` buffers through ``model.to(dtype)``, and refuses
+    transformers' own forward (which would read e4m3 values as weights) with what to do instead. fastft's
+    fused MoE forward reads them (`dense_experts`)."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {
+            name: (getattr(self, name).data, getattr(self, f"{name}_scale")) for name in EXPERT_PARAMETERS
+        }
+        super()._apply(fn, recurse)
+        for name, (weight, scale) in kept.items():
+            parameter = getattr(self, name)
+            if parameter.dtype != weight.dtype:
+                parameter.data = weight.to(parameter.device)
+            if getattr(self, f"{name}_scale").dtype != torch.float32:
+                setattr(self, f"{name}_scale", scale.to(parameter.device))
+        return self
+
+    def forward(self, *args, **kwargs):
+        raise QuantizationError(
+            f"{type(self).__name__}: FP8 expert weights run on fastft's fused MoE forward only (fastft.patch, "
+            "one active LoRA adapter, not merged; no router jitter while training). This call took "
+            "transformers' own forward: load the model in 16-bit for it."
+        )
+
+
+@functools.cache
+def _fp8_experts_class(cls: type) -> type:
+    return type(f"FP8{cls.__name__}", (FP8Experts, cls), {"__module__": cls.__module__})
+
+
+def is_fp8_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` is an experts module whose stacked weights `convert_to_fp8` made FP8."""
+    return isinstance(module, FP8Experts)
+
+
+def dense_experts(experts: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 experts module's ``(gate_up_proj, down_proj)`` dequantised to `dtype`, in their stored layout."""
+    return tuple(
+        kernels.dequantize_experts(getattr(experts, name), getattr(experts, f"{name}_scale"), dtype)
+        for name in EXPERT_PARAMETERS
+    )
+
+
+def _convert_experts(experts: torch.nn.Module, device: torch.device, transposed: bool) -> None:
+    """Make one experts module's stacked weights FP8 on `device` (`FP8Experts`)."""
+    for name in EXPERT_PARAMETERS:
+        parameter = getattr(experts, name)
+        with torch.no_grad():
+            weight, scale = kernels.quantize_experts(parameter.detach().to(device), transposed)
+        parameter.data = torch.empty(0)  # the 16-bit copy goes now
+        setattr(experts, name, torch.nn.Parameter(weight, requires_grad=False))
+        experts.register_buffer(f"{name}_scale", scale)
+    experts.__class__ = _fp8_experts_class(type(experts))
+
+
 def check_fp8_device(device: torch.device) -> None:
     """Raise `QuantizationError` where FP8 weights cannot run fast: a CUDA card without FP8 tensor cores.
     The CPU passes (the dequantised reference runs there: tests and tiny presets)."""
@@ -92,8 +157,9 @@ def fp8_targets(model: torch.nn.Module) -> list[str]:
 
 
 def convert_to_fp8(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Replace every `fp8_targets` linear of `model` (16-bit, on the host) by an `FP8Linear` on `device`, one
-    at a time, then move the rest of the model to `device`. Returns `model` (changed in place)."""
+    """Replace every `fp8_targets` linear of `model` (16-bit, on the host) by an `FP8Linear` on `device`, and
+    make every fused experts module's stacked weights FP8 (`FP8Experts`), one at a time, then move the rest of
+    the model to `device`. Returns `model` (changed in place)."""
     check_fp8_device(device)
     names = set(fp8_targets(model))
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -113,6 +179,13 @@ def convert_to_fp8(model: torch.nn.Module, device: torch.device) -> torch.nn.Mod
         setattr(parent, child, FP8Linear(weight, scale, bias))
         module.weight = None  # the 16-bit copy goes now, not at the end
         replaced += 1
+    from fastft.models.moe import is_expert_module
+
+    transposed = getattr(getattr(model, "config", None), "model_type", None) == "gpt_oss"
+    for module in list(model.modules()):
+        if is_expert_module(module) and not is_fp8_experts(module):
+            _convert_experts(module, device, bool(getattr(module, "is_transposed", transposed)))
+            replaced += 1
     if replaced == 0:
         raise QuantizationError(
             f"FP8 weights: {type(model).__name__} has no linear projections to quantise ({sorted(names)} "
@@ -124,7 +197,7 @@ def convert_to_fp8(model: torch.nn.Module, device: torch.device) -> torch.nn.Mod
 
 def is_fp8(model: torch.nn.Module) -> bool:
     """Whether `model` (or the transformers model under a PEFT model) holds FP8 projections."""
-    return any(isinstance(module, FP8Linear) for module in model.modules())
+    return any(isinstance(module, (FP8Linear, FP8Experts)) for module in model.modules())
 
 
 def scale_bytes(out_features: int) -> int:
@@ -135,29 +208,39 @@ def scale_bytes(out_features: int) -> int:
 def dequantized_weight(
     weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """An FP8 weight times its channel scales, in `dtype` (fp32 for a merge: the LoRA delta is added in fp32)."""
+    """An FP8 weight times its channel scales, in `dtype` (fp32 for a merge: the LoRA delta is added in fp32);
+    a 3-D one is stacked experts (`fastft.kernels.fp8.quantize_experts`)."""
+    if weight.dim() == 3:
+        return kernels.dequantize_experts(weight, scale, dtype)
     return kernels.dequantize_weight(weight, scale, dtype)
 
 
 def fp8_scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{state-dict key of an FP8 weight: its scales}`` for every `FP8Linear` of `model` (the keys as
-    ``model.state_dict()`` names them)."""
-    return {
-        f"{name}.weight": module.weight_scale
-        for name, module in model.named_modules()
-        if isinstance(module, FP8Linear)
-    }
+    """``{state-dict key of an FP8 weight: its scales}`` for every `FP8Linear` and `FP8Experts` of `model` (the
+    keys as ``model.state_dict()`` names them)."""
+    scales = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            scales[f"{name}.weight"] = module.weight_scale
+        elif isinstance(module, FP8Experts):
+            for parameter in EXPERT_PARAMETERS:
+                scales[f"{name}.{parameter}"] = getattr(module, f"{parameter}_scale")
+    return scales
 
 
 __all__ = [
     "BYTES_PER_PARAM",
     "SCALE_BYTES",
+    "EXPERT_PARAMETERS",
+    "FP8Experts",
     "FP8Linear",
     "check_fp8_device",
     "convert_to_fp8",
+    "dense_experts",
     "dequantized_weight",
     "fp8_scales",
     "fp8_targets",
     "is_fp8",
+    "is_fp8_experts",
     "scale_bytes",
 ]

@@ -143,9 +143,10 @@ _QUANT_STATE = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_qua
 
 
 def _is_fp8_scale(key: str, state: dict) -> bool:
-    """Whether `key` is an FP8 projection's ``weight_scale`` (`fastft.models.fp8`), which the merged 16-bit
-    weight takes in: left out of the merged model."""
-    if not key.endswith(".weight_scale"):
+    """Whether `key` is an FP8 weight's scales (`fastft.models.fp8`: a projection's ``weight_scale``, stacked
+    experts' ``gate_up_proj_scale`` / ``down_proj_scale``), which the merged 16-bit weight takes in: left out
+    of the merged model."""
+    if not key.endswith("_scale"):
         return False
     weight = state.get(key.removesuffix("_scale"))
     return weight is not None and weight.dtype == torch.float8_e4m3fn

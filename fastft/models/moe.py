@@ -40,6 +40,11 @@ so nothing of the experts' size is materialised and the adapter stays a plain PE
 Each call decides whether it applies (`expert_weights`); otherwise the block's original forward runs:
 several active adapters, a merged adapter that PEFT must first unmerge, a non-float (quantised) expert
 weight, and Mixtral's router jitter while training take transformers' path.
+
+FP8 experts (``load_in_fp8=True``, `fastft.models.fp8.FP8Experts`: e4m3 stacks with per-expert,
+per-output-channel scales) are dequantised to the compute dtype once per call (`expert_weights`), and the
+grouped GEMMs above run on that 16-bit copy, which lives for the layer's forward (with activation
+checkpointing) or until its backward (without). transformers' own forward refuses them.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastft.kernels.fp8 import FP8_DTYPE, compute_dtype, dequantize_experts
 from fastft.kernels.lora import _in_recompute
 from fastft.models import fusion
 from fastft.runtime.context import ROUTING, KeptTensors, layer_context
@@ -234,11 +240,16 @@ class MoeBlockInfo:
     shared_expert: bool  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
 
 
-def expert_weights(experts_wrapper: torch.nn.Module, info: MoeBlockInfo) -> ExpertWeights | None:
-    """`ExpertWeights` for the grouped path this call, or None when the original forward must run."""
+def expert_weights(
+    experts_wrapper: torch.nn.Module, info: MoeBlockInfo, dtype: torch.dtype | None = None
+) -> ExpertWeights | None:
+    """`ExpertWeights` for the grouped path this call, or None when the original forward must run. FP8
+    experts (`fastft.models.fp8.FP8Experts`) are dequantised to `dtype`, the call's compute dtype, here."""
     experts, wrappers = unwrap_experts(experts_wrapper)
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    if not (_float(gate_up) and _float(down)):
+    # e4m3 stacks with their scales beside them (`fastft.models.fp8.FP8Experts`, which imports this module)
+    fp8 = gate_up.dtype == FP8_DTYPE and getattr(experts, "gate_up_proj_scale", None) is not None
+    if not fp8 and not (_float(gate_up) and _float(down)):
         return None
     num_experts = gate_up.shape[0]
     loras = {}
@@ -247,6 +258,10 @@ def expert_weights(experts_wrapper: torch.nn.Module, info: MoeBlockInfo) -> Expe
         if lora is _FALLBACK or wrapper.parameter_name not in ("gate_up_proj", "down_proj"):
             return None
         loras[wrapper.parameter_name] = lora
+    if fp8:  # the e4m3 stacks times their per-expert channel scales, this call only
+        dtype = dtype or torch.bfloat16
+        gate_up = dequantize_experts(gate_up, experts.gate_up_proj_scale, dtype)
+        down = dequantize_experts(down, experts.down_proj_scale, dtype)
     if info.transposed:  # stored [E, K, N]: pass [E, N, K] views
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     return ExpertWeights(
@@ -353,7 +368,7 @@ def _original_with_stats(self, hidden_states, info: MoeBlockInfo):
 def moe_block_forward(self, hidden_states: torch.Tensor):
     """The fused forward installed on a sparse-MoE block instance by `fastft.patch` (module docstring)."""
     info: MoeBlockInfo = self._fastft_moe
-    weights = expert_weights(self.experts, info)
+    weights = expert_weights(self.experts, info, compute_dtype(hidden_states))
     if weights is None or (self.training and getattr(self, "jitter_noise", 0.0)):  # Mixtral's router jitter
         return _original_with_stats(self, hidden_states, info)
     shape = hidden_states.shape

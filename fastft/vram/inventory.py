@@ -525,8 +525,9 @@ def _quant_constant_bytes(parameter: torch.Tensor) -> int:
         and weight_format.state_attribute is None
         and getattr(parameter, "SCB", None) is None
     ):
-        # the scales live on the layer, not the weight (FP8's `weight_scale`): counted as its record says
-        return weight_format.constant_bytes(parameter.numel(), parameter.shape[0])
+        # the scales live on the layer, not the weight (FP8's `weight_scale`): counted as its record says, for
+        # every output row (FP8 experts [E, N, K]: E * N of them)
+        return weight_format.constant_bytes(parameter.numel(), parameter.numel() // parameter.shape[-1])
     if state is not None:
         for tensor in (state.absmax, getattr(state, "code", None), getattr(state, "offset", None)):
             if isinstance(tensor, torch.Tensor):

@@ -44,13 +44,17 @@ def weight_bytes(inventory: ModelInventory, profile: Profile) -> tuple[int, int,
         total = (inventory.linear_params + biases + rest) * profile.param
         return total, 0, f"{count_label(inventory.total_params)} × {profile.param} B"
     weight_format = weight_formats.get(profile.quantized)
-    quantized = int(inventory.linear_params * weight_format.bits_per_weight / 8)
+    # FP8 stores the experts' stacked gate/up [E, 2I, H] and down [E, H, I] weights too, a scale per output row
+    moe_layers = sum(1 for layer in inventory.layers if layer.moe) if weight_format.quantizes_experts else 0
+    stacks = moe_layers * inventory.experts * 3 * inventory.moe_intermediate * inventory.hidden_size
+    stack_rows = moe_layers * inventory.experts * (2 * inventory.moe_intermediate + inventory.hidden_size)
+    quantized = int((inventory.linear_params + stacks) * weight_format.bits_per_weight / 8)
     constants = sum(
         weight_format.constant_bytes(linear.weight_params, linear.out_features)
         for linear in inventory.linears
-    )
-    kept = (biases + rest) * profile.param
-    others = "embeddings, head, norms" + (", experts" if inventory.expert_params else "")
+    ) + (weight_format.constant_bytes(stacks, stack_rows) if stacks else 0)
+    kept = (biases + rest - stacks) * profile.param
+    others = "embeddings, head, norms" + (", experts" if inventory.expert_params and not stacks else "")
     note = f"{count_label(inventory.linear_params)} linear weights in {profile.quantized}, {count_label(biases + rest)} in 16-bit ({others})"
     return quantized + kept, constants, note
 
