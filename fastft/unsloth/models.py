@@ -199,6 +199,16 @@ class FastModel(FastLanguageModel):
     `get_peft_model` also takes the ``finetune_*`` switches, which pick the attention and MLP projections."""
 
     @staticmethod
+    def from_pretrained(*args, **kwargs):
+        """`FastLanguageModel.from_pretrained`; the tokenizer's ``apply_chat_template`` answers as the processor
+        Unsloth's `FastModel` returns for the models its notebooks load (Gemma 3, Gemma 3n, …): called
+        without ``tokenize`` / ``return_tensors`` / ``return_dict``, it gives the text (a processor's default),
+        which the notebooks then pass to ``tokenizer([text], return_tensors="pt")``."""
+        model, tokenizer = FastLanguageModel.from_pretrained(*args, **kwargs)
+        object.__setattr__(tokenizer, "fastft_text_by_default", True)
+        return model, tokenizer
+
+    @staticmethod
     def get_peft_model(
         model,
         finetune_vision_layers: bool = False,
@@ -266,7 +276,9 @@ def adapt_tokenizer(tokenizer):
       `datasets.Column`, not a list, as the Qwen3 notebooks pass it) is a batch, as a list is;
     - ``tokenize=True`` without ``return_dict`` returns the token ids (transformers 4's default), not
       transformers 5's `BatchEncoding`: the notebooks pass the result to ``model.generate(input_ids=...)``.
-      TRL and fastft always pass ``return_dict`` or ``tokenize=False``, so nothing of theirs changes."""
+      TRL and fastft always pass ``return_dict`` or ``tokenize=False``, so nothing of theirs changes;
+    - for `FastModel`'s tokenizer (``fastft_text_by_default``), a call without ``tokenize`` / ``return_tensors`` /
+      ``return_dict`` returns the text, as the processor Unsloth's `FastModel` returns does."""
 
     if "apply_chat_template" in vars(tokenizer):
         return tokenizer
@@ -277,6 +289,9 @@ def adapt_tokenizer(tokenizer):
             conversation, (list, tuple, str)
         ):
             conversation = list(conversation)
+        explicit = {"tokenize", "return_tensors", "return_dict"} & kwargs.keys()
+        if not args and not explicit and getattr(self, "fastft_text_by_default", False):
+            kwargs["tokenize"] = False
         if not args and kwargs.get("tokenize", True) and "return_dict" not in kwargs:
             kwargs["return_dict"] = False
         return method(self, conversation, *args, **kwargs)

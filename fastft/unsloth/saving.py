@@ -114,11 +114,26 @@ def save_pretrained_gguf(
     Saving into a folder that already holds an export adds the new ``model.<QUANT>.gguf`` beside the others
     (the Modelfile then names the newest); nothing else there is touched. llama.cpp's K-quants (q4_k_m, …)
     need its ``llama-quantize`` on PATH: without it the call fails before writing, naming the fix and the
-    nearest type fastft writes itself. Returns the `GGUFExport` (a list of them for a list of methods)."""
+    nearest type fastft writes itself. Returns the `GGUFExport` (a list of them for a list of methods).
 
+    As Unsloth's `FastModel` notebooks call it (``save_pretrained_gguf(dir, quantization_type="Q8_0")``):
+    `quantization_type` names the method too, and without `tokenizer` the one ``from_pretrained`` returned
+    with this model is used (the same object ``get_chat_template`` changed in place, so its template)."""
+
+    quantization_type = kwargs.pop("quantization_type", None)
+    if quantization_type is not None:
+        if quantization_method != "fast_quantized":
+            raise ValueError(
+                f"save_pretrained_gguf: quantization_method={quantization_method!r} and "
+                f"quantization_type={quantization_type!r} both name the GGUF type: pass one of them."
+            )
+        quantization_method = quantization_type
+    if tokenizer is None:
+        tokenizer = getattr(model, "fastft_tokenizer", None)
     if tokenizer is None:
         raise ValueError(
-            "save_pretrained_gguf needs the tokenizer: model.save_pretrained_gguf(dir, tokenizer, ...)"
+            "save_pretrained_gguf needs the tokenizer: model.save_pretrained_gguf(dir, tokenizer, ...) (this model "
+            "was not loaded by fastft.unsloth's from_pretrained, which would have given it one)."
         )
     _refuse_push(kwargs, "save_pretrained_gguf", "push_to_hub_gguf")
     overwrite = bool(kwargs.pop("overwrite", False))

@@ -22,6 +22,8 @@ Configs (`transformers.TrainingArguments` and TRL's ``*Config``):
   sequences to ``max_length``), are accepted with a warning saying so;
 - `GRPOConfig`: a ``per_device_train_batch_size`` that is not a multiple of ``num_generations`` becomes
   ``num_generations``, as Unsloth sets it (TRL 1.x refuses it), with a warning;
+- `SFTTrainer`: text rows (``dataset_text_field``) that already start with the tokenizer's BOS (rendered by a
+  Llama-3 or Gemma chat template) do not get a second one, as with Unsloth (TRL 1.x would add it);
 - `GRPOConfig`'s ``vllm_sampling_params`` (Unsloth's) sets ``top_p``, ``top_k``, ``min_p``,
   ``repetition_penalty`` and ``temperature`` from a `fastft.unsloth.SamplingParams`, and ``use_vllm=True``
   becomes False with a warning (fastft has no vLLM; TRL generates through transformers).
@@ -240,6 +242,8 @@ def _trainer_kwargs(config_cls, signature, args, kwargs):
                 f"{where}: got both tokenizer= and processing_class=; pass processing_class only."
             )
         kwargs["processing_class"] = tokenizer
+    if where == "SFTTrainer":
+        _without_doubled_bos(kwargs)
     fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
     movable = fields | set(_RENAMED) | set(_REMOVED) | {"warmup_ratio"}
     moved = {name: kwargs.pop(name) for name in list(kwargs) if name not in params and name in movable}
@@ -255,6 +259,39 @@ def _trainer_kwargs(config_cls, signature, args, kwargs):
         return args, kwargs
     arguments["args"] = _with_fields(config_cls, config, config_arguments(config_cls, moved, where=where))
     return (), arguments
+
+
+def _without_doubled_bos(kwargs: dict) -> None:
+    """Unsloth's SFTTrainer does not add the BOS to a text that already starts with it (the notebooks render
+    their rows with ``apply_chat_template``, whose Llama-3 / Gemma templates write the BOS); TRL 1.x tokenizes the
+    text with the tokenizer's own BOS, so the rows would start with two. The text rows (``dataset_text_field``)
+    of the datasets given by keyword that start with the BOS, for a tokenizer that prepends it, lose that
+    leading BOS text before TRL tokenizes them (the caller's dataset is not changed: `map` makes a new one)."""
+    tokenizer = kwargs.get("processing_class", kwargs.get("tokenizer"))
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or getattr(tokenizer, "bos_token_id", None) is None:
+        return
+    config = kwargs.get("args")
+    field = kwargs.get("dataset_text_field") or getattr(config, "dataset_text_field", None) or "text"
+    try:
+        prepends = tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    except Exception:  # noqa: BLE001 - a processor or an odd tokenizer: leave the rows to TRL
+        return
+    if not prepends:
+        return
+    for name in ("train_dataset", "eval_dataset"):
+        dataset = kwargs.get(name)
+        names = getattr(dataset, "column_names", None)
+        if not names or field not in names or len(dataset) == 0:
+            continue
+        if not str(dataset[0][field]).startswith(bos):
+            continue
+
+        def strip(row, field=field, bos=bos):
+            text = row[field]
+            return {field: text[len(bos) :] if isinstance(text, str) and text.startswith(bos) else text}
+
+        kwargs[name] = dataset.map(strip, desc="Not adding the BOS twice")
 
 
 def _with_fields(config_cls, config, values: dict):

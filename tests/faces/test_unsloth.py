@@ -161,6 +161,23 @@ def test_fast_model(name):
         FastModel.from_pretrained(model_name=name, full_finetuning=True)
 
 
+def test_fast_model_tokenizer_renders_text_by_default_as_unsloths_processor():
+    """Gemma 3 notebooks: text = tokenizer.apply_chat_template(messages, add_generation_prompt=True), then
+    tokenizer([text], return_tensors="pt"): FastModel's tokenizer gives the text, as Unsloth's processor does;
+    FastLanguageModel's gives the ids (a tokenizer's default), and explicit arguments are obeyed by both."""
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    _, tokenizer = FastModel.from_pretrained("tiny-llama")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert text == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    batch = tokenizer([text], return_tensors="pt")
+    assert batch.input_ids.shape[0] == 1
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    assert torch.equal(ids[0], batch.input_ids[0])
+    assert isinstance(tokenizer.apply_chat_template(messages, tokenize=True)[0], int)
+    _, plain = FastLanguageModel.from_pretrained("tiny-llama")
+    assert plain.apply_chat_template(messages, add_generation_prompt=True) == batch.input_ids[0].tolist()
+
+
 def test_from_pretrained_on_a_saved_adapter_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model, tokenizer = _unsloth_model()

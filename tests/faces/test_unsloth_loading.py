@@ -147,6 +147,26 @@ def test_save_pretrained_gguf_twice_keeps_both_files_and_a_merged_model_beside(t
         model.save_pretrained_merged(tmp_path / "mx", tokenizer, save_method="mxfp4")
 
 
+def test_fast_model_gguf_call_without_tokenizer_and_with_quantization_type(tmp_path):
+    """Gemma 3 / 3n and other FastModel notebooks: save_pretrained_gguf(dir, quantization_type="Q8_0"), no
+    tokenizer: the one from_pretrained returned (with the template get_chat_template set on it) is written."""
+    from fastft.export.reference import read_metadata
+    from fastft.unsloth.chat_templates import get_chat_template
+
+    model, tokenizer = FastModel.from_pretrained("tiny-llama", max_seq_length=64)
+    model = _trained(FastModel.get_peft_model(model, r=8, lora_alpha=8, lora_dropout=0, random_state=3407))
+    tokenizer = get_chat_template(tokenizer, chat_template="gemma-3")
+    result = model.save_pretrained_gguf(tmp_path / "gemma-3-finetune", quantization_type="Q8_0", check=False)
+    meta = read_metadata(result.path)
+    assert result.path.name.endswith(".gguf") and meta["tokenizer.chat_template"] == tokenizer.chat_template
+    f16 = model.save_pretrained_gguf(tmp_path / "gemma-3-finetune", quantization_type="F16", check=False)
+    assert f16.path.name == "model.F16.gguf" and result.path.is_file()
+    with pytest.raises(ValueError, match="both name the GGUF type"):
+        model.save_pretrained_gguf(
+            tmp_path / "x", tokenizer, quantization_method="f16", quantization_type="Q8_0"
+        )
+
+
 def test_save_pretrained_merged_into_the_adapter_folder_keeps_the_adapter(tmp_path):
     """gpt-oss notebook: model.save_pretrained("finetuned_model") (peft's files, no fastft manifest), then
     save_pretrained_merged("finetuned_model", ...): the merged model lands beside the adapter, whose files are

@@ -385,3 +385,34 @@ def test_grpo_notebook_from_vllm_arguments_to_fast_generate(tmp_path, monkeypatc
     assert without.token_ids == base_answer[: len(without.token_ids)]  # None: the base model, as in Unsloth
     with pytest.raises(FileNotFoundError, match="save_lora"):
         model.load_lora("no_such_folder")
+
+
+def test_sft_text_rendered_with_the_bos_gets_one_bos_as_with_unsloth(tmp_path):
+    """Llama 3.x conversational notebooks: the rows are apply_chat_template text, which starts with
+    <|begin_of_text|>, and SFTTrainer(dataset_text_field="text") tokenizes them: one BOS, as Unsloth gives (TRL
+    alone adds the tokenizer's BOS again); the caller's dataset is left as it was."""
+    from trl import SFTConfig, SFTTrainer
+
+    from fastft.unsloth.chat_templates import get_chat_template
+
+    model, tokenizer = _model("tiny-llama3")
+    tokenizer = get_chat_template(tokenizer, chat_template="llama-3.1")
+    chats = [
+        [{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]
+        for i in range(4)
+    ]
+    dataset = Dataset.from_dict({"text": [tokenizer.apply_chat_template(c, tokenize=False) for c in chats]})
+    assert dataset[0]["text"].startswith(tokenizer.bos_token)
+    trainer = SFTTrainer(
+        model=model,
+        tokenizer=tokenizer,
+        train_dataset=dataset,
+        dataset_text_field="text",
+        max_seq_length=96,
+        packing=False,
+        args=SFTConfig(**_common(tmp_path)),
+    )
+    ids = trainer.train_dataset[0]["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
+    assert ids == tokenizer(dataset[0]["text"], add_special_tokens=False)["input_ids"][: len(ids)]
+    assert dataset[0]["text"].startswith(tokenizer.bos_token)  # the caller's rows are unchanged
