@@ -32,7 +32,7 @@ class PackedAttentionState:
     resolved: str | None = None  # the backend actually used, once known
     function: Callable | None = None  # and its function
     hook: object = None  # the decoder's pre-hook for padding-free Hugging Face inputs (`_padding_free_hook`)
-    repad_hook: object = None  # its forward hook, giving unpadded batches their padded rows back (`_repad`)
+    repad_hook: object = None  # its forward hook, giving unpadded batches their padded rows back (`fastft.runtime.unpadding.repad`)
 
 
 @dataclass(eq=False)
