@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_keys import SpecialisationKeys, differing
 
 from fastft.kernels.qk_norm_rope import _launch_qk_norm_rope_bwd, _launch_qk_norm_rope_fwd
 from fastft.kernels.rms_norm import rms_norm_backward, rms_norm_forward
 from fastft.kernels.rope import rope_backward, rope_forward
-from tests.triton_keys import SpecialisationKeys, differing
 
 pytest.importorskip("triton")
 
