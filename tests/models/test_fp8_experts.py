@@ -6,20 +6,19 @@ and runs its grouped GEMMs. On the CPU that path is exactly the 16-bit path over
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
 
 # the block helpers of the fused-MoE tests (same awkward sizes, every supported block type)
-from test_moe import BLOCKS, HIDDEN, _batch, _config, _first, _loss_and_grads, _rel
+from test_moe import BLOCKS, HIDDEN, _batch, _first, _fuse, _loss_and_grads, _random_block, _rel
 from transformers import AutoModelForCausalLM
 
 import fastft
 from fastft.kernels import fp8 as kernels
 from fastft.models import fp8
 from fastft.models.errors import QuantizationError
-from fastft.models.moe import moe_block_forward, moe_block_info
+from fastft.models.moe import moe_block_info
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -49,15 +48,7 @@ def test_quantize_experts_is_each_expert_quantised_per_output_channel(transposed
 def _fp8_blocks(model_type: str, dtype: torch.dtype):
     """transformers' block with random weights, an FP8 copy running the fused forward, and a 16-bit copy
     holding the FP8 copy's dequantised expert weights, running the fused forward too."""
-    import importlib
-
-    config = _config(model_type)
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    block = getattr(module, BLOCKS[model_type])(config)
-    generator = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for parameter in block.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    block, config = _random_block(model_type)
     block.to(dtype)
     info = moe_block_info(block, config)
     quantised, dense = copy.deepcopy(block), copy.deepcopy(block)
@@ -71,11 +62,7 @@ def _fp8_blocks(model_type: str, dtype: torch.dtype):
             fp8.EXPERT_PARAMETERS, fp8.dense_experts(quantised.experts, dtype), strict=True
         ):
             getattr(dense.experts, name).copy_(value)
-    for fused in (quantised, dense):
-        fused._fastft_moe = info
-        fused._fastft_original_forward = fused.forward
-        fused.forward = types.MethodType(moe_block_forward, fused)
-    return block, quantised, dense
+    return block, _fuse(quantised, info), _fuse(dense, info)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -66,8 +66,9 @@ def _config(model_type: str):
     )
 
 
-def _blocks(model_type: str):
-    """transformers' block with random weights and biases, and a copy running the fused forward."""
+def _random_block(model_type: str):
+    """transformers' block of `model_type` with random weights and biases (the same every call), and its
+    config."""
     config = _config(model_type)
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     block = getattr(module, BLOCKS[model_type])(config)
@@ -75,13 +76,24 @@ def _blocks(model_type: str):
     with torch.no_grad():
         for parameter in block.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return block, config
+
+
+def _fuse(block, info):
+    """`block` running fastft's fused MoE forward (as `fastft.models.patch` sets it up)."""
+    block._fastft_moe = info
+    block._fastft_original_forward = block.forward
+    block.forward = types.MethodType(moe_block_forward, block)
+    return block
+
+
+def _blocks(model_type: str):
+    """transformers' block with random weights and biases, and a copy running the fused forward."""
+    block, config = _random_block(model_type)
     fused = copy.deepcopy(block)
     info = moe_block_info(fused, config)
     assert info is not None
-    fused._fastft_moe = info
-    fused._fastft_original_forward = fused.forward
-    fused.forward = types.MethodType(moe_block_forward, fused)
-    return block, fused
+    return block, _fuse(fused, info)
 
 
 def _first(output):
