@@ -160,9 +160,8 @@ def _bitsandbytes_config(record, compute_dtype: torch.dtype, device: torch.devic
     bits = f"{width} ({kind})" if kind else width
 
     try:
-        with hub_offline_while_importing(
-            "bitsandbytes"
-        ):  # its CPU backend asks the hub for a kernel at import
+        # its CPU backend asks the hub for a kernel at import; an install that fails raises here
+        with hub_offline_while_importing("bitsandbytes"):
             import bitsandbytes  # noqa: F401
     except ImportError as error:
         raise QuantizationError(
