@@ -257,7 +257,7 @@ def test_trl_sft_trainer_with_packing_trains_the_fused_model_and_logs_token_accu
     assert all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logged)
     assert len(boundary_reads) >= 3  # TRL's packed rows ran through fastft's packed attention
     assert logits == []  # no step built the full logits
-    # TRL >= 1.16 installs its own chunked LM head on the model (add_fused_lm_head) and computes the loss
+    # TRL >= 1.15 installs its own chunked LM head on the model (add_fused_lm_head) and computes the loss
     # and its metrics there; before, the labels= call reached fastft's fused linear cross-entropy
     trl_head = "add_fused_lm_head" in inspect.getsource(trl.SFTTrainer.__init__)
     assert (len(fused) == 0) == trl_head, (trl.__version__, len(fused))
