@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from fastft.bench.common import time_calls
+from fastft.bench.common import environment, markdown_table, time_calls
 from fastft.bench.harness import save_record
 from fastft.data.batch import PackedBatch
 from fastft.runtime.attention import _sdpa_uniform, packed_attention
@@ -166,8 +166,6 @@ def bench_case(case: str, head_dim: int, device: torch.device, warmup: int, reps
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fastft.bench.common import environment, markdown_table
-
     parser = argparse.ArgumentParser(prog="fastft bench attention", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--cases", default=DEFAULT_CASES, help="comma-separated NxLEN:Q/KV or raggedTOTAL:Q/KV"

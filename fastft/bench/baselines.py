@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from fastft.bench.harness import ATTENTION_TARGETS, EXPERT_PARAMETERS, TARGETS
 from fastft.models.remote_code import from_pretrained
 
-# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
-# module and must import unsloth before transformers; peft imports bitsandbytes, which asks the hub for a kernel:
-# peft loads first under `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora); Unsloth is a competitor
-# the benches load only in its own worker.
+# Function-local imports: transformers, peft, TRL and the engine load where used: a bench's Unsloth worker imports
+# this module and must import unsloth before them (torch may come first; tests/tools/test_bench.py checks it); peft
+# imports bitsandbytes, which asks the hub for a kernel: peft loads first under
+# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora); Unsloth is a competitor the benches load only in
+# its own worker.
 
 
 def hf_model(folder: str, precision: str, liger: bool, device, lora_targets: str = "all"):
     """transformers + PEFT from `folder` (SDPA attention, NF4 through bitsandbytes for "nf4", Liger's kernels
     patched in with `liger`), LoRA r=16 on `lora_targets`, non-reentrant gradient checkpointing."""
-    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -61,7 +63,6 @@ def hf_model(folder: str, precision: str, liger: bool, device, lora_targets: str
 
 def unsloth_model(folder: str, precision: str, seq: int, lora_targets: str = "all"):
     """Unsloth's ``FastLanguageModel`` from `folder`, LoRA r=16, its own gradient checkpointing."""
-    import torch
     from unsloth import FastLanguageModel
 
     model, _ = FastLanguageModel.from_pretrained(
@@ -96,7 +97,6 @@ def trl_run_settings(cuda: bool) -> dict:
 def step_clock(device):
     """A transformers `TrainerCallback` whose ``marks`` hold the wall time at each step's end, after a CUDA
     sync on `device` (so every step's host stalls count)."""
-    import torch
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):

@@ -10,14 +10,13 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from importlib.metadata import version
 
 import torch
-import transformers
 
 from fastft.kernels import tiling
 
-# Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
-# `fastft.data.hub.hub_offline_while_importing` (fastft.models.lora).
+# No transformers, peft or TRL at import: the benches' Unsloth workers import this module before Unsloth.
 
 
 @dataclass
@@ -146,13 +145,13 @@ def memory_trade_argv(args) -> list[str]:
 
 
 def environment() -> dict:
-    import peft
-
+    """The date, the device and the versions a record was measured with (read from the installed packages'
+    metadata: importing transformers or peft here would load them before Unsloth in its workers)."""
     info = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
+        "transformers": version("transformers"),
+        "peft": version("peft"),
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name()
         if torch.cuda.is_available()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from fastft.bench.common import environment
 from fastft.bench.harness import ensure_checkpoint, fastft_model, packed
 from fastft.bench.sft import chat_rows
 from fastft.models.patch import is_fused, patch_report
@@ -136,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
         return 0
-    from fastft.bench.common import environment
 
     checkpoint = ensure_checkpoint(args)
     skip = {"--out", "--gpus", "--timeout", "--folder", "--layers", "--model"}

@@ -31,8 +31,10 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 from fastft.bench.baselines import hf_model, step_clock, trl_run_settings
+from fastft.bench.common import environment, markdown_table
 from fastft.bench.harness import (
     bench_parser,
     ensure_checkpoint,
@@ -47,9 +49,10 @@ from fastft.bench.harness import (
 )
 from fastft.models.remote_code import from_pretrained
 
-# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
-# module and must import unsloth before transformers; TRL is an optional dependency (the baselines and the facade's
-# trainers); tests replace these names on their modules, so they are looked up when called.
+# Function-local imports: transformers, peft, TRL and the engine load where used: a bench's Unsloth worker imports
+# this module and must import unsloth before them (torch may come first; tests/tools/test_bench.py checks it); TRL is
+# an optional dependency (the baselines and the facade's trainers); tests replace these names on their modules, so
+# they are looked up when called.
 
 SYSTEMS = ("fastft", "trl")
 BETA = 0.1
@@ -106,8 +109,6 @@ def packed_pairs(rows, side_length: int):
 
 
 def _run_fastft(args, rows, device):
-    import torch
-
     from fastft.training.trainer import TrainConfig, Trainer
 
     model = fastft_model(args.folder, args.workload, 2 * args.side_length, "auto", device)
@@ -137,7 +138,6 @@ def _run_fastft(args, rows, device):
 
 
 def _run_trl(args, rows, device):
-    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -190,7 +190,6 @@ def _run_trl(args, rows, device):
 
 
 def run_worker(args) -> dict:
-    import torch
     from transformers import AutoConfig
 
     torch.manual_seed(0)
@@ -243,8 +242,6 @@ def verdict(results: list[dict]) -> dict[str, dict]:
 
 
 def _table(results: list[dict]) -> str:
-    from fastft.bench.common import markdown_table
-
     verdicts = verdict(results)
     rows = []
     for result in results:
@@ -282,8 +279,6 @@ _FLAGS = ("ragged",)
 
 
 def _write(path: str, args, results: list[dict]) -> str:
-    from fastft.bench.common import environment
-
     table = _table(results)
     settings = {key: getattr(args, key) for key in (*_SETTINGS, *_FLAGS, "model", "layers")}
     output = {

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from fastft.bench.common import environment
 from fastft.bench.harness import checkpoint_folder, ensure_checkpoint, fastft_model, packed
 from fastft.bench.sft import chat_rows
 from fastft.models.lora import add_lora
@@ -161,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", default="/dev/shm/fastft-bench-step", help="the random checkpoint")
     parser.add_argument("--json", default="benchmarks/fsdp_limits.json")
     args = parser.parse_args(argv)
-
-    from fastft.bench.common import environment
 
     if not torch.cuda.is_available() or not launched():
         parser.error("run under torchrun on a CUDA GPU (see the module's docstring)")

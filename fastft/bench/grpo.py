@@ -25,8 +25,10 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 from fastft.bench.baselines import hf_model, trl_run_settings
+from fastft.bench.common import environment
 from fastft.bench.harness import (
     bench_parser,
     ensure_checkpoint,
@@ -40,9 +42,10 @@ from fastft.bench.harness import (
 )
 from fastft.models.remote_code import from_pretrained
 
-# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
-# module and must import unsloth before transformers; TRL is an optional dependency (the baselines and the facade's
-# trainers); tests replace these names on their modules, so they are looked up when called.
+# Function-local imports: transformers, peft, TRL and the engine load where used: a bench's Unsloth worker imports
+# this module and must import unsloth before them (torch may come first; tests/tools/test_bench.py checks it); TRL is
+# an optional dependency (the baselines and the facade's trainers); tests replace these names on their modules, so
+# they are looked up when called.
 
 SYSTEMS = ("fastft", "trl", "generate")
 
@@ -66,21 +69,15 @@ def _vocab(model, tokenizer) -> int:
 
 
 def _sync(device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _peak(device) -> float | None:
-    import torch
-
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def _reset_peak(device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -127,7 +124,6 @@ def _run_fastft(args, device) -> dict:
 
 
 def _run_generate(args, device) -> dict:
-    import torch
     from transformers import AutoTokenizer
 
     model = hf_model(args.folder, args.workload, False, device)
@@ -200,8 +196,6 @@ def _run_trl(args, device) -> dict:
 
 
 def run_worker(args) -> dict:
-    import torch
-
     torch.manual_seed(0)
     device = torch.device(args.device)
     run = {"fastft": _run_fastft, "trl": _run_trl, "generate": _run_generate}[args.system]
@@ -271,7 +265,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{system:>9}: {result.get('error') or 'done'}", file=sys.stderr, flush=True)
     summary = summarise(results)
     settings = {key: getattr(args, key) for key in ("model", "layers", *_WORKER_OPTIONS)}
-    from fastft.bench.common import environment
 
     record = {"benchmark": "grpo", "settings": settings, "environment": environment(), "results": results}
     table = _table(results, summary)

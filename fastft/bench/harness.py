@@ -12,14 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from fastft.models.presets import PRESETS, load_preset_tokenizer
 
-# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
-# module and must import unsloth before transformers; tests replace these names on their modules, so they are looked
-# up when called.
-
-# torch, transformers and fastft's engine are imported in the functions: a bench's Unsloth worker imports this
-# module and must import unsloth before transformers (Unsloth patches it as it loads).
+# Function-local imports: transformers, peft, TRL and the engine load where used: a bench's Unsloth worker imports
+# this module and must import unsloth before them (torch may come first; tests/tools/test_bench.py checks it); tests
+# replace these names on their modules, so they are looked up when called.
 
 # LoRA targets of every system: the 7 linears ("attention": the first 4); MoE experts as PEFT parameters
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -40,8 +39,6 @@ def fastft_model(
 ):
     """fastft from `folder`: `load_model`, `add_lora` r=16 on `lora_targets` (fused kernels), packed attention
     `attention`, the offload's `keep_attention` ("on"/"off"; "auto" leaves it)."""
-    import torch
-
     from fastft.models.loading import load_model
     from fastft.models.lora import add_lora, linear_layer_names
     from fastft.runtime.attention import patch_packed_attention
@@ -90,8 +87,6 @@ def checkpoint_folder(root: Path, model_id: str, layers: int | None) -> Path:
 def save_random_checkpoint(model_id: str, folder: Path, layers: int | None = None) -> None:
     """The catalog architecture (cut to its first `layers` decoder layers if given) with random bf16
     weights, saved with a tokenizer (for Unsloth) to `folder`."""
-    import torch
-
     from fastft.models.random_model import random_model
 
     torch.manual_seed(0)
@@ -109,8 +104,6 @@ def save_random_checkpoint(model_id: str, folder: Path, layers: int | None = Non
 def ensure_checkpoint(args) -> Path:
     """The random checkpoint of ``args.model`` (cut to ``args.layers``) under ``args.folder``, saved first if
     missing (a preset as it loads: the CPU smoke tests)."""
-    import torch
-
     from fastft.models.loading import load_model
 
     folder = checkpoint_folder(Path(args.folder), args.model, args.layers)

@@ -68,9 +68,11 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from fastft.bench.baselines import hf_model, step_clock, trl_run_settings, unsloth_model
 from fastft.bench.chat_shapes import SHAPES, TOKENIZER_PRESET, parse_shapes, row_stats, shape_rows
+from fastft.bench.common import add_memory_trade_options, memory_trade_argv, set_memory_trades
 from fastft.bench.harness import (
     bench_parser,
     ensure_checkpoint,
@@ -137,8 +139,6 @@ def chat_rows(
 
 
 def _model(args, family: str, device):
-    import torch
-
     precision, seq = args.workload.removesuffix("-fp16"), args.max_seq_length
     if args.workload.endswith(
         "fp16"
@@ -165,8 +165,6 @@ def _model(args, family: str, device):
 
 
 def _run_fastft(model, rows, args, device):
-    import torch
-
     from fastft.bench.long_context import StepRecording
     from fastft.training.trainer import TrainConfig, Trainer
 
@@ -345,8 +343,6 @@ def run_worker(args):
     comma-separated) on each shape (`args.shapes`), the systems in the given order, each over every shape; a
     run that fails yields its error and the next one runs."""
 
-    import torch
-
     systems = args.system.split(",")
     family = FAMILIES[systems[0]]
     if family == "unsloth":
@@ -355,8 +351,6 @@ def run_worker(args):
     device = torch.device(args.device)
     baseline = family in ("unsloth", "hf")
     if not baseline:  # this worker's models (read when they are patched and at each call)
-        from fastft.bench.common import set_memory_trades
-
         set_memory_trades(args.adapter_copies, args.dh_slice_mib)
     model = _model(args, family, device)
     base = base_model(model)
@@ -392,8 +386,6 @@ def run_worker(args):
 
 
 def _summary(measured: dict, device) -> dict:
-    import torch
-
     steps = measured.pop("step_seconds")
     seconds = measured.pop("seconds")
     peak = measured.pop("peak_bytes", 0)
@@ -512,8 +504,6 @@ def _data_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fastft.bench.common import add_memory_trade_options
-
     parser = bench_parser("sft", __doc__, SYSTEMS, "fastft,fastft-trl,hf")
     _data_options(parser)
     parser.add_argument("--warmup", type=int, default=5)
@@ -617,8 +607,6 @@ def _run_job(
 ) -> list[dict]:
     """One worker process's runs of `group` on `shapes`: a result each (printed), a failed run's error in its
     place."""
-    from fastft.bench.common import memory_trade_argv
-
     argv = ["--worker", "--system", ",".join(group), "--workload", workload]
     argv += ["--shapes", ",".join(shapes), "--folder", str(folder), "--rows", str(rows)]
     argv += option_argv(args, _WORKER_OPTIONS)

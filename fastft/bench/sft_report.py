@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import sys
 
+from fastft.bench.common import environment, markdown_table
 from fastft.bench.harness import save_record
-
-# fastft.bench.common (torch, transformers) is imported where used: `fastft.bench.sft`'s Unsloth worker imports
-# this module and must import unsloth before transformers.
 
 BASELINES = ("unsloth", "unsloth-defaults", "hf", "hf-defaults")
 # Every system's optimizer (`fastft.bench.sft`'s docstring), as the record says it.
@@ -53,8 +51,6 @@ def ratios(results: list[dict]) -> list[dict]:
 
 
 def results_table(results: list[dict]) -> str:
-    from fastft.bench.common import markdown_table
-
     done = {(r["workload"], r["shape"], r["system"]): r for r in results if "error" not in r}
     present = [b for b in BASELINES if any(r["system"] == b for r in results)]
     rows = []
@@ -90,8 +86,6 @@ def results_table(results: list[dict]) -> str:
 
 
 def ratio_table(by_baseline: list[dict], shapes: list[str]) -> str:
-    from fastft.bench.common import markdown_table
-
     rows = [
         dict(
             r,
@@ -106,8 +100,6 @@ def ratio_table(by_baseline: list[dict], shapes: list[str]) -> str:
 
 
 def shape_table(shapes: dict[str, dict]) -> str:
-    from fastft.bench.common import markdown_table
-
     columns = [
         ("shape", "shape"),
         ("rows", "rows"),
@@ -123,8 +115,6 @@ def shape_table(shapes: dict[str, dict]) -> str:
 
 def write_record(path: str, args, shapes: dict[str, dict], results: list[dict]) -> str:
     """Write the record (JSON at `path`, its tables beside it as markdown); the tables."""
-    from fastft.bench.common import environment
-
     by_baseline = ratios(results)
     text = "\n\n".join(
         [shape_table(shapes), results_table(results)]

@@ -29,7 +29,16 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from fastft.bench.baselines import hf_model, unsloth_model
+from fastft.bench.common import (
+    add_memory_trade_options,
+    environment,
+    markdown_table,
+    memory_trade_argv,
+    set_memory_trades,
+)
 from fastft.bench.harness import (
     checkpoint_folder,
     fastft_model,
@@ -41,9 +50,9 @@ from fastft.bench.harness import (
     systems_of,
 )
 
-# Function-local imports: torch, transformers and the engine load where used: a bench's Unsloth worker imports this
-# module and must import unsloth before transformers; tests replace these names on their modules, so they are looked
-# up when called.
+# Function-local imports: transformers, peft, TRL and the engine load where used: a bench's Unsloth worker imports
+# this module and must import unsloth before them (torch may come first; tests/tools/test_bench.py checks it); tests
+# replace these names on their modules, so they are looked up when called.
 
 SYSTEMS = ("fastft", "hf", "liger", "unsloth")
 DEFAULT_WORKLOADS = "bf16:2x2048,nf4:2x2048,bf16:1x16384"
@@ -87,24 +96,18 @@ def flops_per_token(config, seq: int) -> float:
 
 
 def _random_batch(vocab: int, batch: int, seq: int, seed: int = 0):
-    import torch
-
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=generator)
 
 
 def run_worker(args) -> dict:
     """Build one system, run warm-up + timed steps, return its measurements."""
-    import torch
-
     torch.manual_seed(0)
     precision, batch, seq = parse_workload(args.workload)
     device = torch.device(args.device)
     load_start = time.perf_counter()
     trades = None
     if args.system == "fastft":
-        from fastft.bench.common import set_memory_trades
-
         trades = set_memory_trades(args.adapter_copies, args.dh_slice_mib)
         mode = args.checkpointing
         model = fastft_model(
@@ -218,8 +221,6 @@ def run_worker(args) -> dict:
 
 
 def _table(results: list[dict]) -> str:
-    from fastft.bench.common import markdown_table
-
     def ratios(row: dict, reference: dict) -> dict:
         for baseline in ("hf", "unsloth"):
             if baseline in reference and baseline != row["system"]:
@@ -281,8 +282,6 @@ def _table(results: list[dict]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fastft.bench.common import add_memory_trade_options
-
     parser = argparse.ArgumentParser(
         prog="fastft bench step",
         description=__doc__.split("\n\n")[0],
@@ -353,8 +352,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _worker_argv(args, system: str, workload: str, attention: str, folder: Path) -> list[str]:
     """The worker's options for one run: the driver's, as given, for `system`, `workload` and `attention`."""
-    from fastft.bench.common import memory_trade_argv
-
     argv = ["--worker", "--system", system, "--workload", workload, "--attention", attention]
     argv += ["--folder", str(folder)]
     keys = ("warmup", "steps", "peak_flops", "checkpointing", "lora_targets", "cuda_graph", "keep_attention")
@@ -366,8 +363,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_or_work(parser, argv, run_worker)
     if args is None:
         return 0
-
-    import torch
 
     if not torch.cuda.is_available():
         print("fastft bench step needs a CUDA GPU (it trains an 8B-parameter architecture).", file=sys.stderr)
@@ -383,8 +378,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saving a random-weight {args.model} to {folder} ...", file=sys.stderr, flush=True)
         save_random_checkpoint(args.model, folder, args.layers)
         torch.cuda.empty_cache()
-
-    from fastft.bench.common import environment
 
     results = []
     runs = [

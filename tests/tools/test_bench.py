@@ -873,3 +873,19 @@ def test_a_card_stand_in_caps_at_the_card_s_allocator_room_in_its_dtype_and_asks
     assert stand_in("nf4", None, None)[1] == 24 * 2**30
     with pytest.raises(ValueError, match="--cap-gib"):
         stand_in("nf4", 15.0, "t4")
+
+
+def test_bench_modules_that_run_unsloth_load_no_hugging_face_library_at_import():
+    """Unsloth patches transformers, peft and TRL only if it is imported before them: the bench modules its
+    workers run (`sft`, `step`, `baselines`) and what they import at module level must load none of the three
+    (each worker imports Unsloth first, then the rest inside its functions)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import fastft.bench.sft, fastft.bench.step, fastft.bench.baselines\n"
+        "print(sorted(m for m in ('transformers', 'peft', 'trl') if m in sys.modules))\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
