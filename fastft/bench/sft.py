@@ -208,6 +208,7 @@ def _run_fastft(model, rows, args, device):
         step_seconds=wall if len(wall) >= 2 else [e.step_seconds for e in timed],
         device_step_seconds=[e.step_seconds for e in timed],
         graph=result.cuda_graph,
+        losses=[e.loss for e in result.steps],  # every step's, the warm-up's included
         optimizer=_optimizer_name(trainer.optimizer),
         attention=result.attention,
         # every step's, the warm-up's included (each `train` call restarts the allocator's peak; a replay's
@@ -298,6 +299,7 @@ def _run_trl(model, rows, args, device, system: str):
         trained=sum(trained for _, trained in timed),
         padding=0,
         step_seconds=[b - a for a, b in zip(marks[first:last], marks[first + 1 : last + 1], strict=True)],
+        losses=[log["loss"] for log in trainer.state.log_history if "loss" in log],  # logged every step
         **ran_with,
         **({"live_at_peak": snapshot.live} if snapshot else {}),
     )

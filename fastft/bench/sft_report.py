@@ -50,6 +50,48 @@ def ratios(results: list[dict]) -> list[dict]:
     return found
 
 
+# A workload whose loss curve is compared with another's on the same batches (fastft's trainer packs the same
+# rows the same way for every workload): fp16 compute and FP8 base weights against the 16-bit run.
+LOSS_REFERENCE = {"fp16": "bf16", "fp8": "bf16", "nf4-fp16": "nf4"}
+
+
+def loss_table(results: list[dict]) -> str | None:
+    """Per fastft run whose reference workload ran on the same shape: the largest per-step relative
+    difference of the two loss curves (every step, the warm-up's included), and the first and last losses."""
+    done = {(r["workload"], r["shape"], r["system"]): r for r in results if "error" not in r}
+    rows = []
+    for (workload, shape, system), result in done.items():
+        reference = done.get((LOSS_REFERENCE.get(workload), shape, system))
+        ours, theirs = result.get("losses") or [], (reference or {}).get("losses") or []
+        pairs = [(a, b) for a, b in zip(ours, theirs, strict=False) if a is not None and b]
+        if not pairs:
+            continue
+        worst = max(abs(a - b) / abs(b) for a, b in pairs)
+        rows.append(
+            dict(
+                workload=workload,
+                shape=shape,
+                system=system,
+                reference=reference["workload"],
+                steps=len(pairs),
+                first=f"{pairs[0][0]:.4f} / {pairs[0][1]:.4f}",
+                last=f"{pairs[-1][0]:.4f} / {pairs[-1][1]:.4f}",
+                worst=f"{100 * worst:.2f} %",
+            )
+        )
+    columns = [
+        ("workload", "workload"),
+        ("shape", "shape"),
+        ("system", "system"),
+        ("reference", "against"),
+        ("steps", "steps"),
+        ("first", "first loss (this / against)"),
+        ("last", "last loss"),
+        ("worst", "largest step difference"),
+    ]
+    return markdown_table(rows, columns) if rows else None
+
+
 def results_table(results: list[dict]) -> str:
     done = {(r["workload"], r["shape"], r["system"]): r for r in results if "error" not in r}
     present = [b for b in BASELINES if any(r["system"] == b for r in results)]
@@ -116,9 +158,11 @@ def shape_table(shapes: dict[str, dict]) -> str:
 def write_record(path: str, args, shapes: dict[str, dict], results: list[dict]) -> str:
     """Write the record (JSON at `path`, its tables beside it as markdown); the tables."""
     by_baseline = ratios(results)
+    losses = loss_table(results)
     text = "\n\n".join(
         [shape_table(shapes), results_table(results)]
         + ([ratio_table(by_baseline, list(shapes))] if by_baseline else [])
+        + ([losses] if losses else [])
     )
     keys = DATA_SETTINGS + (
         "model",

@@ -354,6 +354,9 @@ def test_sft_bench_runs_fastft_and_its_trl_switch_on_a_preset(tmp_path):
     for result in results.values():
         assert 0 < result["trained_tokens_per_s"] < result["tokens_per_s"]
         assert result["slowest_over_median"] >= 1.0
+        assert len(result["losses"]) == 5 and all(
+            0 < loss < 20 for loss in result["losses"]
+        )  # warm-up + timed
     assert "vs HF+PEFT" in out.with_suffix(".md").read_text()
 
 

@@ -181,3 +181,24 @@ def test_own_defaults_leave_the_optimizer_and_checkpointing_to_the_library():
         assert own["packing"] and own["per_device_train_batch_size"] == 1 and own["max_length"] == 4096
     default = SFTConfig(output_dir="/tmp/x", use_cpu=True, bf16=False)
     assert default.gradient_checkpointing  # what hf-defaults gets from TRL
+
+
+def test_the_loss_table_compares_fp16_and_fp8_runs_with_the_16_bit_run_on_the_same_shape():
+    from fastft.bench.sft_report import loss_table
+
+    def run(workload, shape, losses, system="fastft"):
+        return dict(system=system, shape=shape, workload=workload, tokens_per_s=1.0, losses=losses)
+
+    results = [
+        run("bf16", "short", [10.0, 9.0, 8.0]),
+        run("fp16", "short", [10.0, 9.09, 8.0]),
+        run("fp8", "short", [10.02, 9.0, 7.96]),
+        run("fp8", "documents", [10.0, 9.0]),  # no bf16 run on this shape: not compared
+        run("nf4-fp16", "short", [10.0]),  # no nf4 run: not compared
+        run("bf16", "short", [11.0, 9.0, 8.0], system="unsloth"),  # another system: not a reference
+    ]
+    table = loss_table(results)
+    assert "| fp16 | short | fastft | bf16 | 3 | 10.0000 / 10.0000 | 8.0000 / 8.0000 | 1.00 % |" in table
+    assert "| fp8 | short | fastft | bf16 | 3 | 10.0200 / 10.0000 | 7.9600 / 8.0000 | 0.50 % |" in table
+    assert "documents" not in table and "nf4-fp16" not in table and "unsloth" not in table
+    assert loss_table([run("bf16", "short", [1.0])]) is None
