@@ -78,7 +78,8 @@ class FP8Experts:
     """Mixed into an experts module's class when its stacked weights are made FP8 (`convert_to_fp8`): keeps
     the e4m3 weights and their fp32 ``<name>_scale`` buffers through ``model.to(dtype)``, and refuses
     transformers' own forward (which would read e4m3 values as weights) with what to do instead. fastft's
-    fused MoE forward reads them (`dense_experts`)."""
+    fused MoE forward dequantises them per call (`fastft.models.moe.expert_weights`, which cannot import this
+    module: this one imports it); `dense_experts` gives the same 16-bit stacks to export and the tests."""
 
     def _apply(self, fn, recurse=True):
         kept = {

@@ -55,7 +55,8 @@ def weight_bytes(inventory: ModelInventory, profile: Profile) -> tuple[int, int,
     ) + (weight_format.constant_bytes(stacks, stack_rows) if stacks else 0)
     kept = (biases + rest - stacks) * profile.param
     others = "embeddings, head, norms" + (", experts" if inventory.expert_params and not stacks else "")
-    note = f"{count_label(inventory.linear_params)} linear weights in {profile.quantized}, {count_label(biases + rest)} in 16-bit ({others})"
+    quantized_label = "linear weights" + (" and expert stacks" if stacks else "")
+    note = f"{count_label(inventory.linear_params + stacks)} {quantized_label} in {profile.quantized}, {count_label(biases + rest - stacks)} in 16-bit ({others})"
     return quantized + kept, constants, note
 
 
