@@ -626,9 +626,8 @@ def _padding_free_hook(state: PackedAttentionState, decoder: torch.nn.Module, ar
     sequence and no attention mask: ``DataCollatorWithFlattening``, TRL's ``padding_free`` / packing) run
     through the packed attention: the batch's boundaries are read once here, before the first layer
     (`PackedBatch.from_position_ids`), instead of transformers building a ``[T, T]`` mask from them.
-    A padded training batch (a 2-D attention mask) runs unpadded through it too
-    (`fastft.runtime.unpadding`). Anything else
-    (a KV cache, fastft's own packed steps) is left as it is."""
+    A padded training batch (a 2-D attention mask) runs unpadded through it too (`fastft.runtime.unpadding`).
+    Anything else (a KV cache, fastft's own packed steps) is left as it is."""
     if not args and takes_padded_batch(decoder, kwargs):
         unpadded = unpad(kwargs)
         if unpadded is None:

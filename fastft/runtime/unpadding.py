@@ -113,11 +113,11 @@ def repad(decoder: torch.nn.Module, args: tuple, kwargs: dict, output):
         return None
     index, rows, length = batch.artifact(_UNPADDED, lambda: None)
 
-    def repad(hidden: torch.Tensor) -> torch.Tensor:
+    def into_rows(hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.new_zeros(rows * length, hidden.shape[-1])
         return flat.index_copy(0, index, hidden.reshape(-1, hidden.shape[-1])).view(rows, length, -1)
 
-    output.last_hidden_state = repad(output.last_hidden_state)
+    output.last_hidden_state = into_rows(output.last_hidden_state)
     if getattr(output, "hidden_states", None) is not None:
-        output.hidden_states = tuple(repad(hidden) for hidden in output.hidden_states)
+        output.hidden_states = tuple(into_rows(hidden) for hidden in output.hidden_states)
     return output
