@@ -29,6 +29,7 @@ does, decided positions or not.
 from __future__ import annotations
 
 import html
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,12 +289,26 @@ def merged_reference(model, quantization: str):
     }
     clean.load_state_dict(state, strict=False, assign=True)
     clean.tie_weights()
+    live_buffers = dict(base.named_buffers())
     for name, module in list(clean.named_modules()):
-        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
-            # non-persistent buffers (RoPE's inverse frequencies) are not in a state dict: rebuild the module
+        if not any(buffer.is_meta for buffer in module.buffers(recurse=False)):
+            continue
+        # non-persistent buffers are not in a state dict: a RoPE module is rebuilt from the config (its
+        # inverse frequencies in fp32); any other (Gemma's embedding scale) takes the trained model's buffer
+        if "config" in inspect.signature(type(module)).parameters:
             fresh = type(module)(config=module.config if hasattr(module, "config") else config)
             parent_name, _, child = name.rpartition(".")
             setattr(clean.get_submodule(parent_name) if parent_name else clean, child, fresh)
+            continue
+        for buffer_name, buffer in list(module.named_buffers(recurse=False)):
+            full_name = f"{name}.{buffer_name}" if name else buffer_name
+            if buffer.is_meta and full_name in live_buffers:
+                module.register_buffer(
+                    buffer_name, live_buffers[full_name].detach().cpu().clone(), persistent=False
+                )
+    left = [name for name, b in clean.named_buffers() if b.is_meta]
+    if left:
+        raise RuntimeError(f"the merged reference lacks buffers for {left[:3]}")
     left = [name for name, p in clean.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"the merged reference lacks weights for {left[:3]}")

@@ -11,6 +11,9 @@ itself maintains. Three layouts differ from the Hugging Face checkpoint, as in l
 - Stacked experts (``experts.gate_up_proj`` [E, 2I, H]) are split into ``ffn_gate_exps`` and
   ``ffn_up_exps`` [E, I, H]; ``experts.down_proj`` [E, H, I] becomes ``ffn_down_exps``.
 - Llama-3 RoPE scaling becomes a ``rope_freqs`` tensor of per-frequency divisors.
+- Gemma 3's RMSNorm scales by ``1 + weight``; llama.cpp's by ``weight``, so every norm weight is written
+  plus one (in fp32). Which layers slide is written per layer (``sliding_window_pattern``), with the
+  sliding layers' own RoPE base.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Family:
     arch: str  # gguf.MODEL_ARCH member name
     rope_pairs: bool  # llama.cpp's "normal" RoPE (adjacent pairs): q/k rows are permuted
     moe: bool = False
+    norm_shift: float = 0.0  # added to every norm weight (Gemma's RMSNorm scales by 1 + weight)
 
 
 FAMILIES = {
@@ -47,6 +51,7 @@ FAMILIES = {
         Family("qwen2", "QWEN2", rope_pairs=False),
         Family("qwen3", "QWEN3", rope_pairs=False),
         Family("qwen3_moe", "QWEN3MOE", rope_pairs=False, moe=True),
+        Family("gemma3_text", "GEMMA3", rope_pairs=False, norm_shift=1.0),
     )
 }
 
@@ -81,7 +86,90 @@ def family_of(config) -> Family:
                 "GGUF export of qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step != 1): "
                 "llama.cpp's qwen3moe expects experts in every layer."
             )
+    if model_type == "gemma3_text":
+        _check_gemma3(config)
     return family
+
+
+def _check_gemma3(config) -> None:
+    """Refuse a Gemma 3 setting llama.cpp's gemma3 graph does not compute (`UnsupportedArchitectureError`)."""
+    refused = []
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        refused.append("attn_logit_softcapping (llama.cpp's gemma3 has none)")
+    if getattr(config, "use_bidirectional_attention", False):
+        refused.append("use_bidirectional_attention (an embedding model, llama.cpp's gemma-embedding)")
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if activation != "gelu_pytorch_tanh":
+        refused.append(f"hidden_activation={activation!r} (llama.cpp runs the tanh GELU)")
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    if scalar is not None and scalar != gemma3_query_scalar(config):
+        refused.append(
+            f"query_pre_attn_scalar={scalar} (llama.cpp scales queries by 1/sqrt({gemma3_query_scalar(config)}) "
+            f"for a {config.num_hidden_layers}-layer model)"
+        )
+    for kind, params in _gemma3_rope(config).items():
+        allowed = ("default", "linear") if kind == "full_attention" else ("default",)
+        if params.get("rope_type", "default") not in allowed:
+            refused.append(
+                f"{kind} RoPE {params.get('rope_type')!r} (llama.cpp's gemma3 runs {' or '.join(allowed)})"
+            )
+    if refused:
+        raise UnsupportedArchitectureError(
+            f"GGUF export of gemma3_text with {'; '.join(refused)}: the file would answer differently. Save the "
+            "merged model (fastft.save_merged) and convert it with llama.cpp's convert_hf_to_gguf.py."
+        )
+
+
+def gemma3_query_scalar(config) -> int:
+    """What llama.cpp divides Gemma 3's queries by the root of: the head size, except for the 62-layer model
+    (Gemma 3 27B), where it is hidden / heads (llama.cpp knows the model by its layer count)."""
+    if config.num_hidden_layers == 62:
+        return config.hidden_size // config.num_attention_heads
+    return head_dim(config)
+
+
+def _gemma3_rope(config) -> dict[str, dict]:
+    """Gemma 3's RoPE per layer kind: ``{"full_attention": {...}, "sliding_attention": {...}}`` (transformers
+    5 nests them in ``rope_parameters``; older versions give rope_theta, rope_local_base_freq, rope_scaling)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "full_attention" in params or "sliding_attention" in params:
+        return {kind: dict(params.get(kind) or {}) for kind in ("full_attention", "sliding_attention")}
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    full = dict(scaling, rope_theta=getattr(config, "rope_theta", 1_000_000.0))
+    full.setdefault("rope_type", scaling.get("type", "default"))
+    local = {"rope_theta": getattr(config, "rope_local_base_freq", 10_000.0), "rope_type": "default"}
+    return {"full_attention": full, "sliding_attention": local}
+
+
+def _gemma3_hyperparameters(config, arch: str) -> list[tuple[str, object, str]]:
+    """Gemma 3's keys beyond the common ones: both RoPE bases, the linear RoPE scaling of the full-attention
+    layers, the sliding window and which layers slide, the final logit soft-cap."""
+    rope = _gemma3_rope(config)
+    full, local = rope["full_attention"], rope["sliding_attention"]
+    items: list[tuple[str, object, str]] = [
+        (f"{arch}.rope.freq_base", float(full.get("rope_theta", 1_000_000.0)), "FLOAT32"),
+        (f"{arch}.rope.freq_base_swa", float(local.get("rope_theta", 10_000.0)), "FLOAT32"),
+    ]
+    if full.get("rope_type") == "linear":
+        items += [
+            (f"{arch}.rope.scaling.type", "linear", "STRING"),
+            (f"{arch}.rope.scaling.factor", float(full["factor"]), "FLOAT32"),
+        ]
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None)
+    if window and "sliding_attention" in layer_types:
+        items += [
+            (f"{arch}.attention.sliding_window", int(window), "UINT32"),
+            (
+                f"{arch}.attention.sliding_window_pattern",
+                [t == "sliding_attention" for t in layer_types],
+                "ARRAY",
+            ),
+        ]
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap:
+        items.append((f"{arch}.final_logit_softcapping", float(softcap), "FLOAT32"))
+    return items
 
 
 def head_dim(config) -> int:
@@ -156,6 +244,13 @@ def hyperparameters(config, family: Family) -> list[tuple[str, object, str]]:
         ]
         if family.model_type == "qwen3_moe":
             items.append((f"{arch}.expert_feed_forward_length", int(config.moe_intermediate_size), "UINT32"))
+    if family.arch == "GEMMA3":
+        replaced = dict(
+            (key, (key, value, kind)) for key, value, kind in _gemma3_hyperparameters(config, arch)
+        )
+        items = [replaced.pop(key, (key, value, kind)) for key, value, kind in items] + list(
+            replaced.values()
+        )
     window = getattr(config, "sliding_window", None)
     if family.arch == "LLAMA" and window and window < config.max_position_embeddings:
         warnings.warn(
@@ -214,6 +309,8 @@ def convert_tensor(
         yield layout[0][0], gate.contiguous()
         yield layout[1][0], up.contiguous()
         return
+    if family.norm_shift and key.endswith("norm.weight"):
+        value = value.float() + family.norm_shift
     if family.rope_pairs and key.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
         heads = config.num_attention_heads
         if key.endswith("k_proj.weight"):

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fastft.checks import SettingError, real_number, whole_number
+from fastft.models.stops import stop_token_ids
 from fastft.runtime.model_state import base_model
 
 _S, _U, _A, _U2, _T = (
@@ -324,15 +325,7 @@ def translate(tokenizer) -> tuple[str, Pieces]:
 
 def stop_tokens(model, tokenizer) -> list[str]:
     """The strings that end an answer: the tokenizer's EOS and every EOS id of the generation config."""
-    ids = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    base = base_model(model)
-    extra = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
-    for token_id in extra if isinstance(extra, (list, tuple)) else [extra]:
-        if token_id is not None and token_id not in ids:
-            ids.append(token_id)
-    return [tokenizer.convert_ids_to_tokens(int(i)) for i in ids]
+    return [tokenizer.convert_ids_to_tokens(i) for i in stop_token_ids(base_model(model), tokenizer)]
 
 
 def default_parameters(model) -> dict[str, object]:

@@ -10,6 +10,10 @@ counts), so a wrong value in the file changes its answers.
   softmax-then-renormalised weights.
 - ``qwen2``: the same with the "neox" RoPE (halves) and q/k/v biases.
 - ``qwen3`` / ``qwen3moe``: neox RoPE, per-head RMSNorm of q and k before RoPE, SwiGLU or top-k experts.
+- ``gemma3``: embeddings scaled by the root of their width, neox RoPE with the sliding layers' own base and
+  the full layers' linear scaling, per-head q/k RMSNorm, queries scaled as llama.cpp scales them (by the
+  layer count), sliding-window layers as the file's pattern says, norms after attention and MLP as well as
+  before, a tanh-GELU gated MLP, an optional final logit soft-cap.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 ROPE_PAIRS = {"llama"}  # llama.cpp's LLAMA_ROPE_TYPE_NORM; the rest here are NEOX
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 
 
 class GGUFReadError(ValueError):
@@ -68,8 +72,34 @@ class GGUFModel:
         self.experts = int(key("expert_count", 0) or 0)
         self.experts_used = int(key("expert_used_count", 0) or 0)
         self.rope_factors = self.tensors.get("rope_freqs.weight")
+        self.embedding = embedding
+        self.query_scale = 1 / math.sqrt(self.head_dim)
+        self.sliding = [False] * self.layers
+        self.window = 0
+        self.rope_base_swa = self.rope_base
+        self.rope_scale = 1.0  # positions are multiplied by it in the full-attention layers
+        self.softcap = 0.0
+        if arch == "gemma3":
+            self._gemma3_settings(key)
         for name in ("token_embd.weight", "output_norm.weight"):
             self._need(name)
+
+    def _gemma3_settings(self, key) -> None:
+        """llama.cpp's reading of a gemma3 file (``llama_model_gemma3::load_arch_hparams``)."""
+        self.window = int(key("attention.sliding_window", 0) or 0)
+        if self.window:
+            pattern = key("attention.sliding_window_pattern")
+            if isinstance(pattern, list):
+                self.sliding = [bool(p) for p in pattern]
+            else:  # a period: every n-th layer attends fully, the rest slide
+                period = int(pattern or 6)
+                self.sliding = [period == 0 or layer % period < period - 1 for layer in range(self.layers)]
+            self.rope_base_swa = float(key("rope.freq_base_swa", 10000.0))
+        if key("rope.scaling.type") == "linear":
+            self.rope_scale = 1.0 / float(key("rope.scaling.factor", 1.0))
+        self.softcap = float(key("final_logit_softcapping", 0.0) or 0.0)
+        if self.layers == 62:  # llama.cpp's Gemma 3 27B: queries scaled by 1/sqrt(hidden / heads)
+            self.query_scale = 1 / math.sqrt(self.embedding // self.heads)
 
     def _need(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
@@ -83,13 +113,15 @@ class GGUFModel:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated by position; pairs (2i, 2i+1) for llama, halves for neox."""
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by position; pairs (2i, 2i+1) for llama, halves for neox. A sliding
+        layer uses its own base and no scaling, as llama.cpp's ``get_rope_freq_base`` / ``_scale``."""
         half = self.rope_dim // 2
-        freqs = self.rope_base ** (-torch.arange(0, half, dtype=torch.float64) * 2 / self.rope_dim)
+        base, scale = (self.rope_base_swa, 1.0) if self.sliding[block] else (self.rope_base, self.rope_scale)
+        freqs = base ** (-torch.arange(0, half, dtype=torch.float64) * 2 / self.rope_dim)
         if self.rope_factors is not None:
             freqs = freqs / self.rope_factors.double()
-        angles = positions.double()[:, None] * freqs[None, :]  # [T, half]
+        angles = (positions.double() * scale)[:, None] * freqs[None, :]  # [T, half]
         cos, sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
         rotated, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
         if self.arch in ROPE_PAIRS:
@@ -116,11 +148,13 @@ class GGUFModel:
             q = self._norm(q, q_norm)
         if k_norm is not None:
             k = self._norm(k, k_norm)
-        q, k = self._rope(q, positions), self._rope(k, positions)
+        q, k = self._rope(q, positions, block), self._rope(k, positions, block)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.head_dim)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * self.query_scale
         causal = torch.ones(length, length, dtype=torch.bool).tril()
+        if self.sliding[block]:  # a query sees the keys less than `window` positions back
+            causal &= ~torch.ones(length, length, dtype=torch.bool).tril(-self.window)
         scores = scores.masked_fill(~causal, float("-inf"))
         out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(length, -1)
         return self._linear(out, p + "attn_output")
@@ -128,7 +162,9 @@ class GGUFModel:
     def _mlp(self, x: torch.Tensor, block: int) -> torch.Tensor:
         p = f"blk.{block}."
         if self._get(p + "ffn_gate_inp.weight") is None:
-            hidden = F.silu(self._linear(x, p + "ffn_gate")) * self._linear(x, p + "ffn_up")
+            gate = self._linear(x, p + "ffn_gate")
+            gate = F.gelu(gate, approximate="tanh") if self.arch == "gemma3" else F.silu(gate)
+            hidden = gate * self._linear(x, p + "ffn_up")
             return self._linear(hidden, p + "ffn_down")
         logits = x @ self.tensors[p + "ffn_gate_inp.weight"].T  # [T, E]
         weights, chosen = logits.softmax(-1).topk(self.experts_used, dim=-1)
@@ -149,14 +185,26 @@ class GGUFModel:
         """Next-token logits [T, vocab] (fp32) of one sequence of token ids."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         x = self.tensors["token_embd.weight"][ids]
+        if self.arch == "gemma3":
+            x = x * math.sqrt(self.embedding)
         positions = torch.arange(ids.shape[0])
         for block in range(self.layers):
             p = f"blk.{block}."
-            x = x + self._attention(self._norm(x, self._need(p + "attn_norm.weight")), block, positions)
-            x = x + self._mlp(self._norm(x, self._need(p + "ffn_norm.weight")), block)
+            attention = self._attention(self._norm(x, self._need(p + "attn_norm.weight")), block, positions)
+            x = x + self._post_norm(attention, p + "post_attention_norm.weight")
+            mlp = self._mlp(self._norm(x, self._need(p + "ffn_norm.weight")), block)
+            x = x + self._post_norm(mlp, p + "post_ffw_norm.weight")
         x = self._norm(x, self.tensors["output_norm.weight"])
         head = self.tensors.get("output.weight", self.tensors["token_embd.weight"])  # tied: the embedding
-        return x @ head.T
+        logits = x @ head.T
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def _post_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Gemma's norm after a sublayer, before the residual add (absent elsewhere: x unchanged)."""
+        weight = self._get(name)
+        return x if weight is None else self._norm(x, weight)
 
     def generate(self, ids: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
         """Greedy continuation of `ids` (the new tokens only), ending after a token in `stop`."""

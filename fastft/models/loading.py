@@ -37,7 +37,7 @@ from fastft.models.errors import (  # noqa: F401  (re-exported: `fastft.ModelLoa
     UnsupportedArchitectureError,
 )
 from fastft.models.lora import load_adapter
-from fastft.models.presets import PRESETS, build_preset_model, load_preset_tokenizer
+from fastft.models.presets import PRESETS, build_preset_model, load_preset_tokenizer, preset_eos_ids
 from fastft.models.remote_code import consent, from_pretrained
 
 # Function-local imports: imported after the environment they read is set (environment variables, offline mode).
@@ -242,7 +242,7 @@ def load_model(
             PRESETS[name],
             len(tokenizer),
             dtype,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=preset_eos_ids(name, tokenizer),
             pad_token_id=tokenizer.pad_token_id,
         )
         source = "preset"

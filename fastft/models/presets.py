@@ -1,10 +1,10 @@
 """Embedded tiny presets: real `transformers` architectures that need no download.
 
-Each preset is a config of a real architecture (Llama, Qwen3, Mistral, Qwen3-MoE, Mixtral, gpt-oss)
+Each preset is a config of a real architecture (Llama, Qwen3, Mistral, Gemma 3, Qwen3-MoE, Mixtral, gpt-oss)
 shrunk until it trains on two CPU cores, plus a byte-level BPE tokenizer trained on the bundled
 data (``assets/tokenizer.json``) with a ChatML chat template. A preset of a family whose chat format
 fastft carries (`FAMILY_CHATS`: tiny-qwen3 and tiny-moe have Qwen3's template with its thinking turns,
-tiny-llama3 Llama-3.1's, tiny-gpt-oss gpt-oss's harmony format) adds that family's special tokens after
+tiny-llama3 Llama-3.1's, tiny-gemma3 Gemma 3's turns, tiny-gpt-oss gpt-oss's harmony format) adds that family's special tokens after
 the shared vocabulary and takes its template, BOS, EOS and pad, so templates render and tokenize as with
 the real models. Weights are initialised from a fixed seed, so
 ``load_model("tiny-llama")`` gives the same model in every process.
@@ -51,8 +51,9 @@ CHATML_TEMPLATE = (
 class FamilyChat:
     """A model family's chat format on the preset tokenizer: the tokens it adds (`special`: never split nor
     skipped; `plain`: added, decoded like text, as Qwen3's ``<think>``), its EOS, its BOS (None: none; when
-    set, encoding prepends it, as Llama 3's tokenizer does), its pad (None: the shared ``<|endoftext|>``)
-    and its chat template."""
+    set, encoding prepends it, as Llama 3's tokenizer does), its pad (None: the shared ``<|endoftext|>``),
+    the further tokens its generation config stops at (`stops`: Gemma 3's ``<end_of_turn>``, where its
+    tokenizer's EOS is ``<eos>``) and its chat template."""
 
     template: str  # a name of fastft.data.chat_templates.TEMPLATES
     eos: str
@@ -60,6 +61,7 @@ class FamilyChat:
     plain: tuple[str, ...] = ()
     bos: str | None = None
     pad: str | None = None
+    stops: tuple[str, ...] = ()
 
 
 _LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
@@ -79,6 +81,16 @@ FAMILY_CHATS = {
         "gpt-oss",
         eos="<|return|>",
         special=("<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"),
+    ),
+    # Gemma 3 instruct: BOS <bos> prepended on encoding, the tokenizer's EOS <eos>, pad <pad>; a turn ends with
+    # <end_of_turn>, which its generation config stops at too (eos_token_id [<eos>, <end_of_turn>])
+    "gemma-3": FamilyChat(
+        "gemma-3",
+        eos="<eos>",
+        special=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
+        bos="<bos>",
+        pad="<pad>",
+        stops=("<end_of_turn>",),
     ),
 }
 
@@ -153,6 +165,22 @@ PRESETS: dict[str, Preset] = {
                 num_key_value_heads=1,
                 sliding_window=64,
             ),
+        ),
+        Preset(
+            "tiny-gemma3",
+            "gemma3_text",
+            "Gemma 3 architecture (norms before and after attention and MLP, per-head q/k RMSNorm, sliding "
+            "and full attention layers, tanh-GELU MLP, tied embeddings), 4 layers, hidden 128",
+            dict(
+                _ATTENTION,
+                hidden_size=128,
+                intermediate_size=344,
+                num_hidden_layers=4,
+                query_pre_attn_scalar=_ATTENTION["head_dim"],
+                sliding_window=64,
+                layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            ),
+            chat="gemma-3",
         ),
         Preset(
             "tiny-moe",
@@ -243,17 +271,28 @@ def load_preset_tokenizer(name: str | None = None) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def preset_eos_ids(name: str, tokenizer) -> int | list[int]:
+    """The EOS id(s) of preset `name`'s config and generation config: its tokenizer's EOS, and after it the
+    family's further stops (`FamilyChat.stops`), as the real model's ``generation_config.json`` lists them."""
+    family = PRESETS[name].chat
+    stops = FAMILY_CHATS[family].stops if family else ()
+    if not stops:
+        return tokenizer.eos_token_id
+    return [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list(stops))]
+
+
 def build_preset_model(
     preset: Preset,
     vocab_size: int,
     dtype: torch.dtype,
     warm_start: bool = True,
-    eos_token_id: int = 2,
+    eos_token_id: int | list[int] = 2,
     pad_token_id: int = 0,
 ) -> torch.nn.Module:
     """The preset's architecture with weights drawn from a fixed seed (global RNG left untouched),
     replaced by its shipped warm-start weights where it has them (see `fastft.training.warmstart`).
-    `eos_token_id`, `pad_token_id`: its tokenizer's (`load_preset_tokenizer(name)`)."""
+    `eos_token_id`, `pad_token_id`: its tokenizer's (`load_preset_tokenizer(name)`; `preset_eos_ids` adds
+    the family's further stops)."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GenerationConfig

@@ -21,6 +21,7 @@ from transformers import TextIteratorStreamer
 import fastft.weight_formats as weight_formats
 from fastft.export import GGUFCheckError, save_gguf, save_ollama
 from fastft.models.hf_save import save_adapter, save_merged
+from fastft.models.stops import stop_token_ids
 from fastft.studio.notices import Panel, button, code_html, code_section, error_html, field, row, status_html
 from fastft.studio.state import StudioState, Worker
 from fastft.training.evaluate import evaluate_accuracy
@@ -359,7 +360,7 @@ class ExportPanel(Panel):
                         max_new_tokens=max_new_tokens,
                         streamer=streamer,
                         pad_token_id=tokenizer.pad_token_id,
-                        eos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=stop_token_ids(model, tokenizer),
                         **sampling,
                     )
             except BaseException as error:  # noqa: BLE001 - re-raised on the reading side

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastft.data.skills import content_score, score
+from fastft.models.stops import stop_token_ids
 
 
 @dataclass
@@ -67,7 +68,7 @@ def generate_answers(
                 do_sample=False,
                 use_cache=True,
                 pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=stop_token_ids(model, tokenizer),
             )
             new_tokens = output[:, inputs["input_ids"].shape[1] :]
             answers += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)

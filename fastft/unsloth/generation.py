@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fastft.models.hf_save import save_adapter
+from fastft.models.stops import stop_token_ids
 from fastft.training.objectives.rollout import Sampling, sample
 
 # Function-local imports: peft imports bitsandbytes, which asks the hub for a kernel: peft loads first under
@@ -214,6 +215,7 @@ def _rollout(model, tokenizer, ids, params, max_new):
 
 def _hf_generate(model, tokenizer, ids, params, max_new):
     device = next(model.parameters()).device
+    stops = stop_token_ids(model, tokenizer)
     greedy = params.temperature == 0
     settings = (
         dict(do_sample=False)
@@ -240,7 +242,7 @@ def _hf_generate(model, tokenizer, ids, params, max_new):
                 num_return_sequences=params.n,
                 repetition_penalty=params.repetition_penalty,
                 pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=stops,
                 use_cache=True,
                 **settings,
             )[:, len(ids) :]
@@ -248,8 +250,9 @@ def _hf_generate(model, tokenizer, ids, params, max_new):
             model.train(was_training)
     completions, truncated = [], []
     for row in output.tolist():
-        if tokenizer.eos_token_id in row:
-            completions.append(row[: row.index(tokenizer.eos_token_id) + 1])
+        end = next((i for i, token in enumerate(row) if token in stops), None)
+        if end is not None:
+            completions.append(row[: end + 1])
             truncated.append(False)
         else:
             completions.append(row)

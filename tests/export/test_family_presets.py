@@ -1,5 +1,5 @@
 """The presets of the families Unsloth's notebooks use (tiny-llama3: Llama-3.1, tiny-qwen3 and tiny-moe:
-Qwen3, tiny-gpt-oss: gpt-oss's harmony format): each renders a chat exactly as the family's own template
+Qwen3, tiny-gemma3: Gemma 3, tiny-gpt-oss: gpt-oss's harmony format): each renders a chat exactly as the family's own template
 (expected texts written out from the models' ``tokenizer_config.json``), trains a step, and exports to GGUF
 and Ollama with its chat template translated (each translation rendered against the Jinja template)."""
 
@@ -34,14 +34,17 @@ EXPECTED = {
     "2+2?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n4<|eot_id|>",
     "tiny-qwen3": _QWEN3,
     "tiny-moe": _QWEN3,
+    "tiny-gemma3": "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+    "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n",
     "tiny-gpt-oss": "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
     "Knowledge cutoff: 2024-06\nCurrent date: DATE\n\nReasoning: medium\n\n# Valid channels: analysis, "
     "commentary, final. Channel must be included for every message.<|end|><|start|>user<|message|>Hi<|end|>"
     "<|start|>assistant<|channel|>final<|message|>Hello<|end|><|start|>user<|message|>2+2?<|end|>"
     "<|start|>assistant<|channel|>final<|message|>4<|return|>",
 }
-# the tokens each family's tokenizer holds as one id, its EOS (what generation stops on) and its pad
+# the tokens each family's tokenizer holds as one id, its EOS and its pad
 TOKENS = {
+    "tiny-gemma3": (["<bos>", "<start_of_turn>", "<end_of_turn>", "<eos>", "<pad>"], "<eos>", "<pad>"),
     "tiny-llama3": (
         ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
         "<|eot_id|>",
@@ -65,7 +68,13 @@ def test_family_preset_renders_its_family_template_and_trains_a_step(name):
     specials, eos, pad = TOKENS[name]
     for token in specials:
         assert len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1, token
-    assert tokenizer.eos_token == eos and model.generation_config.eos_token_id == tokenizer.eos_token_id
+    # generation stops at the EOS, and at Gemma 3's end of turn as its generation config says
+    stops = [
+        tokenizer.eos_token_id,
+        *tokenizer.convert_tokens_to_ids(["<end_of_turn>"] * (name == "tiny-gemma3")),
+    ]
+    assert tokenizer.eos_token == eos
+    assert model.generation_config.eos_token_id == (stops if len(stops) > 1 else stops[0])
     assert model.config.pad_token_id == tokenizer.pad_token_id and (pad is None or tokenizer.pad_token == pad)
     # the reply and its end-of-turn marker are what is trained
     encoded = tokenizer.apply_chat_template(CHAT, return_dict=True, return_assistant_tokens_mask=True)
@@ -80,10 +89,11 @@ def test_family_preset_renders_its_family_template_and_trains_a_step(name):
     assert result.final_loss is not None and 0 < result.final_loss < 20
 
 
-def test_llama3_tokenizer_prepends_its_bos_as_llama_3s_does():
-    tokenizer = load_preset_tokenizer("tiny-llama3")
+@pytest.mark.parametrize("name, bos", [("tiny-llama3", "<|begin_of_text|>"), ("tiny-gemma3", "<bos>")])
+def test_family_tokenizer_prepends_its_bos_as_the_familys_does(name, bos):
+    tokenizer = load_preset_tokenizer(name)
     ids = tokenizer("Hi")["input_ids"]
-    assert ids[0] == tokenizer.bos_token_id == tokenizer.convert_tokens_to_ids("<|begin_of_text|>")
+    assert ids[0] == tokenizer.bos_token_id == tokenizer.convert_tokens_to_ids(bos)
     assert tokenizer("Hi", add_special_tokens=False)["input_ids"] == ids[1:]
 
 
@@ -224,7 +234,9 @@ FUNCTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", list(EXPECTED))
+# Gemma 3's template opens the first user turn with the system message, which has no faithful Go template
+# (the export test below: the Modelfile says so)
+@pytest.mark.parametrize("name", [name for name in EXPECTED if name != "tiny-gemma3"])
 def test_family_template_translates_to_ollama_and_renders_as_the_jinja(name):
     tokenizer = load_preset_tokenizer(name)
     template, pieces = translate(tokenizer)
@@ -264,20 +276,30 @@ def test_family_template_translates_to_ollama_and_renders_as_the_jinja(name):
         assert snippet in template
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3"])  # Qwen3's: tests/export/test_gguf.py (tiny-qwen3, tiny-moe)
+# Qwen3's: tests/export/test_gguf.py (tiny-qwen3, tiny-moe)
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-gemma3"])
 def test_family_preset_exports_to_gguf_and_ollama(name, tmp_path):
     model, tokenizer = fastft.load_model(name, max_seq_length=128)
     prompts = [[{"role": "user", "content": "Reverse the letters of 'lemon'."}]]
-    result = save_ollama(model, tmp_path / "ollama", tokenizer, "bf16", prompts=prompts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = save_ollama(model, tmp_path / "ollama", tokenizer, "bf16", prompts=prompts)
     assert result.check.passed, result.check.table()
     text = result.modelfile.read_text()
-    assert f'TEMPLATE """{translate(tokenizer)[0]}"""' in text
+    if (
+        name == "tiny-gemma3"
+    ):  # no Go template (see above): the Modelfile says what to do, the GGUF keeps Jinja's
+        assert "# fastft could not translate the chat template" in text
+        assert any("could not translate the chat template" in str(w.message) for w in caught)
+        assert 'PARAMETER stop "<end_of_turn>"' in text  # its generation config's stop
+    else:
+        assert f'TEMPLATE """{translate(tokenizer)[0]}"""' in text
     assert f'PARAMETER stop "{tokenizer.eos_token}"' in text
     meta = read_metadata(result.path)
     assert meta["tokenizer.chat_template"] == tokenizer.chat_template
     assert meta["tokenizer.ggml.eos_token_id"] == tokenizer.eos_token_id
     assert meta["tokenizer.ggml.pad_token_id"] == tokenizer.pad_token_id
-    assert meta["tokenizer.ggml.add_bos_token"] == (name == "tiny-llama3")  # Llama 3 prepends its BOS
+    assert meta["tokenizer.ggml.add_bos_token"]  # both families prepend their BOS
 
 
 def test_a_template_without_translation_still_exports_and_the_modelfile_says_what_to_do(tmp_path):

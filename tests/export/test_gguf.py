@@ -5,6 +5,7 @@ against the merged model; broken exports (a wrong EOS id, a dropped chat templat
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 
 import gguf
@@ -108,6 +109,58 @@ def test_reference_forward_equals_transformers_on_an_untrained_preset_in_f32(tmp
             want = model(ids[None]).logits[0]
         got = GGUFModel(path).logits(ids)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _gemma3(**overrides):
+    """tiny-gemma3's architecture with random norm weights (Gemma scales by 1 + weight: the file's norms are
+    shifted by one), an 8-token sliding window and Gemma 3 4B's linear RoPE scaling on the full layers."""
+    from transformers import AutoModelForCausalLM
+
+    from fastft.models.presets import PRESETS, load_preset_tokenizer
+
+    tokenizer = load_preset_tokenizer("tiny-gemma3")
+    config = PRESETS["tiny-gemma3"].make_config(len(tokenizer))
+    config.sliding_window = 8
+    config.rope_parameters = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(0, 0.3)
+    return model, tokenizer
+
+
+def test_gemma3_file_computes_what_transformers_does_in_f32(tmp_path):
+    """Sliding and full layers (a window shorter than the sequence), both RoPE bases, the linear scaling,
+    the four norms per layer with their +1, the scaled embeddings, q/k norms, the tanh GELU and a soft-cap."""
+    model, tokenizer = _gemma3(final_logit_softcapping=30.0)
+    path = write_gguf(model, tmp_path / "gemma3.gguf", tokenizer, "f32").path
+    meta = read_metadata(path)
+    assert meta["general.architecture"] == "gemma3"
+    assert meta["gemma3.attention.sliding_window_pattern"] == [True, True, True, False]
+    assert meta["gemma3.rope.freq_base_swa"] == 10_000.0 and meta["gemma3.rope.scaling.factor"] == 8.0
+    ids = torch.randint(3, 500, (37,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]
+    torch.testing.assert_close(GGUFModel(path).logits(ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma3_settings_llama_cpp_computes_otherwise_are_refused(tmp_path):
+    for overrides, named in (
+        ({"query_pre_attn_scalar": 256}, "query_pre_attn_scalar=256"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ):
+        model, tokenizer = _gemma3(**overrides)
+        with pytest.raises(UnsupportedArchitectureError, match=re.escape(named)):
+            write_gguf(model, tmp_path / "g.gguf", tokenizer, "f32")
+        assert not (tmp_path / "g.gguf").exists()
 
 
 def test_q8_0_of_untrained_near_uniform_presets_passes_and_a_corrupted_file_fails(tmp_path):

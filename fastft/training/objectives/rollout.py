@@ -28,6 +28,7 @@ import torch
 from fastft.data.batch import PackedBatch
 from fastft.data.packing import best_fit_decreasing
 from fastft.data.tokenize import IGNORE_INDEX
+from fastft.models.stops import stop_token_ids
 from fastft.training.objectives.decode import StaticDecoder, supports
 
 
@@ -125,12 +126,7 @@ def static_decoding(model, asked: bool | None) -> bool:
 
 def stop_ids(model, tokenizer) -> set[int]:
     """Every token id that ends a completion: the tokenizer's EOS and the generation config's."""
-    ids = set()
-    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value is not None:
-            ids.update(int(v) for v in value)
+    ids = set(stop_token_ids(model, tokenizer))
     if not ids:
         raise ValueError(
             "The tokenizer has no EOS token, so no completion could stop: set tokenizer.eos_token."
