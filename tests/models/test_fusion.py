@@ -41,7 +41,9 @@ GEMMA3 = (
     False,
     0,
     (),
-    (f"the gemma3_text architecture: it trains on transformers' own modules (fused kernels cover {COVERED})",),
+    (
+        f"the gemma3_text architecture: it trains on transformers' own modules (fused kernels cover {COVERED})",
+    ),
 )
 
 # name: (scope, activation, moe, experts, fused, not_fused)
