@@ -2,8 +2,14 @@
 merges, the special token ids and the chat template.
 
 A byte-level BPE tokenizer (GPT-2 style: Llama 3, Qwen, the presets) is written as llama.cpp's ``gpt2`` model
-with its merges; a SentencePiece-style BPE with byte fallback (Llama 2, Mistral) goes through the `gguf`
-package's ``LlamaHfVocab`` as the ``llama`` model with scores. Merges and the chat template are read by the
+with its merges; a SentencePiece-style BPE with byte fallback (Llama 2, Mistral, Gemma) goes through the `gguf`
+package's ``LlamaHfVocab`` as the ``llama`` model. llama.cpp tokenizes such a model by merging, at each step,
+the adjacent pair whose joined piece has the highest score, where the Hugging Face BPE merges the pair of
+lowest merge rank: each piece's score is minus the rank of the merge that makes it (``LlamaHfVocab`` gives every
+piece -1000, and llama.cpp then merges left to right, another tokenization). Whether a space is put before the
+text (``add_space_prefix``) follows the tokenizer: Llama 2's ``Prepend`` normaliser and Mistral's ``Metaspace``
+do, Gemma's tokenizer does not. (A text that already starts with a space differs: ``Metaspace`` then adds none,
+llama.cpp one.) Merges and the chat template are read by the
 `gguf` package's ``SpecialVocab`` from the tokenizer as it saves itself; the special ids come from the
 tokenizer object, the one the model was trained with.
 """
@@ -38,6 +44,7 @@ class Vocab:
     special_ids: dict[str, int] = field(default_factory=dict)  # bos, eos, pad, unk
     add_bos: bool = False
     add_eos: bool = False
+    add_space_prefix: bool | None = None  # the llama model's; None: not written (gpt2)
     chat_template: str | None = None
 
     def entries(self) -> list[tuple[str, object, str]]:
@@ -59,6 +66,8 @@ class Vocab:
             ("tokenizer.ggml.add_bos_token", self.add_bos, "BOOL"),
             ("tokenizer.ggml.add_eos_token", self.add_eos, "BOOL"),
         ]
+        if self.add_space_prefix is not None:
+            items.append(("tokenizer.ggml.add_space_prefix", self.add_space_prefix, "BOOL"))
         if self.chat_template:
             items.append(("tokenizer.chat_template", self.chat_template, "STRING"))
         return items
@@ -96,10 +105,11 @@ def build_vocab(tokenizer, vocab_size: int, model_type: str) -> Vocab:
             model, pre = "gpt2", _pre_tokenizer_name(spec, model_type, len(tokenizer))
         else:
             hf_vocab = gguf.LlamaHfVocab(Path(folder))
+            ranks = _merge_ranks(spec["model"].get("merges") or [])
             tokens, scores, types = [], [], []
-            for text, score, token_type in hf_vocab.all_tokens():
+            for text, _, token_type in hf_vocab.all_tokens():
                 tokens.append(text.decode("utf-8") if isinstance(text, bytes) else text)
-                scores.append(float(score))
+                scores.append(-float(ranks.get(tokens[-1], 0)))
                 types.append(int(token_type))
             for i in range(len(tokens), vocab_size):
                 tokens.append(f"[PAD{i}]")
@@ -118,6 +128,7 @@ def build_vocab(tokenizer, vocab_size: int, model_type: str) -> Vocab:
     if isinstance(template, dict):  # several named templates: llama.cpp reads the default one
         template = template.get("default") or next(iter(template.values()))
     return Vocab(
+        add_space_prefix=None if byte_level else _adds_space_prefix(spec),
         model=model,
         pre=pre,
         tokens=tokens,
@@ -129,6 +140,37 @@ def build_vocab(tokenizer, vocab_size: int, model_type: str) -> Vocab:
         add_eos=add_eos,
         chat_template=template,
     )
+
+
+def _merge_ranks(merges: list) -> dict[str, int]:
+    """Each piece a merge makes, with the 1-based rank of the first merge that makes it (merges are "a b"
+    strings or [a, b] pairs)."""
+    ranks: dict[str, int] = {}
+    for rank, merge in enumerate(merges, start=1):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        ranks.setdefault(left + right, rank)
+    return ranks
+
+
+def _adds_space_prefix(spec: dict) -> bool:
+    """Whether the tokenizer puts "▁" before a text: a ``Prepend`` normaliser (Llama 2) or a ``Metaspace``
+    pre-tokenizer that prepends (Mistral); Gemma's has neither."""
+
+    def parts(part, key):
+        if not part:
+            return []
+        return [part, *[p for child in part.get(key, []) or [] for p in parts(child, key)]]
+
+    for normalizer in parts(spec.get("normalizer"), "normalizers"):
+        if normalizer.get("type") == "Prepend" and normalizer.get("prepend") == "\u2581":
+            return True
+    for pre in parts(spec.get("pre_tokenizer"), "pretokenizers"):
+        if pre.get("type") == "Metaspace":
+            return (
+                pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
+                != "never"
+            )
+    return False
 
 
 def _byte_level_tokens(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
@@ -166,7 +208,7 @@ def _pre_tokenizer_name(spec: dict, model_type: str, size: int) -> str:
     the cases fastft sees)."""
     pre = spec.get("pre_tokenizer") or {}
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt2"  # ByteLevel's own split is GPT-2's regex
+        return "gpt-2"  # ByteLevel's own split is GPT-2's regex (llama.cpp's name: "gpt-2", not "gpt2")
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         return "qwen2"
     if model_type in ("llama", "mistral", "mixtral") and size >= 128000:

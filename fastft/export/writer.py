@@ -15,7 +15,9 @@ the tensors need is checked before the first is written.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import importlib.util
 import os
 import re
 import shutil
@@ -99,6 +101,15 @@ def normalise_quantization(quantization: str) -> str:
 def llama_quantize_path() -> str | None:
     """llama.cpp's ``llama-quantize`` (or the older ``quantize``) on PATH, or None."""
     return shutil.which("llama-quantize") or shutil.which("llama.cpp-quantize")
+
+
+def k_quantizer() -> str | None:
+    """What makes llama.cpp's K-quants here: the path of ``llama-quantize`` on PATH, else ``"llama-cpp-python"``
+    where that package is installed (its binding of the same function), else None."""
+    tool = llama_quantize_path()
+    if tool is not None:
+        return tool
+    return "llama-cpp-python" if importlib.util.find_spec("llama_cpp") is not None else None
 
 
 def _ggml_type(name: str):
@@ -280,20 +291,35 @@ def write_gguf(
 
 
 def require_llama_quantize(quantization: str) -> str:
-    """The path of llama-quantize, or `GGUFExportError` saying how to get it (K-quants need it)."""
-    tool = llama_quantize_path()
+    """The K-quantizer (`k_quantizer`), or `GGUFExportError` saying how to get one."""
+    tool = k_quantizer()
     if tool is None:
         raise GGUFExportError(
             f"quantization {quantization!r} is one of llama.cpp's K-quants, made by its llama-quantize tool, "
             "which is not on PATH. Install llama.cpp (its build puts llama-quantize in build/bin) and add it to "
-            f"PATH, or choose a quantization fastft writes itself: {', '.join(QUANTIZATIONS)}."
+            "PATH, or `pip install llama-cpp-python` (fastft then quantizes through its binding), or choose a "
+            f"quantization fastft writes itself: {', '.join(QUANTIZATIONS)}."
         )
     return tool
 
 
 def quantize_with_llama_cpp(source: Path, destination: Path, quantization: str) -> None:
-    """Run llama.cpp's llama-quantize to make a K-quant from a 16-bit GGUF file."""
+    """Run llama.cpp's llama-quantize (or llama-cpp-python's binding of it) to make a K-quant from a 16-bit
+    GGUF file."""
     tool = require_llama_quantize(quantization)
+    if tool == "llama-cpp-python":
+        import llama_cpp  # optional: loads llama.cpp's shared library
+
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{K_QUANTS[quantization]}")
+        code = llama_cpp.llama_model_quantize(
+            str(source).encode(), str(destination).encode(), ctypes.byref(params)
+        )
+        if code != 0:
+            raise GGUFExportError(
+                f"llama-cpp-python's llama_model_quantize failed ({code}) making {quantization}"
+            )
+        return
     result = subprocess.run(
         [tool, str(source), str(destination), K_QUANTS[quantization]],
         capture_output=True,

@@ -18,7 +18,7 @@ import torch
 from fastft.atomic import written_by_fastft
 from fastft.export import save_gguf, save_ollama
 from fastft.export.ollama import modelfile
-from fastft.export.writer import K_QUANTS, GGUFExportError, llama_quantize_path
+from fastft.export.writer import K_QUANTS, GGUFExportError, k_quantizer
 from fastft.models.hf_save import save_adapter, save_merged
 
 # Unsloth's quantization_method names → fastft's
@@ -145,12 +145,13 @@ def save_pretrained_gguf(
         raise ValueError(f"quantization_method {unknown[0]!r}: choose one of {', '.join(GGUF_METHODS)}.")
     names = [GGUF_METHODS[str(m).lower()] for m in methods]
     k_quants = [name for name in names if name in K_QUANTS]
-    if k_quants and llama_quantize_path() is None:
+    if k_quants and k_quantizer() is None:
         nearest = "q4_0" if k_quants[0].startswith(("q2", "q3", "q4")) else "q8_0"
         raise GGUFExportError(
             f"quantization_method={k_quants[0]!r} is a llama.cpp K-quant, made by its llama-quantize tool, which "
             "is not on PATH. Fix: install llama.cpp (a release from github.com/ggml-org/llama.cpp, `brew install "
-            "llama.cpp`, or build it: llama-quantize lands in build/bin) and put llama-quantize on PATH; or pass "
+            "llama.cpp`, or build it: llama-quantize lands in build/bin) and put llama-quantize on PATH, or "
+            "`pip install llama-cpp-python`; or pass "
             f"quantization_method={nearest!r}, the nearest type fastft writes itself."
         )
     folder = Path(save_directory).expanduser()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import html
 import json
-import shutil
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import fastft
 from fastft import FastLanguageModel
 from fastft.cli import main
 from fastft.export.reference import read_metadata
+from fastft.export.writer import k_quantizer
 from fastft.unsloth.saving import HubUploadError
 
 
@@ -98,7 +98,7 @@ def test_studio_export_tab_writes_gguf_and_ollama_with_progress_and_the_table(tm
     panel.gguf_button.click()
     assert panel.wait(900)
     status = html.unescape(panel.status.value)
-    if shutil.which("llama-quantize") is None:  # the K-quant is refused with the way to get it
+    if k_quantizer() is None:  # the K-quant is refused with the way to get it
         assert "llama-quantize tool, which is not on PATH" in status and not (tmp_path / "ollama").exists()
     else:
         assert "check passed" in status and (tmp_path / "ollama" / "Modelfile").is_file()

@@ -224,17 +224,30 @@ def test_ollama_folder_has_a_verified_template_stop_tokens_and_parameters(traine
     assert result.path.is_file() and result.check.passed
 
 
-def test_gpt_oss_and_unknown_quantizations_raise_clear_errors(tmp_path):
+def test_gpt_oss_and_unknown_quantizations_raise_clear_errors(tmp_path, monkeypatch):
     model, tokenizer = fastft.load_model("tiny-gpt-oss")
     with pytest.raises(UnsupportedArchitectureError, match="gpt-oss"):
         save_gguf(model, tmp_path / "g.gguf", tokenizer, "bf16")
     llama, tokenizer = fastft.load_model("tiny-llama")
     with pytest.raises(GGUFExportError, match="unknown GGUF quantization 'q7'"):
         save_gguf(llama, tmp_path / "g.gguf", tokenizer, "q7")
-    if shutil.which("llama-quantize") is None:
-        with pytest.raises(GGUFExportError, match="llama-quantize tool, which is not on PATH"):
-            save_gguf(llama, tmp_path / "g.gguf", tokenizer, "q4_k_m")
+    monkeypatch.setattr("fastft.export.writer.k_quantizer", lambda: None)  # neither llama.cpp nor its binding
+    with pytest.raises(GGUFExportError, match="llama-quantize tool, which is not on PATH.*llama-cpp-python"):
+        save_gguf(llama, tmp_path / "g.gguf", tokenizer, "q4_k_m")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_k_quants_come_from_llama_cpp_and_pass_the_check(tmp_path):
+    """q4_k_m (the Unsloth notebooks' default) through llama-quantize or llama-cpp-python's binding."""
+    from fastft.export.writer import k_quantizer
+
+    if k_quantizer() is None:
+        pytest.skip("neither llama-quantize on PATH nor llama-cpp-python installed")
+    model, tokenizer = fastft.load_model("tiny-llama")
+    result = save_gguf(model, tmp_path / "m.gguf", tokenizer, "q4_k_m", prompts=default_prompts(2))
+    assert result.check.passed, result.check.table()
+    assert read_metadata(result.path)["general.file_type"] == 15  # llama.cpp's MOSTLY_Q4_K_M
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
 
 
 def test_a_file_fastft_did_not_write_is_not_replaced(tmp_path):

@@ -137,6 +137,8 @@ def test_save_pretrained_gguf_twice_keeps_both_files_and_a_merged_model_beside(t
     assert (folder / "model.safetensors").read_bytes() == weights  # the merged model saved first is kept
     assert "./model.F16.gguf" in (folder / "Modelfile").read_text()
     monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))  # no llama-quantize
+    for where in ("fastft.unsloth.saving", "fastft.export.writer"):  # nor llama-cpp-python's binding
+        monkeypatch.setattr(f"{where}.k_quantizer", lambda: None)
     before = sorted(p.name for p in folder.iterdir())
     with pytest.raises(GGUFExportError, match="quantization_method='q4_0', the nearest type fastft writes"):
         model.save_pretrained_gguf(folder, tokenizer, quantization_method="q4_k_m")
