@@ -58,6 +58,15 @@ def test_preset_loads_offline_and_trains_with_lora(name):
     assert all(not p.requires_grad and p.grad is None for p in frozen)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-gemma3", "tiny-mistral"])
+def test_preset_config_names_its_tokenizers_bos(name):
+    # the architecture's default (Llama 1, Gemma 3 2) named another token of the preset vocabulary: TRL's
+    # trainer "aligned" it at train time and a model saved without training kept the wrong id
+    model, tokenizer = load_model(name)
+    assert model.config.bos_token_id == model.generation_config.bos_token_id == tokenizer.bos_token_id
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+
+
 def test_preset_weights_are_the_same_in_every_load():
     a, _ = load_model("tiny-qwen3")
     b, _ = load_model("tiny-qwen3")
