@@ -46,6 +46,11 @@ def test_preset_loads_offline_and_trains_with_lora(name):
     family = FAMILY_CHATS[PRESETS[name].chat] if PRESETS[name].chat else None
     assert tokenizer.eos_token == (family.eos if family else "<|im_end|>") and tokenizer.chat_template
     assert len(tokenizer) == PRESETS[name].vocab_size == model.config.vocab_size
+    # the config names the tokenizer's BOS / EOS / pad (else transformers' Trainer rewrites it at train time)
+    for kind in ("bos", "eos", "pad"):
+        expected = getattr(tokenizer, f"{kind}_token_id")
+        assert getattr(model.config, f"{kind}_token_id") == expected, kind
+        assert getattr(model.generation_config, f"{kind}_token_id") == expected, kind
     model = add_lora(model, r=4, alpha=8)
     ids = _ids(tokenizer)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
