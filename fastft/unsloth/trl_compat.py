@@ -28,13 +28,17 @@ Configs (`transformers.TrainingArguments` and TRL's ``*Config``):
   ``repetition_penalty`` and ``temperature`` from a `fastft.unsloth.SamplingParams`, and ``use_vllm=True``
   becomes False with a warning (fastft has no vLLM; TRL generates through transformers).
 
-``from trl import ORPOConfig, ORPOTrainer`` works again (they live in ``trl.experimental.orpo`` in TRL 1.x).
+``from trl import ORPOConfig, ORPOTrainer`` works again (they live in ``trl.experimental.orpo`` in TRL 1.x), and
+so does ``from trl import PPOConfig, PPOTrainer`` (Unsloth's PPO notebook, written for TRL 0.22): from
+``trl.experimental.ppo`` where the installed TRL has it; where TRL has removed PPO altogether, the names exist and
+using either raises an error saying so and naming the ways on (GRPO with the reward model, or a TRL with PPO).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import warnings
 
@@ -80,18 +84,10 @@ def adapt_trl() -> list[str]:
         return list(_adapted)
     import trl
 
-    try:
-        with (
-            warnings.catch_warnings()
-        ):  # "trl.experimental is unstable": the user asked for `trl.ORPOTrainer`
-            warnings.simplefilter("ignore")
-            from trl.experimental import orpo
-
-        for name in ("ORPOConfig", "ORPOTrainer"):
-            if not hasattr(trl, name) or getattr(trl, name) is getattr(orpo, name):
-                setattr(trl, name, getattr(orpo, name))
-    except ImportError:  # an older TRL that still has them at the top level, or none at all
-        pass
+    _from_experimental(trl, "orpo", ("ORPOConfig", "ORPOTrainer"))
+    if not _from_experimental(trl, "ppo", ("PPOConfig", "PPOTrainer")):
+        for name in ("PPOConfig", "PPOTrainer"):
+            setattr(trl, name, _removed_from_trl(name, trl.__version__))
     configs = [transformers.TrainingArguments]
     for trainer_name, config_name in _TRAINERS.items():
         trainer, config = getattr(trl, trainer_name, None), getattr(trl, config_name, None)
@@ -105,6 +101,39 @@ def adapt_trl() -> list[str]:
             _adapted.append(config.__name__)
     print(_NOTICE)
     return list(_adapted)
+
+
+def _from_experimental(trl, module: str, names: tuple[str, ...]) -> bool:
+    """Give `trl` the top-level `names` TRL 1.x moved into ``trl.experimental.<module>``. False where the
+    installed TRL has them in neither place."""
+    if all(hasattr(trl, name) for name in names):
+        return True  # an older TRL that still has them at the top level
+    try:
+        with warnings.catch_warnings():  # "trl.experimental is unstable": the user asked for `trl.<name>`
+            warnings.simplefilter("ignore")
+            moved = importlib.import_module(f"trl.experimental.{module}")
+    except ImportError:
+        return False
+    for name in names:
+        setattr(trl, name, getattr(moved, name))
+    return True
+
+
+def _removed_from_trl(name: str, version: str) -> type:
+    """A stand-in for `trl.<name>`, which the installed TRL no longer has: ``from trl import <name>`` works (the
+    notebook's import line), and using it raises the reason and the ways on."""
+    message = (
+        f"trl.{name}: TRL {version} has no PPO (TRL moved PPOTrainer / PPOConfig to trl.experimental.ppo, then "
+        "removed them), so this PPO code cannot run here; Unsloth's PPO notebook pins trl==0.22.2. fastft trains "
+        "with TRL 1.x, whose GRPOTrainer takes a sequence-classification reward model as a reward function: "
+        "GRPOTrainer(model=model, reward_funcs=reward_model, args=GRPOConfig(...), train_dataset=prompts). To run "
+        "PPO itself, use a TRL that still has it, in an environment of its own."
+    )
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(message)
+
+    return type(name, (), {"__init__": refuse, "__doc__": message, "__module__": "trl"})
 
 
 def is_adapted(cls) -> bool:

@@ -113,6 +113,38 @@ def test_importing_fastft_unsloth_adapts_trl_in_place_once():
     assert lines[-1] == "0.1"
 
 
+def _trl_has_ppo() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) for m in ("trl.trainer.ppo_trainer", "trl.experimental.ppo"))
+
+
+@pytest.mark.skipif(_trl_has_ppo(), reason="this TRL has PPO: the import gives TRL's own classes")
+def test_ppo_notebook_import_runs_and_using_the_removed_ppo_says_why_and_the_ways_on():
+    """Unsloth's PPO notebook (written for TRL 0.22) runs ``from trl import PPOConfig, PPOTrainer`` then builds
+    them; TRL 1.x has removed PPO, so the import line works after ``import fastft.unsloth`` and building either
+    raises the reason and the ways on instead of a bare ImportError."""
+    out = _run(
+        "import trl\n"
+        "try:\n"
+        "    from trl import PPOConfig\n"
+        "except ImportError:\n"
+        "    print('bare import error')\n"
+        "import fastft.unsloth\n"
+        "from trl import PPOConfig, PPOTrainer\n"
+        "for cls, kwargs in ((PPOConfig, dict(learning_rate=1e-4, output_dir='x')), (PPOTrainer, dict(args=None))):\n"
+        "    try:\n"
+        "        cls(**kwargs)\n"
+        "    except NotImplementedError as error:\n"
+        "        text = str(error)\n"
+        "        print(cls.__name__, f'trl.{cls.__name__}' in text, 'GRPOTrainer(' in text, 'reward_funcs=' in text,\n"
+        "              'trl==0.22.2' in text)\n"
+    )
+    lines = out.strip().splitlines()
+    assert lines[0] == "bare import error"  # TRL's own ImportError, without fastft.unsloth
+    assert lines[-2:] == ["PPOConfig True True True True", "PPOTrainer True True True True"]
+
+
 def test_configs_take_the_removed_arguments_with_their_meaning():
     from transformers import TrainingArguments
     from trl import DPOConfig, GRPOConfig, SFTConfig
