@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from fastft import weight_formats
 from fastft.atomic import written_by_fastft
 from fastft.export import save_gguf, save_ollama
 from fastft.export.ollama import modelfile
@@ -67,14 +68,13 @@ def save_pretrained_merged(
     if save_method == "lora":
         return save_adapter(model, save_directory, tokenizer, overwrite=overwrite)
     if save_method == "merged_16bit":
-        from fastft.runtime.model_state import is_quantised
-
         dtype = torch.float16 if getattr(model, "dtype", None) == torch.float16 else torch.bfloat16
-        if is_quantised(model):
+        base_format = weight_formats.of_model(model)
+        if base_format.quantized and base_format.merge != "refuse":  # an 8-bit base: save_merged refuses it
             warnings.warn(
-                "save_pretrained_merged: the base is 4-bit, so the adapter is merged into its dequantised NF4 "
-                "weights, as Unsloth does (the original 16-bit weights are not recovered). For a merge on them, "
-                "load the adapter folder with load_in_4bit=False and save again.",
+                f"save_pretrained_merged: the base is {base_format.label}, so the adapter is merged into its "
+                f"dequantised {base_format.name.upper()} weights (the original 16-bit weights are not recovered). "
+                f"For a merge on them, load the adapter folder with {base_format.load_flag}=False and save again.",
                 stacklevel=2,
             )
         # beside=True: Unsloth writes the merged files into the folder `model.save_pretrained` filled with the

@@ -244,6 +244,19 @@ def test_every_argument_of_unsloths_from_pretrained_is_taken_applied_or_refused(
             getattr(model, method)("folder", None)
 
 
+def test_fp8_notebook_row_mode_and_its_merge_names_fp8(tmp_path):
+    """Llama_FP8_GRPO: Unsloth's load_in_fp8=True is its "row" mode (one scale per output row), fastft's FP8,
+    so "row" loads the same; the merged save says the base is FP8 (not 4-bit) and names load_in_fp8=False."""
+    model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=64, load_in_fp8="row")
+    assert model.fastft_info.quantization == "fp8"
+    model = FastLanguageModel.get_peft_model(model, r=4, target_modules=["q_proj"])
+    with pytest.warns(UserWarning, match="the base is FP8") as caught:
+        model.save_pretrained_merged(tmp_path / "merged", tokenizer, save_method="merged_16bit")
+    message = next(str(w.message) for w in caught if "the base is" in str(w.message))
+    assert "dequantised FP8 weights" in message and "load_in_fp8=False" in message
+    assert "4-bit" not in message and "NF4" not in message
+
+
 def test_get_peft_model_takes_the_rest_of_unsloths_signature():
     from fastft.unsloth.chat_templates import remove_special_tokens
 
