@@ -119,6 +119,14 @@ class FastLanguageModel:
             trust_remote_code=trust_remote_code,
             **kwargs,
         )
+        if load_in_fp8 and model.device.type == "cpu":
+            warnings.warn(
+                "from_pretrained(load_in_fp8=True): the projections are stored FP8 (e4m3, one scale per output "
+                "row, as Unsloth's default 'row' mode), but on the CPU their GEMMs run on the weights dequantised "
+                "with the activations not quantised (Unsloth's FP8 needs a GPU with FP8 tensor cores): losses differ "
+                "slightly from an FP8 GPU run.",
+                stacklevel=2,
+            )
         return bind(model, tokenizer), adapt_tokenizer(tokenizer)
 
     @staticmethod

@@ -246,8 +246,12 @@ def test_every_argument_of_unsloths_from_pretrained_is_taken_applied_or_refused(
 
 def test_fp8_notebook_row_mode_and_its_merge_names_fp8(tmp_path):
     """Llama_FP8_GRPO: Unsloth's load_in_fp8=True is its "row" mode (one scale per output row), fastft's FP8,
-    so "row" loads the same; the merged save says the base is FP8 (not 4-bit) and names load_in_fp8=False."""
-    model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=64, load_in_fp8="row")
+    so "row" loads the same (on the CPU with a notice that the GEMMs are emulated); the merged save says the base
+    is FP8 (not 4-bit) and names load_in_fp8=False."""
+    with pytest.warns(UserWarning, match="on the CPU their GEMMs run on the weights dequantised"):
+        model, tokenizer = FastLanguageModel.from_pretrained(
+            "tiny-llama", max_seq_length=64, load_in_fp8="row"
+        )
     assert model.fastft_info.quantization == "fp8"
     model = FastLanguageModel.get_peft_model(model, r=4, target_modules=["q_proj"])
     with pytest.warns(UserWarning, match="the base is FP8") as caught:
