@@ -9,6 +9,7 @@ with the local command that does the same.
 
 from __future__ import annotations
 
+import os
 import types
 import warnings
 from pathlib import Path
@@ -82,14 +83,7 @@ def save_pretrained_merged(
         folder = save_merged(
             model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite, dequantize=True, beside=True
         )
-        if (folder / "adapter_config.json").is_file():
-            warnings.warn(
-                f"save_pretrained_merged: {folder} now holds the merged model beside the adapter saved there "
-                "(kept, as Unsloth keeps it). transformers' AutoModelForCausalLM.from_pretrained on that folder "
-                "loads the merged weights and then applies the adapter on top, a second time; to serve the "
-                "merged model, save it into a folder of its own (save_pretrained_merged('merged', ...)).",
-                stacklevel=2,
-            )
+        _warn_if_merged_beside_adapter(folder, "save_pretrained_merged")
         return folder
     if save_method == "mxfp4":
         raise ValueError(
@@ -223,6 +217,35 @@ def save_pretrained_torchao(model, save_directory=None, tokenizer=None, **kwargs
     )
 
 
+def _warn_if_merged_beside_adapter(folder: Path, method: str) -> None:
+    """Warn when `folder` holds a merged model and an adapter (each kept, as Unsloth keeps them): transformers
+    would load the merged weights and apply the adapter on top of them."""
+    folder = Path(folder)
+    if not (
+        (folder / "adapter_config.json").is_file()
+        and (folder / "config.json").is_file()
+        and any(folder.glob("model*.safetensors"))
+    ):
+        return
+    warnings.warn(
+        f"{method}: {folder} now holds the merged model and the adapter side by side (both kept, as Unsloth keeps "
+        "them). transformers' AutoModelForCausalLM.from_pretrained on that folder loads the merged weights and "
+        "then applies the adapter on top, a second time; to serve the merged model, save it and the adapter into "
+        "folders of their own (save_pretrained_merged('merged', ...), save_pretrained('lora')).",
+        stacklevel=3,
+    )
+
+
+def save_pretrained(model, save_directory, *args, **kwargs):
+    """The model's own ``save_pretrained`` (PEFT's for an adapter), with a warning where the adapter lands beside
+    a merged model ``save_pretrained_merged`` wrote into the same folder (Unsloth's notebooks save both into
+    ``"model"`` once their ``if False`` saves are switched on)."""
+    result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    if isinstance(save_directory, (str, os.PathLike)):
+        _warn_if_merged_beside_adapter(Path(save_directory), "save_pretrained")
+    return result
+
+
 def bind(model):
     """Give `model` (one instance) Unsloth's saving methods; returns it."""
     for function in (
@@ -233,6 +256,7 @@ def bind(model):
         save_pretrained_ggml,
         push_to_hub_ggml,
         save_pretrained_torchao,
+        save_pretrained,
     ):
         object.__setattr__(model, function.__name__, types.MethodType(function, model))
     return model

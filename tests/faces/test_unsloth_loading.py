@@ -201,6 +201,24 @@ def test_save_pretrained_merged_into_the_adapter_folder_keeps_the_adapter(tmp_pa
     assert (other / "config.json").read_text() == "{}" and not (other / "model.safetensors").exists()
 
 
+def test_adapter_saved_into_the_merged_folder_warns_as_the_other_order_does(tmp_path):
+    """DeepSeek_R1_0528_Qwen3_(8B)_GRPO: save_pretrained_merged("model", ...) then model.save_pretrained("model")
+    (the notebook's if-False saves switched on): the adapter lands beside the merged model, which transformers
+    would then load with the adapter applied on top; said as in the other order. A folder of its own: silent."""
+    model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=64)
+    model = _trained(_peft(model))
+    folder = tmp_path / "model"
+    model.save_pretrained_merged(folder, tokenizer, save_method="merged_16bit")
+    with pytest.warns(UserWarning, match="applies the adapter on top"):
+        model.save_pretrained(folder)
+    assert (folder / "adapter_model.safetensors").is_file() and (folder / "model.safetensors").is_file()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.save_pretrained(tmp_path / "lora")
+    assert (tmp_path / "lora" / "adapter_config.json").is_file()
+    assert not any("on top" in str(w.message) for w in caught)
+
+
 def test_every_argument_of_unsloths_from_pretrained_is_taken_applied_or_refused():
     """Unsloth's full FastLanguageModel.from_pretrained signature: the ones that do not apply are accepted with
     a notice, the ones fastft cannot honour are refused naming the way, never a bare TypeError."""
