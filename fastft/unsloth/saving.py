@@ -228,7 +228,7 @@ def _warn_if_merged_beside_adapter(folder: Path, method: str) -> None:
     ):
         return
     warnings.warn(
-        f"{method}: {folder} now holds the merged model and the adapter side by side (both kept, as Unsloth keeps "
+        f"{method}: '{folder}' now holds the merged model and the adapter side by side (both kept, as Unsloth keeps "
         "them). transformers' AutoModelForCausalLM.from_pretrained on that folder loads the merged weights and "
         "then applies the adapter on top, a second time; to serve the merged model, save it and the adapter into "
         "folders of their own (save_pretrained_merged('merged', ...), save_pretrained('lora')).",
