@@ -250,16 +250,18 @@ def build_preset_model(
     warm_start: bool = True,
     eos_token_id: int = 2,
     pad_token_id: int = 0,
+    bos_token_id: int | None = None,
 ) -> torch.nn.Module:
     """The preset's architecture with weights drawn from a fixed seed (global RNG left untouched),
     replaced by its shipped warm-start weights where it has them (see `fastft.training.warmstart`).
-    `eos_token_id`, `pad_token_id`: its tokenizer's (`load_preset_tokenizer(name)`)."""
+    `eos_token_id`, `pad_token_id`, `bos_token_id`: its tokenizer's (`load_preset_tokenizer(name)`; None where it
+    has no BOS), so the config agrees with the tokenizer as a checkpoint's does."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = preset.make_config(vocab_size)
-    config.pad_token_id, config.eos_token_id = pad_token_id, eos_token_id
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = pad_token_id, eos_token_id, bos_token_id
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(PRESET_SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -46,6 +46,10 @@ def test_preset_loads_offline_and_trains_with_lora(name):
     family = FAMILY_CHATS[PRESETS[name].chat] if PRESETS[name].chat else None
     assert tokenizer.eos_token == (family.eos if family else "<|im_end|>") and tokenizer.chat_template
     assert len(tokenizer) == PRESETS[name].vocab_size == model.config.vocab_size
+    # the config's special tokens are the tokenizer's, as in a checkpoint (TRL's trainers would otherwise
+    # "align" them, and a merged save would carry a BOS the tokenizer does not have)
+    special = ("bos_token_id", "eos_token_id", "pad_token_id")
+    assert [getattr(model.config, k) for k in special] == [getattr(tokenizer, k) for k in special]
     model = add_lora(model, r=4, alpha=8)
     ids = _ids(tokenizer)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
