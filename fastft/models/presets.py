@@ -270,7 +270,7 @@ def build_preset_model(
         model.load_state_dict(load_file(weights), strict=not config.tie_word_embeddings)
         model.to(dtype)
     model.generation_config = GenerationConfig(
-        pad_token_id=pad_token_id, eos_token_id=eos_token_id, do_sample=False
+        bos_token_id=bos_token_id, pad_token_id=pad_token_id, eos_token_id=eos_token_id, do_sample=False
     )
     return model
 

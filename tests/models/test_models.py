@@ -49,7 +49,8 @@ def test_preset_loads_offline_and_trains_with_lora(name):
     # the config's special tokens are the tokenizer's, as in a checkpoint (TRL's trainers would otherwise
     # "align" them, and a merged save would carry a BOS the tokenizer does not have)
     special = ("bos_token_id", "eos_token_id", "pad_token_id")
-    assert [getattr(model.config, k) for k in special] == [getattr(tokenizer, k) for k in special]
+    for config in (model.config, model.generation_config):
+        assert [getattr(config, k) for k in special] == [getattr(tokenizer, k) for k in special]
     model = add_lora(model, r=4, alpha=8)
     ids = _ids(tokenizer)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
