@@ -93,10 +93,13 @@ class FastLanguageModel:
                 "from_pretrained: load_in_16bit=True with load_in_4bit / load_in_8bit: choose one precision "
                 "(load_in_16bit=True alone loads 16-bit weights, as does leaving all three off)."
             )
+        if load_in_fp8 == "row":  # Unsloth's name for its default FP8 mode (load_in_fp8=True): fastft's
+            load_in_fp8 = True
         if load_in_fp8 not in (False, True, None):
             raise ValueError(
                 f"from_pretrained: load_in_fp8 is not supported by fastft as {load_in_fp8!r}: its FP8 weights have one "
-                "scale per output channel (load_in_fp8=True), not Unsloth's block scales; pass load_in_fp8=True."
+                "scale per output channel, Unsloth's 'row' mode (load_in_fp8=True or 'row'), not Unsloth's "
+                "'block' scales (one per 128 x 128 block); pass load_in_fp8=True."
             )
         for name, instead in _UNSUPPORTED_LOAD.items():
             if kwargs.pop(name, None) not in (None, False):
@@ -116,6 +119,14 @@ class FastLanguageModel:
             trust_remote_code=trust_remote_code,
             **kwargs,
         )
+        if load_in_fp8 and model.device.type == "cpu":
+            warnings.warn(
+                "from_pretrained(load_in_fp8=True): the projections are stored FP8 (e4m3, one scale per output "
+                "row, as Unsloth's default 'row' mode), but on the CPU their GEMMs run on the weights dequantised "
+                "with the activations not quantised (Unsloth's FP8 needs a GPU with FP8 tensor cores): losses differ "
+                "slightly from an FP8 GPU run.",
+                stacklevel=2,
+            )
         return bind(model, tokenizer), adapt_tokenizer(tokenizer)
 
     @staticmethod

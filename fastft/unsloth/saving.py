@@ -9,12 +9,14 @@ with the local command that does the same.
 
 from __future__ import annotations
 
+import os
 import types
 import warnings
 from pathlib import Path
 
 import torch
 
+from fastft import weight_formats
 from fastft.atomic import written_by_fastft
 from fastft.export import save_gguf, save_ollama
 from fastft.export.ollama import modelfile
@@ -67,14 +69,13 @@ def save_pretrained_merged(
     if save_method == "lora":
         return save_adapter(model, save_directory, tokenizer, overwrite=overwrite)
     if save_method == "merged_16bit":
-        from fastft.runtime.model_state import is_quantised
-
         dtype = torch.float16 if getattr(model, "dtype", None) == torch.float16 else torch.bfloat16
-        if is_quantised(model):
+        base_format = weight_formats.of_model(model)
+        if base_format.quantized and base_format.merge != "refuse":  # an 8-bit base: save_merged refuses it
             warnings.warn(
-                "save_pretrained_merged: the base is 4-bit, so the adapter is merged into its dequantised NF4 "
-                "weights, as Unsloth does (the original 16-bit weights are not recovered). For a merge on them, "
-                "load the adapter folder with load_in_4bit=False and save again.",
+                f"save_pretrained_merged: the base is {base_format.label}, so the adapter is merged into its "
+                f"dequantised {base_format.name.upper()} weights (the original 16-bit weights are not recovered). "
+                f"For a merge on them, load the adapter folder with {base_format.load_flag}=False and save again.",
                 stacklevel=2,
             )
         # beside=True: Unsloth writes the merged files into the folder `model.save_pretrained` filled with the
@@ -82,14 +83,7 @@ def save_pretrained_merged(
         folder = save_merged(
             model, save_directory, tokenizer, dtype=dtype, overwrite=overwrite, dequantize=True, beside=True
         )
-        if (folder / "adapter_config.json").is_file():
-            warnings.warn(
-                f"save_pretrained_merged: {folder} now holds the merged model beside the adapter saved there "
-                "(kept, as Unsloth keeps it). transformers' AutoModelForCausalLM.from_pretrained on that folder "
-                "loads the merged weights and then applies the adapter on top, a second time; to serve the "
-                "merged model, save it into a folder of its own (save_pretrained_merged('merged', ...)).",
-                stacklevel=2,
-            )
+        _warn_if_merged_beside_adapter(folder, "save_pretrained_merged")
         return folder
     if save_method == "mxfp4":
         raise ValueError(
@@ -224,6 +218,35 @@ def save_pretrained_torchao(model, save_directory=None, tokenizer=None, **kwargs
     )
 
 
+def _warn_if_merged_beside_adapter(folder: Path, method: str) -> None:
+    """Warn when `folder` holds a merged model and an adapter (each kept, as Unsloth keeps them): transformers
+    would load the merged weights and apply the adapter on top of them."""
+    folder = Path(folder)
+    if not (
+        (folder / "adapter_config.json").is_file()
+        and (folder / "config.json").is_file()
+        and any(folder.glob("model*.safetensors"))
+    ):
+        return
+    warnings.warn(
+        f"{method}: '{folder}' now holds the merged model and the adapter side by side (both kept, as Unsloth keeps "
+        "them). transformers' AutoModelForCausalLM.from_pretrained on that folder loads the merged weights and "
+        "then applies the adapter on top, a second time; to serve the merged model, save it and the adapter into "
+        "folders of their own (save_pretrained_merged('merged', ...), save_pretrained('lora')).",
+        stacklevel=3,
+    )
+
+
+def save_pretrained(model, save_directory, *args, **kwargs):
+    """The model's own ``save_pretrained`` (PEFT's for an adapter), with a warning where the adapter lands beside
+    a merged model ``save_pretrained_merged`` wrote into the same folder (Unsloth's notebooks save both into
+    ``"model"`` once their ``if False`` saves are switched on)."""
+    result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    if isinstance(save_directory, (str, os.PathLike)):
+        _warn_if_merged_beside_adapter(Path(save_directory), "save_pretrained")
+    return result
+
+
 def bind(model):
     """Give `model` (one instance) Unsloth's saving methods; returns it."""
     for function in (
@@ -234,6 +257,7 @@ def bind(model):
         save_pretrained_ggml,
         push_to_hub_ggml,
         save_pretrained_torchao,
+        save_pretrained,
     ):
         object.__setattr__(model, function.__name__, types.MethodType(function, model))
     return model

@@ -20,6 +20,8 @@ Configs (`transformers.TrainingArguments` and TRL's ``*Config``):
 - ``max_seq_length`` is ``max_length``;
 - ``max_prompt_length`` / DPO's ``max_completion_length``, gone from TRL 1.x (whose trainers truncate whole
   sequences to ``max_length``), are accepted with a warning saying so;
+- TRL's configs given no ``output_dir`` and the default save settings save no checkpoint
+  (``save_strategy="no"``), as Unsloth's (TRL would write one into ``trainer_output/`` at the end of training);
 - `GRPOConfig`: a ``per_device_train_batch_size`` that is not a multiple of ``num_generations`` becomes
   ``num_generations``, as Unsloth sets it (TRL 1.x refuses it), with a warning;
 - `SFTTrainer`: text rows (``dataset_text_field``) that already start with the tokenizer's BOS (rendered by a
@@ -160,7 +162,10 @@ def _adapt_init(cls, adapt) -> bool:
 
 
 def _config_kwargs(config_cls, signature, args, kwargs):
-    return args, config_arguments(config_cls, kwargs, where=config_cls.__name__)
+    kwargs = config_arguments(config_cls, kwargs, where=config_cls.__name__)
+    if config_cls is not transformers.TrainingArguments and not args:  # args: output_dir given by position
+        _no_checkpoint_by_default(config_cls, kwargs)
+    return args, kwargs
 
 
 def config_arguments(config_cls, kwargs: dict, where: str) -> dict:
@@ -219,6 +224,20 @@ def _batch_of_whole_groups(config_cls, kwargs: dict, where: str) -> None:
             f"is set to {generations}, as Unsloth does (each batch holds whole groups of completions).",
             stacklevel=5,
         )
+
+
+def _no_checkpoint_by_default(config_cls, kwargs: dict) -> None:
+    """Unsloth's rule for TRL's configs: no ``output_dir`` and the default save settings (``save_strategy="steps"``,
+    ``save_steps=500``) save no checkpoint (``save_strategy="no"``); TRL would write a whole checkpoint
+    (adapter, optimizer state) into ``trainer_output/checkpoint-N`` at the end of every notebook's training."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    if (
+        kwargs.get("output_dir") is None
+        and kwargs.get("save_strategy", defaults["save_strategy"]) == "steps"
+        and kwargs.get("save_steps", defaults["save_steps"]) == defaults["save_steps"]
+        and not kwargs.get("load_best_model_at_end")  # which needs saves at its evaluations
+    ):
+        kwargs["save_strategy"] = "no"
 
 
 def _bf16_device() -> bool:

@@ -203,6 +203,24 @@ def test_save_pretrained_merged_into_the_adapter_folder_keeps_the_adapter(tmp_pa
     assert (other / "config.json").read_text() == "{}" and not (other / "model.safetensors").exists()
 
 
+def test_adapter_saved_into_the_merged_folder_warns_as_the_other_order_does(tmp_path):
+    """DeepSeek_R1_0528_Qwen3_(8B)_GRPO: save_pretrained_merged("model", ...) then model.save_pretrained("model")
+    (the notebook's if-False saves switched on): the adapter lands beside the merged model, which transformers
+    would then load with the adapter applied on top; said as in the other order. A folder of its own: silent."""
+    model, tokenizer = FastLanguageModel.from_pretrained("tiny-llama", max_seq_length=64)
+    model = _trained(_peft(model))
+    folder = tmp_path / "model"
+    model.save_pretrained_merged(folder, tokenizer, save_method="merged_16bit")
+    with pytest.warns(UserWarning, match="applies the adapter on top"):
+        model.save_pretrained(folder)
+    assert (folder / "adapter_model.safetensors").is_file() and (folder / "model.safetensors").is_file()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.save_pretrained(tmp_path / "lora")
+    assert (tmp_path / "lora" / "adapter_config.json").is_file()
+    assert not any("on top" in str(w.message) for w in caught)
+
+
 def test_every_argument_of_unsloths_from_pretrained_is_taken_applied_or_refused():
     """Unsloth's full FastLanguageModel.from_pretrained signature: the ones that do not apply are accepted with
     a notice, the ones fastft cannot honour are refused naming the way, never a bare TypeError."""
@@ -244,6 +262,23 @@ def test_every_argument_of_unsloths_from_pretrained_is_taken_applied_or_refused(
     for method in ("save_pretrained_ggml", "push_to_hub_ggml", "save_pretrained_torchao"):
         with pytest.raises(NotImplementedError, match="save_pretrained_gguf|save_pretrained_merged"):
             getattr(model, method)("folder", None)
+
+
+def test_fp8_notebook_row_mode_and_its_merge_names_fp8(tmp_path):
+    """Llama_FP8_GRPO: Unsloth's load_in_fp8=True is its "row" mode (one scale per output row), fastft's FP8,
+    so "row" loads the same (on the CPU with a notice that the GEMMs are emulated); the merged save says the base
+    is FP8 (not 4-bit) and names load_in_fp8=False."""
+    with pytest.warns(UserWarning, match="on the CPU their GEMMs run on the weights dequantised"):
+        model, tokenizer = FastLanguageModel.from_pretrained(
+            "tiny-llama", max_seq_length=64, load_in_fp8="row"
+        )
+    assert model.fastft_info.quantization == "fp8"
+    model = FastLanguageModel.get_peft_model(model, r=4, target_modules=["q_proj"])
+    with pytest.warns(UserWarning, match="the base is FP8") as caught:
+        model.save_pretrained_merged(tmp_path / "merged", tokenizer, save_method="merged_16bit")
+    message = next(str(w.message) for w in caught if "the base is" in str(w.message))
+    assert "dequantised FP8 weights" in message and "load_in_fp8=False" in message
+    assert "4-bit" not in message and "NF4" not in message
 
 
 def test_get_peft_model_takes_the_rest_of_unsloths_signature():

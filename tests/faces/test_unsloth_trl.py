@@ -179,6 +179,27 @@ def test_configs_take_the_removed_arguments_with_their_meaning():
     )
 
 
+def test_configs_without_output_dir_save_no_checkpoint_as_unslosths():
+    """Llama_FP8_GRPO's SFTConfig (and most notebooks' configs) give no output_dir: Unsloth then saves no
+    checkpoint, where TRL would write trainer_output/checkpoint-N at the end of training. A folder or save
+    setting of the user's keeps TRL's saving; transformers' own TrainingArguments is left as it is."""
+    from transformers import TrainingArguments
+    from trl import GRPOConfig, SFTConfig
+
+    for config in (SFTConfig(max_steps=2), GRPOConfig(max_steps=2), SFTConfig()):
+        assert config.save_strategy == "no"
+    for config in (
+        SFTConfig(output_dir="outputs"),
+        SFTConfig("outputs"),
+        SFTConfig(save_steps=100),
+        GRPOConfig(output_dir="outputs", save_steps=100),
+        SFTConfig(eval_strategy="steps", load_best_model_at_end=True),
+        TrainingArguments(),
+    ):
+        assert config.save_strategy == "steps"
+    assert SFTConfig(save_strategy="epoch").save_strategy == "epoch"
+
+
 def test_alpaca_sft_with_the_old_top_level_arguments(tmp_path):
     from trl import SFTConfig, SFTTrainer
 
