@@ -22,6 +22,9 @@ Configs (`transformers.TrainingArguments` and TRL's ``*Config``):
   sequences to ``max_length``), are accepted with a warning saying so;
 - `GRPOConfig`: a ``per_device_train_batch_size`` that is not a multiple of ``num_generations`` becomes
   ``num_generations``, as Unsloth sets it (TRL 1.x refuses it), with a warning;
+- `SFTTrainer`: a ``formatting_func`` written for batches (it returns a list of texts, Unsloth's and older
+  TRL's convention) is applied to batches of the rows before TRL sees them, as Unsloth applies it (TRL 1.x calls
+  it on one row);
 - `SFTTrainer`: text rows (``dataset_text_field``) that already start with the tokenizer's BOS (rendered by a
   Llama-3 or Gemma chat template) do not get a second one, as with Unsloth (TRL 1.x would add it);
 - `GRPOConfig`'s ``vllm_sampling_params`` (Unsloth's) sets ``top_p``, ``top_k``, ``min_p``,
@@ -243,6 +246,7 @@ def _trainer_kwargs(config_cls, signature, args, kwargs):
             )
         kwargs["processing_class"] = tokenizer
     if where == "SFTTrainer":
+        _batched_formatting(kwargs)
         _without_doubled_bos(kwargs)
     fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
     movable = fields | set(_RENAMED) | set(_REMOVED) | {"warmup_ratio"}
@@ -259,6 +263,48 @@ def _trainer_kwargs(config_cls, signature, args, kwargs):
         return args, kwargs
     arguments["args"] = _with_fields(config_cls, config, config_arguments(config_cls, moved, where=where))
     return (), arguments
+
+
+def _batched_formatting(kwargs: dict) -> None:
+    """Unsloth's (and TRL < 0.20's) ``formatting_func``: called on a batch of rows, it returns a list of texts
+    (the notebooks' ``formatting_prompts_func(examples)`` loops over ``examples[...]``); TRL 1.x calls it on one
+    row for one str, where such a function fails or loops over the characters of a field. A ``formatting_func``
+    that returns a list for the first row (Unsloth's test) is applied as Unsloth applies it: on batches of the
+    datasets given by keyword, into the text column (``dataset_text_field``), the other columns dropped (so TRL
+    trains on that text, not on a ``messages`` or ``prompt`` column beside it); TRL then gets the text rows and
+    no ``formatting_func``. One that returns a str is TRL 1.x's, left to TRL."""
+    func = kwargs.get("formatting_func")
+    if func is None:
+        return
+    config = kwargs.get("args")
+    field = kwargs.get("dataset_text_field") or getattr(config, "dataset_text_field", None) or "text"
+
+    def texts(batch):
+        return {field: func(batch)}
+
+    def formatted(dataset):
+        first = next(iter(dataset), None)
+        names = getattr(dataset, "column_names", None) or list(first or ())
+        if first is None or "input_ids" in names:  # TRL ignores formatting_func on tokenized rows
+            return None
+        if not isinstance(func(first), list):
+            return None
+        extra = {"desc": "Applying the batched formatting function"} if hasattr(dataset, "__len__") else {}
+        return dataset.map(texts, batched=True, remove_columns=names, **extra)
+
+    done = False
+    for name in ("train_dataset", "eval_dataset"):
+        dataset = kwargs.get(name)
+        if isinstance(dataset, dict):  # evaluation sets by name
+            new = {key: formatted(value) for key, value in dataset.items()}
+            if any(value is not None for value in new.values()):
+                kwargs[name] = {key: new[key] if new[key] is not None else dataset[key] for key in dataset}
+                done = True
+        elif dataset is not None and (new := formatted(dataset)) is not None:
+            kwargs[name] = new
+            done = True
+    if done:
+        kwargs["formatting_func"] = None
 
 
 def _without_doubled_bos(kwargs: dict) -> None:

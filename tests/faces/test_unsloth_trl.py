@@ -416,3 +416,57 @@ def test_sft_text_rendered_with_the_bos_gets_one_bos_as_with_unsloth(tmp_path):
     assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
     assert ids == tokenizer(dataset[0]["text"], add_special_tokens=False)["input_ids"][: len(ids)]
     assert dataset[0]["text"].startswith(tokenizer.bos_token)  # the caller's rows are unchanged
+
+
+def test_sft_formatting_func_written_for_batches_formats_batches_as_with_unsloth(tmp_path):
+    """CodeForces-cot notebook: formatting_prompts_func(example) loops over example['problem'][i] and returns a
+    list of texts (Unsloth's batched convention; TRL 1.x calls it on one row, where it loops over the characters
+    of the problem). Each row is trained on its formatted text, not on the `messages` column beside it; a
+    formatting_func of TRL 1.x's own form (one row -> one str) is still TRL's; the caller's dataset is unchanged."""
+    from trl import SFTConfig, SFTTrainer
+
+    model, tokenizer = _model()
+    problems, answers = [f"Print {i} + 1." for i in range(4)], [f"print({i} + 1)" for i in range(4)]
+    dataset = Dataset.from_dict(
+        {
+            "problem": problems,
+            "generation": answers,
+            "messages": [
+                [{"role": "user", "content": p}, {"role": "assistant", "content": a}]
+                for p, a in zip(problems, answers, strict=True)
+            ],
+        }
+    )
+
+    def formatting_prompts_func(example):
+        return [
+            f"### Problem: {example['problem'][i]}\n ### Response: {example['generation'][i]}"
+            for i in range(len(example["problem"]))
+        ]
+
+    def one_row(example):
+        return f"### Problem: {example['problem']}\n ### Response: {example['generation']}"
+
+    text_only = dataset.remove_columns("messages")  # TRL 1.x trains on `messages` when a row has them
+    for func, rows in ((formatting_prompts_func, dataset), (one_row, text_only)):
+        trainer = SFTTrainer(
+            model=model,
+            tokenizer=tokenizer,
+            train_dataset=rows,
+            eval_dataset={"held_out": rows.select([3])},
+            max_seq_length=96,
+            formatting_func=func,
+            packing=False,
+            args=SFTConfig(**_common(tmp_path)),
+        )
+        for prepared, row, problem in (
+            (trainer.train_dataset, 2, 2),
+            (trainer.eval_dataset["held_out"], 0, 3),
+        ):
+            text = f"### Problem: {problems[problem]}\n ### Response: {answers[problem]}"
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            assert prepared[row]["input_ids"][: len(ids)] == ids, func.__name__
+    assert dataset.column_names == ["problem", "generation", "messages"]
+    before = _trainable(model)
+    trainer.train()
+    assert _changed(model, before)
