@@ -269,7 +269,7 @@ def _batched_formatting(kwargs: dict) -> None:
     """Unsloth's (and TRL < 0.20's) ``formatting_func``: called on a batch of rows, it returns a list of texts
     (the notebooks' ``formatting_prompts_func(examples)`` loops over ``examples[...]``); TRL 1.x calls it on one
     row for one str, where such a function fails or loops over the characters of a field. A ``formatting_func``
-    that returns a list for the first row (Unsloth's test) is applied as Unsloth applies it: on batches of the
+    that returns a list of one text for a batch of the first row is applied as Unsloth applies it: on batches of the
     datasets given by keyword, into the text column (``dataset_text_field``), the other columns dropped (so TRL
     trains on that text, not on a ``messages`` or ``prompt`` column beside it); TRL then gets the text rows and
     no ``formatting_func``. One that returns a str is TRL 1.x's, left to TRL."""
@@ -287,7 +287,11 @@ def _batched_formatting(kwargs: dict) -> None:
         names = getattr(dataset, "column_names", None) or list(first or ())
         if first is None or "input_ids" in names:  # TRL ignores formatting_func on tokenized rows
             return None
-        if not isinstance(func(first), list):
+        try:  # a batch of the first row: a batched function returns one text in a list
+            probe = func({name: [value] for name, value in first.items()})
+        except Exception:  # noqa: BLE001 - a function of one row (TRL 1.x's form): TRL calls it
+            return None
+        if not (isinstance(probe, list) and len(probe) == 1 and isinstance(probe[0], str)):
             return None
         extra = {"desc": "Applying the batched formatting function"} if hasattr(dataset, "__len__") else {}
         return dataset.map(texts, batched=True, remove_columns=names, **extra)

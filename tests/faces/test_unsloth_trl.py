@@ -421,12 +421,13 @@ def test_sft_text_rendered_with_the_bos_gets_one_bos_as_with_unsloth(tmp_path):
 def test_sft_formatting_func_written_for_batches_formats_batches_as_with_unsloth(tmp_path):
     """CodeForces-cot notebook: formatting_prompts_func(example) loops over example['problem'][i] and returns a
     list of texts (Unsloth's batched convention; TRL 1.x calls it on one row, where it loops over the characters
-    of the problem). Each row is trained on its formatted text, not on the `messages` column beside it; a
+    of the problem, and fails where the answer is shorter). Each row is trained on its formatted text, not on
+    the `messages` column beside it; a
     formatting_func of TRL 1.x's own form (one row -> one str) is still TRL's; the caller's dataset is unchanged."""
     from trl import SFTConfig, SFTTrainer
 
     model, tokenizer = _model()
-    problems, answers = [f"Print {i} + 1." for i in range(4)], [f"print({i} + 1)" for i in range(4)]
+    problems, answers = [f"Print {i} + 1 in Python." for i in range(4)], [f"print({i} + 1)" for i in range(4)]
     dataset = Dataset.from_dict(
         {
             "problem": problems,
