@@ -112,8 +112,8 @@ def test_train_on_responses_only(tmp_path):
     )
     for row, replies in zip(trainer.train_dataset, REPLIES, strict=True):
         trained = [i for i, label in zip(row["input_ids"], row["labels"], strict=True) if label != -100]
-        # every reply with its end-of-turn, and the eos TRL appends to each text (inside the last reply)
-        expected = "".join(f"{reply}<|im_end|>\n" for reply in replies) + tokenizer.eos_token
+        # every reply with its end-of-turn; nothing appended to the text (as Unsloth: TRL alone adds an eos)
+        expected = "".join(f"{reply}<|im_end|>\n" for reply in replies)
         assert tokenizer.decode(trained) == expected
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     trainer_stats = trainer.train()
