@@ -244,6 +244,7 @@ def load_model(
             dtype,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
         )
         source = "preset"
         if quantization is not None:

@@ -250,16 +250,20 @@ def build_preset_model(
     warm_start: bool = True,
     eos_token_id: int = 2,
     pad_token_id: int = 0,
+    bos_token_id: int | None = None,
 ) -> torch.nn.Module:
     """The preset's architecture with weights drawn from a fixed seed (global RNG left untouched),
     replaced by its shipped warm-start weights where it has them (see `fastft.training.warmstart`).
-    `eos_token_id`, `pad_token_id`: its tokenizer's (`load_preset_tokenizer(name)`)."""
+    `eos_token_id`, `pad_token_id`, `bos_token_id`: its tokenizer's (`load_preset_tokenizer(name)`; a BOS of
+    None leaves the architecture's default)."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = preset.make_config(vocab_size)
     config.pad_token_id, config.eos_token_id = pad_token_id, eos_token_id
+    if bos_token_id is not None:  # tiny-llama3's <|begin_of_text|>, as Llama 3's config names its BOS
+        config.bos_token_id = bos_token_id
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(PRESET_SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -267,8 +271,9 @@ def build_preset_model(
     if warm_start and weights.exists():
         model.load_state_dict(load_file(weights), strict=not config.tie_word_embeddings)
         model.to(dtype)
+    bos = {} if bos_token_id is None else {"bos_token_id": bos_token_id}
     model.generation_config = GenerationConfig(
-        pad_token_id=pad_token_id, eos_token_id=eos_token_id, do_sample=False
+        **bos, pad_token_id=pad_token_id, eos_token_id=eos_token_id, do_sample=False
     )
     return model
 
