@@ -22,6 +22,7 @@ import collections.abc
 import types
 import warnings
 
+import jinja2
 import torch
 
 from fastft.models.loading import load_model
@@ -305,10 +306,38 @@ def adapt_tokenizer(tokenizer):
             kwargs["tokenize"] = False
         if not args and kwargs.get("tokenize", True) and "return_dict" not in kwargs:
             kwargs["return_dict"] = False
-        return method(self, conversation, *args, **kwargs)
+        try:
+            return method(self, conversation, *args, **kwargs)
+        except jinja2.exceptions.UndefinedError as error:
+            clear = _unmapped_keys_error(conversation, error)
+            if clear is None:
+                raise
+            raise clear from error
 
     object.__setattr__(tokenizer, "apply_chat_template", types.MethodType(apply_chat_template, tokenizer))
     return tokenizer
+
+
+def _unmapped_keys_error(conversation, error: Exception) -> ValueError | None:
+    """A clear error for messages whose keys the chat template does not read (ShareGPT's ``from`` / ``value``
+    given to a template of ``role`` / ``content``); None when the messages have both."""
+    messages = conversation
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
+        messages = messages[0]  # a batch: its first conversation
+    if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
+        return None
+    keys = sorted(set().union(*(m.keys() for m in messages if isinstance(m, dict))))
+    if "role" in keys and "content" in keys:
+        return None
+    return ValueError(
+        f"apply_chat_template: the messages have the keys {keys}, and this tokenizer's chat template reads "
+        f"'role' and 'content' ({error}). Map the keys onto the template: tokenizer = get_chat_template("
+        "tokenizer, chat_template=..., mapping={'role': 'from', 'content': 'value', 'user': 'human', "
+        "'assistant': 'gpt'}) for ShareGPT messages, or convert the rows with standardize_sharegpt. A "
+        "tokenizer from_pretrained read from an adapter folder without tokenizer files (model.save_pretrained "
+        "writes the adapter only) is the base model's, without an earlier get_chat_template: apply it again, "
+        "or save the tokenizer beside the adapter (tokenizer.save_pretrained(folder))."
+    )
 
 
 def _vllm_notice(kwargs: dict) -> None:

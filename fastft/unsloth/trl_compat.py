@@ -3,7 +3,7 @@
 Unsloth patches TRL so that the calls of older TRL and transformers releases keep working; its notebooks rely
 on that. fastft does the same, only on ``import fastft.unsloth`` (never on a plain ``import fastft``), once,
 in place (so ``from trl import SFTTrainer`` afterwards gets the adapted class, as with Unsloth), and only the
-signatures: what a trainer does with an argument is TRL's.
+signatures and `SFTTrainer`'s preparation of text rows (as Unsloth prepares them): the training is TRL's.
 
 Trainers (`SFTTrainer`, `DPOTrainer`, `ORPOTrainer`, `KTOTrainer`, `GRPOTrainer`):
 
@@ -24,8 +24,13 @@ Configs (`transformers.TrainingArguments` and TRL's ``*Config``):
   (``save_strategy="no"``), as Unsloth's (TRL would write one into ``trainer_output/`` at the end of training);
 - `GRPOConfig`: a ``per_device_train_batch_size`` that is not a multiple of ``num_generations`` becomes
   ``num_generations``, as Unsloth sets it (TRL 1.x refuses it), with a warning;
-- `SFTTrainer`: text rows (``dataset_text_field``) that already start with the tokenizer's BOS (rendered by a
-  Llama-3 or Gemma chat template) do not get a second one, as with Unsloth (TRL 1.x would add it);
+- `SFTTrainer`: a ``formatting_func`` written for batches (it returns a list of texts, Unsloth's and older
+  TRL's convention) is applied to batches of the rows before TRL sees them, as Unsloth applies it (TRL 1.x calls
+  it on one row);
+- `SFTTrainer`: text rows (``dataset_text_field``) are trained as they are, as with Unsloth: one BOS for a text
+  that already starts with it (rendered by a Llama-3 or Gemma chat template), no EOS appended, and the text
+  rather than a conversational column beside it (TRL 1.x would add a second BOS, an EOS after the newline
+  that ends every ChatML row, and train the ``conversations`` the text was rendered from);
 - `GRPOConfig`'s ``vllm_sampling_params`` (Unsloth's) sets ``top_p``, ``top_k``, ``min_p``,
   ``repetition_penalty`` and ``temperature`` from a `fastft.unsloth.SamplingParams`, and ``use_vllm=True``
   becomes False with a warning (fastft has no vLLM; TRL generates through transformers).
@@ -74,7 +79,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 _NOTICE = (
     "fastft.unsloth: TRL's trainers and configs now also take Unsloth's argument names (tokenizer=, "
     "dataset_text_field=, max_seq_length=, packing=, beta=, warmup_ratio=, …; `from trl import ORPOTrainer`); "
-    "only the signatures are adapted: training is TRL's."
+    "SFTTrainer prepares text rows as Unsloth does; the training is TRL's."
 )
 _adapted: list[str] = []
 
@@ -291,7 +296,8 @@ def _trainer_kwargs(config_cls, signature, args, kwargs):
             )
         kwargs["processing_class"] = tokenizer
     if where == "SFTTrainer":
-        _without_doubled_bos(kwargs)
+        _batched_formatting(kwargs)
+        _text_rows_as_given(kwargs)
     fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
     movable = fields | set(_RENAMED) | set(_REMOVED) | {"warmup_ratio"}
     moved = {name: kwargs.pop(name) for name in list(kwargs) if name not in params and name in movable}
@@ -309,37 +315,116 @@ def _trainer_kwargs(config_cls, signature, args, kwargs):
     return (), arguments
 
 
-def _without_doubled_bos(kwargs: dict) -> None:
-    """Unsloth's SFTTrainer does not add the BOS to a text that already starts with it (the notebooks render
-    their rows with ``apply_chat_template``, whose Llama-3 / Gemma templates write the BOS); TRL 1.x tokenizes the
-    text with the tokenizer's own BOS, so the rows would start with two. The text rows (``dataset_text_field``)
-    of the datasets given by keyword that start with the BOS, for a tokenizer that prepends it, lose that
-    leading BOS text before TRL tokenizes them (the caller's dataset is not changed: `map` makes a new one)."""
-    tokenizer = kwargs.get("processing_class", kwargs.get("tokenizer"))
-    bos = getattr(tokenizer, "bos_token", None)
-    if not bos or getattr(tokenizer, "bos_token_id", None) is None:
-        return
-    config = kwargs.get("args")
-    field = kwargs.get("dataset_text_field") or getattr(config, "dataset_text_field", None) or "text"
-    try:
-        prepends = tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
-    except Exception:  # noqa: BLE001 - a processor or an odd tokenizer: leave the rows to TRL
-        return
-    if not prepends:
-        return
+def _each_dataset(kwargs: dict, prepare) -> bool:
+    """Replace each dataset given by keyword (``train_dataset``, ``eval_dataset``, a dict of evaluation sets) by
+    ``prepare(dataset)`` where that returns one (None: left as it is); whether any was replaced."""
+    replaced = False
     for name in ("train_dataset", "eval_dataset"):
-        dataset = kwargs.get(name)
-        names = getattr(dataset, "column_names", None)
-        if not names or field not in names or len(dataset) == 0:
+        given = kwargs.get(name)
+        if given is None:
             continue
-        if not str(dataset[0][field]).startswith(bos):
+        datasets = given if isinstance(given, dict) else {None: given}
+        prepared = {key: prepare(dataset) for key, dataset in datasets.items()}
+        if all(dataset is None for dataset in prepared.values()):
             continue
+        merged = {key: datasets[key] if prepared[key] is None else prepared[key] for key in datasets}
+        kwargs[name] = merged if isinstance(given, dict) else merged[None]
+        replaced = True
+    return replaced
 
-        def strip(row, field=field, bos=bos):
-            text = row[field]
-            return {field: text[len(bos) :] if isinstance(text, str) and text.startswith(bos) else text}
 
-        kwargs[name] = dataset.map(strip, desc="Not adding the BOS twice")
+def _rows(dataset) -> tuple[dict | None, list[str], dict]:
+    """The first row of `dataset` (None if empty), its column names and `map`'s progress label argument."""
+    import datasets
+
+    first = next(iter(dataset), None)
+    names = getattr(dataset, "column_names", None) or list(first or ())
+    return (
+        first,
+        names,
+        {"desc": "Unsloth's SFT preparation"} if isinstance(dataset, datasets.Dataset) else {},
+    )
+
+
+def _batched_formatting(kwargs: dict) -> None:
+    """Unsloth's (and TRL < 0.20's) ``formatting_func``: called on a batch of rows, it returns a list of texts
+    (the notebooks' ``formatting_prompts_func(examples)`` loops over ``examples[...]``); TRL 1.x calls it on one
+    row for one str, where such a function fails or loops over the characters of a field. A ``formatting_func``
+    that returns a list of one text for a batch of the first row is applied as Unsloth applies it: on batches,
+    into the text column (``dataset_text_field``), the other columns dropped; TRL then gets the text rows and no
+    ``formatting_func``. One that returns a str is TRL 1.x's, left to TRL."""
+    func = kwargs.get("formatting_func")
+    if func is None:
+        return
+    field = _text_field(kwargs)
+
+    def texts(batch):
+        return {field: func(batch)}
+
+    def formatted(dataset):
+        first, names, desc = _rows(dataset)
+        if first is None or "input_ids" in names:  # TRL ignores formatting_func on tokenized rows
+            return None
+        try:  # a batch of the first row: a batched function returns one text in a list
+            probe = func({name: [value] for name, value in first.items()})
+        except Exception:  # noqa: BLE001 - a function of one row (TRL 1.x's form): TRL calls it
+            return None
+        if not (isinstance(probe, list) and len(probe) == 1 and isinstance(probe[0], str)):
+            return None
+        return dataset.map(texts, batched=True, remove_columns=names, **desc)
+
+    if _each_dataset(kwargs, formatted):
+        kwargs["formatting_func"] = None
+
+
+def _text_field(kwargs: dict) -> str:
+    config = kwargs.get("args")
+    return kwargs.get("dataset_text_field") or getattr(config, "dataset_text_field", None) or "text"
+
+
+def _text_rows_as_given(kwargs: dict) -> None:
+    """Unsloth's SFTTrainer trains the text column (``dataset_text_field``) as it is: tokenized with the
+    tokenizer's BOS unless the text already starts with it (the notebooks render their rows with
+    ``apply_chat_template``, whose Llama-3 / Gemma templates write the BOS), and nothing appended. TRL 1.x,
+    given the same rows, trains a conversational column beside the text instead when the rows have one (the
+    ShareGPT ``conversations`` the text was rendered from, converted to ``messages``), adds a second BOS to such
+    a text and an EOS to a text that does not end with it (after the newline that ends every ChatML / Qwen
+    row). The text rows of the datasets given by keyword are tokenized here as Unsloth tokenizes them (their
+    other columns dropped), and TRL takes the tokenized rows as they are (labels, truncation, packing are
+    TRL's). Left to TRL: rows with ``input_ids``, ``labels`` or ``prompt`` + ``completion`` (which Unsloth
+    also takes before the text), a ``formatting_func`` of TRL's one-row form, ``assistant_only_loss``,
+    ``skip_prepare_dataset`` and a tokenizer that is not a transformers tokenizer."""
+    from transformers import PreTrainedTokenizerBase
+
+    tokenizer = kwargs.get("processing_class")
+    config = kwargs.get("args")
+    if (
+        not isinstance(tokenizer, PreTrainedTokenizerBase)
+        or kwargs.get("formatting_func") is not None
+        or getattr(config, "assistant_only_loss", False)
+        or (getattr(config, "dataset_kwargs", None) or {}).get("skip_prepare_dataset")
+    ):
+        return
+    field = _text_field(kwargs)
+    bos = tokenizer.bos_token if tokenizer.bos_token_id is not None else None
+
+    def tokenize(batch):
+        return {
+            "input_ids": [
+                tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+                for text in batch[field]
+            ]
+        }
+
+    def tokenized(dataset):
+        first, names, desc = _rows(dataset)
+        if first is None or not isinstance(first.get(field), str):
+            return None
+        if {"input_ids", "labels"} & set(names) or {"prompt", "completion"} <= set(names):
+            return None
+        return dataset.map(tokenize, batched=True, remove_columns=names, **desc)
+
+    _each_dataset(kwargs, tokenized)
 
 
 def _with_fields(config_cls, config, values: dict):

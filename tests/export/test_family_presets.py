@@ -95,6 +95,10 @@ def test_family_tokenizer_prepends_its_bos_as_the_familys_does(name, bos):
     ids = tokenizer("Hi")["input_ids"]
     assert ids[0] == tokenizer.bos_token_id == tokenizer.convert_tokens_to_ids(bos)
     assert tokenizer("Hi", add_special_tokens=False)["input_ids"] == ids[1:]
+    # the model's config names the same BOS, as Llama 3's does (else transformers' Trainer rewrites the config
+    # at the first step, saying the tokenizer's special tokens differ from the model's)
+    model, tokenizer = fastft.load_model("tiny-llama3")
+    assert model.config.bos_token_id == model.generation_config.bos_token_id == tokenizer.bos_token_id
 
 
 # conversations Ollama hands a template: a system message, several turns, a reply to continue with its reasoning

@@ -112,8 +112,8 @@ def test_train_on_responses_only(tmp_path):
     )
     for row, replies in zip(trainer.train_dataset, REPLIES, strict=True):
         trained = [i for i, label in zip(row["input_ids"], row["labels"], strict=True) if label != -100]
-        # every reply with its end-of-turn, and the eos TRL appends to each text (inside the last reply)
-        expected = "".join(f"{reply}<|im_end|>\n" for reply in replies) + tokenizer.eos_token
+        # every reply with its end-of-turn; nothing appended to the text (as Unsloth: TRL alone adds an eos)
+        expected = "".join(f"{reply}<|im_end|>\n" for reply in replies)
         assert tokenizer.decode(trained) == expected
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     trainer_stats = trainer.train()
@@ -176,6 +176,36 @@ def test_fast_model_tokenizer_renders_text_by_default_as_unsloths_processor():
     assert isinstance(tokenizer.apply_chat_template(messages, tokenize=True)[0], int)
     _, plain = FastLanguageModel.from_pretrained("tiny-llama")
     assert plain.apply_chat_template(messages, add_generation_prompt=True) == batch.input_ids[0].tolist()
+
+
+def test_sharegpt_messages_on_an_unmapped_template_name_the_mapping(tmp_path, monkeypatch):
+    """Llama3_(8B)-Conversational: the tokenizer is mapped to ShareGPT keys, the adapter saved without it
+    (model.save_pretrained only), and the reload cell reads it back: the tokenizer is the base's, as with
+    Unsloth, and ShareGPT messages given to it fail with an error naming the mapping, not jinja's."""
+    monkeypatch.chdir(tmp_path)
+    sharegpt = {"role": "from", "content": "value", "user": "human", "assistant": "gpt"}
+    messages = [{"from": "human", "value": "What is a famous tall tower in Paris?"}]
+    model, tokenizer = _unsloth_model("tiny-llama3")
+    tokenizer = get_chat_template(tokenizer, chat_template="llama-3", mapping=sharegpt)
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_tensors="pt"
+    )
+    assert ids.shape[0] == 1
+    model.save_pretrained("lora_model")
+
+    _, reloaded = FastLanguageModel.from_pretrained(
+        model_name="lora_model", max_seq_length=128, load_in_4bit=False
+    )
+    with pytest.raises(ValueError, match=r"keys \['from', 'value'\].*mapping=.*tokenizer.save_pretrained"):
+        reloaded.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_tensors="pt")
+    with pytest.raises(ValueError, match="keys"):  # a batch of conversations too
+        reloaded.apply_chat_template([messages, messages], tokenize=False)
+    assert "What is" in reloaded.apply_chat_template([{"role": "user", "content": "What is"}], tokenize=False)
+    reloaded = get_chat_template(reloaded, chat_template="llama-3", mapping=sharegpt)  # the fix it names
+    again = reloaded.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_tensors="pt"
+    )
+    assert torch.equal(again, ids)
 
 
 def test_from_pretrained_on_a_saved_adapter_folder(tmp_path, monkeypatch):

@@ -362,13 +362,13 @@ def test_reasoning_sft_on_tiny_qwen3_trains_the_thinking_and_the_answer(tmp_path
     )
     trainer = train_on_responses_only(trainer)
     first, second = trainer.train_dataset
-    eos = tokenizer.eos_token  # TRL appends one to each text: it falls inside the last reply
+    # the text as it is (as Unsloth: TRL alone appends an eos after the last reply's newline)
     assert reply_spans(first["input_ids"], first["labels"], tokenizer) == [
-        f"<think>\nadd\n</think>\n\n4<|im_end|>\n{eos}"
+        "<think>\nadd\n</think>\n\n4<|im_end|>\n"
     ]
     assert reply_spans(second["input_ids"], second["labels"], tokenizer) == [
         "Hello<|im_end|>\n",
-        f"<think>\n\n</think>\n\nBye!<|im_end|>\n{eos}",
+        "<think>\n\n</think>\n\nBye!<|im_end|>\n",
     ]
 
 

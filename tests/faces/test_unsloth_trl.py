@@ -469,3 +469,100 @@ def test_sft_text_rendered_with_the_bos_gets_one_bos_as_with_unsloth(tmp_path):
     assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
     assert ids == tokenizer(dataset[0]["text"], add_special_tokens=False)["input_ids"][: len(ids)]
     assert dataset[0]["text"].startswith(tokenizer.bos_token)  # the caller's rows are unchanged
+
+
+def test_sft_formatting_func_written_for_batches_formats_batches_as_with_unsloth(tmp_path):
+    """CodeForces-cot notebook: formatting_prompts_func(example) loops over example['problem'][i] and returns a
+    list of texts (Unsloth's batched convention; TRL 1.x calls it on one row, where it loops over the characters
+    of the problem, and fails where the answer is shorter). Each row is trained on its formatted text, not on
+    the `messages` column beside it; a
+    formatting_func of TRL 1.x's own form (one row -> one str) is still TRL's; the caller's dataset is unchanged."""
+    from trl import SFTConfig, SFTTrainer
+
+    model, tokenizer = _model()
+    problems, answers = [f"Print {i} + 1 in Python." for i in range(4)], [f"print({i} + 1)" for i in range(4)]
+    dataset = Dataset.from_dict(
+        {
+            "problem": problems,
+            "generation": answers,
+            "messages": [
+                [{"role": "user", "content": p}, {"role": "assistant", "content": a}]
+                for p, a in zip(problems, answers, strict=True)
+            ],
+        }
+    )
+
+    def formatting_prompts_func(example):
+        return [
+            f"### Problem: {example['problem'][i]}\n ### Response: {example['generation'][i]}"
+            for i in range(len(example["problem"]))
+        ]
+
+    def one_row(example):
+        return f"### Problem: {example['problem']}\n ### Response: {example['generation']}"
+
+    text_only = dataset.remove_columns("messages")  # TRL 1.x trains on `messages` when a row has them
+    for func, rows in ((formatting_prompts_func, dataset), (one_row, text_only)):
+        trainer = SFTTrainer(
+            model=model,
+            tokenizer=tokenizer,
+            train_dataset=rows,
+            eval_dataset={"held_out": rows.select([3])},
+            max_seq_length=96,
+            formatting_func=func,
+            packing=False,
+            args=SFTConfig(**_common(tmp_path)),
+        )
+        for prepared, row, problem in (
+            (trainer.train_dataset, 2, 2),
+            (trainer.eval_dataset["held_out"], 0, 3),
+        ):
+            text = f"### Problem: {problems[problem]}\n ### Response: {answers[problem]}"
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            assert prepared[row]["input_ids"][: len(ids)] == ids, func.__name__
+            if func is formatting_prompts_func:  # as Unsloth: the text as given, no EOS appended
+                assert prepared[row]["input_ids"] == ids
+    assert dataset.column_names == ["problem", "generation", "messages"]
+    before = _trainable(model)
+    trainer.train()
+    assert _changed(model, before)
+
+
+def test_sft_text_rows_are_trained_as_given_as_with_unsloth(tmp_path):
+    """Conversational notebooks: the rows hold the ShareGPT `conversations` and the `text` rendered from them
+    (Llama3_(8B)-Conversational), or ChatML text ending in `<|im_end|>` and a newline (Qwen, Mistral ChatML,
+    Magistral). Unsloth trains the text as it is; TRL 1.x alone trains the conversations (with the roles
+    `human` / `gpt` of the mapped template) and appends a second `<|im_end|>` to every ChatML row."""
+    from trl import SFTConfig, SFTTrainer
+
+    from fastft.unsloth.chat_templates import get_chat_template
+
+    sharegpt = {"role": "from", "content": "value", "user": "human", "assistant": "gpt"}
+    conversations = [
+        [{"from": "human", "value": f"What is {i} plus 2?"}, {"from": "gpt", "value": f"It is {i + 2}."}]
+        for i in range(4)
+    ]
+    cases = [("tiny-llama3", "llama-3", sharegpt), ("tiny-qwen3", "chatml", sharegpt)]
+    for preset, template, mapping in cases:
+        model, tokenizer = _model(preset)
+        tokenizer = get_chat_template(tokenizer, chat_template=template, mapping=mapping)
+        texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+        dataset = Dataset.from_dict({"conversations": conversations, "text": texts})
+        trainer = SFTTrainer(
+            model=model,
+            tokenizer=tokenizer,
+            train_dataset=dataset,
+            dataset_text_field="text",
+            max_seq_length=96,
+            packing=False,
+            args=SFTConfig(**_common(tmp_path)),
+        )
+        for row, text in enumerate(texts):
+            assert (
+                trainer.train_dataset[row]["input_ids"]
+                == tokenizer(text, add_special_tokens=False)["input_ids"]
+            )
+        decoded = tokenizer.decode(trainer.train_dataset[0]["input_ids"])
+        assert "user" in decoded and "human" not in decoded, preset
+        assert dataset.column_names == ["conversations", "text"]  # the caller's rows are unchanged
+    assert texts[0].endswith("<|im_end|>\n") and tokenizer.eos_token == "<|im_end|>"
