@@ -48,7 +48,9 @@ def test_preset_loads_offline_and_trains_with_lora(name):
     assert len(tokenizer) == PRESETS[name].vocab_size == model.config.vocab_size
     # the config names the tokenizer's BOS / EOS / pad (else transformers' Trainer rewrites it at train time)
     for kind in ("bos", "eos", "pad"):
-        expected = preset_eos_ids(name, tokenizer) if kind == "eos" else getattr(tokenizer, f"{kind}_token_id")
+        expected = (
+            preset_eos_ids(name, tokenizer) if kind == "eos" else getattr(tokenizer, f"{kind}_token_id")
+        )
         assert getattr(model.config, f"{kind}_token_id") == expected, kind
         assert getattr(model.generation_config, f"{kind}_token_id") == expected, kind
     model = add_lora(model, r=4, alpha=8)
