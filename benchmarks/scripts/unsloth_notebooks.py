@@ -322,6 +322,20 @@ def _dpo(mod, model, tokenizer, dataset, args):
 BUILDERS = {"llama31-alpaca": _sft_alpaca, "qwen3-chat": _sft_chat, "zephyr-dpo": _dpo}
 
 
+def _perturb_lora_a(model) -> None:
+    """Each LoRA A entry times 1 +- 2^-8 (signs from a fixed seed): one bf16 rounding's worth of difference in
+    the starting point, the same for both systems, so a run beside its perturbed twin shows how far bf16 noise
+    alone moves the curve."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_A" in name:
+                signs = torch.randint(0, 2, weight.shape, generator=generator).to(weight.device) * 2 - 1
+                weight.mul_(1 + signs.to(weight.dtype) * 2**-8)
+
+
 def run_worker(args) -> dict:
     if args.system == "unsloth":
         import unsloth  # noqa: F401 - first, so it patches transformers and TRL before they load
@@ -355,6 +369,8 @@ def run_worker(args) -> dict:
         use_rslora=False,
         loftq_config=None,
     )
+    if args.perturb:
+        _perturb_lora_a(model)
     load_seconds = time.perf_counter() - started
     dataset = load_dataset("json", data_files=args.data, split="train")
     trainer = BUILDERS[args.notebook](mod, model, tokenizer, dataset, args)
@@ -514,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=240, help="seconds per notebook and system")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--remove-weights", action="store_true", help="delete each model folder after use")
+    parser.add_argument(
+        "--perturb", action="store_true", help="LoRA A times 1 +- 2^-8: a bf16-noise twin of the run"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--notebook", help=argparse.SUPPRESS)
@@ -546,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--worker", "--system", system, "--notebook", name, "--model-folder", str(folder),
                 "--data", str(data), "--steps", str(args.steps), "--warmup", str(args.warmup),
                 "--device", args.device, "--scratch", f"{args.scratch}-{name}-{system}",
-            ]  # fmt: skip
+            ] + (["--perturb"] if args.perturb else [])  # fmt: skip
             env = worker_env(system, args.unsloth_path)
             if args.device == "cpu":
                 env["CUDA_VISIBLE_DEVICES"] = ""
