@@ -24,6 +24,8 @@ Configs (`transformers.TrainingArguments` and TRL's ``*Config``):
   (``save_strategy="no"``), as Unsloth's (TRL would write one into ``trainer_output/`` at the end of training);
 - `GRPOConfig`: a ``per_device_train_batch_size`` that is not a multiple of ``num_generations`` becomes
   ``num_generations``, as Unsloth sets it (TRL 1.x refuses it), with a warning;
+- `SFTTrainer`: where no length is given (the config's ``max_length`` at TRL's default), rows are truncated at
+  the ``max_seq_length`` the model was loaded with, as Unsloth's (TRL alone: 1,024 tokens);
 - `SFTTrainer`: a ``formatting_func`` written for batches (it returns a list of texts, Unsloth's and older
   TRL's convention) is applied to batches of the rows before TRL sees them, as Unsloth applies it (TRL 1.x calls
   it on one row);
@@ -301,6 +303,9 @@ def _trainer_kwargs(config_cls, signature, args, kwargs):
     fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
     movable = fields | set(_RENAMED) | set(_REMOVED) | {"warmup_ratio"}
     moved = {name: kwargs.pop(name) for name in list(kwargs) if name not in params and name in movable}
+    if where == "SFTTrainer":
+        model = kwargs.get("model", args[0] if args else None)
+        _max_length_from_model(config_cls, model, kwargs.get("args"), moved)
     bound = signature.bind_partial(
         None, *args, **kwargs
     )  # a wrong argument raises TypeError here, as TRL would
@@ -313,6 +318,20 @@ def _trainer_kwargs(config_cls, signature, args, kwargs):
         return args, kwargs
     arguments["args"] = _with_fields(config_cls, config, config_arguments(config_cls, moved, where=where))
     return (), arguments
+
+
+def _max_length_from_model(config_cls, model, config, moved: dict) -> None:
+    """Unsloth's SFTTrainer truncates at the ``max_seq_length`` the model was loaded with where neither the
+    trainer's arguments nor its config set a length (the config's ``max_length`` left at TRL's default, 1024):
+    the conversational notebooks pass ``max_seq_length`` only to ``from_pretrained``, and TRL alone would cut
+    every row after 1,024 tokens. A length given explicitly is kept as given."""
+    limit = getattr(getattr(model, "fastft_info", None), "max_seq_length", None)
+    default = {f.name: f.default for f in dataclasses.fields(config_cls)}.get("max_length")
+    if limit is None or default is None or {"max_length", "max_seq_length"} & moved.keys():
+        return
+    if config is not None and getattr(config, "max_length", default) != default:
+        return
+    moved["max_length"] = limit
 
 
 def _each_dataset(kwargs: dict, prepare) -> bool:

@@ -538,8 +538,8 @@ def test_moe_gpt_oss_sft_on_the_experts_to_merged(tmp_path):
     from trl import SFTConfig, SFTTrainer
 
     model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name="tiny-gpt-oss", dtype=None, max_seq_length=128, load_in_4bit=True, full_finetuning=False
-    )
+        model_name="tiny-gpt-oss", dtype=None, max_seq_length=1024, load_in_4bit=True, full_finetuning=False
+    )  # the notebook's length: its harmony rows (~240 tokens here) are truncated there, as by Unsloth
     model = _peft(model, r=8, lora_alpha=16)
     experts = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n and "lora" in n}
     assert experts, "gate/up/down put no adapter on the experts"

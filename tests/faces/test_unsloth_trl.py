@@ -566,3 +566,34 @@ def test_sft_text_rows_are_trained_as_given_as_with_unsloth(tmp_path):
         assert "user" in decoded and "human" not in decoded, preset
         assert dataset.column_names == ["conversations", "text"]  # the caller's rows are unchanged
     assert texts[0].endswith("<|im_end|>\n") and tokenizer.eos_token == "<|im_end|>"
+
+
+def test_sft_without_a_length_truncates_at_the_models_max_seq_length_as_with_unsloth(tmp_path):
+    """Qwen3_(4B)-Instruct, Gemma3_(4B) and the other conversational notebooks pass max_seq_length only to
+    from_pretrained; Unsloth's SFTTrainer then truncates at it, TRL alone at its default of 1,024 tokens (found
+    on the H100: the Qwen3 notebook's rows over 1,024 tokens were cut short on fastft only)."""
+    from trl import SFTConfig, SFTTrainer
+
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name="tiny-qwen3", max_seq_length=1536, dtype=None, load_in_4bit=False
+    )
+    model = FastLanguageModel.get_peft_model(model, r=4, target_modules=TARGETS, lora_alpha=4)
+    long_text = " ".join(f"word{i}" for i in range(900))  # about 2,700 tokens
+    assert len(tokenizer(long_text)["input_ids"]) > 1536
+    dataset = Dataset.from_dict({"text": [long_text, "short row"]})
+
+    def trainer(**given):
+        return SFTTrainer(
+            model=model,
+            tokenizer=tokenizer,
+            train_dataset=dataset,
+            args=SFTConfig(**_common(tmp_path), dataset_text_field="text", **given.pop("config", {})),
+            **given,
+        )
+
+    assert SFTConfig().max_length == 1024  # TRL's default, which the drop-in replaces
+    unset = trainer()
+    assert unset.args.max_length == 1536
+    assert len(unset.train_dataset[0]["input_ids"]) == 1536  # TRL alone: 1,024
+    assert trainer(max_seq_length=512).args.max_length == 512  # given explicitly: kept
+    assert trainer(config={"max_length": 300}).args.max_length == 300
