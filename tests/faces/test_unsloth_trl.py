@@ -440,11 +440,26 @@ def test_grpo_notebook_from_vllm_arguments_to_fast_generate(tmp_path, monkeypatc
         model.load_lora("no_such_folder")
 
 
+def _text_sft(model, tokenizer, dataset, tmp_path):
+    """The conversational notebooks' trainer: SFTTrainer over the rendered `text` column, the old top-level
+    arguments."""
+    from trl import SFTConfig, SFTTrainer
+
+    return SFTTrainer(
+        model=model,
+        tokenizer=tokenizer,
+        train_dataset=dataset,
+        dataset_text_field="text",
+        max_seq_length=96,
+        packing=False,
+        args=SFTConfig(**_common(tmp_path)),
+    )
+
+
 def test_sft_text_rendered_with_the_bos_gets_one_bos_as_with_unsloth(tmp_path):
     """Llama 3.x conversational notebooks: the rows are apply_chat_template text, which starts with
     <|begin_of_text|>, and SFTTrainer(dataset_text_field="text") tokenizes them: one BOS, as Unsloth gives (TRL
     alone adds the tokenizer's BOS again); the caller's dataset is left as it was."""
-    from trl import SFTConfig, SFTTrainer
 
     from fastft.unsloth.chat_templates import get_chat_template
 
@@ -456,15 +471,7 @@ def test_sft_text_rendered_with_the_bos_gets_one_bos_as_with_unsloth(tmp_path):
     ]
     dataset = Dataset.from_dict({"text": [tokenizer.apply_chat_template(c, tokenize=False) for c in chats]})
     assert dataset[0]["text"].startswith(tokenizer.bos_token)
-    trainer = SFTTrainer(
-        model=model,
-        tokenizer=tokenizer,
-        train_dataset=dataset,
-        dataset_text_field="text",
-        max_seq_length=96,
-        packing=False,
-        args=SFTConfig(**_common(tmp_path)),
-    )
+    trainer = _text_sft(model, tokenizer, dataset, tmp_path)
     ids = trainer.train_dataset[0]["input_ids"]
     assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
     assert ids == tokenizer(dataset[0]["text"], add_special_tokens=False)["input_ids"][: len(ids)]
@@ -533,7 +540,6 @@ def test_sft_text_rows_are_trained_as_given_as_with_unsloth(tmp_path):
     (Llama3_(8B)-Conversational), or ChatML text ending in `<|im_end|>` and a newline (Qwen, Mistral ChatML,
     Magistral). Unsloth trains the text as it is; TRL 1.x alone trains the conversations (with the roles
     `human` / `gpt` of the mapped template) and appends a second `<|im_end|>` to every ChatML row."""
-    from trl import SFTConfig, SFTTrainer
 
     from fastft.unsloth.chat_templates import get_chat_template
 
@@ -548,15 +554,7 @@ def test_sft_text_rows_are_trained_as_given_as_with_unsloth(tmp_path):
         tokenizer = get_chat_template(tokenizer, chat_template=template, mapping=mapping)
         texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
         dataset = Dataset.from_dict({"conversations": conversations, "text": texts})
-        trainer = SFTTrainer(
-            model=model,
-            tokenizer=tokenizer,
-            train_dataset=dataset,
-            dataset_text_field="text",
-            max_seq_length=96,
-            packing=False,
-            args=SFTConfig(**_common(tmp_path)),
-        )
+        trainer = _text_sft(model, tokenizer, dataset, tmp_path)
         for row, text in enumerate(texts):
             assert (
                 trainer.train_dataset[row]["input_ids"]
