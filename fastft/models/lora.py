@@ -319,11 +319,14 @@ def _save_without_the_hub(peft_model: PeftModel) -> None:
     compare vocabulary sizes: a connection, and two warnings offline. The same answer is made here from what
     is on this machine (`save_embedding_layers`); an explicit True or False goes to PEFT unchanged."""
     if "save_pretrained" not in peft_model.__dict__:
-        object.__setattr__(peft_model, "save_pretrained", types.MethodType(_save_pretrained, peft_model))
+        object.__setattr__(
+            peft_model, "save_pretrained", types.MethodType(save_pretrained_offline, peft_model)
+        )
 
 
-def _save_pretrained(self, *args, **kwargs):
-    """PEFT's ``save_pretrained`` (same arguments), its ``save_embedding_layers="auto"`` answered here."""
+def save_pretrained_offline(self, *args, **kwargs):
+    """PEFT's ``save_pretrained`` (same arguments), its ``save_embedding_layers="auto"`` answered here, without
+    the hub."""
     original = type(self).save_pretrained
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     if bound.arguments.get("save_embedding_layers", "auto") == "auto":

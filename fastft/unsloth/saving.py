@@ -22,6 +22,7 @@ from fastft.export import save_gguf, save_ollama
 from fastft.export.ollama import modelfile
 from fastft.export.writer import K_QUANTS, GGUFExportError, k_quantizer
 from fastft.models.hf_save import save_adapter, save_merged
+from fastft.models.lora import save_pretrained_offline
 
 # Unsloth's quantization_method names → fastft's
 GGUF_METHODS = {
@@ -241,7 +242,12 @@ def save_pretrained(model, save_directory, *args, **kwargs):
     """The model's own ``save_pretrained`` (PEFT's for an adapter), with a warning where the adapter lands beside
     a merged model ``save_pretrained_merged`` wrote into the same folder (Unsloth's notebooks save both into
     ``"model"`` once their ``if False`` saves are switched on)."""
-    result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    if hasattr(
+        model, "peft_config"
+    ):  # a PeftModel: the adapter, no hub lookup of the base (`fastft.models.lora`)
+        result = save_pretrained_offline(model, save_directory, *args, **kwargs)
+    else:
+        result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
     if isinstance(save_directory, (str, os.PathLike)):
         _warn_if_merged_beside_adapter(Path(save_directory), "save_pretrained")
     return result
