@@ -242,9 +242,8 @@ def save_pretrained(model, save_directory, *args, **kwargs):
     """The model's own ``save_pretrained`` (PEFT's for an adapter), with a warning where the adapter lands beside
     a merged model ``save_pretrained_merged`` wrote into the same folder (Unsloth's notebooks save both into
     ``"model"`` once their ``if False`` saves are switched on)."""
-    if hasattr(
-        model, "peft_config"
-    ):  # a PeftModel: the adapter, no hub lookup of the base (`fastft.models.lora`)
+    # a PeftModel's adapter: fastft's save, which never looks the base up on the hub (`fastft.models.lora`)
+    if hasattr(model, "peft_config"):
         result = save_pretrained_offline(model, save_directory, *args, **kwargs)
     else:
         result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
